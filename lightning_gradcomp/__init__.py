@@ -1,0 +1,22 @@
+"""lightning-gradcomp: communication-efficient data-parallel training for PyTorch Lightning.
+
+Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))``.
+"""
+
+from lightning_gradcomp import callbacks, compressors
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.hook import CompressionState, compression_hook
+from lightning_gradcomp.strategy import CompressedDDP
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "BucketContext",
+    "CompressedDDP",
+    "CompressionState",
+    "Compressor",
+    "Layer",
+    "callbacks",
+    "compression_hook",
+    "compressors",
+]

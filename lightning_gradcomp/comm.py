@@ -1,0 +1,315 @@
+"""Collectives for compressed payloads: packing, byte accounting and rank-consistent ordering of rounds.
+
+Every payload goes through a real ``torch.distributed`` collective, asynchronously, and the future chains keep the
+backward pass overlapping with communication.
+
+Why rounds get their own process groups: gloo (and NCCL) match collectives by the order in which each rank issues
+them on a process group. A method with two dependent rounds (PowerSGD's P then Q) issues its second round from a
+future callback, whose timing differs between ranks; if that callback issued on the same group as the next bucket's
+first round, the order would differ between ranks. This is exactly how torch's own ``powerSGD_hook`` aborts under
+gloo on multi-bucket models ("Received data size doesn't match expected size"). Here round ``k`` of every bucket is
+issued on group ``k``, and :meth:`Comm.after` issues round ``k`` of bucket ``i`` only after round ``k`` of bucket
+``i - 1`` was issued, so on every group every rank issues the same sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Literal, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_gradcomp.telemetry import Telemetry
+
+Payload = tuple[Tensor, ...]
+ReduceOpName = Literal["sum", "max"]
+_ALIGN = 8  # bytes; keeps every packed tensor aligned for any dtype up to 8 bytes wide
+
+
+class CollectiveBackend(Protocol):
+    """The asynchronous collectives :class:`Comm` builds on (torch.distributed in training, simulated in tests)."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce(self, tensor: Tensor, round: int, op: ReduceOpName) -> torch.futures.Future[Tensor]:
+        """Reduce ``tensor`` in place across ranks; the future resolves to ``tensor``."""
+
+    def all_gather(self, tensor: Tensor, round: int) -> torch.futures.Future[Tensor]:
+        """Gather ``tensor`` from every rank; the future resolves to a ``(world_size, *tensor.shape)`` tensor."""
+
+    def broadcast(self, tensor: Tensor, src: int, round: int) -> torch.futures.Future[Tensor]:
+        """Broadcast ``tensor`` from rank ``src`` in place; the future resolves to ``tensor``."""
+
+
+# Round groups live here, owned by the main thread, for as long as their base group lives. Collective callbacks run on
+# gloo's worker threads and hold references to the compressor's context; if one of them dropped the last reference to
+# a process group, the group's destructor would join its own worker thread and abort the process ("Resource deadlock
+# avoided"). The registry also lets a re-wrapped DDP model reuse the groups instead of creating new ones.
+_ROUND_GROUPS: dict[int, tuple[dist.ProcessGroup, list[dist.ProcessGroup]]] = {}
+
+
+def _is_alive(group: dist.ProcessGroup) -> bool:
+    try:
+        dist.get_process_group_ranks(group)
+    except (KeyError, RuntimeError, ValueError):
+        return False
+    return True
+
+
+def _round_groups(base: dist.ProcessGroup) -> list[dist.ProcessGroup]:
+    entry = _ROUND_GROUPS.get(id(base))
+    if entry is not None and entry[0] is base:
+        return entry[1]
+    for key, (old_base, _) in list(_ROUND_GROUPS.items()):
+        if not _is_alive(old_base):  # destroyed with destroy_process_group(): release here, on the main thread
+            del _ROUND_GROUPS[key]
+    groups = [base]
+    _ROUND_GROUPS[id(base)] = (base, groups)
+    return groups
+
+
+class TorchCollectives:
+    """:class:`CollectiveBackend` on ``torch.distributed`` process groups, one group per round.
+
+    Round 0 uses ``process_group`` (DDP's own). Later rounds use groups made with :func:`torch.distributed.new_group`
+    over the same ranks; :meth:`ensure_rounds` creates them and, like every ``new_group`` call, must be called by all
+    ranks at the same point of the program.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
+        group = process_group if process_group is not None else dist.group.WORLD
+        self._groups = _round_groups(group)
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+
+    @property
+    def num_rounds(self) -> int:
+        """How many rounds have a process group."""
+        return len(self._groups)
+
+    def ensure_rounds(self, rounds: int) -> None:
+        """Create process groups until ``rounds`` rounds have one (a collective call on every rank)."""
+        ranks = dist.get_process_group_ranks(self._groups[0])
+        while len(self._groups) < rounds:
+            self._groups.append(dist.new_group(ranks=ranks))
+
+    def _group(self, round: int) -> dist.ProcessGroup:
+        if round >= len(self._groups):
+            raise RuntimeError(
+                f"A compressor issued a collective for round {round} but only {len(self._groups)} round(s) have a"
+                " process group; CompressedDDP creates them between steps (call `ensure_rounds` on every rank when"
+                " using the hook without the strategy)."
+            )
+        return self._groups[round]
+
+    def all_reduce(self, tensor: Tensor, round: int, op: ReduceOpName) -> torch.futures.Future[Tensor]:
+        """Start an in-place all-reduce of ``tensor`` on round ``round``'s group."""
+        reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
+        work = dist.all_reduce(tensor, op=reduce_op, group=self._group(round), async_op=True)
+        return work.get_future().then(lambda fut: _value_then(fut, tensor))
+
+    def all_gather(self, tensor: Tensor, round: int) -> torch.futures.Future[Tensor]:
+        """Start an all-gather of ``tensor`` on round ``round``'s group."""
+        # the output is the concatenation along dim 0 (what gloo and NCCL both expect), viewed per rank afterwards
+        out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        work = dist.all_gather_into_tensor(out, tensor.reshape(-1), group=self._group(round), async_op=True)
+        return work.get_future().then(lambda fut: _value_then(fut, out.view(self.world_size, *tensor.shape)))
+
+    def broadcast(self, tensor: Tensor, src: int, round: int) -> torch.futures.Future[Tensor]:
+        """Start an in-place broadcast of ``tensor`` from group rank ``src`` on round ``round``'s group."""
+        group = self._group(round)
+        global_src = dist.get_global_rank(group, src) if group is not dist.group.WORLD else src
+        work = dist.broadcast(tensor, src=global_src, group=group, async_op=True)
+        return work.get_future().then(lambda fut: _value_then(fut, tensor))
+
+
+def _value_then(fut: torch.futures.Future, result: Tensor) -> Tensor:
+    fut.value()  # re-raises a failed collective instead of handing on stale memory
+    return result
+
+
+class Comm:
+    """The collectives a compressor uses: packed payloads, bytes counted, later rounds ordered.
+
+    Args:
+        backend: where the collectives run.
+        telemetry: where bytes and encode/decode times are counted.
+        device: the gradients' device (futures made here carry it, as CUDA futures must).
+    """
+
+    def __init__(self, backend: CollectiveBackend, telemetry: Telemetry, device: torch.device) -> None:
+        self.backend = backend
+        self.telemetry = telemetry
+        self.device = device
+        self._last_issue: dict[int, torch.futures.Future[None]] = {}
+
+    @property
+    def rank(self) -> int:
+        """This process's rank."""
+        return self.backend.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks."""
+        return self.backend.world_size
+
+    def new_future(self) -> torch.futures.Future:
+        """An empty future that carries this device's streams (plain CPU future on CPU)."""
+        if self.device.type == "cuda":
+            return torch.futures.Future(devices=[self.device])
+        return torch.futures.Future()
+
+    def timed(self, phase: Literal["encode", "decode"]):  # noqa: ANN201 (context manager)
+        """Context manager that adds the time spent inside it to ``phase``."""
+        return self.telemetry.timed(phase, self.device)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Collectives
+    # ------------------------------------------------------------------------------------------------------------
+    def all_reduce(
+        self, payload: Sequence[Tensor], round: int = 0, op: ReduceOpName = "sum"
+    ) -> torch.futures.Future[Payload]:
+        """Reduce every tensor of ``payload`` across ranks; one collective per dtype.
+
+        A single tensor is reduced in place (no copy); several tensors of one dtype are packed into one buffer so
+        the whole payload costs one collective. The future resolves to the reduced tensors, shaped as given.
+        """
+        payload = tuple(payload)
+        self.telemetry.add_sent(sum(t.numel() * t.element_size() for t in payload))
+        by_dtype: dict[torch.dtype, list[int]] = {}
+        for i, t in enumerate(payload):
+            by_dtype.setdefault(t.dtype, []).append(i)
+        futures: list[torch.futures.Future] = []
+        unpackers: list[Callable[[Tensor], list[tuple[int, Tensor]]]] = []
+        for positions in by_dtype.values():
+            if len(positions) == 1:
+                i = positions[0]
+                futures.append(self.backend.all_reduce(payload[i], round, op))
+                unpackers.append(lambda buf, i=i: [(i, buf)])
+                continue
+            parts = [payload[i] for i in positions]
+            buffer = torch.cat([p.reshape(-1) for p in parts])
+            futures.append(self.backend.all_reduce(buffer, round, op))
+            unpackers.append(lambda buf, positions=positions, parts=parts: _split_like(buf, positions, parts))
+        if len(futures) == 1:
+            return futures[0].then(lambda fut: _ordered(unpackers[0](fut.value()), len(payload)))
+
+        def unpack_all(fut: torch.futures.Future[list[torch.futures.Future[Tensor]]]) -> Payload:
+            pieces: list[tuple[int, Tensor]] = []
+            for unpack, done in zip(unpackers, fut.value()):
+                pieces.extend(unpack(done.value()))
+            return _ordered(pieces, len(payload))
+
+        return torch.futures.collect_all(futures).then(unpack_all)
+
+    def all_gather(self, payload: Sequence[Tensor], round: int = 0) -> torch.futures.Future[list[Payload]]:
+        """Gather every rank's ``payload`` in one collective (tensors packed byte-wise, 8-byte aligned).
+
+        The future resolves to one payload per rank, in rank order. Payload shapes must agree across ranks.
+        """
+        payload = tuple(payload)
+        if len(payload) == 1:
+            (single,) = payload
+            self.telemetry.add_sent(single.numel() * single.element_size())
+            return self.backend.all_gather(single, round).then(lambda fut: [(row,) for row in fut.value()])
+        buffer, layout = _pack_bytes(payload)
+        self.telemetry.add_sent(buffer.numel())
+        return self.backend.all_gather(buffer, round).then(
+            lambda fut: [_unpack_bytes(row, layout) for row in fut.value()]
+        )
+
+    def broadcast(self, payload: Sequence[Tensor], src: int, round: int = 0) -> torch.futures.Future[Payload]:
+        """Broadcast ``payload`` from rank ``src`` in one collective; only ``src`` counts the bytes as sent."""
+        payload = tuple(payload)
+        buffer, layout = _pack_bytes(payload)
+        if self.rank == src:
+            self.telemetry.add_sent(buffer.numel())
+        return self.backend.broadcast(buffer, src, round).then(lambda fut: _unpack_bytes(fut.value(), layout))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Ordered multi-round chains
+    # ------------------------------------------------------------------------------------------------------------
+    def after(
+        self,
+        fut: torch.futures.Future,
+        issue: Callable[[torch.futures.Future], torch.futures.Future],
+        round: int,
+    ) -> torch.futures.Future:
+        """Run ``issue(fut)`` once ``fut`` is done, issuing round ``round`` in bucket order; return its result.
+
+        ``issue`` computes the next round's payload and returns the future of the collective it started. It runs
+        only after the ``issue`` of the previous bucket for the same round has returned, so the collectives of
+        round ``round`` reach its process group in the same order on every rank. Call this from the hook (in bucket
+        order), never from a callback. Errors in ``fut`` or ``issue`` fail the returned future, so DDP raises
+        instead of waiting forever.
+        """
+        result = self.new_future()
+        issued: torch.futures.Future[None] = torch.futures.Future()
+        previous = self._last_issue.get(round)
+        self._last_issue[round] = issued
+        gate = torch.futures.collect_all([fut] if previous is None else [fut, previous])
+
+        def start(_: torch.futures.Future) -> None:
+            try:
+                inner = issue(fut)
+            except BaseException as error:  # noqa: BLE001 (forwarded to the waiting DDP reducer)
+                issued.set_result(None)
+                result.set_exception(error)
+                return
+            issued.set_result(None)
+            inner.then(lambda done: _forward(done, result))
+
+        gate.then(start)
+        return result
+
+
+def _forward(done: torch.futures.Future, result: torch.futures.Future) -> None:
+    try:
+        value = done.value()
+    except BaseException as error:  # noqa: BLE001
+        result.set_exception(error)
+        return
+    result.set_result(value)
+
+
+def _ordered(pieces: list[tuple[int, Tensor]], n: int) -> Payload:
+    out: list[Tensor | None] = [None] * n
+    for i, t in pieces:
+        out[i] = t
+    return tuple(out)  # type: ignore[arg-type]
+
+
+def _split_like(buffer: Tensor, positions: list[int], parts: list[Tensor]) -> list[tuple[int, Tensor]]:
+    pieces, offset = [], 0
+    for i, part in zip(positions, parts):
+        n = part.numel()
+        pieces.append((i, buffer[offset : offset + n].view(part.shape)))
+        offset += n
+    return pieces
+
+
+_Layout = list[tuple[int, int, torch.dtype, torch.Size]]
+
+
+def _pack_bytes(payload: Payload) -> tuple[Tensor, _Layout]:
+    """Pack tensors of any dtypes into one uint8 buffer, each at an 8-byte aligned offset."""
+    layout: _Layout = []
+    total = 0
+    for t in payload:
+        nbytes = t.numel() * t.element_size()
+        layout.append((total, nbytes, t.dtype, t.shape))
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    device = payload[0].device if payload else torch.device("cpu")
+    buffer = torch.zeros(total, dtype=torch.uint8, device=device) if total else torch.empty(0, dtype=torch.uint8)
+    for (offset, nbytes, _, _), t in zip(layout, payload):
+        if nbytes:
+            buffer[offset : offset + nbytes].copy_(t.contiguous().reshape(-1).view(torch.uint8))
+    return buffer, layout
+
+
+def _unpack_bytes(buffer: Tensor, layout: _Layout) -> Payload:
+    """Views of the tensors packed by :func:`_pack_bytes` (no copy)."""
+    return tuple(buffer[offset : offset + nbytes].view(dtype).view(shape) for offset, nbytes, dtype, shape in layout)

@@ -1,0 +1,314 @@
+"""The compressor contract: one small interface that every gradient compression method implements.
+
+A :class:`Compressor` turns one flat gradient tensor (the compressible layers of a DDP bucket, concatenated) into a
+*payload* (a tuple of tensors) and back. The base class owns everything else (error feedback, the collective, the
+averaging and the telemetry), so a method is usually just :meth:`Compressor.compress` and
+:meth:`Compressor.decompress`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from lightning_gradcomp.comm import Comm
+
+Payload = tuple[Tensor, ...]
+Collective = Literal["allreduce", "allgather"]
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    """One round of SplitMix64: a cheap, well-mixed integer hash (Steele et al., 2014)."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(*parts: int) -> int:
+    """Mix integers into one 63-bit seed; the same parts give the same seed on every rank and every run."""
+    h = 0
+    for part in parts:
+        h = _splitmix64(h ^ (part & _MASK64))
+    return h >> 1
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One parameter's gradient inside the flat tensor handed to a compressor.
+
+    Attributes:
+        name: the parameter's name in the module (``"layer1.0.conv1.weight"``).
+        index: the parameter's position in ``module.parameters()``. It is the same on every rank, across DDP's bucket
+            rebuild and across a resume, so per-layer randomness and memory are keyed by it (or by ``name``).
+        shape: the parameter's shape.
+        offset: where the layer starts in the flat tensor handed to the compressor.
+    """
+
+    name: str
+    index: int
+    shape: torch.Size
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the layer."""
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def ndim(self) -> int:
+        """Number of dimensions of the layer."""
+        return len(self.shape)
+
+    def flat(self, tensor: Tensor) -> Tensor:
+        """The layer's elements in ``tensor`` as a 1-D view."""
+        return tensor[self.offset : self.offset + self.numel]
+
+    def view(self, tensor: Tensor) -> Tensor:
+        """The layer's elements in ``tensor`` as a view with the parameter's shape."""
+        return self.flat(tensor).view(self.shape)
+
+    def matrix(self, tensor: Tensor) -> Tensor:
+        """The layer's elements viewed as a matrix ``(shape[0], -1)``, as PowerSGD and torch's hook do."""
+        return self.flat(tensor).view(self.shape[0], -1)
+
+
+def layers_from_shapes(shapes: Sequence[Sequence[int]], names: Sequence[str] | None = None) -> tuple[Layer, ...]:
+    """Build consecutive :class:`Layer` entries for tensors of the given shapes (handy outside DDP and in tests)."""
+    layers = []
+    offset = 0
+    for i, shape in enumerate(shapes):
+        layer = Layer(name=names[i] if names else f"param{i}", index=i, shape=torch.Size(shape), offset=offset)
+        layers.append(layer)
+        offset += layer.numel
+    return tuple(layers)
+
+
+@dataclass(frozen=True)
+class BucketContext:
+    """What a compressor may know about the tensor it compresses.
+
+    Built by the communication hook for every bucket and step. Every field is identical on every rank except
+    ``rank`` and ``residual``, which is what lets compressors draw shared randomness without communicating.
+
+    Attributes:
+        index: DDP's bucket index (changes when DDP rebuilds its buckets after the first step).
+        step: the optimizer step (``trainer.global_step`` under Lightning), the same on every rank.
+        rank: this process's rank in the process group.
+        world_size: the number of processes that average the gradient.
+        layers: the layers in the flat tensor, in order, with offsets into it.
+        dtype: the gradient's dtype; :meth:`Compressor.decompress` returns this dtype.
+        device: the gradient's device.
+        seed: the seed shared by all ranks (``CompressedDDP(seed=...)``).
+        residual: this rank's error-feedback memory for the flat tensor, or ``None`` when error feedback is off.
+        comm: the collectives (with byte accounting and round ordering); ``None`` outside a reduction.
+    """
+
+    index: int
+    step: int
+    rank: int
+    world_size: int
+    layers: tuple[Layer, ...]
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    seed: int = 0
+    residual: Tensor | None = None
+    comm: Comm | None = None
+
+    @property
+    def numel(self) -> int:
+        """Number of elements of the flat tensor (the sum over ``layers``)."""
+        return sum(layer.numel for layer in self.layers)
+
+    def layer_seed(self, layer: Layer, *salt: int, per_rank: bool = False) -> int:
+        """A seed for ``layer`` at this step: shared by all ranks unless ``per_rank``.
+
+        Keyed by the layer's stable ``index`` (not the bucket), so results do not depend on how DDP buckets the
+        parameters; this is what makes a resumed run bitwise equal to an uninterrupted one.
+        """
+        parts = (self.seed, self.step, layer.index, *salt)
+        if per_rank:
+            parts = (*parts, 0x5EED, self.rank)
+        return derive_seed(*parts)
+
+    def generator(
+        self, layer: Layer, *salt: int, per_rank: bool = False, device: str | torch.device = "cpu"
+    ) -> torch.Generator:
+        """A fresh generator seeded with :meth:`layer_seed` (on the CPU by default, so draws match across devices)."""
+        return torch.Generator(device=device).manual_seed(self.layer_seed(layer, *salt, per_rank=per_rank))
+
+
+class Compressor(ABC):
+    """Compress one flat gradient tensor into a small payload and restore it.
+
+    Subclasses implement :meth:`compress` and :meth:`decompress`. :meth:`reduce` runs error feedback, the collective
+    and the averaging, and should almost never be overridden: only methods that need several rounds of communication
+    (PowerSGD) do, and they must issue later rounds through ``ctx.comm.after`` so every rank issues its collectives
+    in the same order.
+
+    Attributes:
+        collective: ``"allreduce"`` if payloads can be summed: ``decompress(sum of payloads)`` is the sum of the
+            decompressed payloads (every rank must then use the same indices or projections). ``"allgather"``
+            otherwise: every rank's payload is gathered, decompressed and averaged locally.
+        unbiased: ``True`` if ``E[decompress(compress(x))] == x`` over the compressor's randomness.
+        rounds: how many dependent rounds of collectives one reduction needs.
+    """
+
+    collective: ClassVar[Collective] = "allgather"
+    unbiased: ClassVar[bool] = False
+    rounds: ClassVar[int] = 1
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The two methods a compressor implements
+    # ----------------------------------------------------------------------------------------------------------
+    @abstractmethod
+    def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
+        """Compress the flat ``tensor`` (laid out as ``ctx.layers``).
+
+        The payload's shapes and dtypes must depend only on ``ctx`` (never on the values), so that every rank sends
+        tensors of the same shape.
+        """
+
+    @abstractmethod
+    def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """Return a flat tensor of ``ctx.numel`` elements and dtype ``ctx.dtype`` from ``payload``.
+
+        ``out``, when given, is a tensor of that size the caller no longer needs; writing the result into it and
+        returning it avoids allocating one per step (it may be the tensor that was compressed).
+        """
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Optional refinements
+    # ----------------------------------------------------------------------------------------------------------
+    def compresses(self, layer: Layer, min_numel: int) -> bool:
+        """Whether ``layer`` is compressed; the rest of the bucket is averaged densely.
+
+        By default 1-D tensors (biases, normalisation weights) and tensors with fewer than ``min_numel`` elements go
+        dense, as in the PowerSGD, DGC and Accordion reference code.
+        """
+        return layer.ndim >= 2 and layer.numel >= min_numel
+
+    @property
+    def default_error_feedback(self) -> bool:
+        """Whether error feedback is on when the strategy is not told: on for biased compressors."""
+        return not self.unbiased
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """Sum the decompressed payloads of all ranks, in rank order (``"allgather"`` compressors only).
+
+        Override when the sum can be formed without one dense tensor per rank (sparse payloads). ``out`` is as in
+        :meth:`decompress`.
+        """
+        # accumulate into zeros: a decompressed payload may be the payload itself, which must not change
+        total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out.zero_()
+        for payload in payloads:
+            total.add_(self.decompress(payload, ctx))
+        return total
+
+    def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
+        """Set ``residual`` to what compression lost: ``tensor - decompress(payload)`` (local reconstruction)."""
+        torch.sub(tensor, self.decompress(payload, ctx), out=residual)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The compressor's own state (beyond error feedback), for checkpoints. Stateless compressors return ``{}``."""
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The template: error feedback, collective, averaging
+    # ----------------------------------------------------------------------------------------------------------
+    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+        """Average ``tensor`` across ranks through this compressor; returns a future of the flat average.
+
+        Steps (the same for every single-round compressor):
+
+        1. error feedback: ``tensor += residual`` (when ``ctx.residual`` is set);
+        2. ``payload = compress(tensor)``; the residual becomes ``tensor - decompress(payload)``;
+        3. ``"allreduce"``: payloads are divided by the world size and summed (dividing first keeps fp16 sums from
+           overflowing, as torch's ``fp16_compress_hook`` does), then decompressed;
+           ``"allgather"``: payloads are gathered, decompressed and averaged in rank order (so every rank computes
+           bitwise the same average).
+
+        ``tensor`` may be modified in place.
+        """
+        comm = _require_comm(ctx)
+        with comm.timed("encode"):
+            if ctx.residual is not None:
+                tensor = tensor.add_(ctx.residual)
+            payload = self.compress(tensor, ctx)
+            if ctx.residual is not None:
+                self.update_residual(ctx.residual, tensor, payload, ctx)
+        if self.collective == "allreduce":
+            for part in payload:
+                if not part.is_floating_point():
+                    raise TypeError(
+                        f"{type(self).__name__} declares collective='allreduce' but its payload has a {part.dtype}"
+                        " tensor; the default reduce() averages by dividing the payload, so integer payloads need"
+                        " their own reduce()."
+                    )
+                part.div_(ctx.world_size)
+
+            def decode_sum(fut: torch.futures.Future[Payload]) -> Tensor:
+                summed = fut.value()
+                with comm.timed("decode"):
+                    return self.decompress(summed, ctx, out=tensor)  # the input is spent: decode into it
+
+            return comm.all_reduce(payload).then(decode_sum)
+
+        def decode_gathered(fut: torch.futures.Future[list[Payload]]) -> Tensor:
+            gathered = fut.value()
+            with comm.timed("decode"):
+                return self.aggregate(gathered, ctx, out=tensor).div_(ctx.world_size)
+
+        return comm.all_gather(payload).then(decode_gathered)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Plumbing
+    # ----------------------------------------------------------------------------------------------------------
+    def hparams(self) -> dict[str, Any]:
+        """The constructor arguments (each compressor stores them under the same names)."""
+        names = [p for p in inspect.signature(type(self).__init__).parameters if p != "self"]
+        return {name: getattr(self, name) for name in names if hasattr(self, name)}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.hparams().items())
+        return f"{type(self).__name__}({args})"
+
+
+def _require_comm(ctx: BucketContext) -> Comm:
+    if ctx.comm is None:
+        raise RuntimeError("Compressor.reduce needs `ctx.comm` (the hook sets it); use compress/decompress directly.")
+    return ctx.comm
+
+
+def check_ratio(ratio: Any, name: str = "ratio") -> float:
+    """Validate a keep-ratio in (0, 1] and return it as a float."""
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
+        raise ValueError(f"Expected `{name}` to be a number in (0, 1] (the fraction of elements kept), got {ratio!r}.")
+    return float(ratio)
+
+
+def check_positive_int(value: Any, name: str) -> int:
+    """Validate an integer >= 1 (bools are refused) and return it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"Expected `{name}` to be an integer >= 1, got {value!r}.")
+    return value
+
+
+def keep_count(numel: int, ratio: float) -> int:
+    """How many of ``numel`` elements a keep-ratio selects: ``max(1, int(numel * ratio))`` (GRACE's rule)."""
+    return max(1, min(numel, int(numel * ratio)))

@@ -1,0 +1,217 @@
+"""Sparsifiers: top-k (largest magnitudes, all-gather) and random-k (shared random indices, all-reduce)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import (
+    BucketContext,
+    Collective,
+    Compressor,
+    Payload,
+    check_ratio,
+    keep_count,
+)
+
+
+def _zeros(ctx: BucketContext, out: Tensor | None) -> Tensor:
+    return torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out.zero_()
+
+
+def _index_dtype(numel: int) -> torch.dtype:
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def topk_indices(magnitudes: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest entries of the 1-D ``magnitudes`` (unsorted).
+
+    On the CPU a full ``torch.topk`` over millions of elements costs tens of milliseconds per layer. Instead, the k-th
+    largest value is bracketed from below with a random sample (the sampled threshold of DGC, Lin et al., 2018),
+    every element strictly above that bound is a candidate, and the exact top-k is taken among the candidates.
+    Whenever at least ``k`` elements exceed the bound, the k-th largest does too, so every element of the true top-k
+    is a candidate and the result is exact; otherwise it falls back to the full ``topk``. The sample is random
+    (from a fixed seed, so runs are reproducible) because a strided one aliases with the structure of convolution
+    gradients (a stride that is a multiple of 9 sees one tap of every 3x3 kernel). On CUDA ``torch.topk`` is used
+    directly: the candidate count is a host sync there.
+    """
+    n = magnitudes.numel()
+    if magnitudes.device.type != "cpu" or n < (1 << 16) or k * 16 > n:
+        return torch.topk(magnitudes, k, sorted=False).indices
+    # a sample holding ~64 elements of the top-k estimates its boundary well enough
+    size = min(n, max(8192, 64 * n // k))
+    generator = torch.Generator().manual_seed(n)
+    sample = magnitudes[torch.randint(0, n, (size,), generator=generator)]
+    # ask the sample for ~1.5x the expected share (plus slack), so the candidates cover k with high probability
+    want = min(size, int(math.ceil(1.5 * k * size / n)) + 8)
+    threshold = torch.topk(sample, want, sorted=False).values.min()
+    candidates = torch.nonzero(magnitudes > threshold).squeeze(1)  # strict: ties at a zero bound stay out
+    if candidates.numel() < k:
+        return torch.topk(magnitudes, k, sorted=False).indices
+    return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+
+
+class TopK(Compressor):
+    """Keep the ``ratio`` largest-magnitude entries of every layer; send values and int32 indices (all-gather).
+
+    Top-k sparsification with error feedback (Aji & Heafield, 2017, "Sparse Communication for Distributed Gradient
+    Descent"; Stich et al., 2018, "Sparsified SGD with Memory"): every compressed layer keeps
+    ``max(1, int(ratio * numel))`` entries; what is not sent stays in the error-feedback residual. Indices differ
+    between ranks, so payloads are all-gathered and each rank sums them in rank order. A payload costs
+    ``k * (4 + 4)`` bytes for fp32 gradients.
+
+    Args:
+        ratio: fraction of each layer's entries sent, in (0, 1].
+
+    Raises:
+        ValueError: If ``ratio`` is not in (0, 1].
+
+    Example::
+
+        >>> from lightning_gradcomp.compressors import TopK
+        >>> TopK(ratio=0.01)
+        TopK(ratio=0.01)
+    """
+
+    collective: ClassVar[Collective] = "allgather"
+    unbiased: ClassVar[bool] = False
+
+    def __init__(self, ratio: float = 0.01) -> None:
+        self.ratio = check_ratio(ratio)
+
+    def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
+        """Values and flat indices of each layer's top-k."""
+        picked = []
+        for layer in ctx.layers:
+            k = keep_count(layer.numel, self.ratio)
+            picked.append(topk_indices(layer.flat(tensor).abs(), k) + layer.offset)
+        indices = torch.cat(picked)
+        return tensor[indices], indices.to(_index_dtype(ctx.numel))
+
+    def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """Scatter the values into zeros."""
+        values, indices = payload
+        out = _zeros(ctx, out)
+        return out.index_copy_(0, indices.long(), values.to(ctx.dtype))
+
+    def aggregate(self, payloads: list[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """Sum every rank's sparse values straight into one dense tensor, in rank order.
+
+        Within one rank the indices are unique, so each ``index_add_`` touches every element at most once and the
+        sum is deterministic (and identical on every rank) even on CUDA.
+        """
+        out = _zeros(ctx, out)
+        for values, indices in payloads:
+            out.index_add_(0, indices.long(), values.to(ctx.dtype))
+        return out
+
+    def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
+        """What was not sent: the tensor with the sent entries zeroed (they were sent exactly)."""
+        residual.copy_(tensor).index_fill_(0, payload[1].long(), 0)
+
+
+class RandomK(Compressor):
+    """Send ``ratio`` of every layer's entries at random indices shared by all ranks (all-reduce).
+
+    Random-k sparsification (Stich et al., 2018, "Sparsified SGD with Memory"; Wangni et al., 2018): every rank
+    draws the same uniformly random ``k``-subset of each layer from the seed shared by all ranks, the step and the
+    layer, so only the values travel and payloads sum: one all-reduce of ``k`` values per layer, no indices.
+
+    With ``rescale=False`` (the default, the memory variant of Stich et al.) the kept values are sent as they are
+    and error feedback carries the rest. With ``rescale=True`` values are scaled by ``numel / k``, which makes the
+    compressor unbiased (error feedback then defaults to off); the variance grows by that factor.
+
+    Args:
+        ratio: fraction of each layer's entries sent, in (0, 1].
+        rescale: scale kept values by ``numel / k`` so the compressor is unbiased.
+
+    Raises:
+        ValueError: If ``ratio`` is not in (0, 1].
+
+    Example::
+
+        >>> from lightning_gradcomp.compressors import RandomK
+        >>> RandomK(ratio=0.01)
+        RandomK(ratio=0.01, rescale=False)
+    """
+
+    collective: ClassVar[Collective] = "allreduce"
+
+    def __init__(self, ratio: float = 0.01, rescale: bool = False) -> None:
+        self.ratio = check_ratio(ratio)
+        if not isinstance(rescale, bool):
+            raise ValueError(f"Expected `rescale` to be a bool, got {rescale!r}.")
+        self.rescale = rescale
+        self._cache: dict[tuple, Tensor] = {}
+
+    @property
+    def unbiased(self) -> bool:  # type: ignore[override]
+        """Unbiased only when rescaled."""
+        return self.rescale
+
+    def indices(self, ctx: BucketContext) -> Tensor:
+        """The flat indices every rank keeps at this step (sorted per layer, int64, on ``ctx.device``)."""
+        key = (ctx.seed, ctx.step, ctx.device, tuple((layer.index, layer.offset, layer.numel) for layer in ctx.layers))
+        cached = self._cache.get(key)
+        if cached is not None:
+            return cached
+        picked = [
+            _uniform_subset(layer.numel, keep_count(layer.numel, self.ratio), ctx.generator(layer)) + layer.offset
+            for layer in ctx.layers
+        ]
+        indices = torch.cat(picked)
+        if ctx.device.type == "cuda":  # drawn on the CPU (the same on every device); copied without a host sync
+            indices = indices.pin_memory().to(ctx.device, non_blocking=True)
+        if len(self._cache) >= 32:  # compress and decompress of one step hit the cache; older steps never do
+            self._cache.clear()
+        self._cache[key] = indices
+        return indices
+
+    def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
+        """The values at the shared indices."""
+        return (tensor[self.indices(ctx)],)
+
+    def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """Scatter the values into zeros (scaled by ``numel / k`` per layer when ``rescale``)."""
+        out = _zeros(ctx, out)
+        out.index_copy_(0, self.indices(ctx), payload[0].to(ctx.dtype))
+        if self.rescale:
+            for layer in ctx.layers:
+                layer.flat(out).mul_(layer.numel / keep_count(layer.numel, self.ratio))
+        return out
+
+    def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
+        """Unscaled: the tensor with the sent entries zeroed; rescaled: the generic ``tensor - decompress``."""
+        if self.rescale:
+            super().update_residual(residual, tensor, payload, ctx)
+        else:
+            residual.copy_(tensor).index_fill_(0, self.indices(ctx), 0)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"ratio": self.ratio, "rescale": self.rescale}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(**state)  # type: ignore[misc]
+
+
+def _uniform_subset(n: int, k: int, generator: torch.Generator) -> Tensor:
+    """A uniformly random ``k``-subset of ``range(n)``, sorted, in O(k log k) (``randperm(n)`` costs O(n)).
+
+    Draw ``m >= k`` indices with replacement and keep the distinct ones: by symmetry, the set of distinct values of
+    i.i.d. uniform draws, given its size, is a uniformly random subset of that size; a uniformly random ``k``-subset
+    of it is then uniform over all ``k``-subsets of ``range(n)``. Deterministic for a given generator state.
+    """
+    if k >= n:
+        return torch.arange(n)
+    if 2 * k > n:
+        return torch.randperm(n, generator=generator)[:k].sort().values
+    m = k + 16 + int(2 * k * k / n)  # covers the expected k^2 / (2n) collisions
+    while True:
+        distinct = torch.unique(torch.randint(0, n, (m,), generator=generator))
+        if distinct.numel() >= k:
+            chosen = torch.randperm(distinct.numel(), generator=generator)[:k]
+            return distinct[chosen].sort().values
+        m *= 2

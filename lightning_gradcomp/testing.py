@@ -1,0 +1,158 @@
+"""Test a compressor without processes: ``n`` simulated ranks in one process, same code path as training.
+
+:class:`SimulatedWorld` implements the collectives :class:`~lightning_gradcomp.comm.Comm` runs on; a collective
+completes when every simulated rank has issued it, and a rank that issues a different collective (or a payload of
+another shape) at the same position raises, as gloo would. :func:`simulate_reduce` runs
+:meth:`Compressor.reduce` for every rank. The project's contract tests use it, and so can tests of your own
+compressor::
+
+    from lightning_gradcomp.testing import simulate_reduce
+    averages = simulate_reduce([MyCompressor(), MyCompressor()], [g0, g1], layers)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.comm import Comm, ReduceOpName
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.telemetry import Telemetry
+
+
+@dataclass
+class _Pending:
+    signature: tuple
+    parts: list[Tensor | None]
+    futures: list[torch.futures.Future | None]
+    issued: int = 0
+    src: int = 0
+
+
+class SimulatedWorld:
+    """``world_size`` ranks in one process; collectives match by issue order per round, like gloo's."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self._next: dict[tuple[int, int], int] = {}
+        self._pending: dict[tuple[int, int], _Pending] = {}
+        self.issued: list[tuple[int, tuple]] = []  # (rank, kind) in issue order, for tests of ordering
+
+    def backend(self, rank: int) -> _SimulatedBackend:
+        """The collectives as seen by ``rank``."""
+        return _SimulatedBackend(self, rank)
+
+    def _issue(self, rank: int, round: int, kind: tuple, tensor: Tensor, src: int = 0) -> torch.futures.Future:
+        seq = self._next.get((rank, round), 0)
+        self._next[(rank, round)] = seq + 1
+        self.issued.append((rank, kind))
+        key = (round, seq)
+        signature = (*kind, tuple(tensor.shape), tensor.dtype)
+        entry = self._pending.setdefault(key, _Pending(signature, [None] * self.world_size, [None] * self.world_size))
+        if entry.signature != signature:
+            raise RuntimeError(
+                f"Collective mismatch on round {round}, position {seq}: rank {rank} issued {signature}, another rank"
+                f" issued {entry.signature} (ranks must issue the same collectives in the same order)."
+            )
+        future: torch.futures.Future = torch.futures.Future()
+        entry.parts[rank] = tensor
+        entry.futures[rank] = future
+        entry.issued += 1
+        entry.src = src
+        if entry.issued == self.world_size:
+            del self._pending[key]
+            self._complete(entry)
+        return future
+
+    def _complete(self, entry: _Pending) -> None:
+        parts = [p for p in entry.parts if p is not None]
+        op = entry.signature[0]
+        if op == "all_reduce":
+            result = parts[0].clone()
+            for part in parts[1:]:
+                result = torch.maximum(result, part) if entry.signature[1] == "max" else result + part
+            for part in parts:
+                part.copy_(result)
+            values: list[Tensor] = parts
+        elif op == "all_gather":
+            stacked = torch.stack(parts)
+            values = [stacked.clone() for _ in parts]
+        else:  # broadcast
+            for part in parts:
+                part.copy_(parts[entry.src])
+            values = parts
+        # completing a future runs its callbacks, which may issue the next round: all values are set first
+        for future, value in zip(entry.futures, values):
+            assert future is not None
+            future.set_result(value)
+
+    def assert_quiescent(self) -> None:
+        """Raise if some collective was issued by only part of the ranks (a hang in a real job)."""
+        if self._pending:
+            raise RuntimeError(f"Collectives issued by only some ranks: {list(self._pending)}")
+
+
+class _SimulatedBackend:
+    def __init__(self, world: SimulatedWorld, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self.world_size = world.world_size
+
+    def all_reduce(self, tensor: Tensor, round: int, op: ReduceOpName) -> torch.futures.Future[Tensor]:
+        return self.world._issue(self.rank, round, ("all_reduce", op), tensor)
+
+    def all_gather(self, tensor: Tensor, round: int) -> torch.futures.Future[Tensor]:
+        return self.world._issue(self.rank, round, ("all_gather",), tensor)
+
+    def broadcast(self, tensor: Tensor, src: int, round: int) -> torch.futures.Future[Tensor]:
+        return self.world._issue(self.rank, round, ("broadcast", src), tensor, src=src)
+
+
+def simulate_reduce(
+    compressors: Sequence[Compressor],
+    tensors: Sequence[Tensor],
+    layers: tuple[Layer, ...],
+    *,
+    step: int = 0,
+    seed: int = 0,
+    residuals: Sequence[Tensor | None] | None = None,
+    index: int = 0,
+    telemetry: Sequence[Telemetry] | None = None,
+) -> list[Tensor]:
+    """Average ``tensors`` (one per rank) through ``compressors`` (one instance per rank, as in training).
+
+    Args:
+        compressors: one compressor per rank (their own state, e.g. PowerSGD's warm-start queries).
+        tensors: each rank's flat gradient, laid out as ``layers``; not modified.
+        layers: the layout of the flat tensors.
+        step: the optimizer step the reduction belongs to.
+        seed: the seed shared by all ranks.
+        residuals: each rank's error-feedback memory (updated in place), or ``None`` for no error feedback.
+        index: the bucket index.
+        telemetry: each rank's counters (fresh ones if ``None``).
+
+    Returns:
+        Every rank's averaged tensor.
+    """
+    world = SimulatedWorld(len(tensors))
+    futures = []
+    for rank, (compressor, tensor) in enumerate(zip(compressors, tensors)):
+        comm = Comm(world.backend(rank), telemetry[rank] if telemetry else Telemetry(), tensor.device)
+        ctx = BucketContext(
+            index=index,
+            step=step,
+            rank=rank,
+            world_size=len(tensors),
+            layers=layers,
+            dtype=tensor.dtype,
+            device=tensor.device,
+            seed=seed,
+            residual=None if residuals is None else residuals[rank],
+            comm=comm,
+        )
+        futures.append(compressor.reduce(tensor.clone(), ctx))
+    world.assert_quiescent()
+    return [future.wait() for future in futures]

@@ -1,0 +1,36 @@
+"""Run a function on several gloo processes and collect what each returns (the torchmetrics/accelerate pattern)."""
+
+import os
+import socket
+import tempfile
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, outdir: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+    finally:
+        dist.destroy_process_group()
+    torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
+
+
+def run_distributed(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; return each rank's result."""
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_entry, args=(world_size, free_port(), fn, args, outdir), nprocs=world_size)
+        return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,119 @@
+"""A small real LightningModule and helpers for two-process Trainer tests (importable by spawned workers)."""
+
+import os
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+def synthetic_classification(n: int = 128, seed: int = 0) -> TensorDataset:
+    """8x8 one-channel images labelled by a fixed random teacher network: learnable, offline, deterministic."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 1, 8, 8, generator=g)
+    teacher = torch.randn(64, 10, generator=g)
+    y = (x.flatten(1) @ teacher).argmax(1)
+    return TensorDataset(x, y)
+
+
+class TinyNet(pl.LightningModule):
+    """Two convolutions with batch norm and two linear layers (~21k parameters)."""
+
+    def __init__(self, lr: float = 0.05, n: int = 128, batch_size: int = 8) -> None:
+        super().__init__()
+        self.lr, self.n, self.batch_size = lr, n, batch_size
+        torch.manual_seed(0)
+        self.net = nn.Sequential(
+            nn.Conv2d(1, 16, 3), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3), nn.ReLU(), nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10),
+        )  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(synthetic_classification(self.n), batch_size=self.batch_size, shuffle=False)
+
+
+class RecordRanks(Callback):
+    """Save what every rank ends with (its parameters, telemetry per step, DDP facts) to ``dirpath/rank{r}.pt``."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+        self.steps: list[dict] = []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        strategy = trainer.strategy
+        telemetry = getattr(getattr(strategy, "compression_state", None), "telemetry", None)
+        last = telemetry.last if telemetry is not None else None
+        self.steps.append(
+            {
+                "global_step": trainer.global_step,
+                "loss": float(outputs["loss"]),
+                "stats": last,
+                "reductions": telemetry.total_steps if telemetry is not None else None,
+                "residuals": sum(
+                    t.abs().sum().item() for t in strategy.compression_state.residuals.state_dict().values()
+                )
+                if telemetry is not None
+                else 0.0,
+            }
+        )
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        ddp = trainer.strategy.model
+        logging_data = ddp._get_ddp_logging_data()
+        state = getattr(trainer.strategy, "compression_state", None)
+        torch.save(
+            {
+                "params": torch.cat([p.detach().flatten() for p in pl_module.parameters()]),
+                "state_dict": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+                "steps": self.steps,
+                "comm_hook": logging_data.get("comm_hook"),
+                "static_graph": bool(ddp.static_graph),
+                "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+                "world_size": trainer.world_size,
+                "total_steps": state.telemetry.total_steps if state is not None else None,
+            },
+            os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
+        )
+
+
+def fit(strategy: Any, dirpath: str, model: pl.LightningModule | None = None, callbacks=(), **trainer_kwargs) -> tuple:
+    """Fit ``TinyNet`` on two CPU processes; return the main-process model, the trainer and every rank's record."""
+    model = model or TinyNet()
+    os.makedirs(dirpath, exist_ok=True)
+    kwargs = {
+        "accelerator": "cpu",
+        "devices": 2,
+        "max_steps": 6,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+    }
+    kwargs.update(trainer_kwargs)
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    from lightning_gradcomp import CompressedDDP
+    from lightning_gradcomp.callbacks import CompressionMonitor
+
+    # the monitor finishes each step's telemetry before the recorder reads it
+    monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
+    trainer = pl.Trainer(strategy=strategy, callbacks=[*callbacks, *monitor, RecordRanks(dirpath)], **kwargs)
+    trainer.fit(model, ckpt_path=ckpt_path)
+    world = trainer.world_size
+    records = [torch.load(os.path.join(dirpath, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return model, trainer, records

@@ -1,0 +1,251 @@
+"""The compressor contract, checked for every compressor (single process, simulated ranks)."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD, RandomK, TopK
+from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
+from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
+
+COMPRESSORS = {
+    "identity": Identity(),
+    "fp16": FP16(),
+    "bf16": BF16(),
+    "topk": TopK(ratio=0.1),
+    "topk-all": TopK(ratio=1.0),
+    "randomk": RandomK(ratio=0.1),
+    "randomk-unbiased": RandomK(ratio=0.3, rescale=True),
+    "powersgd-r1": PowerSGD(rank=1),
+    "powersgd-r2-cold": PowerSGD(rank=2, warm_start=False),
+    "powersgd-r4-qr": PowerSGD(rank=4, min_compression_rate=1.0),
+    "powersgd-batched": PowerSGD(rank=2, batch_same_shape=True),
+    "powersgd-torch-init": PowerSGD(rank=2, init="torch"),
+}
+# a conv weight, two same-shape matrices apart (batching groups them out of layer order), a tall and a wide matrix
+SHAPES = [(16, 4, 3, 3), (48, 64), (96, 24), (48, 64), (24, 96)]
+# half-precision casts round: compare them loosely, everything else tightly
+TOLERANCE = {"fp16": {"rtol": 2e-3, "atol": 1e-3}, "bf16": {"rtol": 2e-2, "atol": 1e-2}}
+# casts sum their payloads in half precision (as torch's hooks do); that rounding is not a compression error, so error
+# feedback does not carry it and it accumulates over the 6 steps of the telescoping test (values of order 1)
+EF_TOLERANCE = {"fp16": {"rtol": 0, "atol": 6 * 4e-3}, "bf16": {"rtol": 0, "atol": 6 * 3e-2}}
+
+
+def _layers(compressor):
+    layers = layers_from_shapes(SHAPES)
+    kept = [layer for layer in layers if compressor.compresses(layer, 0)]
+    assert kept, "the test shapes must exercise the compressor"
+    offset, out = 0, []
+    for layer in kept:
+        out.append(Layer(layer.name, layer.index, layer.shape, offset))
+        offset += layer.numel
+    return tuple(out)
+
+
+def _ctx(layers, dtype=torch.float64, step=0, seed=0, rank=0, world_size=1):
+    return BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=layers, dtype=dtype, seed=seed)
+
+
+def _data(layers, n, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    numel = sum(layer.numel for layer in layers)
+    return [torch.randn(numel, generator=g, dtype=dtype) for _ in range(n)]
+
+
+def _fresh(compressor, n=1):
+    return [copy.deepcopy(compressor) for _ in range(n)]
+
+
+@pytest.fixture(params=list(COMPRESSORS), ids=list(COMPRESSORS))
+def case(request):
+    return request.param, COMPRESSORS[request.param]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_round_trip_keeps_shape_dtype_and_device(case, dtype):
+    _, compressor = case
+    layers = _layers(compressor)
+    (x,) = _data(layers, 1, dtype)
+    ctx = _ctx(layers, dtype)
+    out = copy.deepcopy(compressor).decompress(compressor.compress(x.clone(), ctx), ctx)
+    assert out.shape == x.shape
+    assert out.dtype == dtype
+    assert out.device == x.device
+
+
+def test_decompressing_into_a_spent_buffer_gives_the_same_result(case):
+    """The template decodes into the tensor that was compressed (no allocation per step); results must not change."""
+    _, compressor = case
+    layers = _layers(compressor)
+    xs = _data(layers, 2, seed=9)
+    ctx = _ctx(layers)
+    payloads = [compressor.compress(x.clone(), ctx) for x in xs]
+    expected = compressor.decompress(payloads[0], ctx).clone()
+    buffer = torch.full_like(xs[0], float("nan"))
+    torch.testing.assert_close(compressor.decompress(payloads[0], ctx, out=buffer), expected, rtol=0, atol=0)
+    expected_sum = compressor.aggregate(payloads, ctx).clone()
+    buffer = torch.full_like(xs[0], float("nan"))
+    torch.testing.assert_close(compressor.aggregate(payloads, ctx, out=buffer), expected_sum, rtol=0, atol=0)
+
+
+def test_payload_shapes_depend_only_on_the_layout(case):
+    """Ranks hold different gradients but must hand collectives tensors of the same shapes."""
+    _, compressor = case
+    layers = _layers(compressor)
+    payloads = [
+        copy.deepcopy(compressor).compress(x, _ctx(layers, rank=r, world_size=3))
+        for r, x in enumerate(_data(layers, 3, seed=1))
+    ]
+    signatures = {tuple((tuple(p.shape), p.dtype) for p in payload) for payload in payloads}
+    assert len(signatures) == 1
+
+
+def test_allreduce_payloads_are_linear(case):
+    """For single-round all-reduce compressors, decompress(sum of payloads) == sum of decompressed payloads."""
+    name, compressor = case
+    if compressor.collective != "allreduce" or compressor.rounds != 1:
+        pytest.skip("not a single-round all-reduce compressor")
+    layers = _layers(compressor)
+    ctx = _ctx(layers)
+    p1, p2 = (compressor.compress(x, ctx) for x in _data(layers, 2, seed=2))
+    summed = tuple(a + b for a, b in zip(p1, p2))
+    torch.testing.assert_close(
+        compressor.decompress(summed, ctx),
+        compressor.decompress(p1, ctx) + compressor.decompress(p2, ctx),
+        **TOLERANCE.get(name, {"rtol": 1e-12, "atol": 1e-12}),
+    )
+
+
+def test_reduction_is_the_collective_it_declares(case):
+    """All-reduce: the average over ranks equals compressing the average gradient (linearity through shared
+    randomness; this is PowerSGD's all-reduce compatibility too). All-gather: the average of each rank's
+    decompressed payload."""
+    name, compressor = case
+    layers = _layers(compressor)
+    xs = _data(layers, 2, seed=3)
+    outs = simulate_reduce(_fresh(compressor, 2), xs, layers, step=5, seed=7)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # every rank holds the same average
+    if compressor.collective == "allreduce":
+        (expected,) = simulate_reduce(_fresh(compressor), [(xs[0] + xs[1]) / 2], layers, step=5, seed=7)
+    else:
+        locals_ = [
+            c.decompress(c.compress(x.clone(), _ctx(layers, step=5, seed=7, rank=r, world_size=2)), _ctx(layers))
+            for r, (c, x) in enumerate(zip(_fresh(compressor, 2), xs))
+        ]
+        expected = (locals_[0] + locals_[1]) / 2
+    torch.testing.assert_close(outs[0], expected, **TOLERANCE.get(name, {"rtol": 1e-10, "atol": 1e-10}))
+
+
+def test_unbiased_compressors_are_unbiased(case):
+    name, compressor = case
+    if not compressor.unbiased:
+        pytest.skip("biased compressor")
+    layers = _layers(compressor)
+    (x,) = _data(layers, 1, seed=4)
+    samples = torch.stack(
+        [compressor.decompress(compressor.compress(x, _ctx(layers, step=s)), _ctx(layers, step=s)) for s in range(400)]
+    )
+    mean, std_err = samples.mean(0), samples.std(0) / 400**0.5
+    # every coordinate's sample mean lies within 5 standard errors (deterministic compressors: exactly x)
+    assert torch.all((mean - x).abs() <= 5 * std_err + 1e-12), name
+
+
+def test_error_feedback_telescopes(case):
+    """With error feedback, what was applied plus what is still owed equals what was computed.
+
+    Over T steps in a world of two ranks: sum_t average_t + mean_r residual_r == mean_r sum_t gradient_{r,t}, for
+    local-reconstruction error feedback (top-k, random-k) and global-reconstruction error feedback (PowerSGD) alike.
+    """
+    name, compressor = case
+    layers = _layers(compressor)
+    compressors = _fresh(compressor, 2)
+    numel = sum(layer.numel for layer in layers)
+    residuals = [torch.zeros(numel, dtype=torch.float64) for _ in range(2)]
+    applied = torch.zeros(numel, dtype=torch.float64)
+    computed = torch.zeros(numel, dtype=torch.float64)
+    for step in range(6):
+        grads = _data(layers, 2, seed=100 + step)
+        applied += simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)[0]
+        computed += (grads[0] + grads[1]) / 2
+    owed = (residuals[0] + residuals[1]) / 2
+    torch.testing.assert_close(applied + owed, computed, **EF_TOLERANCE.get(name, {"rtol": 1e-10, "atol": 1e-10}))
+    if name not in ("identity", "topk-all"):
+        assert owed.abs().sum() > 0, "a lossy compressor must leave something owed"
+
+
+def test_compressors_pickle(case):
+    name, compressor = case
+    layers = _layers(compressor)
+    copy_ = pickle.loads(pickle.dumps(compressor))
+    assert repr(copy_) == repr(compressor)
+    (x,) = _data(layers, 1, seed=5)
+    ctx = _ctx(layers, step=3)
+    for a, b in zip(compressor.compress(x.clone(), ctx), copy_.compress(x.clone(), ctx)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_state_dict_round_trip_resumes_exactly(case):
+    """After a few steps, a fresh compressor loaded from state_dict() continues exactly like the original."""
+    _, compressor = case
+    layers = _layers(compressor)
+    original = _fresh(compressor, 2)
+    for step in range(3):
+        simulate_reduce(original, _data(layers, 2, seed=200 + step), layers, step=step)
+    restored = _fresh(compressor, 2)
+    for r in range(2):
+        restored[r].load_state_dict(pickle.loads(pickle.dumps(original[r].state_dict())))
+    grads = _data(layers, 2, seed=300)
+    expected = simulate_reduce(original, grads, layers, step=3)
+    got = simulate_reduce(restored, grads, layers, step=3)
+    torch.testing.assert_close(got[0], expected[0], rtol=0, atol=0)
+
+
+def test_telemetry_counts_the_payload_bytes(case):
+    """The bytes counted are the bytes of the tensors handed to the collectives, every round included."""
+    _, compressor = case
+    from lightning_gradcomp.telemetry import Telemetry
+
+    layers = _layers(compressor)
+    xs = _data(layers, 2, dtype=torch.float32, seed=6)
+    telemetry = [Telemetry(), Telemetry()]
+    for t in telemetry:
+        t.add_bucket(xs[0].numel() * 4)
+    simulate_reduce(_fresh(compressor, 2), xs, layers, telemetry=telemetry)
+    stats = telemetry[0].pop_step()
+    payload = compressor.compress(xs[0].clone(), _ctx(layers, dtype=torch.float32))
+    nbytes = [p.numel() * p.element_size() for p in payload]
+    if compressor.collective == "allgather" and len(payload) > 1:
+        nbytes = [-(-n // 8) * 8 for n in nbytes]  # packed at 8-byte aligned offsets
+    assert stats.bytes_sent == sum(nbytes)
+    assert stats.bytes_dense == xs[0].numel() * 4
+
+
+def test_collective_mismatch_is_detected():
+    """The simulated world refuses ranks that issue different collectives at one position, like gloo does."""
+    world = SimulatedWorld(2)
+    world.backend(0).all_reduce(torch.zeros(3), 0, "sum")
+    with pytest.raises(RuntimeError, match="Collective mismatch"):
+        world.backend(1).all_reduce(torch.zeros(4), 0, "sum")
+
+
+@pytest.mark.parametrize(
+    ("factory", "match"),
+    [
+        (lambda: TopK(ratio=0), "ratio"),
+        (lambda: TopK(ratio=1.5), "ratio"),
+        (lambda: TopK(ratio="0.1"), "ratio"),
+        (lambda: TopK(ratio=True), "ratio"),
+        (lambda: RandomK(ratio=-0.1), "ratio"),
+        (lambda: RandomK(ratio=0.1, rescale="yes"), "rescale"),
+        (lambda: PowerSGD(rank=0), "rank"),
+        (lambda: PowerSGD(rank=1.5), "rank"),
+        (lambda: PowerSGD(rank=True), "rank"),
+        (lambda: PowerSGD(rank=2, min_compression_rate=-1), "min_compression_rate"),
+        (lambda: PowerSGD(rank=2, init="svd"), "init"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_argument_named(factory, match):
+    with pytest.raises(ValueError, match=f"`{match}`"):
+        factory()

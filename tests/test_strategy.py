@@ -1,0 +1,183 @@
+"""CompressedDDP inside Lightning's Trainer: two CPU processes on gloo."""
+
+import math
+
+import pytest
+import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+from lightning_gradcomp import CompressedDDP, compression_hook
+from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD, RandomK, TopK
+from lightning_gradcomp.compressors.base import keep_count
+from tests.models import TinyNet, fit, synthetic_classification
+
+SPAWN = {"start_method": "spawn"}
+
+
+def _same_weights(a, b):
+    return all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("accumulate", [1, 2], ids=["plain", "accumulate2"])
+def test_identity_is_bitwise_plain_ddp(tmp_path, accumulate):
+    """Identity gives exactly DDPStrategy's weights, also with gradient accumulation (hook only on the sync step)."""
+    kwargs = {"max_steps": 6, "accumulate_grad_batches": accumulate}
+    dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), **kwargs)
+    ours, _, our_ranks = fit(CompressedDDP(Identity(), **SPAWN), str(tmp_path / "ours"), **kwargs)
+    assert _same_weights(dense.state_dict(), ours.state_dict())
+    for d, o in zip(dense_ranks, our_ranks):
+        assert torch.equal(d["params"], o["params"])
+    # one reduction per optimizer step, on the micro-batch that synchronises, never on the others
+    assert our_ranks[0]["total_steps"] == 6
+    reductions = [s["reductions"] for s in our_ranks[0]["steps"]]
+    assert reductions == [(i + 1) // accumulate for i in range(6 * accumulate)]
+
+
+def _dataset_loss(model):
+    x, y = synthetic_classification(model.n).tensors
+    with torch.no_grad():
+        return torch.nn.functional.cross_entropy(model.train()(x), y).item()
+
+
+def _dense_bytes(model):
+    return sum(p.numel() for p in model.parameters()) * 4
+
+
+def _expected_bytes(model, compressor, min_numel):
+    """Payload bytes per step, from the formulas in docs/compressors.md (one bucket: the model is < 1 MB)."""
+    layers = [(p.shape, p.numel()) for p in model.parameters()]
+    from lightning_gradcomp.compressors.base import Layer
+
+    compressed = [(s, n) for i, (s, n) in enumerate(layers) if compressor.compresses(Layer("", i, s), min_numel)]
+    dense = sum(n for _, n in layers) - sum(n for _, n in compressed)
+    if isinstance(compressor, Identity):
+        return _dense_bytes(model)
+    if isinstance(compressor, (FP16, BF16)):
+        return sum(n for _, n in layers) * 2
+    if isinstance(compressor, TopK):
+        k = sum(keep_count(n, compressor.ratio) for _, n in compressed)
+        return dense * 4 + 2 * math.ceil(4 * k / 8) * 8  # values and int32 indices, each 8-byte aligned
+    if isinstance(compressor, RandomK):
+        return dense * 4 + 4 * sum(keep_count(n, compressor.ratio) for _, n in compressed)
+    if isinstance(compressor, PowerSGD):
+        return dense * 4 + 4 * sum((s[0] + n // s[0]) * min(s[0], n // s[0], compressor.rank) for s, n in compressed)
+    raise AssertionError(compressor)
+
+
+COMPRESSORS = {
+    "identity": Identity(),
+    "fp16": FP16(),
+    "bf16": BF16(),
+    "topk": TopK(ratio=0.05),
+    "randomk": RandomK(ratio=0.1),
+    "powersgd": PowerSGD(rank=2),
+}
+
+
+@pytest.mark.parametrize("name", list(COMPRESSORS))
+def test_every_compressor_trains_with_identical_replicas_and_logs_true_bytes(tmp_path, name):
+    compressor = COMPRESSORS[name]
+    strategy = CompressedDDP(compressor, min_compress_numel=64, **SPAWN)
+    model, trainer, ranks = fit(strategy, str(tmp_path), max_steps=8)
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"]), "replicas diverged"
+    assert ranks[0]["comm_hook"] == compression_hook.__qualname__  # registered on CPU/gloo too
+    assert _dataset_loss(model) < _dataset_loss(TinyNet()), "training must make progress"
+    expected = _expected_bytes(TinyNet(), compressor, 64)
+    for rank in ranks:
+        for step in rank["steps"]:
+            assert step["stats"].bytes_sent == expected
+            assert step["stats"].bytes_dense == _dense_bytes(TinyNet())
+    metrics = trainer.callback_metrics
+    assert metrics["gradcomp/bytes_sent"].item() == expected
+    assert metrics["gradcomp/compression_ratio"].item() == pytest.approx(_dense_bytes(TinyNet()) / expected)
+    assert metrics["gradcomp/encode_ms"].item() >= 0
+    assert "gradcomp/decode_ms" in metrics
+
+
+def test_static_graph_and_bucket_views_pass_through(tmp_path):
+    kwargs = {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.01}
+    dense, _, _ = fit(DDPStrategy(**kwargs, **SPAWN), str(tmp_path / "dense"))
+    ours, _, ranks = fit(CompressedDDP(Identity(), **kwargs, **SPAWN), str(tmp_path / "ours"))
+    assert _same_weights(dense.state_dict(), ours.state_dict())
+    assert ranks[0]["static_graph"]
+    assert ranks[0]["gradient_as_bucket_view"]
+    _, _, ranks = fit(CompressedDDP(PowerSGD(rank=2), min_compress_numel=64, **kwargs, **SPAWN), str(tmp_path / "p"))
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+    assert all(s["stats"].compression_ratio > 1 for s in ranks[0]["steps"])
+
+
+class _SwitchAt(Callback):
+    """Between steps, on every rank, what callbacks will do: TopK at steps 2-3, Identity at 4-5, TopK at 6, then off."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        step = trainer.global_step
+        if step in (2, 6):
+            trainer.strategy.compressor = TopK(ratio=0.05)
+        if step == 4:
+            trainer.strategy.compressor = Identity()
+        if step == 7:
+            trainer.strategy.compression_enabled = False
+
+
+def test_compressor_and_switch_can_change_between_steps(tmp_path):
+    strategy = CompressedDDP(Identity(), min_compress_numel=64, **SPAWN)
+    _, _, ranks = fit(strategy, str(tmp_path), callbacks=[_SwitchAt()], max_steps=8)
+    for rank in ranks:
+        ratios = [round(s["stats"].compression_ratio, 3) for s in rank["steps"]]
+        assert ratios[:2] == [1.0, 1.0]
+        assert all(r > 2 for r in ratios[2:4])
+        assert ratios[4:6] == [1.0, 1.0]
+        assert ratios[6] > 2
+        assert ratios[7] == 1.0
+        owed = [s["residuals"] for s in rank["steps"]]
+        assert all(o > 0 for o in owed[2:4]), "top-k leaves an error-feedback residual"
+        assert owed[4] == 0, "a compressor without error feedback pays the residual it inherits"
+        assert owed[6] > 0
+        assert owed[7] == 0, "switching compression off pays the residual into the dense step"
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ddp_comm_hook": allreduce_hook}, "ddp_comm_hook"),
+        ({"ddp_comm_state": object()}, "ddp_comm_state"),
+        ({"ddp_comm_wrapper": lambda h: h}, "ddp_comm_wrapper"),
+        ({"model_averaging_period": 4}, "model_averaging_period"),
+        ({"compressor": "powersgd"}, "compressor"),
+        ({"compressor": PowerSGD}, "compressor"),
+        ({"error_feedback": "yes"}, "error_feedback"),
+        ({"min_compress_numel": -1}, "min_compress_numel"),
+        ({"seed": 1.5}, "seed"),
+    ],
+)
+def test_bad_strategy_arguments_fail_before_training_naming_the_argument(kwargs, match):
+    with pytest.raises(MisconfigurationException, match=f"`{match}`"):
+        CompressedDDP(**kwargs)
+
+
+def test_switch_setters_validate():
+    strategy = CompressedDDP()
+    with pytest.raises(MisconfigurationException, match="`compressor`"):
+        strategy.compressor = "topk"
+    with pytest.raises(ValueError, match="`compression_enabled`"):
+        strategy.compression_enabled = "no"
+
+
+def test_ddp_arguments_pass_through():
+    strategy = CompressedDDP(
+        TopK(0.01), static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=5,
+        process_group_backend="gloo", start_method="spawn", find_unused_parameters=False,
+    )  # fmt: skip
+    assert strategy._ddp_kwargs == {
+        "static_graph": True,
+        "gradient_as_bucket_view": True,
+        "bucket_cap_mb": 5,
+        "find_unused_parameters": False,
+    }
+    assert strategy.process_group_backend == "gloo"
+    assert strategy._start_method == "spawn"
+    assert isinstance(strategy.compressor, TopK)
