@@ -1,0 +1,273 @@
+"""Step time and bytes per step of DDP gradient compression on CPU workers (a benchmark, not a test).
+
+Trains torchvision's ResNet-18 (11.2M parameters, 10 classes, 32x32 inputs) with N gloo workers on random data and
+reports, per configuration, the median step time (forward + backward + communication + optimizer step), the
+backward+communication time, each rank's payload bytes per step with the analytical payload size next to it, and the
+encode+decode time of the compressor. Configurations:
+
+* ``ddp``: plain DDP (torch's built-in all-reduce);
+* ``compute``: DDP with torch's ``noop_hook`` (no communication at all: the compute-only floor);
+* ``identity``, ``fp16``, ``topk``, ``powersgd``, ...: lightning-gradcomp's hook with that compressor;
+* ``torch-powersgd``: raw torch DDP with torch's ``powerSGD_hook`` at the same rank.
+
+Examples::
+
+    python benchmarks/step_time.py                        # loopback at full speed
+    python benchmarks/step_time.py --rate 100mbit         # loopback limited to 100 Mbit/s (needs root)
+    python benchmarks/step_time.py --configs ddp identity --steps 20
+
+``--rate`` runs the workers inside a fresh network namespace whose loopback is shaped with ``tc tbf``; the
+namespace is deleted afterwards, also on failure. Every worker's traffic crosses that one link.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torchvision
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
+from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD, RandomK, TopK  # noqa: E402
+from lightning_gradcomp.compressors.base import Layer, keep_count  # noqa: E402
+
+RANK = 2
+COMPRESSORS = {
+    "identity": lambda: Identity(),
+    "fp16": lambda: FP16(),
+    "bf16": lambda: BF16(),
+    "topk": lambda: TopK(ratio=0.01),
+    "randomk": lambda: RandomK(ratio=0.01),
+    "powersgd": lambda: PowerSGD(rank=RANK),
+}
+DEFAULT_CONFIGS = ["ddp", "compute", "identity", "fp16", "topk", "powersgd", "torch-powersgd"]
+MIN_COMPRESS_NUMEL = 1024  # CompressedDDP's default
+
+
+def build_model() -> nn.Module:
+    torch.manual_seed(0)
+    return torchvision.models.resnet18(num_classes=10)
+
+
+def analytical_bytes(model: nn.Module, config: str) -> int:
+    """Payload bytes per step and rank from the formulas in docs/benchmarks.md (plain DDP: every gradient, fp32)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dense = sum(p.numel() for p in params) * 4
+    if config in ("ddp", "identity"):
+        return dense
+    if config == "compute":
+        return 0
+    if config in ("fp16", "bf16"):
+        return dense // 2
+    if config == "torch-powersgd":
+        total = 0
+        for p in params:  # torch's rule: any tensor whose (rows + cols) r * 2 < rows * cols, 1-D ones never
+            rows, cols = p.shape[0], p.numel() // p.shape[0]
+            r = min(rows, cols, RANK)
+            total += (rows + cols) * r * 4 if (rows + cols) * r * 2 < rows * cols else p.numel() * 4
+        return total
+    compressor = COMPRESSORS[config]()
+    total = 0
+    for i, p in enumerate(params):
+        layer = Layer(str(i), i, p.shape)
+        if not compressor.compresses(layer, MIN_COMPRESS_NUMEL):
+            total += p.numel() * 4
+        elif isinstance(compressor, TopK):
+            total += keep_count(p.numel(), compressor.ratio) * 8  # fp32 value + int32 index
+        elif isinstance(compressor, RandomK):
+            total += keep_count(p.numel(), compressor.ratio) * 4
+        elif isinstance(compressor, PowerSGD):
+            rows, cols = p.shape[0], p.numel() // p.shape[0]
+            total += (rows + cols) * min(rows, cols, compressor.rank) * 4
+    return total
+
+
+def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Namespace, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(args.threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    model = build_model()
+    bucket_mb = args.torch_bucket_mb if config == "torch-powersgd" else args.bucket_mb
+    ddp = DDP(model, bucket_cap_mb=bucket_mb)
+    state = None
+    warmup = args.warmup
+    if config == "compute":
+        ddp.register_comm_hook(None, noop_hook)
+    elif config == "torch-powersgd":
+        # torch's hook needs start_powerSGD_iter >= 2 (dense steps); they fall within the warm-up
+        warmup = max(warmup, 2)
+        ddp.register_comm_hook(
+            PowerSGDState(process_group=None, matrix_approximation_rank=RANK, start_powerSGD_iter=2), powerSGD_hook
+        )
+    elif config != "ddp":
+        state = CompressionState(COMPRESSORS[config](), min_compress_numel=MIN_COMPRESS_NUMEL)
+        state.attach(ddp)
+        ddp.register_comm_hook(state, compression_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(args.batch_size, 3, 32, 32, generator=g)
+    y = torch.randint(0, 10, (args.batch_size,), generator=g)
+    steps, backwards, sent, codec = [], [], [], []
+    for step in range(warmup + args.steps):
+        dist.barrier()  # start every step together, so one rank's slow step is not charged to the next
+        begin = time.perf_counter()
+        loss = nn.functional.cross_entropy(ddp(x), y)
+        mid = time.perf_counter()
+        loss.backward()  # returns once every bucket's communication has finished
+        end_backward = time.perf_counter()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        end = time.perf_counter()
+        stats = state.telemetry.pop_step() if state is not None else None
+        if step >= warmup:
+            steps.append(end - begin)
+            backwards.append(end_backward - mid)
+            if stats is not None:
+                sent.append(stats.bytes_sent)
+                codec.append(stats.encode_ms + stats.decode_ms)
+    result = {
+        "config": config,
+        "step_s": statistics.median(steps),
+        "step_s_all": steps,
+        "backward_comm_s": statistics.median(backwards),
+        "bytes_sent": statistics.median(sent) if sent else analytical_bytes(model, config),
+        "bytes_measured": bool(sent),
+        "bytes_analytical": analytical_bytes(model, config),
+        "codec_ms": statistics.median(codec) if codec else 0.0,
+    }
+    torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run_config(config: str, args: argparse.Namespace) -> dict:
+    with tempfile.TemporaryDirectory() as out:
+        port = 29500 + (os.getpid() + hash(config)) % 2000
+        try:
+            mp.spawn(worker, args=(args.workers, port, config, args, out), nprocs=args.workers)
+        except Exception as error:  # report a configuration that fails (torch's hook under gloo) and go on
+            return {"config": config, "error": str(error).strip().splitlines()[-1][:200]}
+        return torch.load(os.path.join(out, "rank0.pt"), weights_only=False)
+
+
+def _median_over_rounds(config: str, rounds: list[dict]) -> dict:
+    ok = [r for r in rounds if "error" not in r]
+    if not ok:
+        return rounds[0]
+    merged = dict(ok[0])
+    for key in ("step_s", "backward_comm_s", "codec_ms"):
+        merged[key] = statistics.median(r[key] for r in ok)
+    merged["step_s_rounds"] = [r["step_s"] for r in ok]
+    merged["failed_rounds"] = len(rounds) - len(ok)
+    return merged
+
+
+def table(results: list[dict], args: argparse.Namespace) -> str:
+    by_name = {r["config"]: r for r in results}
+    ddp = by_name.get("ddp", {}).get("step_s")
+    lines = [
+        f"ResNet-18 (11.2M parameters), {args.workers} CPU workers x {args.threads} thread, batch {args.batch_size}"
+        f" per worker, link: {args.rate or 'loopback, unshaped'}; median of {args.steps} steps after"
+        f" {args.warmup} warm-up steps, median over {args.rounds} interleaved round(s);"
+        f" DDP buckets {args.bucket_mb:g} MB (torch-powersgd: {args.torch_bucket_mb:g} MB)",
+        "",
+        "| configuration | step time (s) | vs plain DDP | backward + comm (s) | bytes sent per step"
+        " | analytical bytes | encode+decode (ms) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['config']} | failed: {r['error']} | | | | | |")
+            continue
+        rel = f"{r['step_s'] / ddp:.2f}x" if ddp else ""
+        measured = f"{r['bytes_sent']:,.0f}" if r["bytes_measured"] else f"({r['bytes_sent']:,.0f})"
+        lines.append(
+            f"| {r['config']} | {r['step_s']:.3f} | {rel} | {r['backward_comm_s']:.3f} | {measured} |"
+            f" {r['bytes_analytical']:,} | {r['codec_ms']:.1f} |"
+            + (f" ({r['failed_rounds']} round(s) failed)" if r.get("failed_rounds") else "")
+        )
+    lines.append("")
+    lines.append("Bytes in parentheses are analytical (plain DDP and torch's hooks have no byte counter).")
+    return "\n".join(lines)
+
+
+@contextmanager
+def shaped_namespace(rate: str):
+    """A network namespace whose loopback is limited to ``rate``; deleted on exit, also after a failure."""
+    name = f"gradcomp-bench-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(
+            ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
+             "burst", "256kb", "latency", "50ms"],
+            check=True,
+        )  # fmt: skip
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
+                        choices=["ddp", "compute", "torch-powersgd", *COMPRESSORS])  # fmt: skip
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket cap for our hook and plain DDP")
+    parser.add_argument(
+        "--torch-bucket-mb",
+        type=float,
+        default=500.0,
+        help="bucket cap for torch's powerSGD_hook (it aborts under gloo with several buckets)",
+    )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run every configuration this many times, interleaved; report the median over rounds",
+    )
+    parser.add_argument("--rate", default=None, help="shape loopback to this tc rate, e.g. 100mbit (needs root)")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+
+    if args.rate and not args.inside_namespace:
+        with shaped_namespace(args.rate) as name:
+            command = ["ip", "netns", "exec", name, sys.executable, *sys.argv, "--inside-namespace"]
+            sys.exit(subprocess.run(command, check=False).returncode)
+
+    runs: dict[str, list[dict]] = {config: [] for config in args.configs}
+    for round_ in range(args.rounds):  # interleaved, so slow drifts of the machine hit every configuration alike
+        for config in args.configs:
+            begin = time.time()
+            runs[config].append(run_config(config, args))
+            print(f"# round {round_ + 1}, {config}: {time.time() - begin:.0f} s", file=sys.stderr, flush=True)
+    results = [_median_over_rounds(config, rounds) for config, rounds in runs.items()]
+    print(table(results, args))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()
