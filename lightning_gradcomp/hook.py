@@ -36,7 +36,7 @@ class _BucketPlan:
     """How one bucket layout is split between the compressor and the dense all-reduce (cached per layout)."""
 
     signature: tuple[int, ...]
-    compressor_id: int
+    compressor_key: tuple
     compressed: tuple[Layer, ...]  # offsets into the gathered compressed tensor
     dense: tuple[Layer, ...]  # offsets into the gathered dense tensor
     every: tuple[Layer, ...]  # offsets into the bucket buffer
@@ -191,11 +191,11 @@ class CompressionState:
     # Bucket plans
     # ------------------------------------------------------------------------------------------------------------
     def plan(self, bucket: dist.GradBucket, compressor: Compressor) -> _BucketPlan:
-        """The cached split of ``bucket``; rebuilt when DDP re-buckets or the compressor changes."""
+        """The cached split of ``bucket``; rebuilt when DDP re-buckets, the compressor or its levels change."""
         params = bucket.parameters()
         signature = tuple(map(id, params))
         cached = self._plans.get(bucket.index())
-        if cached is not None and cached.signature == signature and cached.compressor_id == id(compressor):
+        if cached is not None and cached.signature == signature and cached.compressor_key == compressor.plan_key():
             return cached
         plan = self._make_plan(signature, params, bucket.buffer().numel(), compressor)
         if cached is not None:
@@ -222,7 +222,7 @@ class CompressionState:
             raise RuntimeError(f"Bucket layout mismatch: parameters hold {offset} elements, the buffer {numel}.")
         return _BucketPlan(
             signature=signature,
-            compressor_id=id(compressor),
+            compressor_key=compressor.plan_key(),
             compressed=_relayout(compressed),
             dense=_relayout(dense),
             every=tuple(every),

@@ -222,6 +222,35 @@ def test_telemetry_counts_the_payload_bytes(case):
     assert stats.bytes_dense == xs[0].numel() * 4
 
 
+def test_per_layer_levels_set_each_layers_payload_and_round_trip(case):
+    """Compressors with a level compress each layer at its own level when told (Accordion's switch)."""
+    name, compressor = case
+    if compressor.level_attribute is None:
+        with pytest.raises(TypeError, match="no compression level"):
+            copy.deepcopy(compressor).set_levels({"param0": 1})
+        return
+    layers = _layers(compressor)
+    other = {"rank": {1: 2}, "ratio": {0.5: 0.25}}[compressor.level_attribute]  # a level unlike the default
+    default = getattr(compressor, compressor.level_attribute)
+    low = other.get(default, 1 if compressor.level_attribute == "rank" else 0.5)
+    tuned = copy.deepcopy(compressor)
+    tuned.set_levels({layers[0].name: low})
+    assert tuned.level(layers[0]) == low
+    assert tuned.level(layers[-1]) == getattr(compressor, compressor.level_attribute)
+    assert tuned.plan_key() != copy.deepcopy(compressor).plan_key()
+    (x,) = _data(layers, 1, seed=10)
+    sizes = [sum(p.numel() for p in c.compress(x.clone(), _ctx(layers))) for c in (compressor, tuned)]
+    assert sizes[0] != sizes[1], "the level must change the payload"
+    restored = copy.deepcopy(compressor)
+    restored.load_state_dict(pickle.loads(pickle.dumps(tuned.state_dict())))
+    assert restored.layer_levels == {layers[0].name: low}
+    assert pickle.loads(pickle.dumps(tuned)).layer_levels == {layers[0].name: low}
+    with pytest.raises(ValueError, match=f"`{compressor.level_attribute}`"):
+        tuned.set_levels({layers[0].name: 0})
+    outs = simulate_reduce([copy.deepcopy(tuned) for _ in range(2)], _data(layers, 2, seed=11), layers)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
 def test_collective_mismatch_is_detected():
     """The simulated world refuses ranks that issue different collectives at one position, like gloo does."""
     world = SimulatedWorld(2)

@@ -25,6 +25,10 @@ COMPRESSORS = {
     "powersgd-cold-r1": PowerSGD(rank=1, warm_start=False),
     "powersgd-qr": PowerSGD(rank=4, min_compression_rate=1.0),
 }
+# switched between steps (what Accordion does): compressor levels change, so the hook must re-plan its buckets
+LEVELS = {"topk-levels": {"5.weight": 0.5}, "powersgd-levels": {"5.weight": 1, "7.weight": 4}}
+COMPRESSORS["topk-levels"] = TopK(ratio=0.05)
+COMPRESSORS["powersgd-levels"] = PowerSGD(rank=2, min_compression_rate=1.0)
 MIN_NUMEL = 200  # the small conv and all biases go dense: buckets mix dense and compressed layers
 STEPS = 4
 
@@ -69,8 +73,11 @@ def _hook_vs_reference(rank: int, world_size: int) -> dict:
         use_ef = prototype.default_error_feedback
         residuals = [torch.zeros(offset) for _ in range(world_size)] if use_ef else None
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        mismatches, buckets = [], 0
+        mismatches, buckets, sent = [], 0, []
         for step in range(STEPS):
+            if step == 2 and name in LEVELS:
+                for compressor in (state.compressor, *reference):
+                    compressor.set_levels(LEVELS[name])
             x, y = _batch(rank, step)
             reference_model.load_state_dict(model.state_dict())
             local = _local_grads(reference_model, x, y)
@@ -81,6 +88,7 @@ def _hook_vs_reference(rank: int, world_size: int) -> dict:
             nn.functional.cross_entropy(ddp(x), y).backward()
             stats = state.telemetry.pop_step()
             buckets = max(buckets, stats.buckets)
+            sent.append(stats.bytes_sent)
             flats = [torch.cat([gathered[i][r].flatten() for i in compressed]) for r in range(world_size)]
             expected = simulate_reduce(reference, flats, tuple(layers), step=step, residuals=residuals)[rank]
             for j, i in enumerate(compressed):
@@ -99,6 +107,7 @@ def _hook_vs_reference(rank: int, world_size: int) -> dict:
             "mismatches": mismatches,
             "replicas_identical": all(torch.equal(everyone[0], other) for other in everyone),
             "buckets": buckets,
+            "bytes_sent": sent,
         }
     return results
 
@@ -116,6 +125,12 @@ def test_hook_equals_the_compressor_applied_to_every_ranks_gradient(hook_runs, n
         result = rank_result[name]
         assert result["buckets"] >= 3, "the model must span several buckets"
         assert result["mismatches"] == []
+
+
+@pytest.mark.parametrize("name", list(LEVELS))
+def test_changing_levels_between_steps_changes_the_payload(hook_runs, name):
+    sent = hook_runs[0][name]["bytes_sent"]  # step 0 runs on DDP's initial single bucket: its padding differs
+    assert sent[1] != sent[2] == sent[3]
 
 
 @pytest.mark.parametrize("name", list(COMPRESSORS))

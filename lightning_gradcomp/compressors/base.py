@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -164,11 +164,15 @@ class Compressor(ABC):
             otherwise: every rank's payload is gathered, decompressed and averaged locally.
         unbiased: ``True`` if ``E[decompress(compress(x))] == x`` over the compressor's randomness.
         rounds: how many dependent rounds of collectives one reduction needs.
+        level_attribute: the hyper-parameter that sets how hard a layer is compressed (``"ratio"`` for sparsifiers,
+            ``"rank"`` for PowerSGD), or ``None``. Compressors that have one can compress each layer at its own
+            level (:meth:`set_levels`), which is what Accordion switches.
     """
 
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = False
     rounds: ClassVar[int] = 1
+    level_attribute: ClassVar[str | None] = None
 
     # ----------------------------------------------------------------------------------------------------------
     # The two methods a compressor implements
@@ -221,12 +225,54 @@ class Compressor(ABC):
         """Set ``residual`` to what compression lost: ``tensor - decompress(payload)`` (local reconstruction)."""
         torch.sub(tensor, self.decompress(payload, ctx), out=residual)
 
+    # ----------------------------------------------------------------------------------------------------------
+    # Per-layer compression levels
+    # ----------------------------------------------------------------------------------------------------------
+    def level(self, layer: Layer) -> Any:
+        """The level ``layer`` is compressed at: its own from :meth:`set_levels`, else the compressor's."""
+        if self.level_attribute is None:
+            raise TypeError(f"{type(self).__name__} has no compression level to set per layer.")
+        return self.__dict__.get("_layer_levels", {}).get(layer.name, getattr(self, self.level_attribute))
+
+    @property
+    def layer_levels(self) -> dict[str, Any]:
+        """The per-layer levels set with :meth:`set_levels` (layer name to level)."""
+        return dict(self.__dict__.get("_layer_levels", {}))
+
+    def set_levels(self, levels: Mapping[str, Any]) -> None:
+        """Compress the named layers at their own level (the others at the compressor's); ``{}`` clears them.
+
+        Levels decide payload shapes, so set the same levels on every rank, between steps (Accordion broadcasts its
+        decisions for this reason).
+
+        Raises:
+            TypeError: If the compressor has no level.
+            ValueError: If a level is out of range (as the constructor argument would be).
+        """
+        if self.level_attribute is None:
+            raise TypeError(f"{type(self).__name__} has no compression level to set per layer.")
+        checked = {str(name): self.check_level(value) for name, value in levels.items()}
+        self.__dict__["_layer_levels"] = checked
+        self.__dict__["_levels_version"] = self.__dict__.get("_levels_version", 0) + 1
+
+    def check_level(self, value: Any) -> Any:
+        """Validate one level (as the constructor validates ``level_attribute``) and return it."""
+        return value
+
+    def plan_key(self) -> tuple:
+        """What decides which layers this compressor takes; the hook re-plans its buckets when it changes."""
+        default = getattr(self, self.level_attribute) if self.level_attribute else None
+        return (id(self), self.__dict__.get("_levels_version", 0), default)
+
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's own state (beyond error feedback), for checkpoints. Stateless compressors return ``{}``."""
-        return {}
+        """The compressor's own state (beyond error feedback), for checkpoints: here, the per-layer levels."""
+        levels = self.layer_levels
+        return {"layer_levels": levels} if levels else {}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+        if state_dict.get("layer_levels") or self.layer_levels:
+            self.set_levels(state_dict.get("layer_levels", {}))
 
     # ----------------------------------------------------------------------------------------------------------
     # The template: error feedback, collective, averaging

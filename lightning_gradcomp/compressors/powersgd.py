@@ -33,10 +33,9 @@ def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> None:
                 rest = matrices[:, :, i + 1 :]
                 rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
     else:
-        torch.linalg.qr(
-            matrices,
-            out=(matrices, torch.empty(matrices.shape[0], rank, rank, dtype=matrices.dtype, device=matrices.device)),
-        )
+        # on a fresh copy: LAPACK's blocked QR rounds differently depending on where its input lives, and these
+        # factors sit at offsets that depend on DDP's bucket layout
+        matrices.copy_(torch.linalg.qr(matrices.contiguous()).Q)
 
 
 def _reconstruct_into(group: list[Layer], pt: Tensor, qt: Tensor, out: Tensor) -> None:
@@ -115,6 +114,7 @@ batch_same_shape=None, init='layer')
     collective: ClassVar[Collective] = "allreduce"
     unbiased: ClassVar[bool] = False
     rounds: ClassVar[int] = 2
+    level_attribute: ClassVar[str] = "rank"
 
     def __init__(
         self,
@@ -153,9 +153,13 @@ batch_same_shape=None, init='layer')
     # ------------------------------------------------------------------------------------------------------------
     # Which layers, which rank
     # ------------------------------------------------------------------------------------------------------------
+    def check_level(self, value: Any) -> int:
+        """A rank: an integer >= 1."""
+        return check_positive_int(value, "rank")
+
     def _rank_for(self, layer: Layer) -> int:
         rows = layer.shape[0]
-        return min(rows, layer.numel // rows, self.rank)
+        return min(rows, layer.numel // rows, self.level(layer))
 
     def compresses(self, layer: Layer, min_numel: int) -> bool:
         """Matrices (>= 2-D, >= ``min_numel`` elements) that rank ``r`` makes ``min_compression_rate`` smaller."""
@@ -316,7 +320,7 @@ batch_same_shape=None, init='layer')
     # ------------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Warm-start queries per layer and, for ``init="torch"``, the numpy generator's state."""
-        state: dict[str, Any] = {"queries": dict(self._memory)}
+        state: dict[str, Any] = {**super().state_dict(), "queries": dict(self._memory)}
         if self._torch_rng is not None:
             # plain tensors and numbers, so checkpoints load with torch.load(weights_only=True)
             _, keys, pos, has_gauss, cached = self._torch_rng.get_state()
@@ -326,6 +330,7 @@ batch_same_shape=None, init='layer')
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
+        super().load_state_dict(state_dict)
         self._memory = {name: q.clone() for name, q in state_dict.get("queries", {}).items()}
         if "torch_rng" in state_dict:
             import numpy as np

@@ -78,15 +78,20 @@ class TopK(Compressor):
 
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = False
+    level_attribute: ClassVar[str] = "ratio"
 
     def __init__(self, ratio: float = 0.01) -> None:
         self.ratio = check_ratio(ratio)
+
+    def check_level(self, value: Any) -> float:
+        """A keep-ratio in (0, 1]."""
+        return check_ratio(value)
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Values and flat indices of each layer's top-k."""
         picked = []
         for layer in ctx.layers:
-            k = keep_count(layer.numel, self.ratio)
+            k = keep_count(layer.numel, self.level(layer))
             picked.append(topk_indices(layer.flat(tensor).abs(), k) + layer.offset)
         indices = torch.cat(picked)
         return tensor[indices], indices.to(_index_dtype(ctx.numel))
@@ -139,6 +144,7 @@ class RandomK(Compressor):
     """
 
     collective: ClassVar[Collective] = "allreduce"
+    level_attribute: ClassVar[str] = "ratio"
 
     def __init__(self, ratio: float = 0.01, rescale: bool = False) -> None:
         self.ratio = check_ratio(ratio)
@@ -152,15 +158,20 @@ class RandomK(Compressor):
         """Unbiased only when rescaled."""
         return self.rescale
 
+    def check_level(self, value: Any) -> float:
+        """A keep-ratio in (0, 1]."""
+        return check_ratio(value)
+
     def indices(self, ctx: BucketContext) -> Tensor:
         """The flat indices every rank keeps at this step (sorted per layer, int64, on ``ctx.device``)."""
-        key = (ctx.seed, ctx.step, ctx.device, tuple((layer.index, layer.offset, layer.numel) for layer in ctx.layers))
+        counts = [keep_count(layer.numel, self.level(layer)) for layer in ctx.layers]
+        key = (ctx.seed, ctx.step, ctx.device, tuple((layer.index, layer.offset, layer.numel) for layer in ctx.layers),
+               tuple(counts))  # fmt: skip
         cached = self._cache.get(key)
         if cached is not None:
             return cached
         picked = [
-            _uniform_subset(layer.numel, keep_count(layer.numel, self.ratio), ctx.generator(layer)) + layer.offset
-            for layer in ctx.layers
+            _uniform_subset(layer.numel, k, ctx.generator(layer)) + layer.offset for layer, k in zip(ctx.layers, counts)
         ]
         indices = torch.cat(picked)
         if ctx.device.type == "cuda":  # drawn on the CPU (the same on every device); copied without a host sync
@@ -180,7 +191,7 @@ class RandomK(Compressor):
         out.index_copy_(0, self.indices(ctx), payload[0].to(ctx.dtype))
         if self.rescale:
             for layer in ctx.layers:
-                layer.flat(out).mul_(layer.numel / keep_count(layer.numel, self.ratio))
+                layer.flat(out).mul_(layer.numel / keep_count(layer.numel, self.level(layer)))
         return out
 
     def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
@@ -191,10 +202,11 @@ class RandomK(Compressor):
             residual.copy_(tensor).index_fill_(0, self.indices(ctx), 0)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"ratio": self.ratio, "rescale": self.rescale}
+        return {k: v for k, v in self.__dict__.items() if k != "_cache"}  # cached index tensors are not state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(**state)  # type: ignore[misc]
+        self.__dict__.update(state)
+        self._cache = {}
 
 
 def _uniform_subset(n: int, k: int, generator: torch.Generator) -> Tensor:
