@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -58,6 +59,10 @@ class CompressedDDP(DDPStrategy):
         seed: seed of the randomness shared by all ranks (random-k indices, PowerSGD's initial query).
         monitor: add a :class:`~lightning_gradcomp.callbacks.CompressionMonitor` (logs ``gradcomp/*`` every step)
             unless the trainer already has one.
+        ddp_comm_state: refused: the hook's state is built from the arguments above.
+        ddp_comm_hook: refused: CompressedDDP registers its own hook; choose a ``compressor`` instead.
+        ddp_comm_wrapper: refused: compose by choosing a compressor (``FP16``, ``BF16``) instead.
+        model_averaging_period: refused: post-local SGD averaging needs torch's own ``PostLocalSGDState`` hook.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``start_method``, ...) and from there to ``DistributedDataParallel`` (``static_graph``,
             ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``find_unused_parameters``, ...).
@@ -81,11 +86,23 @@ class CompressedDDP(DDPStrategy):
         min_compress_numel: int = 1024,
         seed: int = 0,
         monitor: bool = True,
+        ddp_comm_state: object | None = None,
+        ddp_comm_hook: Callable | None = None,
+        ddp_comm_wrapper: Callable | None = None,
+        model_averaging_period: int | None = None,
         **kwargs: Any,
     ) -> None:
-        for name, reason in _REFUSED.items():
-            if name in kwargs:
-                raise MisconfigurationException(f"CompressedDDP does not accept `{name}`: {reason}.")
+        # named here (not left in **kwargs) so that they are refused, and so that LightningCLI, which passes every
+        # parameter it resolves with its default, can still follow **kwargs into DDPStrategy and DDP
+        refused = {
+            "ddp_comm_state": ddp_comm_state,
+            "ddp_comm_hook": ddp_comm_hook,
+            "ddp_comm_wrapper": ddp_comm_wrapper,
+            "model_averaging_period": model_averaging_period,
+        }
+        for name, value in refused.items():
+            if value is not None:
+                raise MisconfigurationException(f"CompressedDDP does not accept `{name}`: {_REFUSED[name]}.")
         compressor = _check_compressor(Identity() if compressor is None else compressor)
         if error_feedback is not None and not isinstance(error_feedback, bool):
             raise MisconfigurationException(f"`error_feedback` must be None, True or False, got {error_feedback!r}.")

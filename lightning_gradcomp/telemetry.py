@@ -55,6 +55,8 @@ class Telemetry:
         self.total_bytes_sent = 0
         self.total_bytes_dense = 0
         self.total_steps = 0
+        self.total_encode_ms = 0.0
+        self.total_decode_ms = 0.0
         self.last: StepStats | None = None  # the latest finished step, for callbacks that read after the monitor
 
     def _reset_step(self) -> None:
@@ -111,6 +113,8 @@ class Telemetry:
             self.total_bytes_sent += stats.bytes_sent
             self.total_bytes_dense += stats.bytes_dense
             self.total_steps += 1
+            self.total_encode_ms += stats.encode_ms
+            self.total_decode_ms += stats.decode_ms
             self.last = stats
             self._reset_step()
         return stats

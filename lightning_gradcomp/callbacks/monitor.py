@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -63,9 +64,32 @@ class CompressionMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         telemetry = trainer.strategy.compression_state.telemetry
+        totals = torch.tensor(
+            [telemetry.total_steps, telemetry.total_bytes_sent, telemetry.total_bytes_dense,
+             telemetry.total_encode_ms, telemetry.total_decode_ms],
+            dtype=torch.float64,
+        )  # fmt: skip
+        # every rank's own numbers, for the table (a collective: every rank reaches on_train_end)
+        per_rank = trainer.strategy.all_gather(totals).reshape(-1, totals.numel())
+        # in the callback metrics too, so that a launcher that returns only those (spawn) still reports them
+        names = ("total_steps", "total_bytes_sent", "total_bytes_dense", "total_encode_ms", "total_decode_ms")
+        trainer.callback_metrics.update({f"gradcomp/{n}": v for n, v in zip(names, totals)})
         if telemetry.total_steps:
-            ratio = telemetry.total_bytes_dense / max(1, telemetry.total_bytes_sent)
-            rank_zero_info(
-                f"gradcomp: {telemetry.total_steps} steps sent {telemetry.total_bytes_sent / 1e6:,.2f} MB per rank"
-                f" instead of {telemetry.total_bytes_dense / 1e6:,.2f} MB (compression ratio {ratio:,.1f}x)."
-            )
+            rank_zero_info(format_summary(per_rank.tolist(), repr(trainer.strategy.compressor)))
+
+
+def format_summary(per_rank: list[list[float]], compressor: str) -> str:
+    """The end-of-training table: each rank's steps, bytes sent against plain DDP's, ratio, encode/decode time."""
+    lines = [
+        f"gradcomp summary ({compressor}):",
+        "| rank | steps | MB sent | MB dense (plain DDP) | compression ratio | encode ms/step | decode ms/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rank, (steps, sent, dense, encode, decode) in enumerate(per_rank):
+        ratio = dense / sent if sent else float("inf")
+        per_step = max(steps, 1)
+        lines.append(
+            f"| {rank} | {steps:.0f} | {sent / 1e6:,.3f} | {dense / 1e6:,.3f} | {ratio:,.1f}x |"
+            f" {encode / per_step:.2f} | {decode / per_step:.2f} |"
+        )
+    return "\n".join(lines)

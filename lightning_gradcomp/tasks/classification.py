@@ -1,0 +1,127 @@
+"""``ImageClassifier``: the training setup of the compression papers' image experiments, for any architecture."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torchmetrics.classification import MulticlassAccuracy
+
+
+def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
+    """Two convolutions and two linear layers for 8x8 images (the quickstart's model, ~38k parameters)."""
+    return nn.Sequential(
+        nn.Conv2d(in_channels, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+        nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, num_classes),
+    )  # fmt: skip
+
+
+def mlp(num_classes: int = 10, in_features: int = 64, hidden: int = 256) -> nn.Module:
+    """A two-hidden-layer perceptron over flattened images."""
+    return nn.Sequential(
+        nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Linear(hidden, num_classes),
+    )  # fmt: skip
+
+
+def build_model(arch: str, num_classes: int, in_channels: int) -> nn.Module:
+    """An architecture by name: ``"cnn"``, ``"mlp"``, or ``"torchvision.<name>"`` (any torchvision classifier)."""
+    if arch == "cnn":
+        return small_cnn(num_classes, in_channels)
+    if arch == "mlp":
+        return mlp(num_classes, in_features=in_channels * 64)
+    if arch.startswith("torchvision."):
+        import torchvision
+
+        return torchvision.models.get_model(arch.removeprefix("torchvision."), num_classes=num_classes)
+    raise MisconfigurationException(
+        f"`arch` must be 'cnn', 'mlp' or 'torchvision.<model name>' (e.g. 'torchvision.resnet18'), got {arch!r}."
+    )
+
+
+class ImageClassifier(pl.LightningModule):
+    """Cross-entropy classification trained with SGD, momentum, weight decay and step learning-rate decay.
+
+    The defaults are the CIFAR-10 setting shared by the PowerSGD, Pufferfish and Accordion experiments (SGD, lr 0.1,
+    momentum 0.9, weight decay 1e-4, lr divided by 10 at fixed epochs). Logs ``train_loss``, ``train_acc``,
+    ``val_loss``, ``val_acc`` and ``test_acc`` (accuracies over all ranks).
+
+    Args:
+        arch: ``"cnn"`` (small convnet for 8x8 images), ``"mlp"``, or ``"torchvision.<name>"``.
+        num_classes: number of classes.
+        in_channels: image channels.
+        lr: learning rate.
+        momentum: SGD momentum (set 0 with compressors that keep their own momentum, such as DGC).
+        nesterov: Nesterov momentum.
+        weight_decay: L2 penalty.
+        milestones: epochs at which the learning rate is multiplied by ``gamma``.
+        gamma: the decay factor.
+        warmup_epochs: linear learning-rate warm-up from ``lr / 10`` over this many epochs (0: none).
+    """
+
+    def __init__(
+        self,
+        arch: str = "cnn",
+        num_classes: int = 10,
+        in_channels: int = 1,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        weight_decay: float = 1e-4,
+        milestones: list[int] | None = None,
+        gamma: float = 0.1,
+        warmup_epochs: int = 0,
+    ) -> None:
+        super().__init__()
+        if lr <= 0:
+            raise MisconfigurationException(f"`lr` must be > 0, got {lr!r}.")
+        if not 0 <= momentum < 1:
+            raise MisconfigurationException(f"`momentum` must be in [0, 1), got {momentum!r}.")
+        self.save_hyperparameters()
+        self.net = build_model(arch, num_classes, in_channels)
+        self.train_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes, average="micro")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Cross-entropy on one batch."""
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """Loss and accuracy on held-out data."""
+        x, y = batch
+        logits = self(x)
+        self.val_acc(logits, y)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), sync_dist=True)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        """Accuracy on test data."""
+        x, y = batch
+        self.test_acc(self(x), y)
+        self.log("test_acc", self.test_acc)
+
+    def configure_optimizers(self) -> Any:
+        """SGD with the step decay (and optional linear warm-up), stepped every epoch."""
+        hp = self.hparams
+        optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov,
+                                    weight_decay=hp.weight_decay)  # fmt: skip
+        decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(hp.milestones or []), gamma=hp.gamma)
+        if hp.warmup_epochs:
+            warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=hp.warmup_epochs)
+            decay = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, decay], milestones=[hp.warmup_epochs])
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "epoch"}}

@@ -1,0 +1,149 @@
+"""An LSTM language model and a text DataModule (byte-level, offline by default)."""
+
+from __future__ import annotations
+
+import glob
+import os
+import sysconfig
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class TextDataModule(pl.LightningDataModule):
+    """Text as bytes, cut into sequences for next-byte prediction.
+
+    By default the corpus is Python's own standard library (its ``.py`` files), which every installation ships: a
+    real, offline text. Pass ``files`` to train on something else (e.g. WikiText-2's ``wiki.train.tokens``).
+
+    Args:
+        files: text files (glob patterns allowed); ``None`` for the standard library's sources.
+        max_bytes: read at most this many bytes of text.
+        seq_len: bytes per training sequence.
+        batch_size: sequences per batch and process.
+        val_fraction: the last fraction of the text is held out.
+
+    Raises:
+        MisconfigurationException: If an argument is out of range or no text is found.
+    """
+
+    vocab_size = 256
+
+    def __init__(
+        self, files: list[str] | None = None, max_bytes: int = 2_000_000, seq_len: int = 128, batch_size: int = 32,
+        val_fraction: float = 0.05,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if seq_len < 2 or batch_size < 1 or max_bytes < 1024:
+            raise MisconfigurationException(
+                f"`seq_len` must be >= 2, `batch_size` >= 1 and `max_bytes` >= 1024, got {seq_len}, {batch_size},"
+                f" {max_bytes}."
+            )
+        if not 0.0 < val_fraction < 0.5:
+            raise MisconfigurationException(f"`val_fraction` must be in (0, 0.5), got {val_fraction!r}.")
+        self.files, self.max_bytes, self.seq_len = files, max_bytes, seq_len
+        self.batch_size, self.val_fraction = batch_size, val_fraction
+
+    def _paths(self) -> list[str]:
+        if self.files is None:
+            return sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"], "*.py")))
+        paths = sorted(p for pattern in self.files for p in glob.glob(os.path.expanduser(pattern)))
+        if not paths:
+            raise MisconfigurationException(f"No file matches `files`={self.files!r}.")
+        return paths
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read the bytes (the same on every rank), split, and cut into sequences."""
+        data = bytearray()
+        for path in self._paths():
+            with open(path, "rb") as f:
+                data += f.read(self.max_bytes - len(data))
+            if len(data) >= self.max_bytes:
+                break
+        tokens = torch.frombuffer(data, dtype=torch.uint8).long()  # a copy (long) of a writable buffer
+        split = int(len(tokens) * (1 - self.val_fraction))
+        self.train_set = self._sequences(tokens[:split])
+        self.val_set = self._sequences(tokens[split:])
+
+    def _sequences(self, tokens: torch.Tensor) -> TensorDataset:
+        n = (len(tokens) - 1) // self.seq_len
+        if n < 1:
+            raise MisconfigurationException("The text is shorter than one sequence: add files or lower `seq_len`.")
+        x = tokens[: n * self.seq_len].view(n, self.seq_len)
+        y = tokens[1 : n * self.seq_len + 1].view(n, self.seq_len)
+        return TensorDataset(x, y)
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled sequences."""
+        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, drop_last=True)
+
+    def val_dataloader(self) -> DataLoader:
+        """Held-out sequences."""
+        return DataLoader(self.val_set, batch_size=self.batch_size)
+
+
+class LSTMLanguageModel(pl.LightningModule):
+    """A multi-layer LSTM language model with tied input and output embeddings (Zaremba et al.; Press & Wolf).
+
+    The shape of the model the PowerSGD and Pufferfish papers compress (2 layers, embedding = hidden, tied weights,
+    dropout, SGD with a large learning rate and gradient clipping); on bytes rather than WikiText-2's words unless
+    given word-level data. Logs ``train_loss``, ``val_loss`` and ``val_ppl`` (per byte).
+
+    Args:
+        vocab_size: number of tokens (256 for bytes).
+        hidden: embedding and hidden size (tied weights need them equal).
+        num_layers: LSTM layers.
+        dropout: dropout between layers.
+        lr: SGD learning rate.
+        clip: gradient-norm clipping is the Trainer's ``gradient_clip_val`` (0.25 in the papers' runs).
+        milestones: epochs at which the learning rate is divided by 4.
+    """
+
+    def __init__(
+        self, vocab_size: int = 256, hidden: int = 256, num_layers: int = 2, dropout: float = 0.2, lr: float = 20.0,
+        milestones: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        super().__init__()
+        if hidden < 1 or num_layers < 1 or lr <= 0 or not 0 <= dropout < 1:
+            raise MisconfigurationException(
+                f"Expected `hidden` >= 1, `num_layers` >= 1, `lr` > 0 and `dropout` in [0, 1), got {hidden},"
+                f" {num_layers}, {lr}, {dropout}."
+            )
+        self.save_hyperparameters()
+        self.embedding = nn.Embedding(vocab_size, hidden)
+        self.lstm = nn.LSTM(hidden, hidden, num_layers=num_layers, dropout=dropout, batch_first=True)
+        self.drop = nn.Dropout(dropout)
+        self.decoder = nn.Linear(hidden, vocab_size)
+        self.decoder.weight = self.embedding.weight  # tied
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Next-token logits for every position."""
+        out, _ = self.lstm(self.drop(self.embedding(x)))
+        return self.decoder(self.drop(out))
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Cross-entropy of the next byte."""
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """Held-out loss and perplexity."""
+        loss = self._loss(batch)
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_ppl", torch.exp(loss), sync_dist=True, prog_bar=True)
+
+    def configure_optimizers(self) -> Any:
+        """Plain SGD (the papers' LSTM setting) with a step decay by 4."""
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(self.hparams.milestones or []),
+                                                     gamma=0.25)  # fmt: skip
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "epoch"}}
