@@ -8,6 +8,7 @@ encode+decode time of the compressor. Configurations:
 * ``ddp``: plain DDP (torch's built-in all-reduce);
 * ``compute``: DDP with torch's ``noop_hook`` (no communication at all: the compute-only floor);
 * ``identity``, ``fp16``, ``topk``, ``powersgd``, ...: lightning-gradcomp's hook with that compressor;
+* ``torch-fp16``: raw torch DDP with torch's ``fp16_compress_hook``;
 * ``torch-powersgd``: raw torch DDP with torch's ``powerSGD_hook`` at the same rank.
 
 Examples::
@@ -30,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
@@ -38,10 +38,14 @@ import torch.multiprocessing as mp
 import torchvision
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _netns import shaped_namespace  # noqa: E402
 
 from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
 from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD, RandomK, TopK  # noqa: E402
@@ -73,7 +77,7 @@ def analytical_bytes(model: nn.Module, config: str) -> int:
         return dense
     if config == "compute":
         return 0
-    if config in ("fp16", "bf16"):
+    if config in ("fp16", "bf16", "torch-fp16"):
         return dense // 2
     if config == "torch-powersgd":
         total = 0
@@ -110,6 +114,8 @@ def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Na
     warmup = args.warmup
     if config == "compute":
         ddp.register_comm_hook(None, noop_hook)
+    elif config == "torch-fp16":
+        ddp.register_comm_hook(None, fp16_compress_hook)
     elif config == "torch-powersgd":
         # torch's hook needs start_powerSGD_iter >= 2 (dense steps); they fall within the warm-up
         warmup = max(warmup, 2)
@@ -207,27 +213,10 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
-@contextmanager
-def shaped_namespace(rate: str):
-    """A network namespace whose loopback is limited to ``rate``; deleted on exit, also after a failure."""
-    name = f"gradcomp-bench-{os.getpid()}"
-    subprocess.run(["ip", "netns", "add", name], check=True)
-    try:
-        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
-        subprocess.run(
-            ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
-             "burst", "256kb", "latency", "50ms"],
-            check=True,
-        )  # fmt: skip
-        yield name
-    finally:
-        subprocess.run(["ip", "netns", "del", name], check=False)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
-                        choices=["ddp", "compute", "torch-powersgd", *COMPRESSORS])  # fmt: skip
+                        choices=["ddp", "compute", "torch-fp16", "torch-powersgd", *COMPRESSORS])  # fmt: skip
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--batch-size", type=int, default=32)
