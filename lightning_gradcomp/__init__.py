@@ -3,7 +3,7 @@
 Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))``.
 """
 
-from lightning_gradcomp import callbacks, compressors
+from lightning_gradcomp import callbacks, comm, compressors, tasks, testing
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.strategy import CompressedDDP
@@ -17,6 +17,9 @@ __all__ = [
     "Compressor",
     "Layer",
     "callbacks",
+    "comm",
     "compression_hook",
     "compressors",
+    "tasks",
+    "testing",
 ]

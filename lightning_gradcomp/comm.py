@@ -23,6 +23,8 @@ from torch import Tensor
 
 from lightning_gradcomp.telemetry import Telemetry
 
+__all__ = ["CollectiveBackend", "Comm", "TorchCollectives"]
+
 Payload = tuple[Tensor, ...]
 ReduceOpName = Literal["sum", "max"]
 _ALIGN = 8  # bytes; keeps every packed tensor aligned for any dtype up to 8 bytes wide

@@ -154,6 +154,7 @@ class CompressedDDP(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        """DDPStrategy's setup, plus a :class:`CompressionMonitor` when fitting (unless one is there)."""
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._monitor:
             from lightning_gradcomp.callbacks.monitor import CompressionMonitor
@@ -163,6 +164,7 @@ class CompressedDDP(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
+        """Wrap the model in DDP and register the compression hook (on every device type), then log the plan."""
         super().configure_ddp()  # wraps the model; DDPStrategy's own hook registration has nothing to register
         assert isinstance(self.model, DistributedDataParallel)
         self._state.attach(self.model, process_group=self._ddp_kwargs.get("process_group"))
@@ -172,6 +174,7 @@ class CompressedDDP(DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Sync the compression step with ``trainer.global_step``; create process groups a new compressor needs."""
         super().on_train_batch_start(batch, batch_idx)
         trainer = self.lightning_module.trainer
         # the step, not a count of hook calls: hooks fire only on the micro-step that synchronises
@@ -184,6 +187,7 @@ class CompressedDDP(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Save like DDPStrategy, with every rank's compressor state gathered into ``checkpoint["gradcomp"]``."""
         # Lightning calls this on every rank and writes on rank 0 only, so the other ranks' residuals are gathered
         # here; a weights-only checkpoint (no "loops") carries no training state, on every rank alike
         if "loops" in checkpoint and dist.is_available() and dist.is_initialized():
@@ -196,6 +200,7 @@ class CompressedDDP(DDPStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load like DDPStrategy, and restore this rank's compressor state from ``checkpoint["gradcomp"]``."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         saved = checkpoint.get(_CHECKPOINT_KEY)
         if saved is None:

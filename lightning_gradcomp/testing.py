@@ -22,6 +22,8 @@ from lightning_gradcomp.comm import Comm, ReduceOpName
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.telemetry import Telemetry
 
+__all__ = ["SimulatedWorld", "simulate_reduce"]
+
 
 @dataclass
 class _Pending:

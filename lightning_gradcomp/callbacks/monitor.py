@@ -45,12 +45,14 @@ class CompressionMonitor(Callback):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Check that the strategy is CompressedDDP."""
         _require_compressed_ddp(trainer, self)
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        """Log the finished step's telemetry (nothing on micro-steps that did not communicate)."""
         stats = trainer.strategy.compression_state.telemetry.pop_step()
         if stats is None:  # a gradient-accumulation micro-step: nothing was communicated
             return
@@ -63,6 +65,7 @@ class CompressionMonitor(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Print the per-rank summary table and put the totals in the callback metrics."""
         telemetry = trainer.strategy.compression_state.telemetry
         totals = torch.tensor(
             [telemetry.total_steps, telemetry.total_bytes_sent, telemetry.total_bytes_dense,

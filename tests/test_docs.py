@@ -1,0 +1,53 @@
+"""The documentation: the API reference builds from the docstrings, public API is documented, links resolve."""
+
+import glob
+import inspect
+import os
+import re
+
+import pytest
+
+import lightning_gradcomp
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _public_objects():
+    for module_name in lightning_gradcomp.__all__:
+        module = getattr(lightning_gradcomp, module_name)
+        members = [module] if not inspect.ismodule(module) else [getattr(module, n) for n in module.__all__]
+        yield from ((f"{module_name}.{getattr(m, '__name__', '')}", m) for m in members)
+
+
+@pytest.mark.parametrize(("name", "obj"), list(_public_objects()), ids=lambda v: v if isinstance(v, str) else "")
+def test_public_api_is_documented(name, obj):
+    assert inspect.getdoc(obj), f"{name} has no docstring"
+    if inspect.isclass(obj):
+        for attr, member in vars(obj).items():
+            if not attr.startswith("_") and inspect.isfunction(member):
+                assert inspect.getdoc(member), f"{name}.{attr} has no docstring"
+
+
+def test_api_reference_builds_from_the_docstrings(tmp_path):
+    pdoc = pytest.importorskip("pdoc")
+    pdoc.render.configure(docformat="google")
+    pdoc.pdoc("lightning_gradcomp", output_directory=tmp_path)
+    pages = {os.path.relpath(p, tmp_path) for p in glob.glob(str(tmp_path / "**" / "*.html"), recursive=True)}
+    assert {"lightning_gradcomp.html", "lightning_gradcomp/compressors.html", "lightning_gradcomp/tasks.html"} <= pages
+    compressors = (tmp_path / "lightning_gradcomp" / "compressors.html").read_text()
+    assert "PowerSGD" in compressors
+    assert "Vogels" in compressors
+
+
+MARKDOWN = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CHANGELOG.md"),
+            *glob.glob(os.path.join(ROOT, "docs", "*.md"))]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: os.path.relpath(p, ROOT))
+def test_relative_links_resolve(path):
+    with open(path) as f:
+        text = f.read()
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text):
+        if "://" in target:
+            continue
+        assert os.path.exists(os.path.join(os.path.dirname(path), target)), f"{path}: broken link {target}"
