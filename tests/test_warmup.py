@@ -63,7 +63,8 @@ def warmup_run(tmp_path_factory):
                  ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1)]  # fmt: skip
     _, warm = fit(TinyNet(**DATA), _warmup_strategy(), str(tmp / "warm"), callbacks=callbacks, max_epochs=3,
                   enable_checkpointing=True)  # fmt: skip
-    _, dense = fit(TinyNet(**DATA), CompressedDDP(Identity(), **SPAWN), str(tmp / "identity"), max_steps=DENSE_STEPS + 1)
+    identity = CompressedDDP(Identity(), **SPAWN)
+    _, dense = fit(TinyNet(**DATA), identity, str(tmp / "identity"), max_steps=DENSE_STEPS + 1)
     resume_from = os.path.join(ckpt_dir, "epoch=0.ckpt")  # after step 4: inside the dense phase
     _, resumed = fit(TinyNet(**DATA), _warmup_strategy(), str(tmp / "resumed"), max_epochs=3, ckpt_path=resume_from,
                      callbacks=[DenseWarmup(steps=DENSE_STEPS, ramp=list(RAMP), ramp_length=2)])  # fmt: skip

@@ -387,7 +387,8 @@ class Accordion(Callback):
         changes: dict[str, float] | None,
         accumulation: int,
     ) -> None:
-        log = {"on_step": False, "on_epoch": True, "batch_size": 1, "rank_zero_only": True}
+        # the values are the same on every rank (broadcast decisions): syncing averages identical numbers
+        log = {"on_step": False, "on_epoch": True, "batch_size": 1, "sync_dist": True}
         for name in self._layers:
             pl_module.log(f"accordion/critical/{name}", float(critical.get(name, True)), **log)
             if name in levels:
