@@ -309,3 +309,63 @@ def test_state_round_trips_through_a_weights_only_checkpoint():
     assert restored.history == accordion.history
     assert restored._epoch_lrs == [0.1]
     assert torch.equal(restored._pending_sums["w"], torch.ones(2, 2)), "a mid-epoch checkpoint keeps rank 0's sums"
+
+
+class _Norms:
+    """Stands in for rank 0's gradient sums: the norms each epoch ends with are set by the test."""
+
+    def __init__(self):
+        self.next, self.scale, self.backward_passes = {}, 1.0, 0
+
+    def norms(self):
+        return dict(self.next)
+
+    def reset(self):
+        pass
+
+    def remove(self):
+        pass
+
+
+def test_rule_on_controlled_norms_boundaries_lr_decay_and_logging():
+    """eta is inclusive, a zero old norm is critical, checks compare with `interval` epochs back, decays force low."""
+    module = DigitsMLP(digits(n=8)[0])
+    logged = {}
+    stub_module = SimpleNamespace(named_parameters=module.named_parameters, automatic_optimization=True,
+                                  log=lambda name, value, **kw: logged.__setitem__(name, value))  # fmt: skip
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    strategy = CompressedDDP(PowerSGD(rank=1), min_compress_numel=MIN_NUMEL)
+    trainer = SimpleNamespace(strategy=strategy, callbacks=[], accumulate_grad_batches=1, is_global_zero=True,
+                              current_epoch=0, optimizers=[optimizer])  # fmt: skip
+    accordion = Accordion(interval=2, low_compression_level=LOW, high_compression_level=HIGH)
+    accordion.setup(trainer, stub_module, "fit")
+    accordion.on_train_start(trainer, stub_module)
+    accordion._sums.remove()
+    accordion._sums = fake = _Norms()
+    a, b, c = "net.0.weight", "net.2.weight", "net.4.weight"
+    assert strategy.compressor.layer_levels == {a: LOW, b: LOW, c: LOW}
+    epochs = {
+        0: {a: 1.0, b: 1.0, c: 0.0},  # first check: critical
+        1: {a: 9.0, b: 9.0, c: 9.0},  # not a check epoch
+        2: {a: 1.5, b: 1.2, c: 1.0},  # vs epoch 0: 0.5 (critical: >= eta), 0.2 (high), old norm 0 (critical)
+        3: {a: 1.0, b: 1.0, c: 1.0},  # starts with a learning-rate decay: all low for this epoch
+        4: {a: 1.5, b: 2.4, c: 1.2},  # vs epoch 2: 0 (high), 1.0 (critical), 0.2 (high)
+    }
+    expected_after = {0: (LOW, LOW, LOW), 1: (LOW, LOW, LOW), 2: (LOW, HIGH, LOW), 3: (LOW, LOW, LOW),
+                      4: (HIGH, LOW, HIGH)}  # fmt: skip
+    for epoch, norms in epochs.items():
+        trainer.current_epoch = epoch
+        if epoch == 3:
+            optimizer.param_groups[0]["lr"] = 0.01
+        accordion.on_train_epoch_start(trainer, stub_module)
+        if epoch == 3:
+            assert strategy.compressor.layer_levels == {a: LOW, b: LOW, c: LOW}, "the decay acts at once"
+        fake.next = norms
+        accordion.on_train_epoch_end(trainer, stub_module)
+        levels = strategy.compressor.layer_levels
+        assert (levels[a], levels[b], levels[c]) == expected_after[epoch], f"after epoch {epoch}"
+    assert [h["lr_decay"] for h in accordion.history] == [False, False, False, True, False]
+    assert accordion.history[2]["changes"] == {a: 0.5, b: pytest.approx(0.2), c: math.inf}
+    assert logged[f"accordion/level/{b}"] == LOW  # what epoch 4 ran at
+    assert logged[f"accordion/norm_change/{b}"] == 1.0
+    assert f"accordion/norm_change/{c}" in logged
