@@ -41,8 +41,9 @@ FRACTIONS = (0.1, 0.2)
 
 def train_and_rank(args: argparse.Namespace, workdir: str) -> dict:
     dataset, flipped = digits(n=args.n, flip_fraction=args.flip, seed=args.seed)
-    model = DigitsMLP(dataset, hidden=tuple(args.hidden), lr=args.lr, milestones=args.milestones,
-                      batch_size=args.batch_size)  # fmt: skip
+    model = DigitsMLP(
+        dataset, hidden=tuple(args.hidden), lr=args.lr, milestones=args.milestones, batch_size=args.batch_size
+    )
     compressor = PowerSGD(rank=2) if args.compressor == "powersgd" else Identity()
     strategy = CompressedDDP(compressor, min_compress_numel=512, start_method="spawn")
     tracin = TracIn(os.path.join(workdir, "tracin"), every_n_epochs=1, top_n=args.top_n, show_progress=False)
@@ -94,8 +95,10 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as workdir:
         result = train_and_rank(args, workdir)
-    print(f"\n{result['flipped']} of {result['examples']} labels flipped; {result['checkpoints']} checkpoints;"
-          f" trained with {args.compressor}.\n")  # fmt: skip
+    print(
+        f"\n{result['flipped']} of {result['examples']} labels flipped; {result['checkpoints']} checkpoints;"
+        f" trained with {args.compressor}.\n"
+    )
     print("| ranking | flipped found in top 10 % | in top 20 % |")
     print("|---|---|---|")
     for name, (ten, twenty) in result["found"].items():

@@ -220,10 +220,8 @@ class TracInScorer:
         part = Subset(dataset, shard(n, rank, world_size))
         local = torch.zeros(len(part), dtype=torch.float64)
         with self._scoring():
-            for lr, at, features in self._walk(part, "self-influence"):
-                norms = torch.ones(features[0].shape[0], dtype=torch.float64, device=features[0].device)
-                for factor in features:
-                    norms = norms * factor.pow(2).sum(1).double()
+            for lr, at, terms in self._walk(part, "self-influence"):
+                norms = _dots(terms)
                 local[at : at + norms.numel()] += lr * norms.cpu()
         return self._gather(local, n, world_size)
 
@@ -238,16 +236,14 @@ class TracInScorer:
         part = Subset(train_dataset, shard(n, rank, world_size))
         m = len(test_batch[-1])
         local = torch.zeros(m, len(part), dtype=torch.float64)
-        test_features: list[Tensor] = []
+        test_terms: list[list[Tensor]] = []
 
         def on_checkpoint(index: int) -> None:
-            test_features[:] = self._features(self._to_device(test_batch))
+            test_terms[:] = self._features(self._to_device(test_batch))
 
         with self._scoring():
-            for lr, at, features in self._walk(part, "influence", on_checkpoint):
-                scores = torch.ones(m, features[0].shape[0], dtype=torch.float64, device=features[0].device)
-                for test_factor, factor in zip(test_features, features):
-                    scores = scores * (test_factor @ factor.T).double()
+            for lr, at, terms in self._walk(part, "influence", on_checkpoint):
+                scores = _dots(test_terms, terms)
                 local[:, at : at + scores.shape[1]] += lr * scores.cpu()
         return self._gather(local, n, world_size)
 
@@ -282,7 +278,7 @@ class TracInScorer:
     # ------------------------------------------------------------------------------------------------------------
     def _walk(
         self, part: Dataset, what: str, on_checkpoint: Callable[[int], None] | None = None
-    ) -> Iterator[tuple[float, int, list[Tensor]]]:
+    ) -> Iterator[tuple[float, int, list[list[Tensor]]]]:
         """Load every checkpoint in turn and yield ``(learning rate, offset, features)`` for every batch of ``part``."""
         loader = DataLoader(part, batch_size=self.batch_size, shuffle=False)
         progress = self._progress(len(self.checkpoints) * len(loader), what)
@@ -293,9 +289,9 @@ class TracInScorer:
                     on_checkpoint(i)
                 at = 0
                 for batch in loader:
-                    features = self._features(self._to_device(batch))
-                    yield lr, at, features
-                    at += features[0].shape[0]
+                    terms = self._features(self._to_device(batch))
+                    yield lr, at, terms
+                    at += terms[0][0].shape[0]
                     if progress is not None:
                         progress.update(1)
         finally:
@@ -346,14 +342,23 @@ class TracInScorer:
             self.model.load_state_dict(saved)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Gradient features: each example is a list of factors; a score is the product of the factors' dot products
+    # Gradient features. An example is a list of terms, each a list of factors (rows of ``(batch, *)`` matrices);
+    # the score of two examples is the sum over terms of the product over factors of their dot products. Full
+    # gradients: one term per parameter, one factor each (no concatenation into one huge matrix); last layer: one
+    # term with the factors ``a`` and ``delta``; a projection folds the full gradient's terms into one.
     # ------------------------------------------------------------------------------------------------------------
-    def _features(self, batch: Sequence[Any]) -> list[Tensor]:
-        factors = self._last_layer_factors(batch) if self.method == "last_layer" else [self._full_gradients(batch)]
-        return [self._project(factor, i) for i, factor in enumerate(factors)]
+    def _features(self, batch: Sequence[Any]) -> list[list[Tensor]]:
+        if self.method == "last_layer":
+            return [[self._project(factor, i) for i, factor in enumerate(self._last_layer_factors(batch))]]
+        grads = self._full_gradients(batch)
+        if self.projection_dim is None or sum(g.shape[1] for g in grads) <= self.projection_dim:
+            return [[g] for g in grads]
+        # one Gaussian block per parameter: together they are one (d x k) Gaussian matrix, never materialised whole
+        projected = sum(self._project(g, 16 + i, force=True) for i, g in enumerate(grads))
+        return [[projected]]  # type: ignore[list-item]
 
-    def _full_gradients(self, batch: Sequence[Any]) -> Tensor:
-        """Per-example gradients of the selected parameters, flattened: ``(batch, d)``."""
+    def _full_gradients(self, batch: Sequence[Any]) -> list[Tensor]:
+        """Per-example gradients of the selected parameters, each flattened to ``(batch, numel)``."""
         from torch.func import functional_call, grad, vmap
 
         model = self.model
@@ -370,7 +375,7 @@ class TracInScorer:
 
         in_dims = (None, *(0 if isinstance(t, Tensor) else None for t in batch))
         grads = vmap(grad(example_loss), in_dims=in_dims)(params, *batch)
-        return torch.cat([grads[name].flatten(1) for name in self._param_names], dim=1)
+        return [grads[name].flatten(1) for name in self._param_names]
 
     def _last_layer_factors(self, batch: Sequence[Any]) -> list[Tensor]:
         """``[a, delta]`` per example for the final linear layer (``a`` extended by a 1 for the bias)."""
@@ -399,10 +404,10 @@ class TracInScorer:
             raise ValueError("method='last_layer' scores the last layer's weights, which do not require grad.")
         return [a, delta.detach()]
 
-    def _project(self, factor: Tensor, index: int) -> Tensor:
+    def _project(self, factor: Tensor, index: int, force: bool = False) -> Tensor:
         k = self.projection_dim
         d = factor.shape[1]
-        if k is None or d <= k:
+        if k is None or (d <= k and not force):
             return factor
         key = (index, d)
         matrix = self._projections.get(key)
@@ -412,6 +417,24 @@ class TracInScorer:
             matrix = torch.randn(d, k, generator=generator, dtype=factor.dtype) / math.sqrt(k)
             self._projections[key] = matrix = matrix.to(factor.device)
         return factor @ matrix
+
+
+def _dots(left: list[list[Tensor]], right: list[list[Tensor]] | None = None) -> Tensor:
+    """Scores from features: ``sum over terms of prod over factors of left . right`` (float64).
+
+    With ``right`` omitted, every example with itself (a vector of squared norms); otherwise every example of
+    ``left`` with every example of ``right`` (a matrix).
+    """
+    total: Tensor | None = None
+    for i, term in enumerate(left):
+        product: Tensor | None = None
+        for j, factor in enumerate(term):
+            value = factor.pow(2).sum(1) if right is None else factor @ right[i][j].T
+            product = value.double() if product is None else product * value.double()
+        assert product is not None
+        total = product if total is None else total + product
+    assert total is not None
+    return total
 
 
 # ----------------------------------------------------------------------------------------------------------------
