@@ -1,6 +1,7 @@
 """Accordion on real two-process training runs (digits, step LR decay) and its parts on their own."""
 
 import copy
+import functools
 import io
 import math
 import os
@@ -27,27 +28,33 @@ MIN_NUMEL = 512  # the three weight matrices of the MLP are compressed, the bias
 EPOCHS, DECAY, INTERVAL, LOW, HIGH = 12, 7, 2, 4, 1
 
 
+@functools.cache
+def _shapes() -> tuple[tuple[str, torch.Size], ...]:
+    return tuple((name, p.shape) for name, p in DigitsMLP(digits(n=8)[0]).named_parameters())
+
+
 def _powersgd_bytes(levels: dict[str, int]) -> int:
     """Payload bytes of one step of the digits MLP under PowerSGD with these per-layer ranks (one bucket)."""
     total = 0
-    for name, p in DigitsMLP(digits(n=8)[0]).named_parameters():
+    for name, shape in _shapes():
+        numel = shape.numel()
         if name in levels:
-            n, m = p.shape[0], p.numel() // p.shape[0]
+            n, m = shape[0], numel // shape[0]
             r = min(n, m, levels[name])
             assert (n + m) * r * 2.0 < n * m, "every tracked layer is compressed at both levels"
             total += 4 * (n + m) * r
         else:
-            total += 4 * p.numel()
+            total += 4 * numel
     return total
 
 
 def _topk_bytes(levels: dict[str, float]) -> int:
     dense = k = 0
-    for name, p in DigitsMLP(digits(n=8)[0]).named_parameters():
+    for name, shape in _shapes():
         if name in levels:
-            k += keep_count(p.numel(), levels[name])
+            k += keep_count(shape.numel(), levels[name])
         else:
-            dense += p.numel()
+            dense += shape.numel()
     return 4 * dense + 2 * math.ceil(4 * k / 8) * 8  # values and int32 indices, each 8-byte aligned
 
 

@@ -242,10 +242,12 @@ class Accordion(Callback):
                     " needs automatic optimization."
                 )
             self._base_accumulation = trainer.accumulate_grad_batches
+        # which layers take a level can depend on it (PowerSGD's minimum gain): ask a copy at both levels
+        probe = copy.copy(compressor) if self._levels is not None else compressor
         self._layers = [
             name
             for i, (name, p) in enumerate(pl_module.named_parameters())
-            if p.requires_grad and self._tracks(compressor, Layer(name, i, p.shape), min_numel)
+            if p.requires_grad and self._tracks(probe, Layer(name, i, p.shape), min_numel)
         ]
         if not self._layers:
             raise MisconfigurationException(
@@ -279,10 +281,9 @@ class Accordion(Callback):
             )
         return low, high
 
-    def _tracks(self, compressor: Compressor, layer: Layer, min_numel: int) -> bool:
+    def _tracks(self, probe: Compressor, layer: Layer, min_numel: int) -> bool:
         if self._levels is None:  # batch-size mode: the layers a compressor compresses by the default rule
-            return Compressor.compresses(compressor, layer, min_numel)
-        probe = copy.copy(compressor)  # which layers take a level can depend on it (PowerSGD's minimum gain)
+            return Compressor.compresses(probe, layer, min_numel)
         for level in self._levels:
             probe.set_levels({layer.name: level})
             if probe.compresses(layer, min_numel):
