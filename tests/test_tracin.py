@@ -39,6 +39,17 @@ def _relative_error(ours, reference):
     return ((ours.double() - reference).abs().max() / reference.abs().max()).item()
 
 
+class _ShardedInfluence(pl.Callback):
+    """After TracIn scored, every rank computes the proponent/opponent matrix of held-out digits (sharded, gathered)."""
+
+    def __init__(self, tracin, dirpath):
+        self.tracin, self.dirpath = tracin, dirpath
+
+    def on_train_end(self, trainer, pl_module):
+        matrix = self.tracin.scorer(pl_module, batch_size=64).influence(trainer.train_dataloader.dataset, _test_batch())
+        torch.save(matrix, os.path.join(self.dirpath, f"influence{trainer.global_rank}.pt"))
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     """Digits with 10 % flipped labels, trained with PowerSGD on two processes, a TracIn checkpoint every epoch."""
@@ -47,11 +58,13 @@ def run(tmp_path_factory):
     tracin = TracIn(str(tmp / "tracin"), every_n_epochs=1, top_n=16, batch_size=128, show_progress=False)
     strategy = CompressedDDP(PowerSGD(rank=2), min_compress_numel=512, start_method="spawn")
     model = _model(dataset)
-    _, ranks = fit(model, strategy, str(tmp / "run"), callbacks=[tracin], max_epochs=EPOCHS)
+    probe = _ShardedInfluence(tracin, str(tmp))
+    _, ranks = fit(model, strategy, str(tmp / "run"), callbacks=[tracin, probe], max_epochs=EPOCHS)
+    influence = [torch.load(tmp / f"influence{r}.pt", weights_only=True) for r in range(2)]
     checkpoints = sorted((os.path.join(tmp, "tracin", f) for f in os.listdir(tmp / "tracin") if f.endswith(".pt")),
                          key=lambda p: int(p.rsplit("step=", 1)[1][:-3]))  # fmt: skip
     return SimpleNamespace(model=model.eval(), dataset=dataset, flipped=flipped, ranks=ranks, checkpoints=checkpoints,
-                           report=str(tmp / "tracin" / "report"))  # fmt: skip
+                           report=str(tmp / "tracin" / "report"), influence=influence)  # fmt: skip
 
 
 def test_checkpoints_hold_the_synchronised_weights_and_the_learning_rate_in_force(run):
@@ -79,6 +92,11 @@ def test_sharded_scores_are_gathered_on_every_rank_and_match_one_process(run):
     assert (scores > 0).all()
     single = TracInScorer(run.model, run.checkpoints, batch_size=64).self_influence(run.dataset)
     torch.testing.assert_close(scores, single, rtol=1e-5, atol=0)
+    # the influence matrix too: each rank a shard of the training set, gathered in order
+    matrix = TracInScorer(run.model, run.checkpoints, batch_size=64).influence(run.dataset, _test_batch())
+    assert run.influence[0].shape == (6, N)
+    assert torch.equal(run.influence[0], run.influence[1])
+    torch.testing.assert_close(run.influence[0], matrix, rtol=1e-5, atol=1e-6 * matrix.abs().max().item())
 
 
 def _captum(run, layers=None):
