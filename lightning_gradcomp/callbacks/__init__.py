@@ -1,5 +1,8 @@
-"""Callbacks that work with :class:`~lightning_gradcomp.CompressedDDP`."""
+"""Callbacks that work with :class:`~lightning_gradcomp.CompressedDDP` (and, for ``TracIn``, any DDP strategy)."""
 
+from lightning_gradcomp.callbacks.accordion import Accordion
 from lightning_gradcomp.callbacks.monitor import CompressionMonitor
+from lightning_gradcomp.callbacks.tracin import TracIn
+from lightning_gradcomp.callbacks.warmup import DGC_RAMP, DenseWarmup
 
-__all__ = ["CompressionMonitor"]
+__all__ = ["DGC_RAMP", "Accordion", "CompressionMonitor", "DenseWarmup", "TracIn"]

@@ -1,0 +1,173 @@
+"""``DenseWarmup``: plain (dense) gradient averaging for the first epochs or steps, then the configured compressor."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_gradcomp.callbacks.monitor import _require_compressed_ddp
+
+#: Deep Gradient Compression's warm-up densities (Lin et al., ICLR 2018): 75 %, 93.75 %, 98.4375 %, 99.6 % sparsity,
+#: one epoch each, before the final density.
+DGC_RAMP: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.004)
+
+
+def _check_count(value: Any, name: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MisconfigurationException(f"`{name}` must be None or an integer >= 0, got {value!r}.")
+    return value
+
+
+class DenseWarmup(Callback):
+    """Average gradients densely (as plain DDP) for the first ``epochs`` or ``steps``, then compress.
+
+    Compressing from the very first step hurts most methods: early gradients change fast and error feedback has
+    nothing to correct with yet. PowerSGD (Vogels et al., NeurIPS 2019) and torch's ``powerSGD_hook``
+    (``start_powerSGD_iter``) start with plain all-reduce; Deep Gradient Compression (Lin et al., "Deep Gradient
+    Compression: Reducing the Communication Bandwidth for Distributed Training", ICLR 2018) instead ramps the density
+    of its top-k selection down over the first epochs: 25 %, 6.25 %, 1.5625 %, 0.4 %, then 0.1 %. This callback does
+    either or both: a dense phase, then optionally such a ramp for sparsifying compressors (those whose level is a
+    keep-``ratio``: ``TopK``, ``RandomK``), then the compressor as configured.
+
+    The decision is a function of ``trainer.global_step`` (``steps``) or ``trainer.current_epoch`` (``epochs``),
+    taken in ``on_train_batch_start`` on every rank: the same on every rank, and after a resume it follows the
+    restored step, so the callback keeps no state of its own. It sets ``CompressedDDP.compression_enabled`` (and,
+    during the ramp, the compressor's ``ratio``) between steps. Error-feedback residuals are empty during the dense
+    phase; what is still owed when compression is switched off is paid into the dense all-reduce.
+
+    Args:
+        epochs: dense for the first ``epochs`` epochs (give this or ``steps``, not both).
+        steps: dense for the first ``steps`` optimizer steps (``trainer.global_step``).
+        ramp: after the dense phase, compress with these keep-ratios (densities) in turn, each for ``ramp_length``
+            epochs or steps (the unit of the dense phase), before the compressor's own ``ratio``. ``"dgc"`` is
+            :data:`DGC_RAMP` (DGC's schedule, one epoch per stage with ``epochs=0``). A density below the
+            compressor's ratio is raised to it (the ramp never compresses harder than the target). Only for
+            compressors whose level is a ``ratio``; ``None`` (default) means no ramp.
+        ramp_length: how many epochs or steps each ramp density lasts.
+
+    Raises:
+        MisconfigurationException: If not exactly one of ``epochs`` and ``steps`` is given, an argument is out of
+            range, or (in ``setup``) the strategy is not ``CompressedDDP`` or a ramp is asked for a compressor whose
+            level is not a keep-ratio.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradcomp import CompressedDDP
+        >>> from lightning_gradcomp.callbacks import DenseWarmup
+        >>> from lightning_gradcomp.compressors import TopK
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=CompressedDDP(TopK(ratio=0.001)),
+        ...                   callbacks=[DenseWarmup(epochs=1, ramp="dgc")])
+    """
+
+    def __init__(
+        self,
+        epochs: int | None = None,
+        steps: int | None = None,
+        ramp: Literal["dgc"] | Sequence[float] | None = None,
+        ramp_length: int = 1,
+    ) -> None:
+        self.epochs = _check_count(epochs, "epochs")
+        self.steps = _check_count(steps, "steps")
+        if (self.epochs is None) == (self.steps is None):
+            raise MisconfigurationException(
+                f"`DenseWarmup` needs exactly one of `epochs` and `steps` (the length of the dense phase),"
+                f" got epochs={epochs!r}, steps={steps!r}."
+            )
+        if ramp == "dgc":
+            ramp = DGC_RAMP
+        if ramp is not None:
+            if isinstance(ramp, str) or not isinstance(ramp, Sequence) or not ramp:
+                raise MisconfigurationException(
+                    f"`ramp` must be None, 'dgc' or a non-empty list of keep-ratios in (0, 1], got {ramp!r}."
+                )
+            for density in ramp:
+                if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
+                    raise MisconfigurationException(
+                        f"`ramp` must hold keep-ratios (densities) in (0, 1], got {density!r} in {list(ramp)!r}."
+                    )
+            ramp = tuple(float(d) for d in ramp)
+        if isinstance(ramp_length, bool) or not isinstance(ramp_length, int) or ramp_length < 1:
+            raise MisconfigurationException(f"`ramp_length` must be an integer >= 1, got {ramp_length!r}.")
+        if ramp is None and ramp_length != 1:
+            raise MisconfigurationException("`ramp_length` is set but there is no `ramp` to apply it to.")
+        self.ramp: tuple[float, ...] | None = ramp
+        self.ramp_length = ramp_length
+        self._target: tuple[Any, float] | None = None  # (compressor, its configured ratio) while training
+
+    @property
+    def unit(self) -> Literal["epochs", "steps"]:
+        """What the dense phase and the ramp are counted in."""
+        return "epochs" if self.epochs is not None else "steps"
+
+    @property
+    def length(self) -> int:
+        """The dense phase's length, in :attr:`unit`."""
+        return self.epochs if self.epochs is not None else self.steps  # type: ignore[return-value]
+
+    def phase(self, position: int) -> tuple[bool, int | None]:
+        """At ``position`` (an epoch or a step, as :attr:`unit`): whether to compress, and which ramp stage.
+
+        Returns ``(False, None)`` during the dense phase, ``(True, i)`` during ramp stage ``i`` and ``(True, None)``
+        afterwards.
+        """
+        if position < self.length:
+            return False, None
+        stage = (position - self.length) // self.ramp_length
+        if self.ramp is not None and stage < len(self.ramp):
+            return True, stage
+        return True, None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Lightning hooks
+    # ------------------------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        strategy = _require_compressed_ddp(trainer, self)
+        compressor = strategy.compressor
+        if self.ramp is not None and compressor.level_attribute != "ratio":
+            raise MisconfigurationException(
+                f"`DenseWarmup(ramp=...)` ramps a keep-ratio down and needs a sparsifying compressor (whose level is"
+                f" `ratio`, e.g. TopK or RandomK), got {compressor!r}."
+            )
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        what = f"the first {self.length} {self.unit}" if self.length else "no"
+        ramp = f", then keep-ratios {list(self.ramp)} for {self.ramp_length} {self.unit} each" if self.ramp else ""
+        rank_zero_info(f"DenseWarmup: dense all-reduce for {what}{ramp}, then {trainer.strategy.compressor!r}.")
+
+    @override
+    def on_train_batch_start(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        position = trainer.current_epoch if self.epochs is not None else trainer.global_step
+        compress, stage = self.phase(position)
+        strategy = trainer.strategy
+        strategy.compression_enabled = compress
+        if self.ramp is None:
+            return
+        compressor = strategy.compressor
+        if self._target is None or self._target[0] is not compressor:
+            # the configured ratio, remembered once per compressor (the ramp overwrites the attribute)
+            self._target = (compressor, compressor.ratio)
+        target = self._target[1]
+        ratio = target if stage is None else max(self.ramp[stage], target)
+        if compressor.ratio != ratio:
+            compressor.ratio = compressor.check_level(ratio)  # the hook re-plans when the level changes
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # leave the compressor as configured (a run that ends inside the ramp must not change a later fit)
+        if self._target is not None:
+            compressor, ratio = self._target
+            compressor.ratio = ratio
+            self._target = None
