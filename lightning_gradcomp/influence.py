@@ -496,7 +496,13 @@ def write_report(
             writer.writerow(row + [f"{float(values[index]):.9g}" for values in columns.values()])
     if top_n <= 0:
         return csv_path, None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError as error:  # pragma: no cover - depends on the environment
+        raise ImportError(
+            "TracIn's PNG report needs matplotlib: pip install 'lightning-gradcomp[influence]' (or pass top_n=0 for"
+            " the CSV alone)."
+        ) from error
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
