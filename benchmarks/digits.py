@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gradcomp.tasks.data import flip_labels
+
 
 def digits(n: int | None = None, flip_fraction: float = 0.0, seed: int = 0) -> tuple[TensorDataset, list[int]]:
     """The digits as ``(x, y)`` with ``x`` of 64 features in [0, 1]; ``flip_fraction`` of the labels are changed.
@@ -31,10 +33,8 @@ def digits(n: int | None = None, flip_fraction: float = 0.0, seed: int = 0) -> t
     y = torch.tensor(data.target, dtype=torch.long)[order]
     flipped: list[int] = []
     if flip_fraction > 0:
-        count = int(round(flip_fraction * len(y)))
-        flipped = sorted(torch.randperm(len(y), generator=g)[:count].tolist())
-        shift = torch.randint(1, 10, (count,), generator=g)  # another class, uniformly
-        y[flipped] = (y[flipped] + shift) % 10
+        y, changed = flip_labels(y, flip_fraction, g)
+        flipped = changed.tolist()
     return TensorDataset(x, y), flipped
 
 

@@ -10,6 +10,21 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, TensorDataset
 
 
+def flip_labels(
+    labels: torch.Tensor, fraction: float, generator: torch.Generator, num_classes: int = 10
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replace ``fraction`` of ``labels`` by a different class drawn uniformly (label noise for TracIn's demo).
+
+    Returns the new labels and the sorted indices of the changed ones.
+    """
+    count = int(round(fraction * len(labels)))
+    flipped = torch.randperm(len(labels), generator=generator)[:count].sort().values
+    shift = torch.randint(1, num_classes, (count,), generator=generator)  # never the original class
+    noisy = labels.clone()
+    noisy[flipped] = (noisy[flipped] + shift) % num_classes
+    return noisy, flipped
+
+
 class DigitsDataModule(pl.LightningDataModule):
     """The 1,797 8x8 handwritten digits that ship with scikit-learn: a small, real, offline image dataset.
 
@@ -59,12 +74,9 @@ class DigitsDataModule(pl.LightningDataModule):
         train, val = order[n_val:], order[:n_val]
         mean, std = x[train].mean(), x[train].std()
         x = (x - mean) / std
-        y_train = y[train].clone()
+        y_train = y[train]
         if self.label_noise > 0:
-            n_flip = int(round(self.label_noise * len(train)))
-            self.flipped = torch.randperm(len(train), generator=g)[:n_flip]
-            shift = torch.randint(1, 10, (n_flip,), generator=g)
-            y_train[self.flipped] = (y_train[self.flipped] + shift) % 10
+            y_train, self.flipped = flip_labels(y_train, self.label_noise, g)
         self.train_set = TensorDataset(x[train], y_train)
         self.val_set = TensorDataset(x[val], y[val])
 
