@@ -3,10 +3,11 @@
 Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))``.
 """
 
-from lightning_gradcomp import callbacks, compressors
+from lightning_gradcomp import callbacks, compressors, transforms
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.transforms import PacTrain, Pufferfish
 
 __version__ = "0.1.0.dev0"
 
@@ -16,7 +17,10 @@ __all__ = [
     "CompressionState",
     "Compressor",
     "Layer",
+    "PacTrain",
+    "Pufferfish",
     "callbacks",
     "compression_hook",
     "compressors",
+    "transforms",
 ]
