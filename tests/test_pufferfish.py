@@ -206,6 +206,9 @@ def test_full_rank_patterns_positions_and_savings():
     # at rank ratio 1/2 a square layer saves nothing: it stays full-rank, with the reason
     decisions = plan(model, 0.5, full_rank=[])
     assert {d.name: d.reason for d in decisions}["2"] == "no parameters saved at this rank"
+    from lightning_gradcomp.transforms.pufferfish import unused_rules
+
+    assert unused_rules(model, ["1", "conv*", 3, 4, -5]) == ["conv*", 4, -5]  # reported as likely typos
     tied = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 10))
     tied[1].weight = tied[0].weight
     assert candidates(tied) == []  # a shared weight cannot be factorized in one place only

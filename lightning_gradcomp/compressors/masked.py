@@ -118,6 +118,7 @@ class _Layout:
     layers: tuple[Layer, ...]  # the compact layers, for the inner compressor's context
     numel: int
     partial: bool  # whether any layer is masked or compacted
+    scratch: dict = dataclasses.field(default_factory=dict, compare=False)  # buffers reduce() reuses every step
 
 
 def _row_structured(mask: Tensor) -> bool:
@@ -231,8 +232,20 @@ class MaskedCompressor(Compressor):
         return _Entry("elements", layer, Layer(layer.name, layer.index, torch.Size((index.numel(),)), offset),
                       index=index)  # fmt: skip
 
-    def _gather(self, tensor: Tensor, layout: _Layout) -> Tensor:
-        compact = torch.empty(layout.numel, dtype=tensor.dtype, device=tensor.device)
+    def _gather(self, tensor: Tensor, layout: _Layout, reuse: str | None = None) -> Tensor:
+        """The compact buffer of ``tensor``; ``reuse`` names a buffer kept for the next step (``reduce`` only).
+
+        Reusing matters on the CPU, where allocating a bucket-sized tensor every step costs page faults; payloads
+        returned by ``compress`` may be the buffer itself (``Identity``), so they always get a fresh one.
+        """
+        compact = None
+        if reuse is not None:
+            compact = layout.scratch.get((reuse, tensor.dtype))
+            if compact is None:
+                compact = torch.empty(layout.numel, dtype=tensor.dtype, device=tensor.device)
+                layout.scratch[(reuse, tensor.dtype)] = compact
+        if compact is None:
+            compact = torch.empty(layout.numel, dtype=tensor.dtype, device=tensor.device)
         for e in layout.entries:
             target = e.compact.flat(compact)
             if e.mode == "whole":
@@ -307,10 +320,10 @@ class MaskedCompressor(Compressor):
             return self.inner.reduce(tensor, ctx)
         comm = _require_comm(ctx)
         with comm.timed("encode"):
-            compact = self._gather(tensor, layout)
+            compact = self._gather(tensor, layout, reuse="gradient")
             residual = None
             if ctx.residual is not None:
-                residual = self._gather(ctx.residual, layout)
+                residual = self._gather(ctx.residual, layout, reuse="residual")
                 ctx.residual.add_(tensor)  # pruned entries owe their gradient; the kept ones are overwritten below
         reduced = self.inner.reduce(compact, self._inner_ctx(ctx, layout, residual))
 
@@ -337,7 +350,7 @@ class MaskedCompressor(Compressor):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_layouts"] = {}  # device index tensors: rebuilt on demand
+        state["_layouts"] = {}  # device index tensors and buffers: rebuilt on demand
         return state
 
     def __repr__(self) -> str:

@@ -176,6 +176,18 @@ def plan(model: nn.Module, rank_ratio: float, full_rank: Sequence[str | int] | N
     return decisions
 
 
+def unused_rules(model: nn.Module, full_rank: Sequence[str | int]) -> list[str | int]:
+    """The patterns of ``full_rank`` that match no candidate layer and the positions out of range (likely typos)."""
+    names = [name for name, _ in candidates(model)]
+    n = len(names)
+    return [
+        rule
+        for rule in full_rank
+        if (isinstance(rule, str) and not any(fnmatch.fnmatchcase(name, rule) for name in names))
+        or (isinstance(rule, int) and not -n <= rule < n)
+    ]
+
+
 def apply_factorization(model: nn.Module, layers: Sequence[str], rank_ratio: float, svd: bool = True) -> None:
     """Replace each named layer of ``model`` by its SVD-initialised factorization (in place).
 
@@ -312,6 +324,8 @@ class Pufferfish(ModelTransform):
     def factorize(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Factorize ``pl_module`` now and re-wrap it (call on every rank, between steps)."""
         strategy = _require_compressed_ddp(trainer, self)
+        if self.full_rank is not None and (unused := unused_rules(pl_module, self.full_rank)):
+            rank_zero_warn(f"Pufferfish: `full_rank` entries {unused} match no factorizable layer (see `candidates`).")
         decisions = plan(pl_module, self.rank_ratio, self.full_rank)
         chosen = [d.name for d in decisions if d.factorize]
         before = count_parameters(pl_module)
