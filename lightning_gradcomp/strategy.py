@@ -201,7 +201,6 @@ class CompressedDDP(DDPStrategy):
         _optimizers_to_device(self.optimizers, self.root_device)
         if keep_lr_schedule:
             _carry_schedule(old_optimizers, self.optimizers, old_schedulers, self.lr_scheduler_configs)
-        del old_ddp
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
