@@ -2,6 +2,7 @@
 
 import copy
 import os
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from lightning_gradcomp.compressors.base import Layer, layers_from_shapes
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 from lightning_gradcomp.transforms.pactrain import magnitude_masks, prunable_parameters, sparsity_at
+from tests.distributed import run_distributed
 from tests.models import fit
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -213,6 +215,26 @@ def _grads_for(layers, n):
 # --------------------------------------------------------------------------------------------------------------------
 # Training on two processes
 # --------------------------------------------------------------------------------------------------------------------
+def _check_masks(rank, world_size):
+    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    results = []
+    for differ in (False, True):
+        callback = PacTrain()
+        callback.masks.update({"w": torch.arange(12).view(3, 4) % (2 + (rank if differ else 0)) == 0})
+        try:
+            callback._verify(trainer)
+            results.append("same")
+        except RuntimeError as error:
+            results.append(str(error))
+    return results
+
+
+def test_masks_that_differ_between_ranks_are_caught():
+    for same, different in run_distributed(_check_masks):
+        assert same == "same"
+        assert "masks differ between ranks" in different
+
+
 class _Watch(Callback):
     """After every step (and PacTrain's re-masking): are the pruned weights zero; the masks' density and checksum."""
 

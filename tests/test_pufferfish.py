@@ -15,6 +15,7 @@ from lightning_gradcomp.models import VGG19BN, CifarResNet18
 from lightning_gradcomp.transforms import count_macs, count_parameters, factorize, svd_factors
 from lightning_gradcomp.transforms.lowrank import FactorizedConv, FactorizedLinear
 from lightning_gradcomp.transforms.pufferfish import apply_factorization, candidates, plan
+from tests.distributed import run_distributed
 from tests.models import fit
 
 
@@ -271,6 +272,8 @@ class _Record(Callback):
                 "lrs": self.lrs,
                 "optimizer_has_every_parameter": optimized == {id(p) for p in pl_module.parameters()},
                 "ddp_wraps_module": trainer.strategy.model.module is pl_module,
+                "lightning_optimizer_wraps_it": trainer.strategy._lightning_optimizers[0].optimizer
+                is trainer.optimizers[0],
                 "factorized": [
                     n for n, m in pl_module.named_modules() if isinstance(m, (FactorizedConv, FactorizedLinear))
                 ],
@@ -341,6 +344,21 @@ def test_factorization_mid_training_with_two_processes_then_resume(tmp_path):
         assert torch.equal(resumed[r]["params"], straight[r]["params"]), f"rank {r} differs after the resume"
     torch.testing.assert_close(torch.tensor(resumed_extra[0]["lrs"]), torch.tensor(lrs[2 * steps_per_epoch :]),
                                rtol=0, atol=0)  # fmt: skip
+
+
+def _replica_check(rank, world_size):
+    from lightning_gradcomp.transforms.pufferfish import _identical_on_all_ranks
+
+    same = torch.arange(6.0)
+    return _identical_on_all_ranks([same], torch.device("cpu")), _identical_on_all_ranks(
+        [same, same + rank * 1e-7], torch.device("cpu")
+    )
+
+
+def test_the_replica_check_sees_a_tiny_difference():
+    for same, different in run_distributed(_replica_check):
+        assert same is True
+        assert different is False
 
 
 def test_factorized_from_the_first_step(tmp_path):
