@@ -3,10 +3,11 @@
 Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))``.
 """
 
-from lightning_gradcomp import callbacks, comm, compressors, tasks, testing
+from lightning_gradcomp import callbacks, comm, compressors, tasks, testing, transforms
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.transforms import PacTrain, Pufferfish
 
 __version__ = "0.1.0.dev0"
 
@@ -16,10 +17,13 @@ __all__ = [
     "CompressionState",
     "Compressor",
     "Layer",
+    "PacTrain",
+    "Pufferfish",
     "callbacks",
     "comm",
     "compression_hook",
     "compressors",
     "tasks",
     "testing",
+    "transforms",
 ]

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch.distributed as dist
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -19,6 +21,8 @@ from typing_extensions import override
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.hook import CompressionState, compression_hook
+from lightning_gradcomp.transforms.base import CHECKPOINT_KEY as _TRANSFORMS_KEY
+from lightning_gradcomp.transforms.base import ModelTransform
 
 log = logging.getLogger(__name__)
 
@@ -183,6 +187,64 @@ class CompressedDDP(DDPStrategy):
         self._state.ensure_rounds()
 
     # ------------------------------------------------------------------------------------------------------------
+    # A model whose structure changed during fit (Pufferfish's factorization)
+    # ------------------------------------------------------------------------------------------------------------
+    def rewrap_model(self, keep_lr_schedule: bool = True) -> None:
+        """Wrap the LightningModule in a new ``DistributedDataParallel`` after its parameters changed, mid-fit.
+
+        Call it on every rank at the same point, between steps (a callback's ``on_train_epoch_start``, for example),
+        after replacing submodules. It drops the old DDP wrapper and its autograd hooks, wraps the module again (DDP
+        broadcasts rank 0's parameters and buffers, so every replica starts equal), registers the communication hook
+        again (a hook can be registered only once per DDP object), keeps the error-feedback residuals of parameters
+        that still exist, and rebuilds the optimizers and LR schedulers with ``configure_optimizers`` (optimizer
+        state such as momentum starts afresh, as Pufferfish's code does when it re-creates its optimizer).
+
+        Args:
+            keep_lr_schedule: carry each scheduler's position (and each parameter group's hyper-parameters, such as
+                the current learning rate) over to the rebuilt ones, so the schedule goes on where it was instead of
+                starting again. Needs the same number of optimizers, schedulers and parameter groups as before.
+        """
+        trainer = self.lightning_module.trainer
+        module = self.lightning_module
+        old_ddp = self.model
+        old_optimizers, old_schedulers = list(self.optimizers), list(self.lr_scheduler_configs)
+        if isinstance(old_ddp, DistributedDataParallel) and hasattr(old_ddp, "_remove_autograd_hooks"):
+            # the reducer's hooks sit on parameters the new wrapper shares; they must not fire twice
+            old_ddp._remove_autograd_hooks()
+        module.zero_grad(set_to_none=True)  # no gradient may still be a view into the old wrapper's buckets
+        self.model = module
+        self.model_to_device()
+        self.configure_ddp()
+        self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        _optimizers_to_device(self.optimizers, self.root_device)
+        if keep_lr_schedule:
+            _carry_schedule(old_optimizers, self.optimizers, old_schedulers, self.lr_scheduler_configs)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Rebuild any transformed model structure recorded in the checkpoint, then load the weights into it.
+
+        Args:
+            checkpoint: the loaded checkpoint dictionary.
+            strict: passed to ``Module.load_state_dict``.
+        """
+        # a transformed structure (a factorized model) must exist before its weights load into it
+        structures = checkpoint.get(_TRANSFORMS_KEY, {})
+        for callback in self._transforms():
+            callback.restore_structure(self.lightning_module, structures.get(callback.state_key))
+        super().load_model_state_dict(checkpoint, strict=strict)
+
+    def _transforms(self) -> list[ModelTransform]:
+        return _transforms(getattr(self.lightning_module, "_trainer", None))
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _MultiProcessingLauncher:
+            self._launcher = _Launcher(self, start_method=self._start_method)
+
+    # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: every rank's compressor state travels with the checkpoint
     # ------------------------------------------------------------------------------------------------------------
     @override
@@ -190,6 +252,9 @@ class CompressedDDP(DDPStrategy):
         """Save like DDPStrategy, with every rank's compressor state gathered into ``checkpoint["gradcomp"]``."""
         # Lightning calls this on every rank and writes on rank 0 only, so the other ranks' residuals are gathered
         # here; a weights-only checkpoint (no "loops") carries no training state, on every rank alike
+        structures = {cb.state_key: cb.structure_state() for cb in self._transforms()}
+        if any(state is not None for state in structures.values()):
+            checkpoint[_TRANSFORMS_KEY] = structures  # also in weights-only checkpoints: they need the structure too
         if "loops" in checkpoint and dist.is_available() and dist.is_initialized():
             mine = self._state.state_dict()
             gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
@@ -241,3 +306,52 @@ class CompressedDDP(DDPStrategy):
             f" ({compressed_numel:,} of {total_numel:,} elements; the rest are averaged densely);"
             f" error feedback {ef}; {self.world_size} processes."
         )
+
+
+def _transforms(trainer: pl.Trainer | None) -> list[ModelTransform]:
+    return [cb for cb in trainer.callbacks if isinstance(cb, ModelTransform)] if trainer is not None else []
+
+
+class _Launcher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher that also brings a changed model structure back to the main process.
+
+    Lightning copies rank 0's final weights into the main process's module with ``strict=False``; without the
+    structure rebuilt first, a factorized model's factors would be dropped and its old layers silently kept.
+    """
+
+    @override
+    def get_extra_results(self, trainer: pl.Trainer) -> dict[str, Any]:
+        extra = super().get_extra_results(trainer)
+        extra[_TRANSFORMS_KEY] = {cb.state_key: cb.structure_state() for cb in _transforms(trainer)}
+        return extra
+
+    @override
+    def _recover_results_in_main_process(self, worker_output: Any, trainer: pl.Trainer) -> None:
+        structures = (worker_output.extra or {}).get(_TRANSFORMS_KEY, {})
+        for callback in _transforms(trainer):
+            callback.restore_structure(trainer.lightning_module, structures.get(callback.state_key))
+        super()._recover_results_in_main_process(worker_output, trainer)
+
+
+def _carry_schedule(old_optimizers: list, new_optimizers: list, old_configs: list, new_configs: list) -> None:
+    """Continue the LR schedule of ``old_*`` in the rebuilt ``new_*`` (learning rates and scheduler positions)."""
+    shapes_match = len(old_optimizers) == len(new_optimizers) and all(
+        len(a.param_groups) == len(b.param_groups) for a, b in zip(old_optimizers, new_optimizers)
+    )
+    if not shapes_match or len(old_configs) != len(new_configs):
+        rank_zero_warn(
+            "rewrap_model(keep_lr_schedule=True): configure_optimizers returned a different number of optimizers,"
+            " parameter groups or schedulers than before; the rebuilt ones start from their initial state."
+        )
+        return
+    for old, new in zip(old_optimizers, new_optimizers):
+        for old_group, new_group in zip(old.param_groups, new.param_groups):
+            new_group.update({k: v for k, v in old_group.items() if k != "params"})
+    for old, new in zip(old_configs, new_configs):
+        if type(old.scheduler) is type(new.scheduler):
+            new.scheduler.load_state_dict(old.scheduler.state_dict())
+        else:
+            rank_zero_warn(
+                f"rewrap_model(keep_lr_schedule=True): the rebuilt scheduler {type(new.scheduler).__name__} is not"
+                f" a {type(old.scheduler).__name__}; it starts from its initial state."
+            )

@@ -6,9 +6,27 @@ import pickle
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD, RandomK, TopK
+from lightning_gradcomp.compressors import BF16, FP16, Identity, MaskedCompressor, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
+
+# a conv weight, two same-shape matrices apart (batching groups them out of layer order), a tall and a wide matrix
+SHAPES = [(16, 4, 3, 3), (48, 64), (96, 24), (48, 64), (24, 96)]
+
+
+def _pruning_masks() -> dict[str, torch.Tensor]:
+    """Masks of every kind MaskedCompressor handles: compacted elements (50%, 90% pruned), compacted rows, none
+    (param3: sent whole) and a dense one (5% pruned: above the threshold, masked in place)."""
+    g = torch.Generator().manual_seed(42)
+    rows = torch.zeros(96, 1, dtype=torch.bool)
+    rows[torch.randperm(96, generator=g)[:40]] = True
+    return {
+        "param0": torch.rand(SHAPES[0], generator=g) < 0.5,
+        "param1": torch.rand(SHAPES[1], generator=g) < 0.1,
+        "param2": rows.expand(SHAPES[2]).clone(),
+        "param4": torch.rand(SHAPES[4], generator=g) < 0.95,
+    }
+
 
 COMPRESSORS = {
     "identity": Identity(),
@@ -23,9 +41,10 @@ COMPRESSORS = {
     "powersgd-r4-qr": PowerSGD(rank=4, min_compression_rate=1.0),
     "powersgd-batched": PowerSGD(rank=2, batch_same_shape=True),
     "powersgd-torch-init": PowerSGD(rank=2, init="torch"),
+    "masked": MaskedCompressor(Identity(), _pruning_masks()),
+    "masked-topk": MaskedCompressor(TopK(ratio=0.2), _pruning_masks()),
+    "masked-powersgd": MaskedCompressor(PowerSGD(rank=2), _pruning_masks()),
 }
-# a conv weight, two same-shape matrices apart (batching groups them out of layer order), a tall and a wide matrix
-SHAPES = [(16, 4, 3, 3), (48, 64), (96, 24), (48, 64), (24, 96)]
 # half-precision casts round: compare them loosely, everything else tightly
 TOLERANCE = {"fp16": {"rtol": 2e-3, "atol": 1e-3}, "bf16": {"rtol": 2e-2, "atol": 1e-2}}
 # casts sum their payloads in half precision (as torch's hooks do); that rounding is not a compression error, so error
