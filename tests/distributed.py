@@ -1,5 +1,6 @@
 """Run a function on several gloo processes and collect what each returns (the torchmetrics/accelerate pattern)."""
 
+import faulthandler
 import os
 import socket
 import tempfile
@@ -18,6 +19,10 @@ def free_port() -> int:
 
 
 def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, outdir: str) -> None:
+    # keep what a crashing rank prints (C++ aborts included) and the Python stack at a fatal signal, for the report
+    err = open(os.path.join(outdir, f"rank{rank}.err"), "w")  # noqa: SIM115 (open for the life of the process)
+    os.dup2(err.fileno(), 2)
+    faulthandler.enable(err, all_threads=True)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
@@ -32,5 +37,20 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
 def run_distributed(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; return each rank's result."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_entry, args=(world_size, free_port(), fn, args, outdir), nprocs=world_size)
+        try:
+            mp.spawn(_entry, args=(world_size, free_port(), fn, args, outdir), nprocs=world_size)
+        except mp.ProcessExitedException as error:
+            raise RuntimeError(f"{error}\n{_stderr_tails(outdir, world_size)}") from error
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _stderr_tails(outdir: str, world_size: int, chars: int = 6000) -> str:
+    tails = []
+    for rank in range(world_size):
+        path = os.path.join(outdir, f"rank{rank}.err")
+        text = "(nothing)"
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                text = f.read()
+        tails.append(f"--- rank {rank} stderr (tail) ---\n{text[-chars:]}")
+    return "\n".join(tails)
