@@ -22,8 +22,8 @@ def _grads(n, seed, dtype=torch.float64):
 
 
 def _reference_step(grad, residue, bins=(50, 500)):
-    """One rank, bin by bin in Python: G = R + dW, H = G + dW, select |H| >= max |G| of the bin (and G != 0),
-    send sign(G) * mean of the bin maxima; R = G - sent."""
+    """One rank, bin by bin in Python: G = R + dW, H = G + dW, select |H| >= max |G| of the bin (a bin of zeros:
+    nothing), send +-(mean of the bin maxima) by the sign of G (G > 0: plus); R = G - sent."""
     sent = torch.zeros_like(grad)
     new_residue = torch.zeros_like(grad)
     for layer, size in zip(LAYERS, bins):
@@ -34,7 +34,7 @@ def _reference_step(grad, residue, bins=(50, 500)):
         out = layer.flat(sent)
         for b, start in enumerate(range(0, layer.numel, size)):
             for j in range(start, min(start + size, layer.numel)):
-                if abs(h[j]) >= maxima[b] and g[j] != 0:
+                if abs(h[j]) >= maxima[b] and maxima[b] > 0:
                     out[j] = scale if g[j] > 0 else -scale
         layer.flat(new_residue).copy_(g - out)
     return sent, new_residue

@@ -37,15 +37,16 @@ def _wire(value):
 
 
 def _qsgd_reference(x, ctx, levels, bucket_size):
+    """Per bucket: l = floor(s |v| / ||v|| + u), u uniform: l is floor(s |v| / ||v||) + 1 with probability equal to
+    the fractional part (the paper's stochastic rounding), every draw from the compressor's generator."""
     out = torch.empty_like(x)
     for layer in ctx.layers:
         v, u = layer.flat(x), _draws(ctx, layer)
         for start in range(0, layer.numel, bucket_size):
             b = slice(start, min(start + bucket_size, layer.numel))
             norm = _wire(v[b].norm().item())
-            ratio = levels * v[b].abs() / norm
-            level = ratio.floor() + (u[b] < ratio - ratio.floor())
-            layer.flat(out)[b] = norm * level / levels * torch.sign(v[b])
+            level = (v[b].abs() * (levels / norm) + u[b]).floor()
+            layer.flat(out)[b] = torch.sign(v[b]) * level * (norm / levels)
     return out
 
 

@@ -18,9 +18,15 @@ from lightning_gradcomp.compressors.base import (
     check_positive_int,
 )
 from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
-from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, ordered, sparse_layout
+from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 
 _WIRE = torch.float32
+
+
+def _abs_max(rows: Tensor) -> Tensor:
+    """``max |x|`` of every row."""
+    low, high = torch.aminmax(rows, dim=1)
+    return torch.maximum(high, low.neg_())
 
 
 class _Selection:
@@ -45,10 +51,10 @@ class AdaComp(Compressor):
     2. the layer is cut into bins of ``L`` consecutive elements (the last may be shorter): ``L = bin_size_conv``
        (50) for convolutions (>= 3-D weights), ``bin_size_fc`` (500) for fully-connected and recurrent weights
        (2-D); ``gmax[b] = max |G|`` over bin ``b``;
-    3. element ``j`` is sent iff ``|H_j| >= gmax[bin(j)]`` (and ``G_j != 0``: an all-zero bin sends nothing, a guard
-       the operator's description does not mention [inferred]); the number sent adapts to each bin;
-    4. the layer's scale is ``mean_b gmax[b]``; a sent element is ``sign(G_j) scale`` (a sign bit each, one fp32
-       scale per layer); the residue becomes ``G - sent``.
+    3. element ``j`` is sent iff ``|H_j| >= gmax[bin(j)]``, the number sent adapting to each bin (an all-zero bin,
+       whose maximum 0 would select all of it, sends nothing: a guard the operator does not have [inferred]);
+    4. the layer's scale is ``mean_b gmax[b]``; a sent element is ``+scale`` if ``G_j > 0``, else ``-scale`` (a sign
+       bit each, one fp32 scale per layer, as the operator encodes it); the residue becomes ``G - sent``.
 
     The 50/500 bin lengths [recall] and the mean of the bin maxima as the scale [code, third-party operator; the
     paper's own statistic could not be checked] are configurable only in the bin lengths; which layers are exempt
@@ -97,24 +103,32 @@ class AdaComp(Compressor):
         for layer in ctx.layers:
             g, h = layer.flat(residue_plus_grad), layer.flat(soft)
             size = self.bin_size(layer)
-            bins = -(-layer.numel // size)
-            magnitude = torch.nn.functional.pad(g.abs(), (0, bins * size - layer.numel))
-            gmax = magnitude.view(bins, size).amax(dim=1)
-            threshold = gmax.unsqueeze(1).expand(bins, size).reshape(-1)[: layer.numel]
-            indices = torch.nonzero((h.abs() >= threshold) & (g != 0)).squeeze(1)
+            full = layer.numel // size * size
+            # bin maxima of |G| on 2-D views (the last bin may be short), from the extremes: no |G| temporary
+            gmax = [_abs_max(g[:full].view(-1, size))] if full else []
+            if full < layer.numel:
+                gmax.append(_abs_max(g[full:].view(1, -1)))
+            gmax = torch.cat(gmax)
+            # an all-zero bin sends nothing (its maximum would select every element)
+            threshold = torch.where(gmax > 0, gmax, torch.full_like(gmax, float("inf")))
+            chosen = torch.empty(layer.numel, dtype=torch.bool, device=g.device)
+            if full:
+                torch.ge(h[:full].view(-1, size).abs(), threshold[: full // size].unsqueeze(1),
+                         out=chosen[:full].view(-1, size))  # fmt: skip
+            if full < layer.numel:
+                torch.ge(h[full:].abs(), threshold[-1], out=chosen[full:])
+            indices = torch.nonzero(chosen).squeeze(1)
             out.append(_Selection(indices, g[indices] > 0, gmax.mean().to(_WIRE)))
         return out
 
     def _payload(self, selections: Sequence[_Selection], layout: SparseLayout, like: Tensor) -> Payload:
         """``(index blob, sign bits, scales)`` with ``layout``'s slots per layer."""
+        # indices come from nonzero(), in increasing order: the order a bitmap decodes to, so signs need no reordering
         indices, signs = [], []
         for segment, chosen in zip(layout.segments, selections):
-            idx, positive = chosen.indices, chosen.positive
-            if segment.bitmap:  # a bitmap decodes in increasing order: the signs must follow it
-                idx, positive = ordered(idx, positive)
-            indices.append(idx)
-            signs.append(torch.nn.functional.pad(positive, (0, segment.slots - positive.numel())))
-        blob, _ = encode_sparse(layout, indices, None, like)
+            indices.append(chosen.indices)
+            signs.append(torch.nn.functional.pad(chosen.positive, (0, segment.slots - chosen.positive.numel())))
+        blob, _ = encode_sparse(layout, indices, None, like, ordered_=True)
         bits = pack_bits(torch.cat(signs)) if signs else torch.empty(0, dtype=torch.uint8, device=like.device)
         scales = torch.stack([s.scale for s in selections]) if selections else torch.zeros(0, dtype=_WIRE)
         return blob, bits, scales

@@ -13,6 +13,8 @@ machine's byte order.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -42,23 +44,33 @@ def pack_uint(values: Tensor, bits: int) -> Tensor:
     """
     _check_bits(bits)
     n = values.numel()
-    device = values.device
     if n == 0:
-        return torch.empty(0, dtype=torch.uint8, device=device)
-    if 8 % bits == 0:  # 1, 2, 4, 8 bits: whole values per byte, all in uint8
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    v = values.reshape(-1).to(torch.uint8)
+    if bits == 1 and _LITTLE_ENDIAN:
+        # 8 bytes of 0/1 read as one int64; the multiplication gathers bit 0 of byte j at bit 56 + j (every partial
+        # product lands on its own bit, so nothing carries): the top byte is the packed byte
+        v = _pad_to(v, 8)
+        if v.storage_offset() % 8:
+            v = v.clone()  # a view as int64 needs 8-byte alignment
+        return ((v.view(torch.int64) * _GATHER) >> 56).to(torch.uint8)
+    if 8 % bits == 0:  # 2, 4, 8 bits: whole values per byte, combined column by column (strided, in place)
         per = 8 // bits
-        v = values.reshape(-1).to(torch.uint8)
-        if n % per:
-            v = F.pad(v, (0, per - n % per))
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
-        return (v.view(-1, per) << shifts).sum(1, dtype=torch.uint8)  # disjoint bits: the sum is a bitwise or
-    # 3, 5, 6, 7 bits: 8 values make exactly `bits` bytes; assemble them in an int64 and split it into bytes
-    v = values.reshape(-1).to(torch.int64)
-    if n % 8:
-        v = F.pad(v, (0, 8 - n % 8))
-    words = (v.view(-1, 8) << torch.arange(0, 8 * bits, bits, device=device)).sum(1)
-    out = (words.unsqueeze(1) >> torch.arange(0, 8 * bits, 8, device=device)) & 0xFF
-    return out.to(torch.uint8).reshape(-1)[: packed_nbytes(n, bits)]
+        columns = _pad_to(v, per).view(-1, per)
+        out = columns[:, per - 1].clone()
+        for j in range(per - 2, -1, -1):
+            out.bitwise_left_shift_(bits).bitwise_or_(columns[:, j])
+        return out
+    # 3, 5, 6, 7 bits: 8 values make exactly `bits` bytes; assemble them in an int64, then split it into bytes
+    columns = _pad_to(v, 8).view(-1, 8)
+    words = columns[:, 7].to(torch.int64, copy=True)
+    for j in range(6, -1, -1):
+        words.bitwise_left_shift_(bits).bitwise_or_(columns[:, j])
+    out = torch.empty(words.numel(), bits, dtype=torch.uint8, device=v.device)
+    for j in range(bits):
+        out[:, j] = words & 0xFF
+        words.bitwise_right_shift_(8)
+    return out.reshape(-1)[: packed_nbytes(n, bits)]
 
 
 def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
@@ -67,17 +79,30 @@ def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
     device = packed.device
     if n == 0:
         return torch.empty(0, dtype=torch.uint8, device=device)
+    packed = packed[: packed_nbytes(n, bits)]
+    if bits == 1 and _LITTLE_ENDIAN:
+        # spread: the byte copied into all 8 bytes of an int64, byte j keeps its bit j (non-zero iff set)
+        spread = (packed.to(torch.int64) * _SPREAD) & _PICK
+        return spread.view(torch.uint8).ne(0).view(torch.uint8)[:n]
     mask = (1 << bits) - 1
     if 8 % bits == 0:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=device)
-        return ((packed[: packed_nbytes(n, bits)].unsqueeze(1) >> shifts) & mask).reshape(-1)[:n]
+        per = 8 // bits
+        out = torch.empty(packed.numel(), per, dtype=torch.uint8, device=device)
+        rest = packed.clone()
+        for j in range(per):
+            torch.bitwise_and(rest, mask, out=out[:, j])
+            rest.bitwise_right_shift_(bits)
+        return out.reshape(-1)[:n]
     groups = (n + 7) // 8
-    b = packed[: packed_nbytes(n, bits)].to(torch.int64)
-    if b.numel() < groups * bits:
-        b = F.pad(b, (0, groups * bits - b.numel()))
-    words = (b.view(groups, bits) << torch.arange(0, 8 * bits, 8, device=device)).sum(1)
-    values = (words.unsqueeze(1) >> torch.arange(0, 8 * bits, bits, device=device)) & mask
-    return values.to(torch.uint8).reshape(-1)[:n]
+    columns = _pad_to(packed, groups * bits).view(groups, bits)
+    words = columns[:, bits - 1].to(torch.int64, copy=True)
+    for j in range(bits - 2, -1, -1):
+        words.bitwise_left_shift_(8).bitwise_or_(columns[:, j])
+    out = torch.empty(groups, 8, dtype=torch.uint8, device=device)
+    for j in range(8):
+        out[:, j] = words & mask
+        words.bitwise_right_shift_(bits)
+    return out.reshape(-1)[:n]
 
 
 def pack_bits(mask: Tensor) -> Tensor:
@@ -87,7 +112,18 @@ def pack_bits(mask: Tensor) -> Tensor:
 
 def unpack_bits(packed: Tensor, n: int) -> Tensor:
     """The first ``n`` bits of ``packed`` as a bool tensor."""
-    return unpack_uint(packed, 1, n).bool()
+    return unpack_uint(packed, 1, n).view(torch.bool)
+
+
+def _pad_to(v: Tensor, multiple: int) -> Tensor:
+    return F.pad(v, (0, -v.numel() % multiple)) if v.numel() % multiple else v
+
+
+# bit tricks on int64 words (two's complement: the constants are the signed values of the 64-bit patterns)
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_GATHER = 0x0102040810204080  # bit 0 of byte j -> bit 56 + j
+_SPREAD = 0x0101010101010101  # a byte copied into every byte
+_PICK = 0x8040201008040201 - (1 << 64)  # byte j keeps bit j
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -117,21 +153,29 @@ def pack_fields(values: Tensor, width: int) -> Tensor:
     If every field of the summed words stays below ``2**width`` (the caller picks ``width`` with
     :func:`field_width` for the largest possible sum), a SUM all-reduce of the words sums every field exactly, with no
     carry between fields: an exact integer-domain reduction of many small values in one collective.
+
+    Layout (planar, so that every step reads and writes contiguous memory): with ``W`` words, value ``i`` sits in
+    field ``i // W`` of word ``i % W``.
     """
     per = fields_per_word(width)
-    n = values.numel()
-    v = values.reshape(-1).to(torch.int64)
-    if n % per:
-        v = F.pad(v, (0, per - n % per))
-    shifts = torch.arange(0, per * width, width, device=values.device)
-    return (v.view(-1, per) << shifts).sum(1)
+    v = values.reshape(-1)
+    count = -(-v.numel() // per)
+    planes = _pad_to(v, per * count).view(per, count) if v.numel() else v.new_zeros(per, 0)
+    words = planes[per - 1].to(torch.int64, copy=True)
+    for j in range(per - 2, -1, -1):  # Horner, plane by plane, in place
+        words.bitwise_left_shift_(width).bitwise_or_(planes[j])
+    return words
 
 
 def unpack_fields(words: Tensor, width: int, n: int) -> Tensor:
-    """The first ``n`` fields of ``words`` (int64)."""
+    """The first ``n`` fields of ``words`` (int64), in the order :func:`pack_fields` took them."""
     per = fields_per_word(width)
-    shifts = torch.arange(0, per * width, width, device=words.device)
-    return ((words.unsqueeze(1) >> shifts) & ((1 << width) - 1)).reshape(-1)[:n]
+    out = torch.empty(per, words.numel(), dtype=torch.int64, device=words.device)
+    rest = words.clone()
+    for j in range(per):
+        torch.bitwise_and(rest, (1 << width) - 1, out=out[j])
+        rest.bitwise_right_shift_(width)
+    return out.reshape(-1)[:n]
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -105,13 +105,14 @@ class QSGD(Compressor):
     def _buckets(self, layer: Layer) -> int:
         return -(-layer.numel // self.bucket_size)
 
-    def _norm_per_element(self, norms: Tensor, layer: Layer) -> Tensor:
-        """Each bucket's norm repeated over its elements."""
-        full, tail = divmod(layer.numel, self.bucket_size)
-        parts = [norms[:full].unsqueeze(1).expand(full, self.bucket_size).reshape(-1)]
-        if tail:
-            parts.append(norms[full:].expand(tail))
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+    def _per_bucket_(self, values: Tensor, factors: Tensor) -> Tensor:
+        """Multiply each bucket of ``values`` (one layer) by its factor, in place, on 2-D views (no expansion)."""
+        full = values.numel() // self.bucket_size * self.bucket_size
+        if full:
+            values[:full].view(-1, self.bucket_size).mul_(factors[: full // self.bucket_size].unsqueeze(1))
+        if full < values.numel():
+            values[full:].mul_(factors[-1])
+        return values
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Bucket norms (fp32) and the packed sign and level of every element."""
@@ -119,19 +120,22 @@ class QSGD(Compressor):
         norms, packed = [], []
         for layer in ctx.layers:
             s = self.level(layer)
-            x = layer.flat(tensor).to(dtype)
+            bits = s.bit_length()
+            x = layer.flat(tensor)
             full = layer.numel // self.bucket_size * self.bucket_size
-            bucket_norms = [x[:full].view(-1, self.bucket_size).norm(dim=1)] if full else []
+            bucket_norms = [torch.linalg.vector_norm(x[:full].view(-1, self.bucket_size), dim=1, dtype=dtype)]
             if full < layer.numel:
-                bucket_norms.append(x[full:].norm().unsqueeze(0))
+                bucket_norms.append(torch.linalg.vector_norm(x[full:], dtype=dtype).unsqueeze(0))
             wire = _round_up_to_wire(torch.cat(bucket_norms))
-            norm = self._norm_per_element(wire.to(dtype), layer)
-            ratio = torch.where(norm > 0, x.abs() * s / norm, 0).clamp_(max=s)
-            level = ratio.floor()
-            level += _uniform(ctx, layer, layer.numel, dtype) < ratio - level  # round up with probability ratio - l
-            fields = level.to(torch.uint8) | ((x < 0).to(torch.uint8) << s.bit_length())
+            norm = wire.to(dtype)
+            scale = torch.where(norm > 0, s / norm, 0)  # levels per unit of |x|; an all-zero bucket stays 0
+            # floor(s |x| / norm + u) is l + 1 with probability s |x| / norm - l: the stochastic rounding
+            ratio = self._per_bucket_(x.abs().to(dtype), scale)
+            ratio += _uniform(ctx, layer, layer.numel, dtype)
+            level = ratio.to(torch.uint8).clamp_(max=s)  # truncation is floor here; the clamp guards rounding
+            fields = (torch.signbit(x).view(torch.uint8) << bits).bitwise_or_(level)  # the sign is the top bit
             norms.append(wire)
-            packed.append(pack_uint(fields, s.bit_length() + 1))
+            packed.append(pack_uint(fields, bits + 1))
         return torch.cat(norms), torch.cat(packed)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
@@ -145,11 +149,15 @@ class QSGD(Compressor):
             bits = s.bit_length()
             nbytes = packed_nbytes(layer.numel, bits + 1)
             fields = unpack_uint(packed[byte_at : byte_at + nbytes], bits + 1, layer.numel)
+            # field -> signed level (the sign is the top bit), by table lookup
+            levels = torch.arange(1 << bits, dtype=dtype, device=ctx.device)
+            table = torch.cat([levels, -levels])
+            target = layer.flat(out) if out.dtype == dtype else torch.empty(layer.numel, dtype=dtype, device=out.device)
+            torch.index_select(table, 0, fields.int(), out=target)
             nb = self._buckets(layer)
-            norm = self._norm_per_element(norms[norm_at : norm_at + nb].to(dtype), layer)
-            level = (fields & ((1 << bits) - 1)).to(dtype)
-            sign = 1 - 2 * (fields >> bits).to(dtype)
-            layer.flat(out).copy_(norm * level / s * sign)
+            self._per_bucket_(target, norms[norm_at : norm_at + nb].to(dtype) / s)
+            if target is not layer.flat(out):
+                layer.flat(out).copy_(target)
             norm_at += nb
             byte_at += nbytes
         return out
@@ -230,15 +238,15 @@ class TernGrad(Compressor):
         """Clip every layer at ``clip`` standard deviations; return the (clipped) tensor and each layer's scaler."""
         if not inplace:
             tensor = tensor.clone()
+        dtype = _compute_dtype(ctx.dtype)
         scalers = []
         for layer in ctx.layers:
             x = layer.flat(tensor)
             if self.clip is None:
-                scalers.append(x.abs().max().to(_compute_dtype(ctx.dtype)))
+                scalers.append(torch.linalg.vector_norm(x, float("inf"), dtype=dtype))
                 continue
-            xc = x.to(_compute_dtype(ctx.dtype))
-            bound = self.clip * (xc - xc.mean()).square().mean().sqrt()
-            x.copy_(torch.minimum(torch.maximum(xc, -bound), bound))
+            bound = self.clip * torch.std(x.to(dtype), correction=0)  # the population standard deviation
+            x.clamp_(-bound.to(x.dtype), bound.to(x.dtype))
             scalers.append(bound)
         scales = _round_up_to_wire(torch.stack(scalers)) if scalers else torch.zeros(0, dtype=_WIRE)
         return tensor, scales
@@ -248,10 +256,13 @@ class TernGrad(Compressor):
         dtype = _compute_dtype(ctx.dtype)
         out = torch.empty(ctx.numel, dtype=torch.uint8, device=ctx.device)
         for i, layer in enumerate(ctx.layers):
-            x = layer.flat(tensor).to(dtype)
-            s = scales[i].to(dtype)
-            keep = _uniform(ctx, layer, layer.numel, dtype) * s < x.abs()  # P = |g| / s (never true where s = 0)
-            layer.flat(out).copy_(keep * torch.where(x < 0, 0, 2) + ~keep)
+            x = layer.flat(tensor)
+            draws = _uniform(ctx, layer, layer.numel, dtype).mul_(scales[i].to(dtype))
+            keep = draws < x.abs()  # probability |g| / s (never where s = 0)
+            # kept and positive: 2 (t = +1); kept and negative: 0 (t = -1); not kept: 1 (t = 0). Bit operations on
+            # bytes: several times faster than nested `where` on the CPU
+            positive = (keep & (x > 0)).view(torch.uint8)
+            torch.bitwise_or(positive << 1, (~keep).view(torch.uint8), out=layer.flat(out))
         return out
 
     def _wire(self, offset_values: Tensor, world_size: int) -> Tensor:
@@ -260,16 +271,23 @@ class TernGrad(Compressor):
         packed = pack_uint(offset_values, 2)
         return torch.nn.functional.pad(packed, (0, -packed.numel() % 8))  # whole 8-byte words, counted as sent
 
-    def _ternary_sum(self, wire: Tensor, ctx: BucketContext, count: int) -> Tensor:
-        """``sum_r t_r`` (int64) from summed words, or from one packed payload (``count`` ranks offset by 1 each)."""
+    def _offset_sum(self, wire: Tensor, ctx: BucketContext) -> Tensor:
+        """``sum_r (t_r + 1)`` per element from summed words, or ``t + 1`` from one 2-bit payload."""
         if self.aggregation == "allreduce":
-            return unpack_fields(wire, field_width(2 * ctx.world_size), ctx.numel) - count
-        return unpack_uint(wire, 2, ctx.numel).to(torch.int64) - 1
+            return unpack_fields(wire, field_width(2 * ctx.world_size), ctx.numel)
+        return unpack_uint(wire, 2, ctx.numel)
 
-    def _scaled(self, ternary_sum: Tensor, scales: Tensor, ctx: BucketContext, divisor: int, out: Tensor) -> Tensor:
+    def _scaled(self, offset_sum: Tensor, scales: Tensor, ctx: BucketContext, count: int, out: Tensor) -> Tensor:
+        """``s (offset_sum - count) / count`` per layer (the average of ``count`` ranks' ``s t``), by table lookup."""
         dtype = _compute_dtype(ctx.dtype)
+        ternary_sums = torch.arange(-count, count + 1, dtype=dtype, device=out.device) / count
+        index = offset_sum.int()
         for i, layer in enumerate(ctx.layers):
-            layer.flat(out).copy_(layer.flat(ternary_sum).to(dtype) * scales[i].to(dtype) / divisor)
+            table = ternary_sums * scales[i].to(dtype)
+            if out.dtype == dtype:
+                torch.index_select(table, 0, layer.flat(index), out=layer.flat(out))
+            else:
+                layer.flat(out).copy_(table[layer.flat(index)])
         return out
 
     def _pad_scales(self, scales: Tensor) -> Tensor:
@@ -288,7 +306,7 @@ class TernGrad(Compressor):
         """``s t`` for one payload."""
         scales, wire = payload
         out = torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out
-        return self._scaled(self._ternary_sum(wire, ctx, count=1), scales, ctx, 1, out)
+        return self._scaled(self._offset_sum(wire, ctx), scales, ctx, 1, out)
 
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: max of the scalers, then the exact sum of the ternaries
@@ -307,8 +325,7 @@ class TernGrad(Compressor):
             with comm.timed("encode"):
                 offset = self._ternarize(tensor, shared, ctx)
                 if ctx.residual is not None:  # what this rank's own ternaries did not carry
-                    own = offset.to(torch.int64) - 1
-                    ctx.residual.sub_(self._scaled(own, shared, ctx, 1, torch.empty_like(tensor)))
+                    ctx.residual.sub_(self._scaled(offset, shared, ctx, 1, torch.empty_like(tensor)))
                 wire = self._wire(offset, ctx.world_size)
             if self.aggregation == "allreduce":
                 return comm.all_reduce((wire,), round=1).then(lambda done: (shared, done.value()[0]))
@@ -318,11 +335,11 @@ class TernGrad(Compressor):
             shared, received = fut.value()
             with comm.timed("decode"):
                 if self.aggregation == "allreduce":
-                    total = self._ternary_sum(received, ctx, count=ctx.world_size)
-                else:  # in rank order; integer sums are exact anyway
-                    total = torch.zeros(ctx.numel, dtype=torch.int64, device=ctx.device)
+                    total = self._offset_sum(received, ctx)
+                else:  # integer sums: exact in any order
+                    total = torch.zeros(ctx.numel, dtype=torch.int32, device=ctx.device)
                     for (wire,) in received:
-                        total += self._ternary_sum(wire, ctx, count=1)
+                        total += self._offset_sum(wire, ctx)
                 return self._scaled(total, shared, ctx, ctx.world_size, tensor)
 
         scaled = comm.all_reduce((self._pad_scales(scales),), round=0, op="max")

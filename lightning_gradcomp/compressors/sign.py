@@ -24,6 +24,11 @@ def _out(ctx: BucketContext, out: Tensor | None) -> Tensor:
     return torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out
 
 
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """Sums in at least fp32 (half-precision sums of a large layer overflow)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def _check_momentum(momentum: Any) -> float:
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
         raise ValueError(f"Expected `momentum` to be a number in [0, 1), got {momentum!r}.")
@@ -93,15 +98,19 @@ class SignSGD(Compressor):
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """±1 per element."""
-        bits = unpack_bits(payload[0], ctx.numel)
-        return _out(ctx, out).copy_(bits.to(ctx.dtype) * 2 - 1)
+        one = torch.ones((), dtype=ctx.dtype, device=ctx.device)
+        return torch.where(unpack_bits(payload[0], ctx.numel), one, -one, out=_out(ctx, out))
 
     def vote(self, payloads: list[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """The majority sign, in {-1, 0, +1}, over every rank's packed signs."""
-        positives = torch.zeros(ctx.numel, dtype=torch.int32, device=ctx.device)
+        n = len(payloads)
+        positives = torch.zeros(ctx.numel, dtype=torch.uint8 if n < 256 else torch.int32, device=ctx.device)
         for (bits,) in payloads:  # integer counts: exact in any order
             positives += unpack_bits(bits, ctx.numel)
-        return _out(ctx, out).copy_((positives * 2 - len(payloads)).sign())
+        # count -> sign(2 count - n), by table lookup (one pass instead of an arithmetic chain)
+        table = torch.tensor([float((2 * c > n) - (2 * c < n)) for c in range(n + 1)], dtype=ctx.dtype,
+                             device=ctx.device)  # fmt: skip
+        return torch.index_select(table, 0, positives.int(), out=_out(ctx, out))
 
     def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
         """Signs (of the Signum momentum, if any) all-gathered; every rank takes the majority vote."""
@@ -167,7 +176,11 @@ class EFSignSGD(Compressor):
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Packed signs and one fp32 scale (mean absolute value) per layer."""
-        scales = torch.stack([layer.flat(tensor).abs().mean() for layer in ctx.layers]).to(_WIRE_SCALE)
+        # mean |p| per layer: an L1 norm is one pass without a temporary
+        acc = _accumulator(ctx.dtype)
+        scales = torch.stack([torch.linalg.vector_norm(layer.flat(tensor), 1, dtype=acc) / layer.numel
+                              for layer in ctx.layers])  # fmt: skip
+        scales = scales.to(_WIRE_SCALE)
         return pack_bits(tensor >= 0), scales
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
@@ -204,14 +217,16 @@ class OneBit(Compressor):
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Packed signs and, per layer, the mean of its non-negative and of its negative entries (fp32)."""
         positive = tensor >= 0
+        acc = _accumulator(ctx.dtype)
         means = []
         for layer in ctx.layers:
-            x, pos = layer.flat(tensor), layer.flat(positive)
-            n_pos = pos.sum()
-            pos_sum = torch.where(pos, x, 0).sum()
+            x = layer.flat(tensor)
+            n_pos = layer.flat(positive).sum()
+            # the sums of the positive and of the negative entries from two passes without temporaries
+            total, magnitude = x.sum(dtype=acc), torch.linalg.vector_norm(x, 1, dtype=acc)
             # an empty group's mean is never used; clamping the count avoids 0 / 0
-            means.append(pos_sum / n_pos.clamp(min=1))
-            means.append(torch.where(pos, 0, x).sum() / (layer.numel - n_pos).clamp(min=1))
+            means.append((magnitude + total) / 2 / n_pos.clamp(min=1))
+            means.append((total - magnitude) / 2 / (layer.numel - n_pos).clamp(min=1))
         return pack_bits(positive), torch.stack(means).to(_WIRE_SCALE)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:

@@ -52,7 +52,11 @@ def sparse_layout(layers: Sequence[Layer], slots: Sequence[int]) -> SparseLayout
 
 
 def encode_sparse(
-    layout: SparseLayout, indices: Sequence[Tensor], values: Sequence[Tensor] | None, like: Tensor
+    layout: SparseLayout,
+    indices: Sequence[Tensor],
+    values: Sequence[Tensor] | None,
+    like: Tensor,
+    ordered_: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """The index blob and the slot values for layer-local ``indices`` (at most ``slots`` per layer).
 
@@ -62,7 +66,7 @@ def encode_sparse(
     """
     blobs, slotted = [], []
     for segment, idx, val in zip(layout.segments, indices, values if values is not None else [None] * len(indices)):
-        if segment.bitmap:
+        if segment.bitmap and not ordered_:
             idx, val = ordered(idx, val)
         blobs.append(encode_indices(idx, segment.layer.numel, segment.slots, segment.bitmap))
         if val is not None:
