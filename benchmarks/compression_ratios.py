@@ -14,6 +14,7 @@ Examples::
 
     python benchmarks/compression_ratios.py                      # every configuration, both models
     python benchmarks/compression_ratios.py --configs adacomp dgc-0.1% --steps 20
+    python benchmarks/compression_ratios.py --configs adacomp --workloads digits --batch-size 128 --steps 60
 """
 
 from __future__ import annotations
@@ -158,11 +159,13 @@ def measure(workload: Workload, factory: Callable[[], Compressor], steps: int, l
     return result
 
 
-def run(configs: list[str], steps: int) -> list[dict]:
+def run(configs: list[str], steps: int, workloads: list[str], batch_size: int = 32, lr: float = 0.05) -> list[dict]:
     rows = []
-    for workload in (digits_workload(), text_workload()):
+    makers = {"digits": lambda: digits_workload(batch_size), "text": text_workload}
+    for name in workloads:
+        workload = makers[name]()
         for config in configs:
-            m = measure(workload, CONFIGS[config], steps)
+            m = measure(workload, CONFIGS[config], steps, lr=lr)
             kinds = [k for k in ("conv", "fc", "recurrent") if k in m.sent]
             rows.append({
                 "model": workload.name, "config": config,
@@ -190,9 +193,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
     parser.add_argument("--steps", type=int, default=30, help="training steps measured per configuration")
+    parser.add_argument("--workloads", nargs="+", default=["digits", "text"], choices=["digits", "text"])
+    parser.add_argument("--batch-size", type=int, default=32, help="digits: images per worker and step")
+    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (signSGD: divided by 50)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    print(table(run(args.configs, args.steps)))
+    print(table(run(args.configs, args.steps, args.workloads, args.batch_size, args.lr)))
 
 
 if __name__ == "__main__":

@@ -76,13 +76,16 @@ SIGN_SWEEP: dict[str, tuple[Callable[[], Compressor], float, float]] = {
 BATCH = 32
 
 
-def train(rank: int, world_size: int, config: str, epochs: int) -> dict:
-    """Train one configuration on this rank; return held-out accuracy and the compression ratio seen."""
+def train(rank: int, world_size: int, config: str, epochs: int, seed: int = 0) -> dict:
+    """Train one configuration on this rank; return held-out accuracy and the compression ratio seen.
+
+    ``seed`` sets the initial weights and the order of the batches (the held-out split stays the same).
+    """
     factory, lr, momentum = {**CONFIGS, **SIGN_SWEEP}[config]
     x, y, x_test, y_test = digits()
     shard_x, shard_y = x[rank::world_size], y[rank::world_size]
     steps_per_epoch = min(len(y[r::world_size]) for r in range(world_size)) // BATCH
-    model = DigitsCNN()
+    model = DigitsCNN(seed)
     ddp = DDP(model)
     state = CompressionState(factory())
     state.attach(ddp)
@@ -90,7 +93,8 @@ def train(rank: int, world_size: int, config: str, epochs: int) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     sent = dense = 0
     for epoch in range(epochs):
-        order = torch.randperm(len(shard_y), generator=torch.Generator().manual_seed(1000 * epoch + rank))
+        generator = torch.Generator().manual_seed(1000 * epoch + rank + 10**6 * seed)
+        order = torch.randperm(len(shard_y), generator=generator)
         for i in range(steps_per_epoch):
             batch = order[i * BATCH : (i + 1) * BATCH]
             state.step = epoch * steps_per_epoch + i
@@ -114,22 +118,22 @@ def train(rank: int, world_size: int, config: str, epochs: int) -> dict:
     }
 
 
-def _worker(rank: int, world_size: int, port: int, configs: list[str], epochs: int, out: str) -> None:
+def _worker(rank: int, world_size: int, port: int, configs: list[str], epochs: int, seed: int, out: str) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    results = {config: train(rank, world_size, config, epochs) for config in configs}
+    results = {config: train(rank, world_size, config, epochs, seed) for config in configs}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def run(configs: list[str], epochs: int, world_size: int = 2) -> dict[str, dict]:
+def run(configs: list[str], epochs: int, world_size: int = 2, seed: int = 0) -> dict[str, dict]:
     """Every configuration on ``world_size`` spawned gloo processes; rank 0's results."""
     from tests.distributed import free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world_size, free_port(), configs, epochs, out), nprocs=world_size)
+        mp.spawn(_worker, args=(world_size, free_port(), configs, epochs, seed, out), nprocs=world_size)
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world_size)]
     results = copy.deepcopy(ranks[0])
     for config in configs:
@@ -137,19 +141,27 @@ def run(configs: list[str], epochs: int, world_size: int = 2) -> dict[str, dict]
     return results
 
 
-def table(results: dict[str, dict], epochs: int) -> str:
-    dense = results.get("identity", {}).get("accuracy")
+def table(runs: list[dict[str, dict]], epochs: int, seeds: list[int]) -> str:
+    """One row per configuration: accuracy per seed, and the difference from dense (per seed, and the mean)."""
+    first = runs[0]
     lines = [
-        f"DigitsCNN on digits, 2 workers x batch {BATCH}, {epochs} epochs ({next(iter(results.values()))['steps']}"
-        " steps), held-out accuracy on 360 images",
+        f"DigitsCNN on digits, 2 workers x batch {BATCH}, {epochs} epochs ({next(iter(first.values()))['steps']}"
+        f" steps), held-out accuracy on 360 images; seeds {', '.join(map(str, seeds))}",
         "",
-        "| configuration | learning rate, momentum | accuracy (%) | vs dense (points) | compression ratio |",
-        "|---|---|---|---|---|",
+        "| configuration | learning rate, momentum | accuracy (%) | vs dense (points) | mean vs dense | compression"
+        " ratio |",
+        "|---|---|---|---|---|---|",
     ]
-    for config, r in results.items():
+    for config in first:
         _, lr, momentum = {**CONFIGS, **SIGN_SWEEP}[config]
-        delta = f"{100 * (r['accuracy'] - dense):+.1f}" if dense is not None else ""
-        lines.append(f"| {config} | {lr:g}, {momentum:g} | {100 * r['accuracy']:.1f} | {delta} | {r['ratio']:,.1f}x |")
+        accuracy = [100 * run[config]["accuracy"] for run in runs]
+        dense = [100 * run["identity"]["accuracy"] for run in runs] if "identity" in first else None
+        deltas = [a - d for a, d in zip(accuracy, dense)] if dense else []
+        mean = f"{sum(deltas) / len(deltas):+.2f}" if deltas else ""
+        lines.append(
+            f"| {config} | {lr:g}, {momentum:g} | {' / '.join(f'{a:.1f}' for a in accuracy)} |"
+            f" {' / '.join(f'{d:+.1f}' for d in deltas)} | {mean} | {first[config]['ratio']:,.1f}x |"
+        )
     return "\n".join(lines)
 
 
@@ -158,14 +170,15 @@ def main() -> None:
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, *SIGN_SWEEP])
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--sign-lr-sweep", action="store_true", help="run dense and the sign learning-rate sweep")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="initial weights and batch order")
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args()
     configs = ["identity", *SIGN_SWEEP] if args.sign_lr_sweep else args.configs
-    results = run(configs, args.epochs)
-    print(table(results, args.epochs))
+    runs = [run(configs, args.epochs, seed=seed) for seed in args.seeds]
+    print(table(runs, args.epochs, args.seeds))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+            json.dump({"args": vars(args), "results": dict(zip(map(str, args.seeds), runs))}, f, indent=1)
 
 
 if __name__ == "__main__":
