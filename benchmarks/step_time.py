@@ -2,12 +2,15 @@
 
 Trains torchvision's ResNet-18 (11.2M parameters, 10 classes, 32x32 inputs) with N gloo workers on random data and
 reports, per configuration, the median step time (forward + backward + communication + optimizer step), the
-backward+communication time, each rank's payload bytes per step with the analytical payload size next to it, and the
-encode+decode time of the compressor. Configurations:
+backward+communication time, each rank's payload bytes per step with the analytical payload size next to it, the
+encode+decode time of the compressor and, next to it, the backward pass's time (the ``compute`` configuration's
+backward, which has no communication, when it is run; else the configuration's own backward + communication) and
+encode+decode as a share of it. Configurations:
 
 * ``ddp``: plain DDP (torch's built-in all-reduce);
 * ``compute``: DDP with torch's ``noop_hook`` (no communication at all: the compute-only floor);
-* ``identity``, ``fp16``, ``topk``, ``powersgd``, ...: lightning-gradcomp's hook with that compressor;
+* ``identity``, ``fp16``, ``topk``, ``powersgd``, ``dgc``, ``adacomp``, ``scalecom``, ``signsgd``, ``efsignsgd``,
+  ``onebit``, ``qsgd``, ``terngrad``, ...: lightning-gradcomp's hook with that compressor (defaults);
 * ``torch-fp16``: raw torch DDP with torch's ``fp16_compress_hook``;
 * ``torch-powersgd``: raw torch DDP with torch's ``powerSGD_hook`` at the same rank.
 
@@ -48,8 +51,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _netns import shaped_namespace  # noqa: E402
 
 from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
-from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD, RandomK, TopK  # noqa: E402
+from lightning_gradcomp.compressors import (  # noqa: E402
+    BF16,
+    DGC,
+    FP16,
+    QSGD,
+    AdaComp,
+    EFSignSGD,
+    Identity,
+    OneBit,
+    PowerSGD,
+    RandomK,
+    ScaleCom,
+    SignSGD,
+    TernGrad,
+    TopK,
+)
 from lightning_gradcomp.compressors.base import Layer, keep_count  # noqa: E402
+from lightning_gradcomp.compressors.packing import field_width, index_nbytes, words_needed  # noqa: E402
 
 RANK = 2
 COMPRESSORS = {
@@ -59,6 +78,14 @@ COMPRESSORS = {
     "topk": lambda: TopK(ratio=0.01),
     "randomk": lambda: RandomK(ratio=0.01),
     "powersgd": lambda: PowerSGD(rank=RANK),
+    "dgc": lambda: DGC(),
+    "adacomp": lambda: AdaComp(),
+    "scalecom": lambda: ScaleCom(),
+    "signsgd": lambda: SignSGD(),
+    "efsignsgd": lambda: EFSignSGD(),
+    "onebit": lambda: OneBit(),
+    "qsgd": lambda: QSGD(),
+    "terngrad": lambda: TernGrad(),
 }
 DEFAULT_CONFIGS = ["ddp", "compute", "identity", "fp16", "topk", "powersgd", "torch-powersgd"]
 MIN_COMPRESS_NUMEL = 1024  # CompressedDDP's default
@@ -69,8 +96,12 @@ def build_model() -> nn.Module:
     return torchvision.models.resnet18(num_classes=10)
 
 
-def analytical_bytes(model: nn.Module, config: str) -> int:
-    """Payload bytes per step and rank from the formulas in docs/benchmarks.md (plain DDP: every gradient, fp32)."""
+def analytical_bytes(model: nn.Module, config: str, workers: int = 2) -> int | None:
+    """Payload bytes per step and rank from the formulas in docs/compressors.md (plain DDP: every gradient, fp32).
+
+    Per layer, without the alignment padding of packed payloads (up to 7 bytes per tensor per bucket). ScaleCom: the
+    average over ``workers`` steps (a rank broadcasts indices when it leads). AdaComp: ``None`` (data-dependent).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     dense = sum(p.numel() for p in params) * 4
     if config in ("ddp", "identity"):
@@ -87,11 +118,32 @@ def analytical_bytes(model: nn.Module, config: str) -> int:
             total += (rows + cols) * r * 4 if (rows + cols) * r * 2 < rows * cols else p.numel() * 4
         return total
     compressor = COMPRESSORS[config]()
+    if isinstance(compressor, AdaComp):
+        return None
+    if isinstance(compressor, SignSGD):  # every layer, one bit per element
+        return sum(-(-p.numel() // 8) for p in params)
     total = 0
     for i, p in enumerate(params):
         layer = Layer(str(i), i, p.shape)
-        if not compressor.compresses(layer, MIN_COMPRESS_NUMEL):
-            total += p.numel() * 4
+        d = p.numel()
+        if not compressor.compresses(layer, MIN_COMPRESS_NUMEL) or (
+            isinstance(compressor, DGC) and not (p.ndim >= 2 and d >= MIN_COMPRESS_NUMEL)
+        ):
+            total += d * 4
+        elif isinstance(compressor, DGC):
+            k = -(-d * compressor.ratio // 1)
+            total += int(k) * 4 + index_nbytes(int(k), d)[1]
+        elif isinstance(compressor, ScaleCom):
+            k = keep_count(d, compressor.ratio)
+            total += k * 4 + index_nbytes(k, d)[1] / workers
+        elif isinstance(compressor, EFSignSGD):
+            total += -(-d // 8) + 4
+        elif isinstance(compressor, OneBit):
+            total += -(-d // 8) + 8
+        elif isinstance(compressor, QSGD):
+            total += 4 * -(-d // compressor.bucket_size) + -(-d * (compressor.levels.bit_length() + 1) // 8)
+        elif isinstance(compressor, TernGrad):
+            total += 4 + 8 * words_needed(d, field_width(2 * workers))
         elif isinstance(compressor, TopK):
             total += keep_count(p.numel(), compressor.ratio) * 8  # fp32 value + int32 index
         elif isinstance(compressor, RandomK):
@@ -99,7 +151,7 @@ def analytical_bytes(model: nn.Module, config: str) -> int:
         elif isinstance(compressor, PowerSGD):
             rows, cols = p.shape[0], p.numel() // p.shape[0]
             total += (rows + cols) * min(rows, cols, compressor.rank) * 4
-    return total
+    return round(total)
 
 
 def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Namespace, out: str) -> None:
@@ -153,9 +205,9 @@ def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Na
         "step_s": statistics.median(steps),
         "step_s_all": steps,
         "backward_comm_s": statistics.median(backwards),
-        "bytes_sent": statistics.median(sent) if sent else analytical_bytes(model, config),
+        "bytes_sent": statistics.mean(sent) if sent else analytical_bytes(model, config, world_size),
         "bytes_measured": bool(sent),
-        "bytes_analytical": analytical_bytes(model, config),
+        "bytes_analytical": analytical_bytes(model, config, world_size),
         "codec_ms": statistics.median(codec) if codec else 0.0,
     }
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
@@ -187,6 +239,7 @@ def _median_over_rounds(config: str, rounds: list[dict]) -> dict:
 def table(results: list[dict], args: argparse.Namespace) -> str:
     by_name = {r["config"]: r for r in results}
     ddp = by_name.get("ddp", {}).get("step_s")
+    compute_backward = by_name.get("compute", {}).get("backward_comm_s")
     lines = [
         f"ResNet-18 (11.2M parameters), {args.workers} CPU workers x {args.threads} thread, batch {args.batch_size}"
         f" per worker, link: {args.rate or 'loopback, unshaped'}; median of {args.steps} steps after"
@@ -194,22 +247,32 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         f" DDP buckets {args.bucket_mb:g} MB (torch-powersgd: {args.torch_bucket_mb:g} MB)",
         "",
         "| configuration | step time (s) | vs plain DDP | backward + comm (s) | bytes sent per step"
-        " | analytical bytes | encode+decode (ms) |",
-        "|---|---|---|---|---|---|---|",
+        " | analytical bytes | encode+decode (ms) | backward (ms) | encode+decode / backward |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['config']} | failed: {r['error']} | | | | | |")
+            lines.append(f"| {r['config']} | failed: {r['error']} | | | | | | | |")
             continue
         rel = f"{r['step_s'] / ddp:.2f}x" if ddp else ""
         measured = f"{r['bytes_sent']:,.0f}" if r["bytes_measured"] else f"({r['bytes_sent']:,.0f})"
+        analytical = f"{r['bytes_analytical']:,}" if r["bytes_analytical"] is not None else "data-dependent"
+        backward_ms = 1e3 * (compute_backward if compute_backward is not None else r["backward_comm_s"])
+        share = f"{100 * r['codec_ms'] / backward_ms:.0f}%" if r["codec_ms"] else ""
         lines.append(
             f"| {r['config']} | {r['step_s']:.3f} | {rel} | {r['backward_comm_s']:.3f} | {measured} |"
-            f" {r['bytes_analytical']:,} | {r['codec_ms']:.1f} |"
+            f" {analytical} | {r['codec_ms']:.1f} | {backward_ms:.0f} | {share} |"
             + (f" ({r['failed_rounds']} round(s) failed)" if r.get("failed_rounds") else "")
         )
     lines.append("")
-    lines.append("Bytes in parentheses are analytical (plain DDP and torch's hooks have no byte counter).")
+    lines.append("Bytes in parentheses are analytical (plain DDP and torch's hooks have no byte counter);")
+    lines.append("bytes sent are the mean over the measured steps (ScaleCom's alternate with the leader).")
+    backward_source = (
+        "the `compute` configuration's (no communication)"
+        if compute_backward is not None
+        else ("each configuration's own backward + communication")
+    )
+    lines.append(f"Backward (ms): {backward_source}.")
     return "\n".join(lines)
 
 

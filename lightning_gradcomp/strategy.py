@@ -46,6 +46,28 @@ def _check_compressor(compressor: Any) -> Compressor:
     return compressor
 
 
+def optimizer_momentum_warning(compressor: Compressor, optimizers: Any) -> str | None:
+    """A warning if ``compressor`` applies momentum itself (DGC) and an optimizer does too, else ``None``."""
+    if not getattr(compressor, "optimizer_momentum_conflicts", False):
+        return None
+    for optimizer in optimizers or ():
+        for group in getattr(optimizer, "param_groups", ()):
+            momentum = group.get("momentum", 0)
+            if isinstance(momentum, (int, float)) and momentum > 0:
+                return (
+                    f"{type(compressor).__name__} applies momentum itself (momentum correction), but the optimizer"
+                    f" {type(optimizer).__name__} has momentum={momentum}: momentum is applied twice. Use"
+                    " `torch.optim.SGD(params, lr, momentum=0)` with this compressor."
+                )
+    return None
+
+
+def _warn_if_optimizer_momentum(compressor: Compressor, optimizers: Any) -> None:
+    message = optimizer_momentum_warning(compressor, optimizers)
+    if message is not None:
+        rank_zero_warn(message)
+
+
 class CompressedDDP(DDPStrategy):
     """DDP strategy that averages gradients through a pluggable :class:`~lightning_gradcomp.Compressor`.
 
@@ -136,6 +158,7 @@ class CompressedDDP(DDPStrategy):
     @compressor.setter
     def compressor(self, compressor: Compressor) -> None:
         self._state.compressor = _check_compressor(compressor)
+        _warn_if_optimizer_momentum(compressor, self.optimizers)
 
     @property
     def compression_enabled(self) -> bool:
@@ -160,6 +183,8 @@ class CompressedDDP(DDPStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         """DDPStrategy's setup, plus a :class:`CompressionMonitor` when fitting (unless one is there)."""
         super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            _warn_if_optimizer_momentum(self._state.compressor, self.optimizers)
         if trainer.state.fn == TrainerFn.FITTING and self._monitor:
             from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 

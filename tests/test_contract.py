@@ -6,8 +6,26 @@ import pickle
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import BF16, FP16, Identity, MaskedCompressor, PowerSGD, RandomK, TopK
+from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.compressors import (
+    BF16,
+    DGC,
+    FP16,
+    QSGD,
+    AdaComp,
+    EFSignSGD,
+    Identity,
+    MaskedCompressor,
+    OneBit,
+    PowerSGD,
+    RandomK,
+    ScaleCom,
+    SignSGD,
+    TernGrad,
+    TopK,
+)
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
+from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
 
 # a conv weight, two same-shape matrices apart (batching groups them out of layer order), a tall and a wide matrix
@@ -44,12 +62,42 @@ COMPRESSORS = {
     "masked": MaskedCompressor(Identity(), _pruning_masks()),
     "masked-topk": MaskedCompressor(TopK(ratio=0.2), _pruning_masks()),
     "masked-powersgd": MaskedCompressor(PowerSGD(rank=2), _pruning_masks()),
+    "dgc": DGC(),
+    "dgc-no-momentum": DGC(ratio=0.01, momentum=0.0),
+    "dgc-bitmap": DGC(ratio=0.05, strided_sample=False, momentum_masking=False),
+    "dgc-warmup": DGC(ratio=0.01, warmup_steps=1),
+    "adacomp": AdaComp(),
+    "adacomp-small-bins": AdaComp(bin_size_conv=4, bin_size_fc=6),  # many per bin: bitmaps
+    "scalecom": ScaleCom(ratio=0.01),
+    "scalecom-bitmap-lowpass": ScaleCom(ratio=0.1, beta=0.5),
+    "signsgd": SignSGD(),
+    "signum": SignSGD(momentum=0.9),
+    "efsignsgd": EFSignSGD(),
+    "onebit": OneBit(),
+    "qsgd": QSGD(),
+    "qsgd-2bit-small-buckets": QSGD(levels=1, bucket_size=100),
+    "qsgd-8bit": QSGD(levels=127, bucket_size=2048),
+    "terngrad": TernGrad(),
+    "terngrad-unclipped": TernGrad(clip=None),
+    "terngrad-allgather": TernGrad(aggregation="allgather"),
 }
 # half-precision casts round: compare them loosely, everything else tightly
 TOLERANCE = {"fp16": {"rtol": 2e-3, "atol": 1e-3}, "bf16": {"rtol": 2e-2, "atol": 1e-2}}
 # casts sum their payloads in half precision (as torch's hooks do); that rounding is not a compression error, so error
 # feedback does not carry it and it accumulates over the 6 steps of the telescoping test (values of order 1)
 EF_TOLERANCE = {"fp16": {"rtol": 0, "atol": 6 * 4e-3}, "bf16": {"rtol": 0, "atol": 6 * 3e-2}}
+# Ranks agree on something before compressing (ScaleCom: the leader's indices; TernGrad: the largest scaler), so the
+# reduction is not a function of each rank's own payload; the reduction identity is checked with every rank holding
+# the same gradient, and against explicit references in tests/test_scalecom.py and tests/test_quantize.py.
+COORDINATED = {"scalecom", "scalecom-bitmap-lowpass", "terngrad", "terngrad-unclipped", "terngrad-allgather"}
+# Where the error-feedback identity does not apply, and why (checked in the named tests instead)
+NO_TELESCOPING = {
+    "dgc": "momentum correction accumulates u, not g: tests/test_dgc.py checks sum sent + v == sum u",
+    "dgc-bitmap": "momentum correction accumulates u, not g: tests/test_dgc.py",
+    "dgc-warmup": "momentum correction accumulates u, not g: tests/test_dgc.py",
+}
+# the majority vote is not an average of compressed gradients: error feedback is refused
+REFUSES_ERROR_FEEDBACK = {"signsgd", "signum"}
 
 
 def _layers(compressor):
@@ -110,9 +158,17 @@ def test_decompressing_into_a_spent_buffer_gives_the_same_result(case):
 
 
 def test_payload_shapes_depend_only_on_the_layout(case):
-    """Ranks hold different gradients but must hand collectives tensors of the same shapes."""
+    """Ranks hold different gradients but must hand collectives tensors of the same shapes.
+
+    Compressors whose payload sizes depend on the data (AdaComp) exchange the sizes first: every collective they issue
+    must then agree across ranks, which the simulated world checks (it raises on a mismatch, as gloo would).
+    """
     _, compressor = case
     layers = _layers(compressor)
+    if getattr(compressor, "exchanges_sizes", False):
+        outs = simulate_reduce(_fresh(compressor, 3), _data(layers, 3, seed=1), layers)
+        assert all(torch.equal(outs[0], out) for out in outs)
+        return
     payloads = [
         copy.deepcopy(compressor).compress(x, _ctx(layers, rank=r, world_size=3))
         for r, x in enumerate(_data(layers, 3, seed=1))
@@ -144,15 +200,15 @@ def test_reduction_is_the_collective_it_declares(case):
     name, compressor = case
     layers = _layers(compressor)
     xs = _data(layers, 2, seed=3)
+    if name in COORDINATED:
+        xs = [xs[0], xs[0].clone()]  # what the ranks agree on is then each rank's own choice
     outs = simulate_reduce(_fresh(compressor, 2), xs, layers, step=5, seed=7)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # every rank holds the same average
-    if compressor.collective == "allreduce":
+    if compressor.collective == "allreduce" and name not in COORDINATED:
         (expected,) = simulate_reduce(_fresh(compressor), [(xs[0] + xs[1]) / 2], layers, step=5, seed=7)
     else:
-        locals_ = [
-            c.decompress(c.compress(x.clone(), _ctx(layers, step=5, seed=7, rank=r, world_size=2)), _ctx(layers))
-            for r, (c, x) in enumerate(zip(_fresh(compressor, 2), xs))
-        ]
+        ctxs = [_ctx(layers, step=5, seed=7, rank=r, world_size=2) for r in range(2)]
+        locals_ = [c.decompress(c.compress(x.clone(), ctx), ctx) for c, x, ctx in zip(_fresh(compressor, 2), xs, ctxs)]
         expected = (locals_[0] + locals_[1]) / 2
     torch.testing.assert_close(outs[0], expected, **TOLERANCE.get(name, {"rtol": 1e-10, "atol": 1e-10}))
 
@@ -167,8 +223,18 @@ def test_unbiased_compressors_are_unbiased(case):
         [compressor.decompress(compressor.compress(x, _ctx(layers, step=s)), _ctx(layers, step=s)) for s in range(400)]
     )
     mean, std_err = samples.mean(0), samples.std(0) / 400**0.5
-    # every coordinate's sample mean lies within 5 standard errors (deterministic compressors: exactly x)
-    assert torch.all((mean - x).abs() <= 5 * std_err + 1e-12), name
+    # every coordinate that varies has its sample mean within 5 standard errors; for an event of small probability the
+    # sample's standard error is itself noisy (7 round-ups where 20 are expected), so 5 / 400 of the range is added
+    spread = samples.amax(0) - samples.amin(0)
+    varies = spread > 0
+    assert torch.all(((mean - x).abs() <= 5 * std_err + 5 * spread / 400 + 1e-12)[varies]), name
+    # A coordinate that never varied may be a rare event of a quantiser (a 0.05% chance to round up does not happen in
+    # 400 draws), so its sample mean is no test. Random projections mix thousands of coordinates: their standard
+    # errors are well estimated, and a bias anywhere shows (deterministic compressors: exactly x).
+    directions = torch.randn(16, x.numel(), generator=torch.Generator().manual_seed(1), dtype=x.dtype)
+    projected = samples @ directions.T
+    error = (projected.mean(0) - directions @ x).abs()
+    assert torch.all(error <= 5 * projected.std(0) / 400**0.5 + 1e-9), name
 
 
 def test_error_feedback_telescopes(case):
@@ -178,17 +244,24 @@ def test_error_feedback_telescopes(case):
     local-reconstruction error feedback (top-k, random-k) and global-reconstruction error feedback (PowerSGD) alike.
     """
     name, compressor = case
+    if name in NO_TELESCOPING:
+        pytest.skip(NO_TELESCOPING[name])
     layers = _layers(compressor)
     compressors = _fresh(compressor, 2)
     numel = sum(layer.numel for layer in layers)
     residuals = [torch.zeros(numel, dtype=torch.float64) for _ in range(2)]
+    if name in REFUSES_ERROR_FEEDBACK:
+        with pytest.raises(ValueError, match="error feedback"):
+            simulate_reduce(compressors, _data(layers, 2), layers, residuals=residuals)
+        return
     applied = torch.zeros(numel, dtype=torch.float64)
     computed = torch.zeros(numel, dtype=torch.float64)
     for step in range(6):
         grads = _data(layers, 2, seed=100 + step)
         applied += simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)[0]
         computed += (grads[0] + grads[1]) / 2
-    owed = (residuals[0] + residuals[1]) / 2
+    # a low-pass filtered memory (ScaleCom's beta) moves by beta (g - sent) per step: what is owed is m / beta
+    owed = (residuals[0] + residuals[1]) / 2 / getattr(compressor, "beta", 1.0)
     torch.testing.assert_close(applied + owed, computed, **EF_TOLERANCE.get(name, {"rtol": 1e-10, "atol": 1e-10}))
     if name not in ("identity", "topk-all"):
         assert owed.abs().sum() > 0, "a lossy compressor must leave something owed"
@@ -224,21 +297,60 @@ def test_state_dict_round_trip_resumes_exactly(case):
 def test_telemetry_counts_the_payload_bytes(case):
     """The bytes counted are the bytes of the tensors handed to the collectives, every round included."""
     _, compressor = case
-    from lightning_gradcomp.telemetry import Telemetry
-
     layers = _layers(compressor)
     xs = _data(layers, 2, dtype=torch.float32, seed=6)
+    if getattr(compressor, "exchanges_sizes", False):
+        # padded to sizes known only after the exchange: compare with what reached the collectives (the exact sizes
+        # are checked in the compressor's own tests)
+        counted, handed = _bytes_counted_and_handed(compressor, xs, layers)
+        assert counted == handed
+        return
     telemetry = [Telemetry(), Telemetry()]
     for t in telemetry:
         t.add_bucket(xs[0].numel() * 4)
     simulate_reduce(_fresh(compressor, 2), xs, layers, telemetry=telemetry)
     stats = telemetry[0].pop_step()
-    payload = compressor.compress(xs[0].clone(), _ctx(layers, dtype=torch.float32))
+    payload = compressor.compress(xs[0].clone(), _ctx(layers, dtype=torch.float32, world_size=2))
     nbytes = [p.numel() * p.element_size() for p in payload]
     if compressor.collective == "allgather" and len(payload) > 1:
         nbytes = [-(-n // 8) * 8 for n in nbytes]  # packed at 8-byte aligned offsets
     assert stats.bytes_sent == sum(nbytes)
     assert stats.bytes_dense == xs[0].numel() * 4
+
+
+class _RecordingBackend:
+    """A simulated rank's collectives, adding up the bytes handed to them (a broadcast's only at its source)."""
+
+    def __init__(self, backend):
+        self.backend, self.rank, self.world_size, self.handed = backend, backend.rank, backend.world_size, 0
+
+    def all_reduce(self, tensor, round, op):
+        self.handed += tensor.numel() * tensor.element_size()
+        return self.backend.all_reduce(tensor, round, op)
+
+    def all_gather(self, tensor, round):
+        self.handed += tensor.numel() * tensor.element_size()
+        return self.backend.all_gather(tensor, round)
+
+    def broadcast(self, tensor, src, round):
+        self.handed += tensor.numel() * tensor.element_size() if src == self.rank else 0
+        return self.backend.broadcast(tensor, src, round)
+
+
+def _bytes_counted_and_handed(compressor, xs, layers):
+    world = SimulatedWorld(len(xs))
+    backends = [_RecordingBackend(world.backend(r)) for r in range(len(xs))]
+    telemetry = [Telemetry() for _ in xs]
+    futures = []
+    for rank, (c, x) in enumerate(zip(_fresh(compressor, len(xs)), xs)):
+        telemetry[rank].add_bucket(x.numel() * x.element_size())
+        ctx = BucketContext(index=0, step=0, rank=rank, world_size=len(xs), layers=layers, dtype=x.dtype,
+                            comm=Comm(backends[rank], telemetry[rank], x.device))  # fmt: skip
+        futures.append(c.reduce(x.clone(), ctx))
+    world.assert_quiescent()
+    for future in futures:
+        future.wait()
+    return telemetry[0].pop_step().bytes_sent, backends[0].handed
 
 
 def test_per_layer_levels_set_each_layers_payload_and_round_trip(case):
@@ -249,9 +361,9 @@ def test_per_layer_levels_set_each_layers_payload_and_round_trip(case):
             copy.deepcopy(compressor).set_levels({"param0": 1})
         return
     layers = _layers(compressor)
-    other = {"rank": {1: 2}, "ratio": {0.5: 0.25}}[compressor.level_attribute]  # a level unlike the default
+    other = {"rank": {1: 2}, "ratio": {0.5: 0.25}, "levels": {1: 3}}[compressor.level_attribute]  # unlike the default
     default = getattr(compressor, compressor.level_attribute)
-    low = other.get(default, 1 if compressor.level_attribute == "rank" else 0.5)
+    low = other.get(default, {"rank": 1, "ratio": 0.5, "levels": 1}[compressor.level_attribute])
     tuned = copy.deepcopy(compressor)
     tuned.set_levels({layers[0].name: low})
     assert tuned.level(layers[0]) == low

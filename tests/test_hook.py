@@ -9,7 +9,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import CompressionState, compression_hook
-from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD, RandomK, TopK
+from lightning_gradcomp.compressors import (
+    BF16,
+    DGC,
+    FP16,
+    QSGD,
+    AdaComp,
+    EFSignSGD,
+    Identity,
+    OneBit,
+    PowerSGD,
+    RandomK,
+    ScaleCom,
+    SignSGD,
+    TernGrad,
+    TopK,
+)
 from lightning_gradcomp.compressors.base import Layer
 from lightning_gradcomp.testing import simulate_reduce
 from tests.distributed import run_distributed
@@ -24,11 +39,28 @@ COMPRESSORS = {
     "powersgd": PowerSGD(rank=2),
     "powersgd-cold-r1": PowerSGD(rank=1, warm_start=False),
     "powersgd-qr": PowerSGD(rank=4, min_compression_rate=1.0),
+    "dgc": DGC(),
+    "dgc-warmup-nesterov-clip": DGC(warmup_steps=1, nesterov=True, clip_norm=0.5),
+    "adacomp": AdaComp(),
+    "adacomp-small-bins": AdaComp(bin_size_conv=5, bin_size_fc=7),
+    "scalecom": ScaleCom(ratio=0.05),
+    "scalecom-lowpass": ScaleCom(ratio=0.01, beta=0.5),
+    "signum": SignSGD(momentum=0.9),
+    "efsignsgd": EFSignSGD(),
+    "onebit": OneBit(),
+    "qsgd": QSGD(levels=3, bucket_size=128),
+    "terngrad": TernGrad(),
+    "terngrad-allgather": TernGrad(clip=None, aggregation="allgather"),
 }
 # switched between steps (what Accordion does): compressor levels change, so the hook must re-plan its buckets
-LEVELS = {"topk-levels": {"5.weight": 0.5}, "powersgd-levels": {"5.weight": 1, "7.weight": 4}}
+LEVELS = {
+    "topk-levels": {"5.weight": 0.5},
+    "powersgd-levels": {"5.weight": 1, "7.weight": 4},
+    "qsgd-levels": {"5.weight": 1},
+}
 COMPRESSORS["topk-levels"] = TopK(ratio=0.05)
 COMPRESSORS["powersgd-levels"] = PowerSGD(rank=2, min_compression_rate=1.0)
+COMPRESSORS["qsgd-levels"] = QSGD()
 MIN_NUMEL = 200  # the small conv and all biases go dense: buckets mix dense and compressed layers
 STEPS = 4
 

@@ -1,0 +1,185 @@
+"""Convergence: does each compressor, with its defaults, train a real classifier as well as dense training?
+
+Two gloo worker processes train ``DigitsCNN`` on scikit-learn's digits (offline: 1437 training images, 360 held out;
+each worker its own half of the training set, batches of 32 per worker) through DDP with lightning-gradcomp's
+communication hook, the code path of ``CompressedDDP``. Every configuration starts from the same initial weights and
+sees the same batches in the same order, for the same number of epochs; the table reports the held-out accuracy at
+the end and the difference from dense training (``identity``: plain averaging through the same hook).
+
+The optimizer is SGD with momentum 0.9 and learning rate 0.05 for every configuration, except where the method
+requires otherwise, as its documentation says: DGC keeps the momentum itself (the optimizer's momentum is 0), and
+signSGD's update is a sign, so its learning rate is the step size of every coordinate: ``signsgd-lr`` (learning rate
+0.003, no optimizer momentum) and ``signum-lr`` (Signum, the compressor's momentum 0.9, learning rate 0.001) use the
+best of the sweep ``--sign-lr-sweep``; ``signsgd`` keeps SGD's 0.05 and 0.9 to show what happens otherwise.
+Everything is deterministic.
+
+Examples::
+
+    python benchmarks/convergence.py
+    python benchmarks/convergence.py --epochs 5 --configs identity qsgd terngrad
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.workloads import DigitsCNN, digits  # noqa: E402
+from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
+from lightning_gradcomp.compressors import (  # noqa: E402
+    DGC,
+    QSGD,
+    AdaComp,
+    Compressor,
+    EFSignSGD,
+    Identity,
+    OneBit,
+    ScaleCom,
+    SignSGD,
+    TernGrad,
+)
+
+# name -> (compressor factory, learning rate, optimizer momentum)
+CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
+    "identity": (Identity, 0.05, 0.9),
+    "adacomp": (AdaComp, 0.05, 0.9),
+    "dgc": (DGC, 0.05, 0.0),
+    "scalecom": (ScaleCom, 0.05, 0.9),
+    "signsgd": (SignSGD, 0.05, 0.9),
+    "signsgd-lr": (SignSGD, 0.003, 0.0),
+    "signum-lr": (lambda: SignSGD(momentum=0.9), 0.001, 0.0),
+    "efsignsgd": (EFSignSGD, 0.05, 0.9),
+    "onebit": (OneBit, 0.05, 0.9),
+    "qsgd": (QSGD, 0.05, 0.9),
+    "terngrad": (TernGrad, 0.05, 0.9),
+}
+# sign steps: a learning rate for signs, chosen from this sweep (run it with --sign-lr-sweep)
+SIGN_SWEEP: dict[str, tuple[Callable[[], Compressor], float, float]] = {
+    f"{name}-lr{lr:g}-m{momentum:g}": (factory, lr, momentum)
+    for name, factory in (("signsgd", SignSGD), ("signum", lambda: SignSGD(momentum=0.9)))
+    for lr in (0.0003, 0.001, 0.003, 0.01)
+    for momentum in (0.0, 0.9)
+}
+BATCH = 32
+
+
+def train(rank: int, world_size: int, config: str, epochs: int, seed: int = 0) -> dict:
+    """Train one configuration on this rank; return held-out accuracy and the compression ratio seen.
+
+    ``seed`` sets the initial weights and the order of the batches (the held-out split stays the same).
+    """
+    factory, lr, momentum = {**CONFIGS, **SIGN_SWEEP}[config]
+    x, y, x_test, y_test = digits()
+    shard_x, shard_y = x[rank::world_size], y[rank::world_size]
+    steps_per_epoch = min(len(y[r::world_size]) for r in range(world_size)) // BATCH
+    model = DigitsCNN(seed)
+    ddp = DDP(model)
+    state = CompressionState(factory())
+    state.attach(ddp)
+    ddp.register_comm_hook(state, compression_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    sent = dense = 0
+    for epoch in range(epochs):
+        generator = torch.Generator().manual_seed(1000 * epoch + rank + 10**6 * seed)
+        order = torch.randperm(len(shard_y), generator=generator)
+        for i in range(steps_per_epoch):
+            batch = order[i * BATCH : (i + 1) * BATCH]
+            state.step = epoch * steps_per_epoch + i
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(shard_x[batch]), shard_y[batch]).backward()
+            optimizer.step()
+            stats = state.telemetry.pop_step()
+            sent += stats.bytes_sent
+            dense += stats.bytes_dense
+    model.eval()
+    with torch.no_grad():
+        accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    everyone = [torch.empty_like(flat) for _ in range(world_size)]
+    dist.all_gather(everyone, flat)
+    return {
+        "accuracy": accuracy,
+        "ratio": dense / sent,
+        "replicas_identical": all(torch.equal(everyone[0], e) for e in everyone),
+        "steps": epochs * steps_per_epoch,
+    }
+
+
+def _worker(rank: int, world_size: int, port: int, configs: list[str], epochs: int, seed: int, out: str) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    results = {config: train(rank, world_size, config, epochs, seed) for config in configs}
+    torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    dist.destroy_process_group()
+
+
+def run(configs: list[str], epochs: int, world_size: int = 2, seed: int = 0) -> dict[str, dict]:
+    """Every configuration on ``world_size`` spawned gloo processes; rank 0's results."""
+    from tests.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as out:
+        mp.spawn(_worker, args=(world_size, free_port(), configs, epochs, seed, out), nprocs=world_size)
+        ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world_size)]
+    results = copy.deepcopy(ranks[0])
+    for config in configs:
+        results[config]["ranks_agree"] = all(r[config]["accuracy"] == results[config]["accuracy"] for r in ranks)
+    return results
+
+
+def table(runs: list[dict[str, dict]], epochs: int, seeds: list[int]) -> str:
+    """One row per configuration: accuracy per seed, and the difference from dense (per seed, and the mean)."""
+    first = runs[0]
+    lines = [
+        f"DigitsCNN on digits, 2 workers x batch {BATCH}, {epochs} epochs ({next(iter(first.values()))['steps']}"
+        f" steps), held-out accuracy on 360 images; seeds {', '.join(map(str, seeds))}",
+        "",
+        "| configuration | learning rate, momentum | accuracy (%) | vs dense (points) | mean vs dense | compression"
+        " ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for config in first:
+        _, lr, momentum = {**CONFIGS, **SIGN_SWEEP}[config]
+        accuracy = [100 * run[config]["accuracy"] for run in runs]
+        dense = [100 * run["identity"]["accuracy"] for run in runs] if "identity" in first else None
+        deltas = [a - d for a, d in zip(accuracy, dense)] if dense else []
+        mean = f"{sum(deltas) / len(deltas):+.2f}" if deltas else ""
+        lines.append(
+            f"| {config} | {lr:g}, {momentum:g} | {' / '.join(f'{a:.1f}' for a in accuracy)} |"
+            f" {' / '.join(f'{d:+.1f}' for d in deltas)} | {mean} | {first[config]['ratio']:,.1f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=[*CONFIGS, *SIGN_SWEEP])
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--sign-lr-sweep", action="store_true", help="run dense and the sign learning-rate sweep")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="initial weights and batch order")
+    parser.add_argument("--json", default=None, help="also write the results here")
+    args = parser.parse_args()
+    configs = ["identity", *SIGN_SWEEP] if args.sign_lr_sweep else args.configs
+    runs = [run(configs, args.epochs, seed=seed) for seed in args.seeds]
+    print(table(runs, args.epochs, args.seeds))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": dict(zip(map(str, args.seeds), runs))}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,354 @@
+"""Deep Gradient Compression: momentum correction, local clipping, momentum factor masking, sampled-threshold top-k."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import (
+    BucketContext,
+    Collective,
+    Compressor,
+    Layer,
+    Payload,
+    _require_comm,
+    check_ratio,
+)
+from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
+
+# the reference code's threshold adaptation (synxlin/deep-gradient-compression, dgc/compression.py)
+_UPPER_BOUND = 1.3  # more than 1.3 k candidates: exact top-k among them
+_LOWER_BOUND = 0.8  # fewer than 0.8 k: lower the threshold by this factor and count again
+_MAX_ADAPTATION_ITERS = 10
+WARMUP_RATIOS = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75%, 93.75%, 98.4375%, 99.6%, then the final ratio
+
+
+def _clip_norm_(tensor: Tensor, max_norm: float) -> None:
+    """Scale ``tensor`` so its L2 norm is at most ``max_norm`` (the reference's per-tensor ``clip_grad_norm_``)."""
+    coefficient = (max_norm / (tensor.norm() + 1e-6)).clamp(max=1.0)  # a tensor: no host sync
+    tensor.mul_(coefficient)
+
+
+def sample_plan(numel: int, ratio: float, sample_ratio: float) -> tuple[int, int, int]:
+    """``(num_samples, top_k_samples, stride)`` of the reference code for a layer of ``numel`` elements.
+
+    The stride is ``32 j + 1`` stepped down by 8 until the strided sample holds at least ``max(ceil(sample_ratio
+    numel), ceil(2 / ratio))`` elements; layers with at most ``ceil(2 / ratio)`` elements are not sampled.
+    """
+    if sample_ratio >= 1.0:
+        return numel, math.ceil(numel * ratio), 1
+    wanted = max(math.ceil(numel * sample_ratio), math.ceil(2 / ratio))
+    if numel <= math.ceil(2 / ratio):
+        return numel, math.ceil(numel * ratio), 1
+    stride = math.ceil(numel / wanted / 32) * 32 + 1
+    samples = numel // stride
+    while samples < wanted:
+        stride -= 8
+        samples = numel // stride
+    return samples, math.ceil(samples * ratio), stride
+
+
+class DGC(Compressor):
+    """Deep Gradient Compression: send the 0.1% largest accumulated momentum-corrected gradients (all-gather).
+
+    Lin, Han, Mao, Wang & Dally, "Deep Gradient Compression: Reducing the Communication Bandwidth for Distributed
+    Training", ICLR 2018 (arXiv:1712.01887); the steps follow the authors' code (synxlin/deep-gradient-compression).
+    Per rank and layer, every step:
+
+    1. **local gradient clipping** (when ``clip_norm`` is set): the layer's gradient norm is clipped to
+       ``clip_norm / sqrt(n)``. The paper clips the whole local gradient and scales the threshold by ``n^(-1/2)``
+       [recall]; inside a DDP bucket hook only layers are visible, so the norm is per layer, as the authors' code
+       clips each tensor;
+    2. **momentum correction**: ``u <- momentum u + g``; ``v <- v + u`` (Nesterov: ``u <- momentum (u + g)``,
+       ``v <- v + u + g``). ``v`` is the error-feedback memory (the hook's residual, per parameter, checkpointed);
+       ``u`` is this compressor's state (per layer, in :meth:`state_dict`);
+    3. **sampled-threshold selection** (not a full sort): the threshold is the smallest of the top
+       ``ceil(samples ratio)`` of a strided sample of ``|v|`` (random start, per rank) holding at least 1% of the
+       layer; every element at or above it is a candidate; more than 1.3 k candidates: exact top-k among them; fewer
+       than 0.8 k: the threshold is lowered by 0.8 and the count repeated (at most 10 times); at most ``k = ceil(ratio
+       d)`` are kept;
+    4. the values and indices are all-gathered and summed in rank order; the average is the update;
+    5. **momentum factor masking**: ``u`` and ``v`` are zeroed where values were sent.
+
+    **Use an optimizer without momentum** (``torch.optim.SGD(params, lr, momentum=0)``): the momentum lives here, and
+    the averaged gradient this compressor returns is already the momentum step. Keeping the optimizer's momentum
+    applies momentum twice (``CompressedDDP`` warns when it sees it). Weight decay in the optimizer is fine.
+
+    Every layer goes through DGC so that every layer gets the momentum: layers with fewer than two dimensions or
+    fewer than ``CompressedDDP(min_compress_numel=...)`` elements are averaged densely (one all-reduce) and then
+    given the momentum ``u <- momentum u + avg`` (the reference code's path for uncompressed tensors). Without error
+    feedback (``CompressedDDP(error_feedback=False)``) ``v`` is not kept and the unsent part is dropped.
+
+    Warm-up (the paper's exponential schedule, off by default): with ``warmup_steps > 0`` the keep-ratio is
+    ``warmup_ratios[step // warmup_steps]`` (default 25%, 6.25%, 1.5625%, 0.4%: sparsity 75%, 93.75%, 98.4375%,
+    99.6%) until ``warmup_steps * len(warmup_ratios)`` steps have passed, then ``ratio``. Set ``warmup_steps`` to the
+    number of steps per epoch for the paper's four warm-up epochs. The position depends only on the step, so every
+    rank agrees and a resumed run continues exactly.
+
+    Payload per rank and step for a sparsified layer of ``d`` elements: ``k = ceil(ratio d)`` value slots (fp32: 4
+    bytes each) plus the indices as int32 (``4 k`` bytes) or a bitmap (``ceil(d / 32) * 4`` bytes) when smaller;
+    unused slots (fewer than ``k`` selected) are sent as zeros. Dense layers: ``4 d``.
+
+    On CUDA the selection synchronises with the host per layer (candidate counts), as the reference code does.
+
+    Args:
+        ratio: final fraction of each layer sent, in (0, 1] (0.001: 99.9% sparsity).
+        momentum: momentum of the correction, in [0, 1).
+        nesterov: Nesterov momentum correction.
+        momentum_masking: zero the momentum where values were sent (momentum factor masking).
+        sample_ratio: fraction of each layer sampled for the threshold, in (0, 1] (1: exact threshold).
+        strided_sample: sample at a stride (the reference code) rather than uniformly at random.
+        clip_norm: per-layer clipping norm of the averaged gradient, or ``None``; local gradients are clipped at
+            ``clip_norm / sqrt(world_size)`` before accumulation.
+        warmup_steps: steps per warm-up stage (0: no warm-up).
+        warmup_ratios: the keep-ratios of the warm-up stages, each in (0, 1].
+
+    Raises:
+        ValueError: If an argument is out of range.
+
+    Example::
+
+        >>> from lightning_gradcomp.compressors import DGC
+        >>> DGC(ratio=0.001, warmup_steps=100)  # doctest: +ELLIPSIS
+        DGC(ratio=0.001, momentum=0.9, ..., warmup_steps=100, warmup_ratios=(0.25, 0.0625, 0.015625, 0.004))
+    """
+
+    collective: ClassVar[Collective] = "allgather"
+    unbiased: ClassVar[bool] = False
+    level_attribute: ClassVar[str] = "ratio"
+    optimizer_momentum_conflicts: ClassVar[bool] = True  # CompressedDDP warns if the optimizer has momentum
+
+    def __init__(
+        self,
+        ratio: float = 0.001,
+        momentum: float = 0.9,
+        nesterov: bool = False,
+        momentum_masking: bool = True,
+        sample_ratio: float = 0.01,
+        strided_sample: bool = True,
+        clip_norm: float | None = None,
+        warmup_steps: int = 0,
+        warmup_ratios: Sequence[float] = WARMUP_RATIOS,
+    ) -> None:
+        self.ratio = check_ratio(ratio)
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+            raise ValueError(f"Expected `momentum` to be a number in [0, 1), got {momentum!r}.")
+        for name, flag in (("nesterov", nesterov), ("momentum_masking", momentum_masking),
+                           ("strided_sample", strided_sample)):  # fmt: skip
+            if not isinstance(flag, bool):
+                raise ValueError(f"Expected `{name}` to be a bool, got {flag!r}.")
+        if nesterov and momentum == 0:
+            raise ValueError("Expected `momentum` > 0 with `nesterov=True`, got 0.")
+        if clip_norm is not None and (
+            isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm <= 0
+        ):
+            raise ValueError(f"Expected `clip_norm` to be a positive number or None, got {clip_norm!r}.")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"Expected `warmup_steps` to be an integer >= 0 (0: no warm-up), got {warmup_steps!r}.")
+        if not isinstance(warmup_ratios, Sequence) or not warmup_ratios:
+            raise ValueError(f"Expected `warmup_ratios` to be a non-empty sequence of ratios, got {warmup_ratios!r}.")
+        self.momentum = float(momentum)
+        self.nesterov = nesterov
+        self.momentum_masking = momentum_masking
+        self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
+        self.strided_sample = strided_sample
+        self.clip_norm = None if clip_norm is None else float(clip_norm)
+        self.warmup_steps = warmup_steps
+        self.warmup_ratios = tuple(check_ratio(r, "warmup_ratios") for r in warmup_ratios)
+        self._momenta: dict[str, Tensor] = {}
+        self._min_numel = 0
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Which layers, how sparse
+    # ------------------------------------------------------------------------------------------------------------
+    def check_level(self, value: Any) -> float:
+        """A keep-ratio in (0, 1]."""
+        return check_ratio(value)
+
+    def compresses(self, layer: Layer, min_numel: int) -> bool:
+        """Every layer, so that every layer gets the momentum; small ones are averaged densely inside.
+
+        The hook asks this for every layer, with ``CompressedDDP``'s ``min_compress_numel``, before any reduction;
+        the threshold is remembered to send layers below it densely.
+        """
+        self._min_numel = min_numel
+        return True
+
+    def sparsifies(self, layer: Layer) -> bool:
+        """Whether ``layer`` is sparsified (else averaged densely): >= 2-D and >= ``min_compress_numel`` elements."""
+        return layer.ndim >= 2 and layer.numel >= self._min_numel
+
+    def ratio_at(self, layer: Layer, step: int) -> float:
+        """The keep-ratio of ``layer`` at ``step``: a warm-up stage's (if denser) or the layer's level."""
+        level = self.level(layer)
+        if self.warmup_steps and step < self.warmup_steps * len(self.warmup_ratios):
+            return max(level, self.warmup_ratios[step // self.warmup_steps])
+        return level
+
+    def _split(self, ctx: BucketContext) -> tuple[list[Layer], list[Layer], SparseLayout]:
+        sparse = [layer for layer in ctx.layers if self.sparsifies(layer)]
+        dense = [layer for layer in ctx.layers if not self.sparsifies(layer)]
+        slots = [math.ceil(layer.numel * self.ratio_at(layer, ctx.step)) for layer in sparse]
+        return sparse, dense, sparse_layout(sparse, slots)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Selection
+    # ------------------------------------------------------------------------------------------------------------
+    def select(self, values: Tensor, ratio: float, generator: torch.Generator) -> Tensor:
+        """Layer-local indices of at most ``ceil(ratio d)`` large entries of ``values`` (the reference's rules)."""
+        numel = values.numel()
+        k = math.ceil(numel * ratio)
+        importance = values.abs()
+        num_samples, top_k_samples, stride = sample_plan(numel, ratio, self.sample_ratio)
+        if num_samples == numel:
+            samples = importance
+        elif self.strided_sample:
+            start = int(torch.randint(0, stride, (1,), generator=generator))
+            samples = importance[start::stride]
+        else:
+            picks = torch.randint(0, numel, (num_samples,), generator=generator).to(values.device)
+            samples = importance[picks]
+        threshold = torch.topk(samples, min(top_k_samples, samples.numel()), sorted=False).values.min()
+        indices = torch.nonzero(importance >= threshold).squeeze(1)
+        if numel > num_samples:
+            for _ in range(_MAX_ADAPTATION_ITERS):
+                count = indices.numel()
+                if count > k:
+                    if count > _UPPER_BOUND * k:  # the reference's `resample`: exact top-k among the candidates
+                        indices = indices[torch.topk(importance[indices], k, sorted=False).indices]
+                    break
+                if count >= _LOWER_BOUND * k:
+                    break
+                threshold = threshold * _LOWER_BOUND
+                indices = torch.nonzero(importance >= threshold).squeeze(1)
+        return indices[:k]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The contract: sparsify what is given (momentum and accumulation are in reduce)
+    # ------------------------------------------------------------------------------------------------------------
+    def _encode(self, tensor: Tensor, ctx: BucketContext) -> tuple[Payload, list[Tensor]]:
+        sparse, dense, layout = self._split(ctx)
+        picked = [
+            self.select(layer.flat(tensor), self.ratio_at(layer, ctx.step), ctx.generator(layer, per_rank=True))
+            for layer in sparse
+        ]
+        values = [layer.flat(tensor)[idx] for layer, idx in zip(sparse, picked)]
+        blob, slot_values = encode_sparse(layout, picked, values, tensor)
+        dense_values = torch.cat([layer.flat(tensor) for layer in dense]) if dense else tensor.new_empty(0)
+        return (blob, slot_values, dense_values), picked
+
+    def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
+        """Index blob and slot values of every sparsified layer; the dense layers' values."""
+        return self._encode(tensor, ctx)[0]
+
+    def _add_sparse(self, layout: SparseLayout, blob: Tensor, values: Tensor, out: Tensor) -> None:
+        indices = decode_sparse(layout, blob)
+        for segment, idx in zip(layout.segments, indices):
+            # within one rank the indices are distinct (padding adds zeros), so this is deterministic on CUDA too
+            out.index_add_(0, idx, values[segment.value_at : segment.value_at + idx.numel()].to(out.dtype))
+
+    def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """Sparse values scattered into zeros, dense values copied."""
+        return self.aggregate([payload], ctx, out)
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """Sum every rank's payload, in rank order."""
+        _, dense, layout = self._split(ctx)
+        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out.zero_()
+        for blob, values, dense_values in payloads:
+            self._add_sparse(layout, blob, values, out)
+            at = 0
+            for layer in dense:
+                layer.flat(out).add_(dense_values[at : at + layer.numel].to(ctx.dtype))
+                at += layer.numel
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The reduction: clipping, momentum correction, accumulation, selection, masking
+    # ------------------------------------------------------------------------------------------------------------
+    def _momentum(self, layer: Layer, like: Tensor) -> Tensor:
+        u = self._momenta.get(layer.name)
+        if u is None or u.shape != like.shape or u.device != like.device or u.dtype != like.dtype:
+            u = self._momenta[layer.name] = torch.zeros_like(like)
+        return u
+
+    def _correct(self, g: Tensor, u: Tensor) -> None:
+        """Momentum-correct ``g`` in place: ``g`` becomes what is accumulated (``u``, or ``u + g`` for Nesterov)."""
+        if self.nesterov:
+            u.add_(g).mul_(self.momentum)
+            g.add_(u)
+        else:
+            u.mul_(self.momentum).add_(g)
+            g.copy_(u)
+
+    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+        """Average through DGC (see the class doc); ``tensor`` becomes the average."""
+        comm = _require_comm(ctx)
+        sparse, dense, layout = self._split(ctx)
+        with comm.timed("encode"):
+            for layer in sparse:
+                g = layer.flat(tensor)
+                if self.clip_norm is not None:
+                    _clip_norm_(g, self.clip_norm / math.sqrt(ctx.world_size))
+                self._correct(g, self._momentum(layer, g))
+            if ctx.residual is not None:
+                tensor = tensor.add_(ctx.residual)  # v <- v + u (dense layers owe nothing: their residual is 0)
+            (blob, values, dense_values), picked = self._encode(tensor, ctx)
+            if ctx.residual is not None:
+                ctx.residual.copy_(tensor)
+            for layer, idx in zip(sparse, picked):
+                if ctx.residual is not None:
+                    layer.flat(ctx.residual).index_fill_(0, idx, 0)  # v is cleared where it was sent
+                if self.momentum_masking:
+                    self._momenta[layer.name].index_fill_(0, idx, 0)
+            for layer in dense:
+                if ctx.residual is not None:
+                    layer.flat(ctx.residual).zero_()
+        futures = []
+        if sparse:
+            futures.append(comm.all_gather((blob, values)))
+        if dense:
+            futures.append(comm.all_reduce((dense_values.div_(ctx.world_size),)))
+
+        def decode(fut: torch.futures.Future[list[torch.futures.Future]]) -> Tensor:
+            done = [f.value() for f in fut.value()]
+            with comm.timed("decode"):
+                tensor.zero_()
+                if sparse:
+                    for rank_blob, rank_values in done[0]:
+                        self._add_sparse(layout, rank_blob, rank_values, tensor)
+                    for layer in sparse:
+                        layer.flat(tensor).div_(ctx.world_size)
+                if dense:
+                    (average,) = done[-1]
+                    at = 0
+                    for layer in dense:
+                        g = layer.flat(tensor)
+                        g.copy_(average[at : at + layer.numel])
+                        if self.clip_norm is not None:
+                            _clip_norm_(g, self.clip_norm)
+                        if self.momentum:
+                            self._correct(g, self._momentum(layer, g))
+                        at += layer.numel
+            return tensor
+
+        return torch.futures.collect_all(futures).then(decode)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # State
+    # ------------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's momentum ``u`` per layer (``v`` is the error-feedback residual, saved by the strategy)."""
+        state = super().state_dict()
+        if self._momenta:
+            state["momentum"] = {name: u.detach().clone() for name, u in self._momenta.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state_dict)
+        self._momenta = {name: u.clone() for name, u in state_dict.get("momentum", {}).items()}

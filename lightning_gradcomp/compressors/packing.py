@@ -1,0 +1,224 @@
+"""Bit packing for payloads: small integers in uint8 tensors, sum-safe integer words, index sets.
+
+Signs (1 bit), ternaries (2 bits) and quantisation levels (n bits) pack into uint8 tensors; fields that a SUM
+all-reduce may add pack into int64 words; sparse index sets travel as int32 lists or bitmaps.
+
+Everything here is vectorised (no per-element Python) and runs on any device. Payloads are packed *before* they are
+handed to a collective, so the bytes the telemetry counts are the packed bytes that move.
+
+Bit order: value ``i`` of an ``n``-bit packing occupies bits ``[b i, b (i + 1))`` of the packed stream, where bit ``t``
+of the stream is bit ``t % 8`` (least significant first) of byte ``t // 8``. The layout does not depend on the
+machine's byte order.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_WORD_BITS = 63  # usable bits of an int64 word: the sign bit stays clear, so sums never overflow into it
+
+
+def packed_nbytes(n: int, bits: int) -> int:
+    """Bytes that :func:`pack_uint` uses for ``n`` values of ``bits`` bits: ``ceil(n * bits / 8)``."""
+    return (n * bits + 7) // 8
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"Expected `bits` to be an integer in [1, 8], got {bits!r}.")
+
+
+def pack_uint(values: Tensor, bits: int) -> Tensor:
+    """Pack the integers of the 1-D ``values`` (each in ``[0, 2**bits)``) into ``ceil(n * bits / 8)`` bytes.
+
+    Args:
+        values: a 1-D integer or bool tensor.
+        bits: bits per value, 1 to 8.
+
+    Returns:
+        A 1-D uint8 tensor on ``values``' device.
+    """
+    _check_bits(bits)
+    n = values.numel()
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=values.device)
+    v = values.reshape(-1).to(torch.uint8)
+    if bits == 1 and _LITTLE_ENDIAN:
+        # 8 bytes of 0/1 read as one int64; the multiplication gathers bit 0 of byte j at bit 56 + j (every partial
+        # product lands on its own bit, so nothing carries): the top byte is the packed byte
+        v = _pad_to(v, 8)
+        if v.storage_offset() % 8:
+            v = v.clone()  # a view as int64 needs 8-byte alignment
+        return ((v.view(torch.int64) * _GATHER) >> 56).to(torch.uint8)
+    if 8 % bits == 0:  # 2, 4, 8 bits: whole values per byte, combined column by column (strided, in place)
+        per = 8 // bits
+        columns = _pad_to(v, per).view(-1, per)
+        out = columns[:, per - 1].clone()
+        for j in range(per - 2, -1, -1):
+            out.bitwise_left_shift_(bits).bitwise_or_(columns[:, j])
+        return out
+    # 3, 5, 6, 7 bits: 8 values make exactly `bits` bytes; assemble them in an int64, then split it into bytes
+    columns = _pad_to(v, 8).view(-1, 8)
+    words = columns[:, 7].to(torch.int64, copy=True)
+    for j in range(6, -1, -1):
+        words.bitwise_left_shift_(bits).bitwise_or_(columns[:, j])
+    out = torch.empty(words.numel(), bits, dtype=torch.uint8, device=v.device)
+    for j in range(bits):
+        out[:, j] = words & 0xFF
+        words.bitwise_right_shift_(8)
+    return out.reshape(-1)[: packed_nbytes(n, bits)]
+
+
+def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
+    """Inverse of :func:`pack_uint`: the first ``n`` values, as a uint8 tensor."""
+    _check_bits(bits)
+    device = packed.device
+    if n == 0:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    packed = packed[: packed_nbytes(n, bits)]
+    if bits == 1 and _LITTLE_ENDIAN:
+        # spread: the byte copied into all 8 bytes of an int64, byte j keeps its bit j (non-zero iff set)
+        spread = (packed.to(torch.int64) * _SPREAD) & _PICK
+        return spread.view(torch.uint8).ne(0).view(torch.uint8)[:n]
+    mask = (1 << bits) - 1
+    if 8 % bits == 0:
+        per = 8 // bits
+        out = torch.empty(packed.numel(), per, dtype=torch.uint8, device=device)
+        rest = packed.clone()
+        for j in range(per):
+            torch.bitwise_and(rest, mask, out=out[:, j])
+            rest.bitwise_right_shift_(bits)
+        return out.reshape(-1)[:n]
+    groups = (n + 7) // 8
+    columns = _pad_to(packed, groups * bits).view(groups, bits)
+    words = columns[:, bits - 1].to(torch.int64, copy=True)
+    for j in range(bits - 2, -1, -1):
+        words.bitwise_left_shift_(8).bitwise_or_(columns[:, j])
+    out = torch.empty(groups, 8, dtype=torch.uint8, device=device)
+    for j in range(8):
+        out[:, j] = words & mask
+        words.bitwise_right_shift_(bits)
+    return out.reshape(-1)[:n]
+
+
+def pack_bits(mask: Tensor) -> Tensor:
+    """One bit per element of the boolean ``mask`` (``ceil(n / 8)`` bytes)."""
+    return pack_uint(mask.reshape(-1), 1)
+
+
+def unpack_bits(packed: Tensor, n: int) -> Tensor:
+    """The first ``n`` bits of ``packed`` as a bool tensor."""
+    return unpack_uint(packed, 1, n).view(torch.bool)
+
+
+def _pad_to(v: Tensor, multiple: int) -> Tensor:
+    return F.pad(v, (0, -v.numel() % multiple)) if v.numel() % multiple else v
+
+
+# bit tricks on int64 words (two's complement: the constants are the signed values of the 64-bit patterns)
+_LITTLE_ENDIAN = sys.byteorder == "little"
+_GATHER = 0x0102040810204080  # bit 0 of byte j -> bit 56 + j
+_SPREAD = 0x0101010101010101  # a byte copied into every byte
+_PICK = 0x8040201008040201 - (1 << 64)  # byte j keeps bit j
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Sum-safe words: fields that a SUM all-reduce adds without carries
+# ----------------------------------------------------------------------------------------------------------------
+def field_width(max_sum: int) -> int:
+    """Bits a field needs to hold every integer in ``[0, max_sum]``: ``max(1, ceil(log2(max_sum + 1)))``."""
+    return max(1, int(max_sum).bit_length())
+
+
+def fields_per_word(width: int) -> int:
+    """How many ``width``-bit fields one int64 word holds (63 usable bits)."""
+    if width > _WORD_BITS:
+        raise ValueError(f"Expected a field width <= {_WORD_BITS} bits, got {width}.")
+    return _WORD_BITS // width
+
+
+def words_needed(n: int, width: int) -> int:
+    """int64 words that :func:`pack_fields` uses for ``n`` values."""
+    per = fields_per_word(width)
+    return (n + per - 1) // per
+
+
+def pack_fields(values: Tensor, width: int) -> Tensor:
+    """Pack non-negative integers into int64 words of ``width``-bit fields, so that words can be *summed*.
+
+    If every field of the summed words stays below ``2**width`` (the caller picks ``width`` with
+    :func:`field_width` for the largest possible sum), a SUM all-reduce of the words sums every field exactly, with no
+    carry between fields: an exact integer-domain reduction of many small values in one collective.
+
+    Layout (planar, so that every step reads and writes contiguous memory): with ``W`` words, value ``i`` sits in
+    field ``i // W`` of word ``i % W``.
+    """
+    per = fields_per_word(width)
+    v = values.reshape(-1)
+    count = -(-v.numel() // per)
+    planes = _pad_to(v, per * count).view(per, count) if v.numel() else v.new_zeros(per, 0)
+    words = planes[per - 1].to(torch.int64, copy=True)
+    for j in range(per - 2, -1, -1):  # Horner, plane by plane, in place
+        words.bitwise_left_shift_(width).bitwise_or_(planes[j])
+    return words
+
+
+def unpack_fields(words: Tensor, width: int, n: int) -> Tensor:
+    """The first ``n`` fields of ``words`` (int64), in the order :func:`pack_fields` took them."""
+    per = fields_per_word(width)
+    out = torch.empty(per, words.numel(), dtype=torch.int64, device=words.device)
+    rest = words.clone()
+    for j in range(per):
+        torch.bitwise_and(rest, (1 << width) - 1, out=out[j])
+        rest.bitwise_right_shift_(width)
+    return out.reshape(-1)[:n]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Index sets: int32 lists or bitmaps, whichever is smaller
+# ----------------------------------------------------------------------------------------------------------------
+def index_nbytes(slots: int, numel: int) -> tuple[bool, int]:
+    """How a set of up to ``slots`` indices into ``numel`` elements is sent: ``(use_bitmap, nbytes)``.
+
+    An int32 list costs ``4 slots`` bytes, a bitmap ``ceil(numel / 8)``; the smaller wins (the bitmap from a density of
+    1/32 up). The choice depends only on the sizes, so ranks that agree on the sizes agree on the encoding. Bitmaps
+    are rounded up to whole int32 words so that the lists that follow them in a payload stay 4-byte aligned.
+    """
+    list_bytes = 4 * slots
+    bitmap_bytes = -(-numel // 32) * 4
+    return (True, bitmap_bytes) if bitmap_bytes < list_bytes else (False, list_bytes)
+
+
+def encode_indices(indices: Tensor, numel: int, slots: int, bitmap: bool) -> Tensor:
+    """Encode distinct layer-local ``indices`` (at most ``slots`` of them) as uint8 bytes.
+
+    A list is padded to ``slots`` entries by repeating its first index (or 0), so its size depends only on ``slots``.
+    A bitmap carries no order: values sent with it must be in increasing index order (see :func:`decode_indices`).
+    """
+    device = indices.device
+    if bitmap:
+        mask = torch.zeros(-(-numel // 32) * 32, dtype=torch.bool, device=device)
+        mask[indices] = True
+        return pack_bits(mask)
+    listed = indices.to(torch.int32)
+    if listed.numel() < slots:
+        fill = listed[:1] if listed.numel() else torch.zeros(1, dtype=torch.int32, device=device)
+        listed = torch.cat([listed, fill.expand(slots - listed.numel())])
+    return listed.view(torch.uint8)
+
+
+def decode_indices(blob: Tensor, numel: int, slots: int, bitmap: bool, count: int | None = None) -> Tensor:
+    """Layer-local int64 indices from :func:`encode_indices`; ``count`` keeps only the first entries of a list.
+
+    For a bitmap the indices come back in increasing order (on CUDA, ``nonzero`` synchronises with the host).
+    """
+    if bitmap:
+        return torch.nonzero(unpack_bits(blob, numel)).squeeze(1)
+    if blob.storage_offset() % 4:
+        blob = blob.clone()  # a view as int32 needs 4-byte alignment
+    listed = blob.view(torch.int32)
+    return listed[: slots if count is None else count].long()

@@ -1,0 +1,236 @@
+"""Sign compressors, one bit per element on the wire: signSGD with majority vote (and Signum), EF-signSGD, 1-bit SGD."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import (
+    BucketContext,
+    Collective,
+    Compressor,
+    Layer,
+    Payload,
+    _require_comm,
+)
+from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
+
+_WIRE_SCALE = torch.float32  # per-layer scales travel as fp32, whatever the gradient's dtype
+
+
+def _out(ctx: BucketContext, out: Tensor | None) -> Tensor:
+    return torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out
+
+
+def _accumulator(dtype: torch.dtype) -> torch.dtype:
+    """Sums in at least fp32 (half-precision sums of a large layer overflow)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_momentum(momentum: Any) -> float:
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
+        raise ValueError(f"Expected `momentum` to be a number in [0, 1), got {momentum!r}.")
+    return float(momentum)
+
+
+def _signs_into(bits: Tensor, ctx: BucketContext, positive: Tensor, negative: Tensor, out: Tensor) -> Tensor:
+    """Write ``positive[l]`` where a bit of layer ``l`` is set and ``negative[l]`` elsewhere."""
+    for i, layer in enumerate(ctx.layers):
+        torch.where(layer.flat(bits), positive[i], negative[i], out=layer.flat(out))
+    return out
+
+
+class SignSGD(Compressor):
+    """signSGD with majority vote: every rank sends the sign of its gradient (1 bit), the update is the majority sign.
+
+    Bernstein, Zhao, Azizzadenesheli & Anandkumar, "signSGD with Majority Vote is Communication Efficient and Fault
+    Tolerant", ICLR 2019 (arXiv:1810.05291). Each rank sends ``sign(g)`` packed 8 per byte; the packed signs are
+    all-gathered (a ring all-reduce of 1-bit values cannot carry their sum) and every rank takes the vote
+    ``sign(sum_r sign(g_r))`` locally, in rank order, so every rank applies the same update. The "average" this
+    compressor returns is that vote, in {-1, 0, +1} (0 on a tie, possible with an even number of ranks): the
+    optimizer's learning rate is the step size of every coordinate, so it must be set for sign updates (typically
+    100 to 1000 times smaller than for SGD), not reused from SGD.
+
+    With ``momentum > 0`` it is Signum with majority vote: each rank keeps ``m <- momentum m + (1 - momentum) g`` per
+    layer (local state, saved in :meth:`state_dict`) and sends ``sign(m)``.
+
+    Every layer is signed, biases and normalisation weights too (as in the paper; sending a layer densely would give
+    it a gradient-sized step instead of a sign step), so ``min_compress_numel`` does not apply. A zero coordinate
+    votes +1 (one bit cannot encode 0). There is no error feedback: the vote is not an average of compressed
+    gradients, so there is nothing to carry over, and forcing ``CompressedDDP(error_feedback=True)`` raises.
+
+    Payload per rank and step: ``ceil(d / 8)`` bytes for the ``d`` elements of a bucket.
+
+    Args:
+        momentum: Signum's momentum (0 gives signSGD), in [0, 1).
+
+    Raises:
+        ValueError: If ``momentum`` is not in [0, 1).
+
+    Example::
+
+        >>> from lightning_gradcomp.compressors import SignSGD
+        >>> SignSGD(momentum=0.9)
+        SignSGD(momentum=0.9)
+    """
+
+    collective: ClassVar[Collective] = "allgather"
+    unbiased: ClassVar[bool] = False
+
+    def __init__(self, momentum: float = 0.0) -> None:
+        self.momentum = _check_momentum(momentum)
+        self._momenta: dict[str, Tensor] = {}
+
+    @property
+    def default_error_feedback(self) -> bool:
+        """Off: the majority vote has no error to feed back."""
+        return False
+
+    def compresses(self, layer: Layer, min_numel: int) -> bool:
+        """Every layer: each coordinate takes a sign step."""
+        return True
+
+    def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
+        """The signs of ``tensor``, packed 8 per byte (a zero counts as positive)."""
+        return (pack_bits(tensor >= 0),)
+
+    def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """±1 per element."""
+        one = torch.ones((), dtype=ctx.dtype, device=ctx.device)
+        return torch.where(unpack_bits(payload[0], ctx.numel), one, -one, out=_out(ctx, out))
+
+    def vote(self, payloads: list[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """The majority sign, in {-1, 0, +1}, over every rank's packed signs."""
+        n = len(payloads)
+        positives = torch.zeros(ctx.numel, dtype=torch.uint8 if n < 256 else torch.int32, device=ctx.device)
+        for (bits,) in payloads:  # integer counts: exact in any order
+            positives += unpack_bits(bits, ctx.numel)
+        # count -> sign(2 count - n), by table lookup (one pass instead of an arithmetic chain)
+        table = torch.tensor([float((2 * c > n) - (2 * c < n)) for c in range(n + 1)], dtype=ctx.dtype,
+                             device=ctx.device)  # fmt: skip
+        return torch.index_select(table, 0, positives.int(), out=_out(ctx, out))
+
+    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+        """Signs (of the Signum momentum, if any) all-gathered; every rank takes the majority vote."""
+        comm = _require_comm(ctx)
+        if ctx.residual is not None:
+            raise ValueError(
+                "SignSGD's majority vote is not an average of compressed gradients, so error feedback has nothing to"
+                " carry; pass `error_feedback=None` or `False` to CompressedDDP, or use EFSignSGD (scaled signs with"
+                " error feedback)."
+            )
+        with comm.timed("encode"):
+            if self.momentum:
+                for layer in ctx.layers:
+                    g = layer.flat(tensor)
+                    m = self._momenta.get(layer.name)
+                    if m is None or m.shape != g.shape or m.device != g.device:
+                        m = self._momenta[layer.name] = torch.zeros_like(g)
+                    m.mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
+                    g.copy_(m)
+            (bits,) = self.compress(tensor, ctx)
+
+        def decode(fut: torch.futures.Future[list[Payload]]) -> Tensor:
+            gathered = fut.value()
+            with comm.timed("decode"):
+                return self.vote(gathered, ctx, out=tensor)
+
+        return comm.all_gather((bits,)).then(decode)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Signum's momentum per layer (this rank's own)."""
+        state = super().state_dict()
+        if self._momenta:
+            state["momentum"] = {name: m.detach().clone() for name, m in self._momenta.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`."""
+        super().load_state_dict(state_dict)
+        self._momenta = {name: m.clone() for name, m in state_dict.get("momentum", {}).items()}
+
+
+class EFSignSGD(Compressor):
+    """EF-signSGD: scaled sign ``(||p||_1 / d) sign(p)`` per layer, with error feedback.
+
+    Karimireddy, Rebjock, Stich & Jaggi, "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML
+    2019 (arXiv:1901.09847). With error feedback, ``p = g + e``; each layer is sent as its signs (1 bit per element)
+    and one fp32 scale, the mean absolute value of ``p``; ``e <- p - scale sign(p)``. Scales differ between ranks, so
+    payloads are all-gathered and averaged. The paper puts the learning rate inside ``p = lr g + e``; here the
+    optimizer applies it after averaging, which is the same for a constant learning rate (the compression is
+    positively homogeneous) and keeps the residual in gradient units when the learning rate changes.
+
+    Payload per layer of ``d`` elements: ``ceil(d / 8)`` bytes of signs (packed over the bucket) plus 4 bytes.
+
+    Example::
+
+        >>> from lightning_gradcomp.compressors import EFSignSGD
+        >>> EFSignSGD()
+        EFSignSGD()
+    """
+
+    collective: ClassVar[Collective] = "allgather"
+    unbiased: ClassVar[bool] = False
+
+    def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
+        """Packed signs and one fp32 scale (mean absolute value) per layer."""
+        # mean |p| per layer: an L1 norm is one pass without a temporary
+        acc = _accumulator(ctx.dtype)
+        scales = torch.stack([torch.linalg.vector_norm(layer.flat(tensor), 1, dtype=acc) / layer.numel
+                              for layer in ctx.layers])  # fmt: skip
+        scales = scales.to(_WIRE_SCALE)
+        return pack_bits(tensor >= 0), scales
+
+    def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """``scale * sign`` per layer."""
+        packed, scales = payload
+        scales = scales.to(ctx.dtype)
+        return _signs_into(unpack_bits(packed, ctx.numel), ctx, scales, -scales, _out(ctx, out))
+
+
+class OneBit(Compressor):
+    """1-bit SGD: one bit per element, reconstructed as the mean of the layer's positive or of its negative entries.
+
+    Seide, Fu, Droppo, Li & Yu, "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel Distributed
+    Training of Speech DNNs", Interspeech 2014. With error feedback (``p = g + e``, which the paper introduced for
+    this quantiser), every element is quantised at threshold 0 and reconstructed as the mean of the entries of its
+    sign: ``mean(p[p >= 0])`` or ``mean(p[p < 0])``, two fp32 values per layer, chosen to minimise the squared error
+    of the reconstruction given the signs; ``e <- p - reconstruction``. Payloads are all-gathered and averaged.
+
+    The paper's CNTK implementation keeps the two values per *column* of each weight matrix; this implementation
+    keeps them per layer (tensor), as this project's issue specifies; per-column reconstruction is not implemented.
+
+    Payload per layer of ``d`` elements: ``ceil(d / 8)`` bytes of signs (packed over the bucket) plus 8 bytes.
+
+    Example::
+
+        >>> from lightning_gradcomp.compressors import OneBit
+        >>> OneBit()
+        OneBit()
+    """
+
+    collective: ClassVar[Collective] = "allgather"
+    unbiased: ClassVar[bool] = False
+
+    def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
+        """Packed signs and, per layer, the mean of its non-negative and of its negative entries (fp32)."""
+        positive = tensor >= 0
+        acc = _accumulator(ctx.dtype)
+        means = []
+        for layer in ctx.layers:
+            x = layer.flat(tensor)
+            n_pos = layer.flat(positive).sum()
+            # the sums of the positive and of the negative entries from two passes without temporaries
+            total, magnitude = x.sum(dtype=acc), torch.linalg.vector_norm(x, 1, dtype=acc)
+            # an empty group's mean is never used; clamping the count avoids 0 / 0
+            means.append((magnitude + total) / 2 / n_pos.clamp(min=1))
+            means.append((total - magnitude) / 2 / (layer.numel - n_pos).clamp(min=1))
+        return pack_bits(positive), torch.stack(means).to(_WIRE_SCALE)
+
+    def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """The positive mean where the bit is set, the negative mean elsewhere."""
+        packed, means = payload
+        means = means.to(ctx.dtype)
+        return _signs_into(unpack_bits(packed, ctx.numel), ctx, means[0::2], means[1::2], _out(ctx, out))

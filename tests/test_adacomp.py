@@ -1,0 +1,137 @@
+"""AdaComp against a bin-by-bin reference of the operator's algorithm, and its size exchange on the wire."""
+
+import math
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import AdaComp
+from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
+from lightning_gradcomp.compressors.packing import index_nbytes
+from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
+
+# a convolution (bins of 50), a fully-connected layer (bins of 500) with a short last bin
+LAYERS = layers_from_shapes([(16, 8, 3, 3), (30, 70)], names=["conv.weight", "fc.weight"])
+NUMEL = sum(layer.numel for layer in LAYERS)
+
+
+def _grads(n, seed, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUMEL, generator=g, dtype=dtype) * (1 + r) for r in range(n)]
+
+
+def _reference_step(grad, residue, bins=(50, 500)):
+    """One rank, bin by bin in Python: G = R + dW, H = G + dW, select |H| >= max |G| of the bin (a bin of zeros:
+    nothing), send +-(mean of the bin maxima) by the sign of G (G > 0: plus); R = G - sent."""
+    sent = torch.zeros_like(grad)
+    new_residue = torch.zeros_like(grad)
+    for layer, size in zip(LAYERS, bins):
+        g = layer.flat(residue) + layer.flat(grad)
+        h = g + layer.flat(grad)
+        maxima = [g[s : s + size].abs().max() for s in range(0, layer.numel, size)]
+        scale = torch.tensor(sum(m.item() for m in maxima) / len(maxima), dtype=torch.float32).double()
+        out = layer.flat(sent)
+        for b, start in enumerate(range(0, layer.numel, size)):
+            for j in range(start, min(start + size, layer.numel)):
+                if abs(h[j]) >= maxima[b] and maxima[b] > 0:
+                    out[j] = scale if g[j] > 0 else -scale
+        layer.flat(new_residue).copy_(g - out)
+    return sent, new_residue
+
+
+def test_adacomp_equals_the_reference_over_steps():
+    compressors = [AdaComp(), AdaComp()]
+    residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
+    reference = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
+    for step in range(4):
+        grads = _grads(2, seed=step)
+        outs = simulate_reduce(compressors, grads, LAYERS, step=step, residuals=residuals)
+        sent = []
+        for r in range(2):
+            s, reference[r] = _reference_step(grads[r], reference[r])
+            sent.append(s)
+        for out in outs:
+            torch.testing.assert_close(out, (sent[0] + sent[1]) / 2, rtol=1e-6, atol=1e-12)  # fp32 mean vs sum
+        for r in range(2):
+            torch.testing.assert_close(residuals[r], reference[r], rtol=1e-6, atol=1e-12)
+
+
+def test_one_dominant_element_per_bin_is_all_that_is_sent():
+    """With no residue, a bin with one dominant gradient sends exactly that element (the paper's adaptivity)."""
+    x = torch.full((NUMEL,), 0.01, dtype=torch.float64)
+    dominant = []
+    for layer, size in zip(LAYERS, (50, 500)):
+        for start in range(0, layer.numel, size):
+            j = layer.offset + start + (start * 7) % min(size, layer.numel - start)
+            x[j] = 5.0
+            dominant.append(j)
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=LAYERS, dtype=torch.float64)
+    payload = AdaComp().compress(x, ctx)
+    assert payload[0].tolist() == [math.ceil(LAYERS[0].numel / 50), math.ceil(LAYERS[1].numel / 500)]
+    out = AdaComp().decompress(payload, ctx)
+    assert torch.nonzero(out).squeeze(1).tolist() == dominant
+
+
+def test_the_latest_gradient_decides_between_equal_residues():
+    """Two elements with the same residue: the one whose new gradient agrees with it is sent, the other is not."""
+    from lightning_gradcomp.compressors.base import Layer
+
+    layer = (Layer("fc.weight", 0, torch.Size([1, 500]), 0),)
+    residue = torch.zeros(500, dtype=torch.float64)
+    residue[[10, 20]] = 1.0
+    grad = torch.zeros(500, dtype=torch.float64)
+    grad[10], grad[20] = 0.2, -0.2  # G = 1.2 and 0.8; H = 1.4 and 0.6; max |G| = 1.2
+    out = simulate_reduce([AdaComp()], [grad], layer, residuals=[residue])[0]
+    assert torch.nonzero(out).squeeze(1).tolist() == [10]
+
+
+def test_an_all_zero_bin_sends_nothing():
+    x = torch.zeros(NUMEL, dtype=torch.float64)
+    x[:50] = torch.linspace(-1, 1, 50, dtype=torch.float64)
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=LAYERS, dtype=torch.float64)
+    counts = AdaComp().compress(x, ctx)[0].tolist()
+    assert counts[1] == 0
+    assert 0 < counts[0] <= 50
+
+
+def test_sizes_are_exchanged_then_payloads_padded_to_the_largest():
+    """Round 0: 4 bytes per layer. Round 1: each layer padded to the largest count over the ranks (int32 indices or a
+    bitmap, whichever is smaller for that count), one sign bit per slot, one fp32 scale per layer."""
+    grads = _grads(3, seed=7, dtype=torch.float32)
+    grads[2][: LAYERS[0].numel] = 0.0  # rank 2 sends nothing from the convolution: its slots there are all padding
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=LAYERS, dtype=torch.float32)
+    counts = [AdaComp().compress(g, ctx)[0].tolist() for g in grads]
+    slots = [max(c[i] for c in counts) for i in range(len(LAYERS))]
+    assert counts[2][0] == 0 < slots[0]
+    telemetry = [Telemetry() for _ in range(3)]
+    for t in telemetry:
+        t.add_bucket(NUMEL * 4)
+    world_checked = simulate_reduce([AdaComp() for _ in range(3)], grads, LAYERS, telemetry=telemetry)
+    assert all(torch.equal(world_checked[0], out) for out in world_checked)
+    aligned = lambda n: -(-n // 8) * 8  # noqa: E731
+    indices = sum(index_nbytes(s, layer.numel)[1] for s, layer in zip(slots, LAYERS))
+    expected = 4 * len(LAYERS) + aligned(indices) + aligned(math.ceil(sum(slots) / 8)) + aligned(4 * len(LAYERS))
+    for t in telemetry:
+        assert t.pop_step().bytes_sent == expected
+
+
+def test_two_rounds_in_order():
+    world = SimulatedWorld(2)
+    from lightning_gradcomp.comm import Comm
+
+    futures = []
+    for rank, g in enumerate(_grads(2, seed=1, dtype=torch.float32)):
+        ctx = BucketContext(index=0, step=0, rank=rank, world_size=2, layers=LAYERS, dtype=torch.float32,
+                            comm=Comm(world.backend(rank), Telemetry(), g.device))  # fmt: skip
+        futures.append(AdaComp().reduce(g, ctx))
+    world.assert_quiescent()
+    assert [kind for _, kind in world.issued] == [("all_gather",)] * 4  # sizes (both ranks), then payloads
+    assert torch.equal(futures[0].wait(), futures[1].wait())
+
+
+def test_bin_sizes_per_layer_type():
+    compressor = AdaComp(bin_size_conv=40, bin_size_fc=300)
+    assert [compressor.bin_size(layer) for layer in LAYERS] == [40, 300]
+    with pytest.raises(ValueError, match="`bin_size_fc`"):
+        AdaComp(bin_size_fc=0)

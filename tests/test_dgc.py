@@ -1,0 +1,248 @@
+"""DGC against a step-by-step reference of the authors' code: momentum correction, clipping, masking, selection."""
+
+import copy
+import math
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import DGC, TopK
+from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
+from lightning_gradcomp.compressors.dgc import sample_plan
+from lightning_gradcomp.strategy import optimizer_momentum_warning
+from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.testing import simulate_reduce
+
+# two sparsified matrices, a bias and a small matrix (dense: below min_compress_numel)
+LAYERS = layers_from_shapes([(64, 80), (16,), (200, 30), (4, 4)], names=["a.weight", "a.bias", "b.weight", "c.weight"])
+NUMEL = sum(layer.numel for layer in LAYERS)
+MIN_NUMEL = 64
+
+
+def _dgc(**kwargs):
+    compressor = DGC(**kwargs)
+    for layer in LAYERS:  # what the hook does when it plans a bucket
+        compressor.compresses(layer, MIN_NUMEL)
+    return compressor
+
+
+def _grads(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUMEL, generator=g, dtype=torch.float64) * (1 + r) for r in range(n)]
+
+
+def test_sample_plan_follows_the_reference_code():
+    # 100000 elements at 0.1%: at least max(1% = 1000, 2 / 0.001 = 2000) samples; stride 65 -> 57 -> 49
+    assert sample_plan(100_000, 0.001, 0.01) == (2040, 3, 49)
+    assert sample_plan(1500, 0.001, 0.01) == (1500, 2, 1)  # at most 2 / ratio elements: no sampling
+    assert sample_plan(5000, 0.01, 1.0) == (5000, 50, 1)
+
+
+def test_selection_with_a_clear_top_k_is_exact():
+    x = torch.rand(100_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    top = torch.randperm(100_000, generator=torch.Generator().manual_seed(1))[:100]
+    x[top] += 10
+    picked = DGC().select(x, 0.001, torch.Generator().manual_seed(2))
+    assert sorted(picked.tolist()) == sorted(top.tolist())
+
+
+def _sampled_positions(numel, ratio, generator):
+    _, _, stride = sample_plan(numel, ratio, 0.01)
+    start = int(torch.randint(0, stride, (1,), generator=copy.deepcopy(generator)))
+    return torch.arange(numel)[start::stride]
+
+
+def test_too_many_candidates_fall_back_to_exact_top_k_among_them():
+    """The sample sits low: its threshold admits far more than 1.3 k candidates; exact top-k among them."""
+    generator = torch.Generator().manual_seed(4)
+    x = 0.5 + 0.5 * torch.rand(100_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    sampled = _sampled_positions(100_000, 0.001, generator)
+    x[sampled] = 0.1 * torch.rand(sampled.numel(), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    x[sampled[:3]] = 0.6
+    picked = DGC().select(x, 0.001, generator)
+    assert sorted(picked.tolist()) == sorted(torch.topk(x, 100).indices.tolist())
+
+
+def test_candidates_near_k_are_kept_as_they_are():
+    """Between 0.8 k and 1.3 k candidates: every element at or above the sampled threshold, at most k of them."""
+    x = torch.rand(100_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    generator = torch.Generator().manual_seed(4)
+    sampled = _sampled_positions(100_000, 0.001, generator)
+    threshold = torch.topk(x[sampled], 3).values.min()
+    candidates = torch.nonzero(x >= threshold).squeeze(1)
+    assert 80 <= candidates.numel() <= 130, "the data must exercise this path"
+    assert DGC().select(x, 0.001, generator).tolist() == candidates[:100].tolist()
+
+
+def test_too_few_candidates_lower_the_threshold():
+    """The sample holds 3 large values the rest of the layer lacks: the threshold drops by 0.8 until enough pass."""
+    numel, ratio = 100_000, 0.001
+    generator = torch.Generator().manual_seed(5)
+    sampled = _sampled_positions(numel, ratio, generator)
+    x = torch.full((numel,), 0.5, dtype=torch.float64)
+    x[sampled[:3]] = 2.0
+    x[7] = 0.6
+    picked = DGC().select(x, ratio, generator).tolist()
+    assert len(picked) == 100
+    assert set(sampled[:3].tolist()) | {7} <= set(picked)
+
+
+def _reference(grads_per_step, momentum=0.9, nesterov=False, masking=True, clip_norm=None, ratio=0.01):
+    """Every rank's DGC by hand (selection through DGC.select, with the generators the compressor uses)."""
+    n = len(grads_per_step[0])
+    sparse = [layer for layer in LAYERS if layer.ndim >= 2 and layer.numel >= MIN_NUMEL]
+    dense = [layer for layer in LAYERS if layer not in sparse]
+    u = [{layer.name: torch.zeros(layer.numel, dtype=torch.float64) for layer in LAYERS} for _ in range(n)]
+    v = [{layer.name: torch.zeros(layer.numel, dtype=torch.float64) for layer in sparse} for _ in range(n)]
+    selector = DGC(ratio=ratio)
+    results = []
+    for step, grads in enumerate(grads_per_step):
+        out = torch.zeros(NUMEL, dtype=torch.float64)
+        for rank, g_all in enumerate(grads):
+            ctx = BucketContext(index=0, step=step, rank=rank, world_size=n, layers=LAYERS, dtype=torch.float64)
+            for layer in sparse:
+                g = layer.flat(g_all).clone()
+                if clip_norm is not None:
+                    g *= min(1.0, (clip_norm / math.sqrt(n)) / (g.norm().item() + 1e-6))
+                m, acc = u[rank][layer.name], v[rank][layer.name]
+                if nesterov:
+                    m.add_(g).mul_(momentum)
+                    acc.add_(m).add_(g)
+                else:
+                    m.mul_(momentum).add_(g)
+                    acc.add_(m)
+                idx = selector.select(acc, ratio, ctx.generator(layer, per_rank=True))
+                layer.flat(out).index_add_(0, idx, acc[idx])
+                acc[idx] = 0
+                if masking:
+                    m[idx] = 0
+        for layer in sparse:
+            layer.flat(out).div_(n)
+        for layer in dense:  # averaged, then momentum on the average (every rank alike)
+            avg = sum(layer.flat(g) / n for g in grads)
+            if clip_norm is not None:
+                avg = avg * min(1.0, clip_norm / (avg.norm().item() + 1e-6))
+            m = u[0][layer.name]
+            if nesterov:
+                m.add_(avg).mul_(momentum)
+                avg = avg + m
+            else:
+                m.mul_(momentum).add_(avg)
+                avg = m.clone()
+            layer.flat(out).copy_(avg)
+        results.append(out)
+    return results, v
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{}, {"nesterov": True}, {"momentum_masking": False}, {"clip_norm": 1.0}, {"momentum": 0.5, "ratio": 0.05}],
+    ids=["plain", "nesterov", "no-masking", "clipped", "bitmap"],
+)
+def test_dgc_equals_the_reference_over_steps(kwargs):
+    ratio = kwargs.pop("ratio", 0.01)
+    momentum = kwargs.get("momentum", 0.9)
+    steps = [_grads(3, seed=s) for s in range(4)]
+    compressors = [_dgc(ratio=ratio, **kwargs) for _ in range(3)]
+    residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(3)]
+    expected, velocities = _reference(
+        steps, momentum=momentum, nesterov=kwargs.get("nesterov", False),
+        masking=kwargs.get("momentum_masking", True), clip_norm=kwargs.get("clip_norm"), ratio=ratio,
+    )  # fmt: skip
+    for step, grads in enumerate(steps):
+        outs = simulate_reduce(compressors, grads, LAYERS, step=step, residuals=residuals)
+        for out in outs:
+            torch.testing.assert_close(out, expected[step], rtol=1e-13, atol=1e-13)
+    for rank in range(3):  # v is the error-feedback residual; the dense layers owe nothing
+        for layer in LAYERS:
+            want = velocities[rank].get(layer.name, torch.zeros(layer.numel, dtype=torch.float64))
+            torch.testing.assert_close(layer.flat(residuals[rank]), want, rtol=1e-13, atol=1e-13)
+
+
+def test_sent_plus_velocity_is_the_accumulated_momentum():
+    """sum_t sent_t + v_T == sum_t u_t per rank: accumulation delays, never loses (without masking, u is plain
+    momentum SGD's buffer, so DGC applies momentum SGD's updates, delayed)."""
+    compressor = _dgc(ratio=0.01, momentum_masking=False)
+    layer = LAYERS[0]
+    alone = (Layer(layer.name, layer.index, layer.shape, 0),)
+    residual = torch.zeros(layer.numel, dtype=torch.float64)
+    sent = torch.zeros(layer.numel, dtype=torch.float64)
+    u = torch.zeros(layer.numel, dtype=torch.float64)
+    momentum_sum = torch.zeros(layer.numel, dtype=torch.float64)
+    for step in range(6):
+        g = torch.randn(layer.numel, generator=torch.Generator().manual_seed(step), dtype=torch.float64)
+        sent += simulate_reduce([compressor], [g], alone, step=step, residuals=[residual])[0]
+        u = 0.9 * u + g
+        momentum_sum += u
+    torch.testing.assert_close(sent + residual, momentum_sum, rtol=1e-12, atol=1e-12)
+
+
+def test_warmup_schedule_by_step():
+    compressor = _dgc(ratio=0.001, warmup_steps=2)
+    layer = LAYERS[2]  # 6000 elements
+    assert [compressor.ratio_at(layer, s) for s in range(10)] == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625,
+                                                                   0.004, 0.004, 0.001, 0.001]  # fmt: skip
+    compressor.set_levels({layer.name: 0.1})  # a per-layer level above a warm-up stage wins
+    assert compressor.ratio_at(layer, 4) == 0.1
+
+
+def test_warmup_bytes_per_step():
+    """Step 0 sends 25% (as a bitmap: smaller than int32 indices), later steps fewer; counted as sent."""
+    layer = Layer("b.weight", 2, torch.Size([200, 30]), 0)
+    compressor = DGC(ratio=0.001, warmup_steps=1)
+    sent = []
+    for step in range(6):
+        telemetry = [Telemetry()]
+        telemetry[0].add_bucket(6000 * 4)
+        g = torch.randn(6000, generator=torch.Generator().manual_seed(step))
+        simulate_reduce([compressor], [g], (layer,), step=step, residuals=[torch.zeros(6000)], telemetry=telemetry)
+        sent.append(telemetry[0].pop_step().bytes_sent)
+    k = [math.ceil(6000 * r) for r in (0.25, 0.0625, 0.015625, 0.004, 0.001, 0.001)]
+    indices = [188 * 4 if 4 * k_ > 188 * 4 else 4 * k_ for k_ in k]  # a bitmap is 188 int32 words of 32 bits
+    assert sent == [-(-i // 8) * 8 + -(-4 * k_ // 8) * 8 for i, k_ in zip(indices, k)]
+    assert sent[0] < 6000 * 4 * 0.25 * 2  # the bitmap beat int32 indices
+
+
+def test_99_9_percent_sparsity_is_about_500x_on_a_large_layer():
+    layer = Layer("w", 0, torch.Size([512, 1024]), 0)
+    telemetry = [Telemetry()]
+    telemetry[0].add_bucket(layer.numel * 4)
+    g = torch.randn(layer.numel, generator=torch.Generator().manual_seed(0))
+    simulate_reduce([DGC()], [g], (layer,), residuals=[torch.zeros(layer.numel)], telemetry=telemetry)
+    # k = ceil(0.001 d) = 525 fp32 values and int32 indices, each padded to 8 bytes in the all-gather
+    assert telemetry[0].pop_step().compression_ratio == layer.numel * 4 / (2 * 2104)
+
+
+def test_optimizer_momentum_is_flagged():
+    model = torch.nn.Linear(3, 3)
+    with_momentum = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    without = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert "momentum=0.9" in optimizer_momentum_warning(DGC(), [with_momentum])
+    assert optimizer_momentum_warning(DGC(), [without]) is None
+    assert optimizer_momentum_warning(TopK(), [with_momentum]) is None
+
+
+def test_state_is_keyed_by_layer_name():
+    compressors = [_dgc(ratio=0.01) for _ in range(2)]
+    simulate_reduce(compressors, _grads(2, seed=0), LAYERS, residuals=[torch.zeros(NUMEL)] * 2)
+    state = compressors[0].state_dict()
+    assert set(state["momentum"]) == {layer.name for layer in LAYERS}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ratio": 0}, "ratio"),
+        ({"momentum": 1.0}, "momentum"),
+        ({"momentum": 0.0, "nesterov": True}, "momentum"),
+        ({"sample_ratio": 0}, "sample_ratio"),
+        ({"clip_norm": -1}, "clip_norm"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_ratios": (0.5, 2.0)}, "warmup_ratios"),
+        ({"warmup_ratios": ()}, "warmup_ratios"),
+        ({"strided_sample": "yes"}, "strided_sample"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=f"`{match}`"):
+        DGC(**kwargs)

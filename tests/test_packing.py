@@ -1,0 +1,109 @@
+"""Bit packing: exact round trips, exact byte counts, the documented bit order, carry-free sums, index encodings."""
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors.packing import (
+    decode_indices,
+    encode_indices,
+    field_width,
+    fields_per_word,
+    index_nbytes,
+    pack_bits,
+    pack_fields,
+    pack_uint,
+    packed_nbytes,
+    unpack_bits,
+    unpack_fields,
+    unpack_uint,
+    words_needed,
+)
+
+SIZES = [0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 1000, 4099]
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_uint_round_trip_with_exact_byte_count(bits):
+    g = torch.Generator().manual_seed(bits)
+    for n in SIZES:
+        values = torch.randint(0, 2**bits, (n,), generator=g)
+        packed = pack_uint(values, bits)
+        assert packed.dtype == torch.uint8
+        assert packed.numel() == packed_nbytes(n, bits) == (n * bits + 7) // 8
+        assert torch.equal(unpack_uint(packed, bits, n).long(), values)
+
+
+def test_bit_order_is_least_significant_first():
+    """Value i occupies bits [b i, b (i + 1)) of the stream; bit t is bit t % 8 of byte t // 8."""
+    assert pack_uint(torch.tensor([1, 0, 1, 1, 0, 0, 0, 1, 1]), 1).tolist() == [0b10001101, 0b00000001]
+    assert pack_uint(torch.tensor([2, 0, 1, 3]), 2).tolist() == [0b11010010]
+    # 3 bits: 5 = 101, 3 = 011, 7 = 111 -> stream 101 110 111 (LSB first) -> byte 0 = 11 110 101, byte 1 = 0000000 1
+    assert pack_uint(torch.tensor([5, 3, 7]), 3).tolist() == [0b11011101, 0b00000001]
+
+
+def test_bits_are_one_per_element():
+    mask = torch.rand(1001, generator=torch.Generator().manual_seed(0)) > 0.5
+    packed = pack_bits(mask)
+    assert packed.numel() == 126
+    assert torch.equal(unpack_bits(packed, 1001), mask)
+
+
+def test_out_of_range_bits_are_refused():
+    with pytest.raises(ValueError, match="`bits`"):
+        pack_uint(torch.zeros(3, dtype=torch.int64), 9)
+    with pytest.raises(ValueError, match="`bits`"):
+        unpack_uint(torch.zeros(3, dtype=torch.uint8), 0, 3)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4, 7, 8, 64])
+def test_summed_words_sum_every_field_without_carries(ranks):
+    """Ternaries offset to {0, 1, 2}: fields of ceil(log2(2 n + 1)) bits hold the sum of n of them."""
+    width = field_width(2 * ranks)
+    assert width == (2 * ranks).bit_length()
+    g = torch.Generator().manual_seed(ranks)
+    values = [torch.randint(0, 3, (1001,), generator=g) for _ in range(ranks)]
+    values[0][:50] = 2  # the largest sums occur
+    for v in values[1:]:
+        v[:50] = 2
+    words = sum(pack_fields(v, width) for v in values)
+    assert words.numel() == words_needed(1001, width)
+    assert torch.equal(unpack_fields(words, width, 1001), sum(values))
+
+
+def test_fields_too_narrow_for_the_sum_carry_into_their_neighbours():
+    """The control: 2-bit fields (the paper's packing) cannot hold the sum of two ternaries."""
+    v = torch.full((10,), 2)
+    assert not torch.equal(unpack_fields(pack_fields(v, 2) + pack_fields(v, 2), 2, 10), v + v)
+
+
+def test_words_use_63_bits():
+    assert fields_per_word(3) == 21
+    assert fields_per_word(4) == 15
+    with pytest.raises(ValueError, match="field width"):
+        fields_per_word(64)
+
+
+def test_index_encoding_picks_the_smaller():
+    assert index_nbytes(10, 1000) == (False, 40)  # 40-byte list < 128-byte bitmap
+    assert index_nbytes(40, 1000) == (True, 128)  # bitmap (32 int32 words) < 160-byte list
+    assert index_nbytes(32, 1024) == (False, 128)  # a tie goes to the list
+
+
+@pytest.mark.parametrize("bitmap", [False, True])
+def test_indices_round_trip(bitmap):
+    indices = torch.tensor([999, 3, 500, 0, 64])
+    blob = encode_indices(indices, 1000, 8, bitmap)
+    assert blob.numel() == (128 if bitmap else 32)
+    decoded = decode_indices(blob, 1000, 8, bitmap, count=None if bitmap else 5)
+    # a bitmap decodes in increasing order; a list keeps the order it was given
+    assert decoded.tolist() == (sorted(indices.tolist()) if bitmap else indices.tolist())
+
+
+def test_list_padding_repeats_the_first_index():
+    blob = encode_indices(torch.tensor([7, 9]), 100, 4, bitmap=False)
+    assert decode_indices(blob, 100, 4, bitmap=False).tolist() == [7, 9, 7, 7]
+
+
+def test_misaligned_lists_decode():
+    blob = torch.cat([torch.zeros(2, dtype=torch.uint8), encode_indices(torch.tensor([5, 6]), 10, 2, False)])
+    assert decode_indices(blob[2:], 10, 2, bitmap=False).tolist() == [5, 6]

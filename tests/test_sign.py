@@ -1,0 +1,137 @@
+"""Sign compressors against their papers' formulas: majority vote, Signum, EF-signSGD, 1-bit SGD."""
+
+import copy
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors import EFSignSGD, OneBit, SignSGD
+from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
+from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.testing import simulate_reduce
+
+LAYERS = layers_from_shapes([(20, 30), (7,), (8, 3, 3, 3)])
+NUMEL = sum(layer.numel for layer in LAYERS)
+
+
+def _grads(n, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(NUMEL, generator=g, dtype=dtype) for _ in range(n)]
+
+
+def _sign(x):
+    return torch.where(x >= 0, 1.0, -1.0).to(x.dtype)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_majority_vote(ranks):
+    grads = _grads(ranks)
+    grads[0][:5] = 0.0  # a zero votes +1
+    outs = simulate_reduce([SignSGD() for _ in range(ranks)], grads, LAYERS)
+    expected = torch.sign(sum(_sign(g) for g in grads))
+    for out in outs:
+        assert torch.equal(out, expected)
+    if ranks % 2 == 0:
+        assert (expected == 0).any(), "an even number of ranks can tie"
+
+
+def test_signum_momentum_over_steps():
+    compressors = [SignSGD(momentum=0.9) for _ in range(3)]
+    momenta = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(3)]
+    for step in range(4):
+        grads = _grads(3, seed=step)
+        outs = simulate_reduce(compressors, grads, LAYERS, step=step)
+        for m, g in zip(momenta, grads):
+            m.mul_(0.9).add_(g, alpha=0.1)
+        torch.testing.assert_close(outs[0], torch.sign(sum(_sign(m) for m in momenta)), rtol=0, atol=0)
+    restored = [SignSGD(momentum=0.9) for _ in range(3)]
+    for r, c in zip(restored, compressors):
+        r.load_state_dict(copy.deepcopy(c.state_dict()))
+    grads = _grads(3, seed=9)
+    assert torch.equal(simulate_reduce(restored, grads, LAYERS, step=4)[0],
+                       simulate_reduce(compressors, grads, LAYERS, step=4)[0])  # fmt: skip
+
+
+def test_signsgd_sends_one_bit_per_element_and_refuses_error_feedback():
+    telemetry = [Telemetry(), Telemetry()]
+    for t in telemetry:
+        t.add_bucket(NUMEL * 4)
+    simulate_reduce([SignSGD(), SignSGD()], _grads(2, dtype=torch.float32), LAYERS, telemetry=telemetry)
+    assert telemetry[0].pop_step().bytes_sent == (NUMEL + 7) // 8
+    assert SignSGD().compresses(LAYERS[1], 10**9), "every layer takes sign steps, biases too"
+    with pytest.raises(ValueError, match="EFSignSGD"):
+        simulate_reduce([SignSGD(), SignSGD()], _grads(2), LAYERS, residuals=[torch.zeros(NUMEL)] * 2)
+
+
+def test_bad_momentum_is_refused():
+    with pytest.raises(ValueError, match="`momentum`"):
+        SignSGD(momentum=1.0)
+
+
+def _per_layer(compressor, x):
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=LAYERS, dtype=x.dtype)
+    return compressor.decompress(compressor.compress(x, ctx), ctx)
+
+
+def test_efsignsgd_is_the_scaled_sign_per_layer():
+    (x,) = _grads(1)
+    out = _per_layer(EFSignSGD(), x)
+    for layer in LAYERS:
+        p = layer.flat(x)
+        scale = torch.tensor(p.abs().mean().item(), dtype=torch.float32).double()  # sent as fp32
+        torch.testing.assert_close(layer.flat(out), scale * _sign(p), rtol=0, atol=0)
+
+
+def test_efsignsgd_error_feedback_over_steps():
+    """The paper's update with error feedback: p = g + e, delta = |p|_1 / d sign(p), e = p - delta (per rank)."""
+    compressors = [EFSignSGD(), EFSignSGD()]
+    residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
+    errors = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
+    for step in range(3):
+        grads = _grads(2, seed=10 + step)
+        out = simulate_reduce(compressors, grads, LAYERS, step=step, residuals=residuals)[0]
+        deltas = []
+        for r in range(2):
+            p = grads[r] + errors[r]
+            delta = torch.cat([
+                torch.tensor(layer.flat(p).abs().mean().item(), dtype=torch.float32).double() * _sign(layer.flat(p))
+                for layer in LAYERS
+            ])  # fmt: skip
+            errors[r] = p - delta
+            deltas.append(delta)
+        torch.testing.assert_close(out, (deltas[0] + deltas[1]) / 2, rtol=0, atol=1e-15)
+        for e, res in zip(errors, residuals):
+            torch.testing.assert_close(res, e, rtol=0, atol=1e-15)
+
+
+def test_onebit_reconstructs_with_the_mean_of_each_sign():
+    (x,) = _grads(1)
+    x[:10] = 0.0
+    out = _per_layer(OneBit(), x)
+    for layer in LAYERS:
+        p = layer.flat(x)
+        pos, neg = p[p >= 0].mean(), p[p < 0].mean()
+        expected = torch.where(p >= 0, pos.float().double(), neg.float().double())
+        torch.testing.assert_close(layer.flat(out), expected, rtol=0, atol=1e-15)
+        # the two means minimise the squared error among reconstructions that use the signs
+        for shift in (1e-3, -1e-3):
+            worse = torch.where(p >= 0, pos + shift, neg + shift)
+            assert (p - worse).square().sum() > (p - layer.flat(out)).square().sum()
+
+
+def test_onebit_with_one_sign_only():
+    x = torch.rand(NUMEL, dtype=torch.float64)  # no negative entries: that mean is never used
+    out = _per_layer(OneBit(), x)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out[: LAYERS[0].numel].mean(), x[: LAYERS[0].numel].mean(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize(("compressor", "scales"), [(EFSignSGD(), 1), (OneBit(), 2)])
+def test_payload_is_one_bit_per_element_plus_fp32_scales(compressor, scales):
+    telemetry = [Telemetry(), Telemetry()]
+    for t in telemetry:
+        t.add_bucket(NUMEL * 4)
+    simulate_reduce([copy.deepcopy(compressor) for _ in range(2)], _grads(2, dtype=torch.float32), LAYERS,
+                    residuals=[torch.zeros(NUMEL), torch.zeros(NUMEL)], telemetry=telemetry)  # fmt: skip
+    aligned = lambda n: -(-n // 8) * 8  # noqa: E731 (all-gather packs the two tensors at 8-byte offsets)
+    assert telemetry[0].pop_step().bytes_sent == aligned((NUMEL + 7) // 8) + aligned(4 * scales * len(LAYERS))
