@@ -29,18 +29,35 @@ def mlp(num_classes: int = 10, in_features: int = 64, hidden: int = 256) -> nn.M
 
 
 def build_model(arch: str, num_classes: int, in_channels: int) -> nn.Module:
-    """An architecture by name: ``"cnn"``, ``"mlp"``, or ``"torchvision.<name>"`` (any torchvision classifier)."""
+    """An architecture by name.
+
+    ``"cnn"`` and ``"mlp"`` (small models for 8x8 images), ``"cifar_resnet18"`` and ``"vgg19_bn"`` (the papers'
+    CIFAR-10 architectures, :mod:`lightning_gradcomp.models`, 3 input channels), or ``"torchvision.<name>"`` (any
+    torchvision classifier).
+    """
     if arch == "cnn":
         return small_cnn(num_classes, in_channels)
     if arch == "mlp":
         return mlp(num_classes, in_features=in_channels * 64)
+    if arch in _CIFAR_MODELS:
+        if in_channels != 3:
+            raise MisconfigurationException(
+                f"`arch={arch!r}` takes RGB images: `in_channels` must be 3, got {in_channels}."
+            )
+        from lightning_gradcomp import models
+
+        return getattr(models, _CIFAR_MODELS[arch])(num_classes=num_classes)
     if arch.startswith("torchvision."):
         import torchvision
 
         return torchvision.models.get_model(arch.removeprefix("torchvision."), num_classes=num_classes)
     raise MisconfigurationException(
-        f"`arch` must be 'cnn', 'mlp' or 'torchvision.<model name>' (e.g. 'torchvision.resnet18'), got {arch!r}."
+        f"`arch` must be 'cnn', 'mlp', 'cifar_resnet18', 'vgg19_bn' or 'torchvision.<model name>' "
+        f"(e.g. 'torchvision.resnet18'), got {arch!r}."
     )
+
+
+_CIFAR_MODELS = {"cifar_resnet18": "CifarResNet18", "vgg19_bn": "VGG19BN"}
 
 
 class ImageClassifier(pl.LightningModule):
@@ -51,7 +68,8 @@ class ImageClassifier(pl.LightningModule):
     ``val_loss``, ``val_acc`` and ``test_acc`` (accuracies over all ranks).
 
     Args:
-        arch: ``"cnn"`` (small convnet for 8x8 images), ``"mlp"``, or ``"torchvision.<name>"``.
+        arch: ``"cnn"`` (small convnet for 8x8 images), ``"mlp"``, ``"cifar_resnet18"``, ``"vgg19_bn"`` or
+            ``"torchvision.<name>"`` (see :func:`build_model`).
         num_classes: number of classes.
         in_channels: image channels.
         lr: learning rate.
