@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_RATES = ["100mbit", "1gbit", "10gbit"]
 DEFAULT_CONFIGS = [
     "compute", "ddp", "torch-fp16", "torch-powersgd", "identity", "fp16", "bf16", "topk", "randomk", "powersgd",
+    "dgc", "adacomp", "scalecom", "signsgd", "efsignsgd", "onebit", "qsgd", "terngrad",
 ]  # fmt: skip
 
 

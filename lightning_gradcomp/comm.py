@@ -46,6 +46,9 @@ class CollectiveBackend(Protocol):
         """Broadcast ``tensor`` from rank ``src`` in place; the future resolves to ``tensor``."""
 
 
+# torch 2.14 renamed all_gather_into_tensor to all_gather_single (the same collective; the old name warns there)
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # Round groups live here, owned by the main thread, for as long as their base group lives. Collective callbacks run on
 # gloo's worker threads and hold references to the compressor's context; if one of them dropped the last reference to
 # a process group, the group's destructor would join its own worker thread and abort the process ("Resource deadlock
@@ -117,7 +120,7 @@ class TorchCollectives:
         """Start an all-gather of ``tensor`` on round ``round``'s group."""
         # the output is the concatenation along dim 0 (what gloo and NCCL both expect), viewed per rank afterwards
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
-        work = dist.all_gather_into_tensor(out, tensor.reshape(-1), group=self._group(round), async_op=True)
+        work = _all_gather_single(out, tensor.reshape(-1), group=self._group(round), async_op=True)
         return work.get_future().then(lambda fut: _value_then(fut, out.view(self.world_size, *tensor.shape)))
 
     def broadcast(self, tensor: Tensor, src: int, round: int) -> torch.futures.Future[Tensor]:
