@@ -35,7 +35,7 @@ class DenseWarmup(Callback):
     Compression: Reducing the Communication Bandwidth for Distributed Training", ICLR 2018) instead ramps the density
     of its top-k selection down over the first epochs: 25 %, 6.25 %, 1.5625 %, 0.4 %, then 0.1 %. This callback does
     either or both: a dense phase, then optionally such a ramp for sparsifying compressors (those whose level is a
-    keep-``ratio``: ``TopK``, ``RandomK``), then the compressor as configured.
+    keep-``ratio``: ``TopK``, ``RandomK``, ``DGC``, ``ScaleCom``), then the compressor as configured.
 
     The decision is a function of ``trainer.global_step`` (``steps``) or ``trainer.current_epoch`` (``epochs``),
     taken in ``on_train_batch_start`` on every rank: the same on every rank, and after a resume it follows the
