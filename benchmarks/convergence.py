@@ -40,16 +40,21 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.workloads import DigitsCNN, digits  # noqa: E402
 from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
 from lightning_gradcomp.compressors import (  # noqa: E402
+    BF16,
     DGC,
+    FP16,
     QSGD,
     AdaComp,
     Compressor,
     EFSignSGD,
     Identity,
     OneBit,
+    PowerSGD,
+    RandomK,
     ScaleCom,
     SignSGD,
     TernGrad,
+    TopK,
 )
 
 # name -> (compressor factory, learning rate, optimizer momentum)
@@ -65,6 +70,11 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     "onebit": (OneBit, 0.05, 0.9),
     "qsgd": (QSGD, 0.05, 0.9),
     "terngrad": (TernGrad, 0.05, 0.9),
+    "fp16": (FP16, 0.05, 0.9),
+    "bf16": (BF16, 0.05, 0.9),
+    "topk": (lambda: TopK(ratio=0.01), 0.05, 0.9),
+    "randomk": (lambda: RandomK(ratio=0.01), 0.05, 0.9),
+    "powersgd": (lambda: PowerSGD(rank=2), 0.05, 0.9),
 }
 # sign steps: a learning rate for signs, chosen from this sweep (run it with --sign-lr-sweep)
 SIGN_SWEEP: dict[str, tuple[Callable[[], Compressor], float, float]] = {
