@@ -341,6 +341,37 @@ def _require_comm(ctx: BucketContext) -> Comm:
     return ctx.comm
 
 
+class LayerBuffers:
+    """Per-layer tensors a compressor keeps between steps (its momentum, say), keyed by parameter name.
+
+    Keyed by name, not by bucket, so they follow their layer across DDP's bucket rebuild and into checkpoints.
+    """
+
+    def __init__(self) -> None:
+        self._tensors: dict[str, Tensor] = {}
+
+    def get(self, layer: Layer, like: Tensor) -> Tensor:
+        """``layer``'s buffer, zero-initialised like ``like`` when missing or no longer matching it."""
+        buffer = self._tensors.get(layer.name)
+        if buffer is None or buffer.shape != like.shape or buffer.device != like.device or buffer.dtype != like.dtype:
+            buffer = self._tensors[layer.name] = torch.zeros_like(like)
+        return buffer
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._tensors[name]
+
+    def __bool__(self) -> bool:
+        return bool(self._tensors)
+
+    def state_dict(self) -> dict[str, Tensor]:
+        """A copy of every buffer."""
+        return {name: t.detach().clone() for name, t in self._tensors.items()}
+
+    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
+        """Replace the buffers with copies of ``state_dict``'s."""
+        self._tensors = {name: t.clone() for name, t in state_dict.items()}
+
+
 def check_ratio(ratio: Any, name: str = "ratio") -> float:
     """Validate a keep-ratio in (0, 1] and return it as a float."""
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:

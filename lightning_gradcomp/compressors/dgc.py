@@ -14,6 +14,7 @@ from lightning_gradcomp.compressors.base import (
     Collective,
     Compressor,
     Layer,
+    LayerBuffers,
     Payload,
     _require_comm,
     check_ratio,
@@ -159,7 +160,7 @@ class DGC(Compressor):
         self.clip_norm = None if clip_norm is None else float(clip_norm)
         self.warmup_steps = warmup_steps
         self.warmup_ratios = tuple(check_ratio(r, "warmup_ratios") for r in warmup_ratios)
-        self._momenta: dict[str, Tensor] = {}
+        self._momenta = LayerBuffers()
         self._min_numel = 0
 
     # ------------------------------------------------------------------------------------------------------------
@@ -271,10 +272,7 @@ class DGC(Compressor):
     # The reduction: clipping, momentum correction, accumulation, selection, masking
     # ------------------------------------------------------------------------------------------------------------
     def _momentum(self, layer: Layer, like: Tensor) -> Tensor:
-        u = self._momenta.get(layer.name)
-        if u is None or u.shape != like.shape or u.device != like.device or u.dtype != like.dtype:
-            u = self._momenta[layer.name] = torch.zeros_like(like)
-        return u
+        return self._momenta.get(layer, like)
 
     def _correct(self, g: Tensor, u: Tensor) -> None:
         """Momentum-correct ``g`` in place: ``g`` becomes what is accumulated (``u``, or ``u + g`` for Nesterov)."""
@@ -345,10 +343,10 @@ class DGC(Compressor):
         """This rank's momentum ``u`` per layer (``v`` is the error-feedback residual, saved by the strategy)."""
         state = super().state_dict()
         if self._momenta:
-            state["momentum"] = {name: u.detach().clone() for name, u in self._momenta.items()}
+            state["momentum"] = self._momenta.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         super().load_state_dict(state_dict)
-        self._momenta = {name: u.clone() for name, u in state_dict.get("momentum", {}).items()}
+        self._momenta.load_state_dict(state_dict.get("momentum", {}))

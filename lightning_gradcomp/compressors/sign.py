@@ -12,6 +12,7 @@ from lightning_gradcomp.compressors.base import (
     Collective,
     Compressor,
     Layer,
+    LayerBuffers,
     Payload,
     _require_comm,
 )
@@ -81,7 +82,7 @@ class SignSGD(Compressor):
 
     def __init__(self, momentum: float = 0.0) -> None:
         self.momentum = _check_momentum(momentum)
-        self._momenta: dict[str, Tensor] = {}
+        self._momenta = LayerBuffers()
 
     @property
     def default_error_feedback(self) -> bool:
@@ -125,9 +126,7 @@ class SignSGD(Compressor):
             if self.momentum:
                 for layer in ctx.layers:
                     g = layer.flat(tensor)
-                    m = self._momenta.get(layer.name)
-                    if m is None or m.shape != g.shape or m.device != g.device:
-                        m = self._momenta[layer.name] = torch.zeros_like(g)
+                    m = self._momenta.get(layer, g)
                     m.mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
                     g.copy_(m)
             (bits,) = self.compress(tensor, ctx)
@@ -143,13 +142,13 @@ class SignSGD(Compressor):
         """Signum's momentum per layer (this rank's own)."""
         state = super().state_dict()
         if self._momenta:
-            state["momentum"] = {name: m.detach().clone() for name, m in self._momenta.items()}
+            state["momentum"] = self._momenta.state_dict()
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         super().load_state_dict(state_dict)
-        self._momenta = {name: m.clone() for name, m in state_dict.get("momentum", {}).items()}
+        self._momenta.load_state_dict(state_dict.get("momentum", {}))
 
 
 class EFSignSGD(Compressor):
