@@ -12,17 +12,83 @@ compressor::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import compressors as _compressors
 from lightning_gradcomp.comm import Comm, ReduceOpName
+from lightning_gradcomp.compressors import (
+    BF16,
+    DGC,
+    FP16,
+    QSGD,
+    AdaComp,
+    EFSignSGD,
+    Identity,
+    MaskedCompressor,
+    OneBit,
+    PowerSGD,
+    RandomK,
+    ScaleCom,
+    SignSGD,
+    TernGrad,
+    TopK,
+)
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.telemetry import Telemetry
 
-__all__ = ["SimulatedWorld", "simulate_reduce"]
+__all__ = ["EXAMPLES", "SimulatedWorld", "exported_compressor_classes", "simulate_reduce"]
+
+#: Example configurations of every exported compressor, as factories (compressors keep state: each use builds fresh
+#: ones). The entry named after a method is its default configuration (what the benchmarks run); the others vary
+#: the options the contract suite and the hook tests must cover. One table for the tests and the benchmarks;
+#: ``tests/test_contract.py`` fails when an exported compressor has no entry here.
+EXAMPLES: dict[str, Callable[[], Compressor]] = {
+    "identity": lambda: Identity(),
+    "fp16": lambda: FP16(),
+    "bf16": lambda: BF16(),
+    "topk": lambda: TopK(ratio=0.01),
+    "topk-10%": lambda: TopK(ratio=0.1),
+    "topk-all": lambda: TopK(ratio=1.0),
+    "randomk": lambda: RandomK(ratio=0.01),
+    "randomk-10%": lambda: RandomK(ratio=0.1),
+    "randomk-unbiased": lambda: RandomK(ratio=0.3, rescale=True),
+    "powersgd": lambda: PowerSGD(rank=2),
+    "powersgd-r1": lambda: PowerSGD(rank=1),
+    "powersgd-r2-cold": lambda: PowerSGD(rank=2, warm_start=False),
+    "powersgd-r4-qr": lambda: PowerSGD(rank=4, min_compression_rate=1.0),
+    "powersgd-batched": lambda: PowerSGD(rank=2, batch_same_shape=True),
+    "powersgd-torch-init": lambda: PowerSGD(rank=2, init="torch"),
+    "masked": lambda: MaskedCompressor(Identity()),
+    "masked-topk": lambda: MaskedCompressor(TopK(ratio=0.2)),
+    "dgc": lambda: DGC(),
+    "dgc-no-momentum": lambda: DGC(ratio=0.01, momentum=0.0),
+    "dgc-bitmap": lambda: DGC(ratio=0.05, strided_sample=False, momentum_masking=False),
+    "dgc-warmup-nesterov-clip": lambda: DGC(ratio=0.01, warmup_steps=1, nesterov=True, clip_norm=0.5),
+    "adacomp": lambda: AdaComp(),
+    "adacomp-small-bins": lambda: AdaComp(bin_size_conv=4, bin_size_fc=6),
+    "scalecom": lambda: ScaleCom(ratio=0.01),
+    "scalecom-lowpass": lambda: ScaleCom(ratio=0.1, beta=0.5),
+    "signsgd": lambda: SignSGD(),
+    "signum": lambda: SignSGD(momentum=0.9),
+    "efsignsgd": lambda: EFSignSGD(),
+    "onebit": lambda: OneBit(),
+    "qsgd": lambda: QSGD(),
+    "qsgd-2bit-small-buckets": lambda: QSGD(levels=1, bucket_size=100),
+    "qsgd-8bit": lambda: QSGD(levels=127, bucket_size=2048),
+    "terngrad": lambda: TernGrad(),
+    "terngrad-unclipped": lambda: TernGrad(clip=None),
+    "terngrad-allgather": lambda: TernGrad(aggregation="allgather"),
+}
+
+
+def exported_compressor_classes() -> list[type[Compressor]]:
+    """Every concrete :class:`Compressor` that ``lightning_gradcomp.compressors`` exports."""
+    exported = (getattr(_compressors, name) for name in _compressors.__all__)
+    return [c for c in exported if isinstance(c, type) and issubclass(c, Compressor) and c is not Compressor]
 
 
 @dataclass

@@ -15,10 +15,10 @@ from lightning_gradcomp.compressors.base import (
     Layer,
     Payload,
     _require_comm,
-    check_positive_int,
 )
 from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
+from lightning_gradcomp.validation import check_positive_int
 
 _WIRE = torch.float32
 

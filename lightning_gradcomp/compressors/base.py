@@ -372,20 +372,6 @@ class LayerBuffers:
         self._tensors = {name: t.clone() for name, t in state_dict.items()}
 
 
-def check_ratio(ratio: Any, name: str = "ratio") -> float:
-    """Validate a keep-ratio in (0, 1] and return it as a float."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0.0 < float(ratio) <= 1.0:
-        raise ValueError(f"Expected `{name}` to be a number in (0, 1] (the fraction of elements kept), got {ratio!r}.")
-    return float(ratio)
-
-
-def check_positive_int(value: Any, name: str) -> int:
-    """Validate an integer >= 1 (bools are refused) and return it."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"Expected `{name}` to be an integer >= 1, got {value!r}.")
-    return value
-
-
 def keep_count(numel: int, ratio: float) -> int:
     """How many of ``numel`` elements a keep-ratio selects: ``max(1, int(numel * ratio))`` (GRACE's rule)."""
     return max(1, min(numel, int(numel * ratio)))

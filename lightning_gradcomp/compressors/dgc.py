@@ -17,9 +17,9 @@ from lightning_gradcomp.compressors.base import (
     LayerBuffers,
     Payload,
     _require_comm,
-    check_ratio,
 )
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
+from lightning_gradcomp.validation import check_ratio
 
 # the reference code's threshold adaptation (synxlin/deep-gradient-compression, dgc/compression.py)
 _UPPER_BOUND = 1.3  # more than 1.3 k candidates: exact top-k among them

@@ -14,8 +14,8 @@ from lightning_gradcomp.compressors.base import (
     Layer,
     Payload,
     _require_comm,
-    check_positive_int,
 )
+from lightning_gradcomp.validation import check_positive_int
 
 
 def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> None:

@@ -14,7 +14,6 @@ from lightning_gradcomp.compressors.base import (
     Layer,
     Payload,
     _require_comm,
-    check_positive_int,
 )
 from lightning_gradcomp.compressors.packing import (
     field_width,
@@ -25,6 +24,7 @@ from lightning_gradcomp.compressors.packing import (
     unpack_uint,
     words_needed,
 )
+from lightning_gradcomp.validation import check_positive_int
 
 _WIRE = torch.float32  # norms and scalers travel as fp32
 _MAX_LEVELS = 127  # the sign and the level share one byte at most

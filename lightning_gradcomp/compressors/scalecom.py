@@ -13,11 +13,11 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     Payload,
     _require_comm,
-    check_ratio,
     keep_count,
 )
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import topk_indices
+from lightning_gradcomp.validation import check_ratio
 
 
 class ScaleCom(Compressor):

@@ -13,9 +13,9 @@ from lightning_gradcomp.compressors.base import (
     Collective,
     Compressor,
     Payload,
-    check_ratio,
     keep_count,
 )
+from lightning_gradcomp.validation import check_ratio
 
 
 def _zeros(ctx: BucketContext, out: Tensor | None) -> Tensor:

@@ -1,0 +1,132 @@
+"""Argument checks shared by every layer: one wording, one place, the exception type chosen by the caller.
+
+A bad setting must fail before training starts, with a message that names the argument, what is accepted and
+what was given (``Expected `ratio` to be a number in (0, 1], got 0.0.``). Compressors raise ``ValueError`` (they
+are plain Python objects, usable without Lightning); the strategy and the callbacks pass Lightning's
+``MisconfigurationException`` as ``error``. Booleans are never accepted as numbers, and NaN and infinities are
+refused unless a check says otherwise: a NaN epsilon or clipping norm would train silently and wrongly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from typing import Any, TypeVar
+
+__all__ = [
+    "check_bool",
+    "check_choice",
+    "check_int",
+    "check_number",
+    "check_positive_int",
+    "check_ratio",
+]
+
+T = TypeVar("T")
+ErrorType = type[Exception]
+
+
+def _fail(error: ErrorType, name: str, accepted: str, value: Any) -> Exception:
+    return error(f"Expected `{name}` to be {accepted}, got {value!r}.")
+
+
+def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:
+    if low is not None and high is not None:
+        return f"in {'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    if low is not None:
+        return f"{'>' if low_open else '>='} {low:g}"
+    if high is not None:
+        return f"{'<' if high_open else '<='} {high:g}"
+    return ""
+
+
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float | None = None,
+    high: float | None = None,
+    low_open: bool = False,
+    high_open: bool = False,
+    allow_none: bool = False,
+    allow_inf: bool = False,
+    error: ErrorType = ValueError,
+) -> float | None:
+    """A real number (not a bool, not NaN, finite unless ``allow_inf``) within the given bounds, as a float.
+
+    Raises:
+        error: If ``value`` is not such a number (``None`` passes when ``allow_none``).
+    """
+    if value is None and allow_none:
+        return None
+    kind = "a number" if allow_inf else "a finite number"
+    bounds = _interval(low, high, low_open, high_open)
+    accepted = f"{kind} {bounds}".strip() + (" or None" if allow_none else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _fail(error, name, accepted, value)
+    number = float(value)
+    if math.isnan(number) or (math.isinf(number) and not allow_inf):
+        raise _fail(error, name, accepted, value)
+    if low is not None and (number < low or (low_open and number == low)):
+        raise _fail(error, name, accepted, value)
+    if high is not None and (number > high or (high_open and number == high)):
+        raise _fail(error, name, accepted, value)
+    return number
+
+
+def check_int(
+    value: Any,
+    name: str,
+    *,
+    low: int | None = None,
+    high: int | None = None,
+    allow_none: bool = False,
+    error: ErrorType = ValueError,
+) -> int | None:
+    """An integer (not a bool) within ``[low, high]``.
+
+    Raises:
+        error: If ``value`` is not such an integer (``None`` passes when ``allow_none``).
+    """
+    if value is None and allow_none:
+        return None
+    accepted = f"an integer {_interval(low, high, False, False)}".strip() + (" or None" if allow_none else "")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _fail(error, name, accepted, value)
+    if (low is not None and value < low) or (high is not None and value > high):
+        raise _fail(error, name, accepted, value)
+    return value
+
+
+def check_bool(value: Any, name: str, *, allow_none: bool = False, error: ErrorType = ValueError) -> bool | None:
+    """``True`` or ``False`` (``None`` too when ``allow_none``); truthy stand-ins such as ``1`` are refused.
+
+    Raises:
+        error: If ``value`` is not a bool.
+    """
+    if value is None and allow_none:
+        return None
+    if not isinstance(value, bool):
+        raise _fail(error, name, "True or False" + (" or None" if allow_none else ""), value)
+    return value
+
+
+def check_choice(value: T, name: str, choices: Collection[Any], *, error: ErrorType = ValueError) -> T:
+    """One of ``choices``.
+
+    Raises:
+        error: If ``value`` is not one of them.
+    """
+    if isinstance(value, bool) or value not in choices:
+        raise _fail(error, name, "one of " + ", ".join(repr(c) for c in choices), value)
+    return value
+
+
+def check_ratio(value: Any, name: str = "ratio", *, error: ErrorType = ValueError) -> float:
+    """A keep-ratio (fraction of elements kept) in (0, 1]."""
+    return check_number(value, name, low=0.0, high=1.0, low_open=True, error=error)  # type: ignore[return-value]
+
+
+def check_positive_int(value: Any, name: str, *, error: ErrorType = ValueError) -> int:
+    """An integer >= 1."""
+    return check_int(value, name, low=1, error=error)  # type: ignore[return-value]
