@@ -22,21 +22,54 @@ from lightning_gradcomp.compressors.base import Layer
 
 
 class ErrorFeedback:
-    """One rank's residuals: flat per bucket on the hot path, per parameter when the layout changes or at rest."""
+    """One rank's residuals: flat per bucket on the hot path, per parameter when the layout changes or at rest.
+
+    Each bucket's flat residual has a twin buffer the reduction writes the updated residual into; the twin is copied
+    over the residual only when the step is finite on every rank (:class:`~lightning_gradcomp.compressors.exchange.
+    StepUpdates`), so a non-finite step never reaches the memory.
+    """
 
     def __init__(self) -> None:
-        self._flat: dict[int, tuple[tuple[str, ...], tuple[Layer, ...], Tensor]] = {}
+        self._flat: dict[int, tuple[tuple[str, ...], tuple[Layer, ...], Tensor, Tensor]] = {}
         self._pending: dict[str, Tensor] = {}
 
     def __bool__(self) -> bool:
         return bool(self._flat or self._pending)
 
-    def residual(self, bucket_index: int, layers: tuple[Layer, ...], like: Tensor) -> Tensor:
-        """The residual of the flat tensor laid out as ``layers`` for bucket ``bucket_index`` (zeros if new)."""
+    def prepare(
+        self,
+        bucket_index: int,
+        compressed: tuple[Layer, ...],
+        tensor: Tensor | None,
+        dense: tuple[Layer, ...] = (),
+        dense_tensor: Tensor | None = None,
+        *,
+        keep: bool,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """Everything error feedback does to one bucket before its reduction, in one call.
+
+        Debts of layers that are now averaged densely (``dense``, laid out in ``dense_tensor``) are paid into it; with
+        ``keep`` (error feedback on) the compressed layers get their residual and its twin, else their debts are paid
+        into ``tensor`` too.
+
+        Returns:
+            ``(residual, new_residual)`` for the compressed layers, or ``(None, None)`` without ``keep``.
+        """
+        if self and dense and dense_tensor is not None:
+            self._drain_into(dense_tensor, dense)
+        if tensor is None:
+            return None, None
+        if not keep:
+            if self:  # error feedback was on for a previous compressor: pay what is owed, once
+                self._drain_into(tensor, compressed)
+            return None, None
+        return self._buffers(bucket_index, compressed, tensor)
+
+    def _buffers(self, bucket_index: int, layers: tuple[Layer, ...], like: Tensor) -> tuple[Tensor, Tensor]:
         key = tuple(layer.name for layer in layers)
         entry = self._flat.get(bucket_index)
         if entry is not None and entry[0] == key:
-            return entry[2]
+            return entry[2], entry[3]
         if entry is not None:
             self.spill()
         flat = torch.zeros(sum(layer.numel for layer in layers), dtype=like.dtype, device=like.device)
@@ -44,22 +77,25 @@ class ErrorFeedback:
             owed = self._pending.pop(layer.name, None)
             if owed is not None:
                 layer.flat(flat).copy_(owed.reshape(-1))
-        self._flat[bucket_index] = (key, layers, flat)
-        return flat
+        self._flat[bucket_index] = (key, layers, flat, torch.empty_like(flat))
+        return flat, self._flat[bucket_index][3]
 
     def spill(self) -> None:
         """Move every flat residual into per-parameter pieces (after DDP re-buckets or the plan changes)."""
-        for _, layers, flat in self._flat.values():
+        for _, layers, flat, _ in self._flat.values():
             for layer in layers:
                 self._pending[layer.name] = layer.view(flat)
         self._flat.clear()
 
-    def drain_into(self, tensor: Tensor, layers: Sequence[Layer]) -> None:
-        """Add the pending residual of ``layers`` into ``tensor`` and forget it.
+    def _drain_into(self, tensor: Tensor, layers: Sequence[Layer]) -> None:
+        """Add the residual still owed for ``layers`` into ``tensor`` and forget it.
 
-        Used when a layer that has a residual is averaged densely (compression switched off, or the layer no longer
-        compressed): the debt is paid into the dense gradient instead of being dropped.
+        A layer with a residual that is now averaged densely (compression switched off, or the layer no longer
+        compressed) pays its debt into the dense gradient instead of dropping it.
         """
+        names = {layer.name for layer in layers}
+        if any(names.intersection(entry[0]) for entry in self._flat.values()):
+            self.spill()
         for layer in layers:
             owed = self._pending.pop(layer.name, None)
             if owed is not None:
@@ -73,7 +109,7 @@ class ErrorFeedback:
     def state_dict(self) -> dict[str, Tensor]:
         """Per-parameter residuals (CPU copies), independent of the bucket layout."""
         out = {name: t.detach().to("cpu", copy=True) for name, t in self._pending.items()}
-        for _, layers, flat in self._flat.values():
+        for _, layers, flat, _ in self._flat.values():
             for layer in layers:
                 out[layer.name] = layer.view(flat).detach().to("cpu", copy=True)
         return out

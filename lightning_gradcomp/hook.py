@@ -13,7 +13,7 @@ over layers.
 """
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch.nn import Module
 
 from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
 from lightning_gradcomp.telemetry import Telemetry
 
@@ -33,7 +34,12 @@ _STATE_FORMAT = 1
 
 @dataclass(frozen=True)
 class _BucketPlan:
-    """How one bucket layout is split between the compressor and the dense all-reduce (cached per layout)."""
+    """How one bucket layout is split between the compressor and the dense all-reduce (cached per layout).
+
+    The plan also owns the buffers its layers are gathered into, reused every step: on the CPU a fresh allocation of
+    a bucket-sized tensor every step costs page faults (glibc maps and unmaps chunks near its 32 MB threshold) that
+    exceed the copy itself.
+    """
 
     signature: tuple[int, ...]
     compressor_key: tuple
@@ -43,34 +49,36 @@ class _BucketPlan:
     compressed_runs: tuple[tuple[int, int], ...]  # [start, end) ranges of the bucket buffer
     dense_runs: tuple[tuple[int, int], ...]
     numel: int
+    buffers: dict[str, Tensor] = field(default_factory=dict, compare=False)
 
     @property
     def whole_bucket(self) -> bool:
         return not self.dense and self.compressed_runs == ((0, self.numel),)
 
+    def gather(self, buffer: Tensor, part: str) -> Tensor:
+        """The ``"dense"`` or ``"compressed"`` layers of ``buffer``, contiguous: a view if they are, else a copy."""
+        runs = self.dense_runs if part == "dense" else self.compressed_runs
+        if len(runs) == 1:
+            start, end = runs[0]
+            return buffer[start:end]
+        out = self.buffers.get(part)
+        if out is None or out.dtype != buffer.dtype or out.device != buffer.device:
+            out = self.buffers[part] = torch.empty(sum(end - start for start, end in runs), dtype=buffer.dtype,
+                                                   device=buffer.device)  # fmt: skip
+        return torch.cat([buffer[start:end] for start, end in runs], out=out)
 
-def _gather(buffer: Tensor, runs: tuple[tuple[int, int], ...], scratch: dict[str, Tensor], key: str) -> Tensor:
-    """The elements of ``runs``, contiguous: a view if they are, else a copy into a buffer reused every step.
-
-    Reusing the buffer matters on the CPU: a fresh allocation of a bucket-sized tensor every step costs page faults
-    (glibc maps and unmaps chunks near its 32 MB threshold) that exceed the copy itself.
-    """
-    if len(runs) == 1:
-        start, end = runs[0]
-        return buffer[start:end]
-    out = scratch.get(key)
-    if out is None:
-        out = scratch[key] = torch.empty(sum(end - start for start, end in runs), dtype=buffer.dtype,
-                                         device=buffer.device)  # fmt: skip
-    return torch.cat([buffer[start:end] for start, end in runs], out=out)
-
-
-def _scatter(buffer: Tensor, runs: tuple[tuple[int, int], ...], values: Tensor) -> None:
-    offset = 0
-    for start, end in runs:
-        n = end - start
-        buffer[start:end].copy_(values[offset : offset + n])
-        offset += n
+    def scatter(self, buffer: Tensor, compressed: Tensor | None, dense: Tensor | None) -> Tensor:
+        """Write the reduced parts back into the bucket ``buffer`` (views of it are left as they are)."""
+        for values, runs in ((compressed, self.compressed_runs), (dense, self.dense_runs)):
+            if values is None:
+                continue
+            offset = 0
+            for start, end in runs:
+                target = buffer[start:end]
+                if target.data_ptr() != values[offset:].data_ptr():
+                    target.copy_(values[offset : offset + end - start])
+                offset += end - start
+        return buffer
 
 
 def _runs(layers: list[Layer]) -> tuple[tuple[int, int], ...]:
@@ -117,7 +125,8 @@ class CompressionState:
         "_comm",
         "_names",
         "_plans",
-        "_scratch",
+        "_updates",
+        "_in_flight",
     )
 
     def __init__(
@@ -140,7 +149,8 @@ class CompressionState:
         self._comm: Comm | None = None
         self._names: dict[int, tuple[int, str]] = {}
         self._plans: dict[int, _BucketPlan] = {}
-        self._scratch: dict[int, dict[str, Tensor]] = {}  # per bucket: gather buffers reused every step
+        self._updates = StepUpdates()  # the step's staged state changes, committed after its last bucket
+        self._in_flight: list[torch.futures.Future] = []  # the step's bucket reductions so far
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -162,7 +172,6 @@ class CompressionState:
         if dropped:
             log.info("gradcomp: dropped error-feedback residuals of %d parameters no longer in the model", len(dropped))
         self._plans.clear()
-        self._scratch.clear()
         if backend is None:
             backend = TorchCollectives(process_group)
         device = next(module.parameters()).device
@@ -202,8 +211,6 @@ class CompressionState:
             # the layout or the compressor changed: residuals must follow their parameters, not the bucket
             self.residuals.spill()
             self._plans.clear()
-            self._scratch.clear()
-        self._scratch.pop(bucket.index(), None)  # buffers sized for another layout
         self._plans[bucket.index()] = plan
         return plan
 
@@ -230,6 +237,90 @@ class CompressionState:
             dense_runs=_runs(dense),
             numel=numel,
         )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The reduction of one bucket
+    # ------------------------------------------------------------------------------------------------------------
+    def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
+        """Average ``bucket`` over the ranks; what :func:`compression_hook` does.
+
+        While ``enabled`` is ``False`` it is torch's ``allreduce_hook`` (divide by the world size, sum), plus any
+        error-feedback residual still owed. Otherwise the bucket's dense layers are all-reduced and its compressed
+        layers go through :meth:`Compressor.reduce`; both are issued here, in bucket order, on every rank. State
+        changes of the whole step are committed after its last bucket, only if the step was finite on every rank;
+        this is also where the step counter advances (its one writer, besides :meth:`load_state_dict`).
+        """
+        buffer = bucket.buffer()
+        self.telemetry.add_bucket(buffer.numel() * buffer.element_size())
+        plan = self.plan(bucket, self.compressor)
+        reduced = self._reduce_split(bucket.index(), buffer, plan) if self.enabled else self._reduce_dense(
+            bucket.index(), buffer, plan)  # fmt: skip
+        self._in_flight.append(reduced)
+        if not bucket.is_last():
+            return reduced
+        self.step += 1
+        return self._end_step(reduced)
+
+    def _context(self, index: int, layers: tuple[Layer, ...], like: Tensor, **fields: Any) -> BucketContext:
+        comm = self.comm
+        return BucketContext(index=index, step=self.step, rank=comm.rank, world_size=comm.world_size, layers=layers,
+                             dtype=like.dtype, device=like.device, seed=self.seed, comm=comm, updates=self._updates,
+                             **fields)  # fmt: skip
+
+    def _all_reduce_dense(self, index: int, tensor: Tensor, layers: tuple[Layer, ...]) -> torch.futures.Future:
+        """Plain averaging of ``tensor``, then the compressor's dense update (DGC's momentum, signSGD's sign)."""
+        averaged = self.comm.all_reduce((tensor.div_(self.comm.world_size),)).then(lambda fut: fut.value()[0])
+        if not self.compressor.has_dense_update:
+            return averaged
+        ctx = self._context(index, layers, tensor)
+
+        def finish(fut: torch.futures.Future[Tensor]) -> Tensor:
+            average = fut.value()
+            # the average is the same on every rank, and a NaN anywhere reaches it: no flag needs to travel
+            self._updates.observe(torch.isfinite(torch.sum(average, dtype=torch.float64)))
+            self.compressor.finish_dense(average, ctx)
+            return average
+
+        return averaged.then(finish)
+
+    def _reduce_dense(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
+        self.residuals.prepare(index, (), None, plan.every, buffer, keep=False)
+        return self._all_reduce_dense(index, buffer, plan.every)
+
+    def _reduce_split(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
+        dense = plan.gather(buffer, "dense") if plan.dense else None
+        tensor = plan.gather(buffer, "compressed") if plan.compressed else None
+        residual, new_residual = self.residuals.prepare(
+            index, plan.compressed, tensor, plan.dense, dense, keep=self.uses_error_feedback()
+        )
+        futures = [] if dense is None else [self._all_reduce_dense(index, dense, plan.dense)]
+        if tensor is None:
+            return futures[0].then(lambda fut: plan.scatter(buffer, None, fut.value()))
+        ctx = self._context(index, plan.compressed, tensor, residual=residual, new_residual=new_residual)
+        reduced = self.compressor.reduce(tensor, ctx)
+        if plan.whole_bucket:
+            return reduced
+        futures.append(reduced)
+
+        def finish(fut: torch.futures.Future[list[torch.futures.Future]]) -> Tensor:
+            done = fut.value()
+            return plan.scatter(buffer, done[-1].value(), done[0].value() if dense is not None else None)
+
+        return torch.futures.collect_all(futures).then(finish)
+
+    def _end_step(self, last: torch.futures.Future[Tensor]) -> torch.futures.Future[Tensor]:
+        """After every bucket of the step: commit the staged state (if finite everywhere), count the verdict."""
+        in_flight, updates = self._in_flight, self._updates
+        self._in_flight, self._updates = [], StepUpdates()
+        telemetry = self.telemetry
+
+        def commit(fut: torch.futures.Future[list[torch.futures.Future]]) -> Tensor:
+            for done in fut.value():
+                done.value()  # a failed bucket fails the step: nothing is committed
+            telemetry.add_verdict(updates.commit())
+            return last.value()
+
+        return torch.futures.collect_all(in_flight).then(commit)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing
@@ -290,75 +381,6 @@ def _to_cpu(obj: Any) -> Any:
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP communication hook that averages ``bucket`` through ``state.compressor``.
 
-    While ``state.enabled`` is ``False`` it is torch's ``allreduce_hook`` (divide by the world size, sum), plus any
-    error-feedback residual still owed. Otherwise the bucket's dense layers are all-reduced and its compressed layers
-    go through :meth:`Compressor.reduce`; both are issued here, in bucket order, on every rank.
+    It has the signature of torch's hooks; the work is :meth:`CompressionState.reduce`.
     """
-    comm = state.comm
-    buffer = bucket.buffer()
-    compressor = state.compressor
-    world_size = comm.world_size
-    state.telemetry.add_bucket(buffer.numel() * buffer.element_size())
-    if bucket.is_last():
-        step = state.step
-        state.step += 1
-    else:
-        step = state.step
-
-    if not state.enabled:
-        if state.residuals:
-            state.residuals.spill()
-            state.residuals.drain_into(buffer, state.plan(bucket, compressor).every)
-        return comm.all_reduce((buffer.div_(world_size),)).then(lambda fut: fut.value()[0])
-
-    plan = state.plan(bucket, compressor)
-    scratch = state._scratch.setdefault(bucket.index(), {})
-    futures: list[torch.futures.Future] = []
-    dense = None
-    if plan.dense:
-        dense = _gather(buffer, plan.dense_runs, scratch, "dense")
-        if state.residuals:
-            state.residuals.drain_into(dense, plan.dense)
-        futures.append(comm.all_reduce((dense.div_(world_size),)))
-    if not plan.compressed:
-        return futures[0].then(lambda fut: _finish(buffer, plan, None, fut.value()[0]))
-
-    tensor = _gather(buffer, plan.compressed_runs, scratch, "compressed")
-    if state.uses_error_feedback(compressor):
-        residual = state.residuals.residual(bucket.index(), plan.compressed, tensor)
-    else:
-        residual = None
-        if state.residuals:  # error feedback was on for a previous compressor: pay what is owed, once
-            state.residuals.spill()
-            state.residuals.drain_into(tensor, plan.compressed)
-    ctx = BucketContext(
-        index=bucket.index(),
-        step=step,
-        rank=comm.rank,
-        world_size=world_size,
-        layers=plan.compressed,
-        dtype=buffer.dtype,
-        device=buffer.device,
-        seed=state.seed,
-        residual=residual,
-        comm=comm,
-    )
-    reduced = compressor.reduce(tensor, ctx)
-    if plan.whole_bucket:
-        return reduced
-    futures.append(reduced)
-
-    def finish(fut: torch.futures.Future[list[torch.futures.Future]]) -> Tensor:
-        done = fut.value()
-        dense_avg = done[0].value()[0] if dense is not None else None
-        return _finish(buffer, plan, done[-1].value(), dense_avg)
-
-    return torch.futures.collect_all(futures).then(finish)
-
-
-def _finish(buffer: Tensor, plan: _BucketPlan, compressed: Tensor | None, dense: Tensor | None) -> Tensor:
-    if compressed is not None:
-        _scatter(buffer, plan.compressed_runs, compressed)
-    if dense is not None:
-        _scatter(buffer, plan.dense_runs, dense)
-    return buffer
+    return state.reduce(bucket)

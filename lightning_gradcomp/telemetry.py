@@ -28,6 +28,8 @@ class StepStats:
         encode_ms: time spent compressing (including error feedback), in milliseconds.
         decode_ms: time spent decompressing and averaging, in milliseconds.
         buckets: how many bucket reductions the step made.
+        finite: whether the step's gradients were finite on every rank; a non-finite step leaves every compressor
+            state as it was (its aggregate is non-finite on every rank, for the optimizer's or AMP's skip).
     """
 
     bytes_sent: int
@@ -35,6 +37,7 @@ class StepStats:
     encode_ms: float
     decode_ms: float
     buckets: int
+    finite: bool = True
 
     @property
     def compression_ratio(self) -> float:
@@ -57,6 +60,7 @@ class Telemetry:
         self.total_steps = 0
         self.total_encode_ms = 0.0
         self.total_decode_ms = 0.0
+        self.total_nonfinite_steps = 0
         self.last: StepStats | None = None  # the latest finished step, for callbacks that read after the monitor
 
     def _reset_step(self) -> None:
@@ -65,6 +69,13 @@ class Telemetry:
         self._seconds = {"encode": 0.0, "decode": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._buckets = 0
+        self._verdicts: list[torch.Tensor] = []
+
+    def add_verdict(self, ok: torch.Tensor | None) -> None:
+        """Record whether the step was finite on every rank (a device tensor: read when the step is popped)."""
+        if ok is not None:
+            with self._lock:
+                self._verdicts.append(ok)
 
     def add_sent(self, nbytes: int) -> None:
         """Count ``nbytes`` handed to a collective."""
@@ -109,7 +120,9 @@ class Telemetry:
                 encode_ms=seconds["encode"] * 1e3,
                 decode_ms=seconds["decode"] * 1e3,
                 buckets=self._buckets,
+                finite=all(bool(ok) for ok in self._verdicts),  # read when logging, never on the hook path
             )
+            self.total_nonfinite_steps += not stats.finite
             self.total_bytes_sent += stats.bytes_sent
             self.total_bytes_dense += stats.bytes_dense
             self.total_steps += 1

@@ -3,7 +3,8 @@
 :class:`SimulatedWorld` implements the collectives :class:`~lightning_gradcomp.comm.Comm` runs on; a collective
 completes when every simulated rank has issued it, and a rank that issues a different collective (or a payload of
 another shape) at the same position raises, as gloo would. :func:`simulate_reduce` runs
-:meth:`Compressor.reduce` for every rank. The project's contract tests use it, and so can tests of your own
+:meth:`Compressor.reduce` for every rank, and :class:`SimulatedHook` the whole communication hook (dense layers,
+error feedback, the step's commit). The project's contract tests use them, and so can tests of your own
 compressor::
 
     from lightning_gradcomp.testing import simulate_reduce
@@ -38,9 +39,10 @@ from lightning_gradcomp.compressors import (
     TopK,
 )
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.telemetry import Telemetry
 
-__all__ = ["EXAMPLES", "SimulatedWorld", "exported_compressor_classes", "simulate_reduce"]
+__all__ = ["EXAMPLES", "SimulatedHook", "SimulatedWorld", "exported_compressor_classes", "simulate_reduce"]
 
 #: Example configurations of every exported compressor, as factories (compressors keep state: each use builds fresh
 #: ones). The entry named after a method is its default configuration (what the benchmarks run); the others vary
@@ -224,3 +226,69 @@ def simulate_reduce(
         futures.append(compressor.reduce(tensor.clone(), ctx))
     world.assert_quiescent()
     return [future.wait() for future in futures]
+
+
+class _Bucket:
+    """What the hook reads of a ``torch.distributed.GradBucket``: one bucket holding every parameter."""
+
+    def __init__(self, buffer: Tensor, params: list[Tensor]) -> None:
+        self._buffer, self._params = buffer, params
+
+    def buffer(self) -> Tensor:
+        return self._buffer
+
+    def parameters(self) -> list[Tensor]:
+        return self._params
+
+    def index(self) -> int:
+        return 0
+
+    def is_last(self) -> bool:
+        return True
+
+
+def _module_with(layers: tuple[Layer, ...]) -> torch.nn.Module:
+    """A module whose parameters have ``layers``' names and shapes, in order (``"a.weight"`` nests ``a``)."""
+    root = torch.nn.Module()
+    for layer in layers:
+        *path, leaf = layer.name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(torch.zeros(layer.shape)))
+    return root
+
+
+class SimulatedHook:
+    """The real communication hook (:class:`~lightning_gradcomp.hook.CompressionState`) on simulated ranks.
+
+    Every rank holds one bucket laid out as ``layers``; :meth:`step` runs the hook on every rank, so the split into
+    compressed and dense layers, error feedback, the dense update and the step's commit are the hook's own::
+
+        hook = SimulatedHook([CompressionState(DGC()) for _ in range(2)], layers)
+        averages = hook.step([g0, g1])
+    """
+
+    def __init__(self, states: Sequence[CompressionState], layers: tuple[Layer, ...]) -> None:
+        self.states = list(states)
+        self.layers = layers
+        self.world = SimulatedWorld(len(self.states))
+        modules = [_module_with(layers) for _ in self.states]
+        self._params = [list(module.parameters()) for module in modules]
+        for rank, (state, module) in enumerate(zip(self.states, modules)):
+            state.attach(module, backend=self.world.backend(rank))
+
+    def step(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """One step: every rank's flat gradient (not modified) in, every rank's average out."""
+        futures = [
+            state.reduce(_Bucket(tensor.clone(), params))  # type: ignore[arg-type]
+            for state, tensor, params in zip(self.states, tensors, self._params)
+        ]
+        self.world.assert_quiescent()
+        return [future.wait() for future in futures]
+
+    def residual(self, rank: int, name: str) -> Tensor | None:
+        """Rank ``rank``'s error-feedback residual of parameter ``name`` (``None`` if it has none)."""
+        return self.states[rank].residuals.state_dict().get(name)

@@ -17,6 +17,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_int",
+    "check_momentum",
     "check_number",
     "check_positive_int",
     "check_ratio",
@@ -130,3 +131,8 @@ def check_ratio(value: Any, name: str = "ratio", *, error: ErrorType = ValueErro
 def check_positive_int(value: Any, name: str, *, error: ErrorType = ValueError) -> int:
     """An integer >= 1."""
     return check_int(value, name, low=1, error=error)  # type: ignore[return-value]
+
+
+def check_momentum(value: Any, name: str = "momentum", *, error: ErrorType = ValueError) -> float:
+    """A momentum coefficient in [0, 1)."""
+    return check_number(value, name, low=0.0, high=1.0, high_open=True, error=error)  # type: ignore[return-value]

@@ -9,9 +9,12 @@ import torch
 from lightning_gradcomp.compressors import DGC, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
 from lightning_gradcomp.compressors.dgc import sample_plan
+from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.strategy import optimizer_momentum_warning
 from lightning_gradcomp.telemetry import Telemetry
-from lightning_gradcomp.testing import simulate_reduce
+from lightning_gradcomp.testing import SimulatedHook, simulate_reduce
+
+FLAG = 8  # the non-finite flag rides on the all-gather: one 8-byte aligned word
 
 # two sparsified matrices, a bias and a small matrix (dense: below min_compress_numel)
 LAYERS = layers_from_shapes([(64, 80), (16,), (200, 30), (4, 4)], names=["a.weight", "a.bias", "b.weight", "c.weight"])
@@ -20,10 +23,13 @@ MIN_NUMEL = 64
 
 
 def _dgc(**kwargs):
-    compressor = DGC(**kwargs)
-    for layer in LAYERS:  # what the hook does when it plans a bucket
-        compressor.compresses(layer, MIN_NUMEL)
-    return compressor
+    return DGC(**kwargs)
+
+
+def _hook(compressors):
+    """The real hook on simulated ranks: small layers go dense and get DGC's momentum there (finish_dense)."""
+    states = [CompressionState(c, min_compress_numel=MIN_NUMEL) for c in compressors]
+    return SimulatedHook(states, LAYERS)
 
 
 def _grads(n, seed):
@@ -143,20 +149,21 @@ def test_dgc_equals_the_reference_over_steps(kwargs):
     ratio = kwargs.pop("ratio", 0.01)
     momentum = kwargs.get("momentum", 0.9)
     steps = [_grads(3, seed=s) for s in range(4)]
-    compressors = [_dgc(ratio=ratio, **kwargs) for _ in range(3)]
-    residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(3)]
+    hook = _hook([_dgc(ratio=ratio, **kwargs) for _ in range(3)])
     expected, velocities = _reference(
         steps, momentum=momentum, nesterov=kwargs.get("nesterov", False),
         masking=kwargs.get("momentum_masking", True), clip_norm=kwargs.get("clip_norm"), ratio=ratio,
     )  # fmt: skip
     for step, grads in enumerate(steps):
-        outs = simulate_reduce(compressors, grads, LAYERS, step=step, residuals=residuals)
+        outs = hook.step(grads)
         for out in outs:
             torch.testing.assert_close(out, expected[step], rtol=1e-13, atol=1e-13)
     for rank in range(3):  # v is the error-feedback residual; the dense layers owe nothing
         for layer in LAYERS:
             want = velocities[rank].get(layer.name, torch.zeros(layer.numel, dtype=torch.float64))
-            torch.testing.assert_close(layer.flat(residuals[rank]), want, rtol=1e-13, atol=1e-13)
+            got = hook.residual(rank, layer.name)
+            got = torch.zeros(layer.numel, dtype=torch.float64) if got is None else got.reshape(-1)
+            torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
 
 
 def test_sent_plus_velocity_is_the_accumulated_momentum():
@@ -199,7 +206,7 @@ def test_warmup_bytes_per_step():
         sent.append(telemetry[0].pop_step().bytes_sent)
     k = [math.ceil(6000 * r) for r in (0.25, 0.0625, 0.015625, 0.004, 0.001, 0.001)]
     indices = [188 * 4 if 4 * k_ > 188 * 4 else 4 * k_ for k_ in k]  # a bitmap is 188 int32 words of 32 bits
-    assert sent == [-(-i // 8) * 8 + -(-4 * k_ // 8) * 8 for i, k_ in zip(indices, k)]
+    assert sent == [-(-i // 8) * 8 + -(-4 * k_ // 8) * 8 + FLAG for i, k_ in zip(indices, k)]
     assert sent[0] < 6000 * 4 * 0.25 * 2  # the bitmap beat int32 indices
 
 
@@ -209,8 +216,8 @@ def test_99_9_percent_sparsity_is_about_500x_on_a_large_layer():
     telemetry[0].add_bucket(layer.numel * 4)
     g = torch.randn(layer.numel, generator=torch.Generator().manual_seed(0))
     simulate_reduce([DGC()], [g], (layer,), residuals=[torch.zeros(layer.numel)], telemetry=telemetry)
-    # k = ceil(0.001 d) = 525 fp32 values and int32 indices, each padded to 8 bytes in the all-gather
-    assert telemetry[0].pop_step().compression_ratio == layer.numel * 4 / (2 * 2104)
+    # k = ceil(0.001 d) = 525 fp32 values and int32 indices, each padded to 8 bytes in the all-gather, and the flag
+    assert telemetry[0].pop_step().compression_ratio == layer.numel * 4 / (2 * 2104 + FLAG)
 
 
 def test_optimizer_momentum_is_flagged():
@@ -224,7 +231,7 @@ def test_optimizer_momentum_is_flagged():
 
 def test_state_is_keyed_by_layer_name():
     compressors = [_dgc(ratio=0.01) for _ in range(2)]
-    simulate_reduce(compressors, _grads(2, seed=0), LAYERS, residuals=[torch.zeros(NUMEL)] * 2)
+    _hook(compressors).step(_grads(2, seed=0))
     state = compressors[0].state_dict()
     assert set(state["momentum"]) == {layer.name for layer in LAYERS}
 

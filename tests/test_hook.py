@@ -9,49 +9,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import CompressionState, compression_hook
-from lightning_gradcomp.compressors import (
-    BF16,
-    DGC,
-    FP16,
-    QSGD,
-    AdaComp,
-    EFSignSGD,
-    Identity,
-    OneBit,
-    PowerSGD,
-    RandomK,
-    ScaleCom,
-    SignSGD,
-    TernGrad,
-    TopK,
-)
-from lightning_gradcomp.compressors.base import Layer
-from lightning_gradcomp.testing import simulate_reduce
+from lightning_gradcomp.compressors import QSGD, PowerSGD, TopK
+from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
+from lightning_gradcomp.compressors.exchange import StepUpdates
+from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 from tests.distributed import run_distributed
 
-COMPRESSORS = {
-    "identity": Identity(),
-    "fp16": FP16(),
-    "bf16": BF16(),
-    "topk": TopK(ratio=0.05),
-    "randomk": RandomK(ratio=0.1),
-    "randomk-unbiased": RandomK(ratio=0.5, rescale=True),
-    "powersgd": PowerSGD(rank=2),
-    "powersgd-cold-r1": PowerSGD(rank=1, warm_start=False),
-    "powersgd-qr": PowerSGD(rank=4, min_compression_rate=1.0),
-    "dgc": DGC(),
-    "dgc-warmup-nesterov-clip": DGC(warmup_steps=1, nesterov=True, clip_norm=0.5),
-    "adacomp": AdaComp(),
-    "adacomp-small-bins": AdaComp(bin_size_conv=5, bin_size_fc=7),
-    "scalecom": ScaleCom(ratio=0.05),
-    "scalecom-lowpass": ScaleCom(ratio=0.01, beta=0.5),
-    "signum": SignSGD(momentum=0.9),
-    "efsignsgd": EFSignSGD(),
-    "onebit": OneBit(),
-    "qsgd": QSGD(levels=3, bucket_size=128),
-    "terngrad": TernGrad(),
-    "terngrad-allgather": TernGrad(clip=None, aggregation="allgather"),
-}
+# every example of the shared table, and three whose levels change mid-run
+COMPRESSORS = {name: factory() for name, factory in EXAMPLES.items()}
 # switched between steps (what Accordion does): compressor levels change, so the hook must re-plan its buckets
 LEVELS = {
     "topk-levels": {"5.weight": 0.5},
@@ -127,8 +92,17 @@ def _hook_vs_reference(rank: int, world_size: int) -> dict:
                 want = layers[j].view(expected)
                 if not torch.equal(params[i].grad, want):
                     mismatches.append((step, names[i], (params[i].grad - want).abs().max().item()))
-            for i in set(range(len(params))) - set(compressed):
-                want = sum(g / world_size for g in gathered[i])
+            dense = [i for i in range(len(params)) if i not in compressed]
+            averages = [sum(g / world_size for g in gathered[i]) for i in dense]
+            if prototype.has_dense_update and dense:  # the method's own update of averaged layers (DGC's momentum)
+                flat = torch.cat([a.flatten() for a in averages])
+                ctx = BucketContext(index=0, step=step, rank=rank, world_size=world_size, updates=StepUpdates(),
+                                    layers=layers_from_shapes([params[i].shape for i in dense],
+                                                              [names[i] for i in dense]))  # fmt: skip
+                reference[rank].finish_dense(flat, ctx)
+                ctx.updates.commit()
+                averages = [layer.view(flat) for layer in ctx.layers]
+            for i, want in zip(dense, averages):
                 if not torch.equal(params[i].grad, want):
                     mismatches.append((step, names[i], (params[i].grad - want).abs().max().item()))
             optimizer.step()

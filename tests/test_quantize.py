@@ -95,7 +95,7 @@ def test_qsgd_wire_size():
     norms = sum(math.ceil(layer.numel / 512) for layer in LAYERS)
     fields = sum(math.ceil(layer.numel * 4 / 8) for layer in LAYERS)  # 3 bits of level + 1 of sign
     aligned = lambda n: -(-n // 8) * 8  # noqa: E731
-    assert telemetry[0].pop_step().bytes_sent == aligned(4 * norms) + aligned(fields)
+    assert telemetry[0].pop_step().bytes_sent == aligned(4 * norms) + aligned(fields) + 8  # + the non-finite flag
 
 
 def test_qsgd_levels_are_validated():
@@ -158,9 +158,9 @@ def test_terngrad_wire_sizes(ranks, fields):
                         LAYERS, telemetry=telemetry)  # fmt: skip
         sent = telemetry[0].pop_step().bytes_sent
         if aggregation == "allreduce":
-            assert sent == 4 * len(LAYERS) + values
+            assert sent == 4 * len(LAYERS) + 4 + values  # + 4: the non-finite flag rides with the scalers
         else:  # scalers and 2-bit values, each padded to whole 8-byte words
-            assert sent == -(-4 * len(LAYERS) // 8) * 8 + -(-math.ceil(NUMEL / 4) // 8) * 8
+            assert sent == -(-4 * len(LAYERS) // 8) * 8 + 4 + -(-math.ceil(NUMEL / 4) // 8) * 8
 
 
 def test_terngrad_is_unbiased_for_the_clipped_gradient():

@@ -57,7 +57,8 @@ def test_signsgd_sends_one_bit_per_element_and_refuses_error_feedback():
     for t in telemetry:
         t.add_bucket(NUMEL * 4)
     simulate_reduce([SignSGD(), SignSGD()], _grads(2, dtype=torch.float32), LAYERS, telemetry=telemetry)
-    assert telemetry[0].pop_step().bytes_sent == (NUMEL + 7) // 8
+    # the packed signs and the non-finite flag, packed together at 8-byte aligned offsets
+    assert telemetry[0].pop_step().bytes_sent == -(-((NUMEL + 7) // 8) // 8) * 8 + 8
     assert SignSGD().compresses(LAYERS[1], 10**9), "every layer takes sign steps, biases too"
     with pytest.raises(ValueError, match="EFSignSGD"):
         simulate_reduce([SignSGD(), SignSGD()], _grads(2), LAYERS, residuals=[torch.zeros(NUMEL)] * 2)
@@ -134,4 +135,5 @@ def test_payload_is_one_bit_per_element_plus_fp32_scales(compressor, scales):
     simulate_reduce([copy.deepcopy(compressor) for _ in range(2)], _grads(2, dtype=torch.float32), LAYERS,
                     residuals=[torch.zeros(NUMEL), torch.zeros(NUMEL)], telemetry=telemetry)  # fmt: skip
     aligned = lambda n: -(-n // 8) * 8  # noqa: E731 (all-gather packs the two tensors at 8-byte offsets)
-    assert telemetry[0].pop_step().bytes_sent == aligned((NUMEL + 7) // 8) + aligned(4 * scales * len(LAYERS))
+    flag = 8  # the non-finite flag: one more aligned word
+    assert telemetry[0].pop_step().bytes_sent == aligned((NUMEL + 7) // 8) + aligned(4 * scales * len(LAYERS)) + flag

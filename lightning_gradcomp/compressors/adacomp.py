@@ -8,14 +8,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import (
-    BucketContext,
-    Collective,
-    Compressor,
-    Layer,
-    Payload,
-    _require_comm,
-)
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.validation import check_positive_int
@@ -87,6 +81,7 @@ class AdaComp(Compressor):
     exchanges_sizes: ClassVar[bool] = True  # payload sizes depend on the data; exchanged in round 0
 
     def __init__(self, bin_size_conv: int = 50, bin_size_fc: int = 500) -> None:
+        super().__init__()
         self.bin_size_conv = check_positive_int(bin_size_conv, "bin_size_conv")
         self.bin_size_fc = check_positive_int(bin_size_fc, "bin_size_fc")
 
@@ -158,7 +153,7 @@ class AdaComp(Compressor):
         """This rank alone: ``(counts, index blob, sign bits, scales)``; ``tensor`` is ``G = R + dW``.
 
         The soft threshold needs the latest gradient: ``dW = G - R`` from ``ctx.residual`` (``H = 2 G`` without one).
-        :meth:`reduce` has ``dW`` itself and uses it exactly.
+        :meth:`exchange` has ``dW`` itself and uses it exactly.
         """
         soft = tensor + tensor if ctx.residual is None else tensor + (tensor - ctx.residual)
         selections = self.select(tensor, soft, ctx)
@@ -176,37 +171,28 @@ class AdaComp(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: sizes first, then the payloads padded to the largest size
     # ------------------------------------------------------------------------------------------------------------
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+        """Nothing in place: :meth:`exchange` needs the latest gradient ``dW`` as well as ``G = R + dW``."""
+
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Round 0: all-gather the counts per layer. Round 1: all-gather the padded payloads; sum in rank order."""
-        comm = _require_comm(ctx)
-        with comm.timed("encode"):
-            grad = tensor
-            if ctx.residual is not None:
-                residue_plus_grad = grad + ctx.residual
-                soft = residue_plus_grad + grad
-            else:
-                residue_plus_grad, soft = grad, grad + grad
-            selections = self.select(residue_plus_grad, soft, ctx)
-            if ctx.residual is not None:
-                self._residual(ctx.residual, residue_plus_grad, selections, ctx)
-            counts = torch.tensor([s.indices.numel() for s in selections], dtype=torch.int32, device=ctx.device)
-
-        def send(fut: torch.futures.Future[list[Payload]]) -> torch.futures.Future:
-            # the one host synchronisation: payload shapes (the largest count per layer) must be known here
-            every = [row.tolist() for (row,) in fut.value()]
-            slots = [max(column) for column in zip(*every)] if every and every[0] else []
-            layout = sparse_layout(ctx.layers, slots)
-            with comm.timed("encode"):
-                payload = self._payload(selections, layout, tensor)
-            return comm.all_gather(payload, round=1).then(lambda done: (layout, every, done.value()))
-
-        def decode(fut: torch.futures.Future) -> Tensor:
-            layout, every, gathered = fut.value()
-            with comm.timed("decode"):
-                out = tensor.zero_()
-                for counts_r, payload in zip(every, gathered):
-                    self._add(payload, layout, counts_r, out)
-                return out.div_(ctx.world_size)
-
-        sizes = comm.all_gather((counts,), round=0)
-        return comm.after(sizes, send, round=1).then(decode)
+        grad = tensor
+        if ctx.residual is not None:
+            residue_plus_grad = grad + ctx.residual
+            soft = residue_plus_grad + grad
+        else:
+            residue_plus_grad, soft = grad, grad + grad
+        selections = self.select(residue_plus_grad, soft, ctx)
+        if ctx.new_residual is not None:
+            self._residual(ctx.new_residual, residue_plus_grad, selections, ctx)
+        counts = torch.tensor([s.indices.numel() for s in selections], dtype=torch.int32, device=ctx.device)
+        gathered_counts = yield AllGather((counts,))
+        # the one host synchronisation: payload shapes (the largest count per layer) must be known here
+        every = [row.tolist() for (row,) in gathered_counts]
+        slots = [max(column) for column in zip(*every)] if every and every[0] else []
+        layout = sparse_layout(ctx.layers, slots)
+        gathered = yield AllGather(self._payload(selections, layout, residue_plus_grad))
+        out = tensor.zero_()
+        for counts_r, payload in zip(every, gathered):
+            self._add(payload, layout, counts_r, out)
+        return out.div_(ctx.world_size)

@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.comm import Payload
+from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, StepUpdates, run_exchange
+
 if TYPE_CHECKING:
     from lightning_gradcomp.comm import Comm
 
-Payload = tuple[Tensor, ...]
 Collective = Literal["allreduce", "allgather"]
 
 _MASK64 = (1 << 64) - 1
@@ -112,8 +114,13 @@ class BucketContext:
         dtype: the gradient's dtype; :meth:`Compressor.decompress` returns this dtype.
         device: the gradient's device.
         seed: the seed shared by all ranks (``CompressedDDP(seed=...)``).
-        residual: this rank's error-feedback memory for the flat tensor, or ``None`` when error feedback is off.
+        residual: this rank's error-feedback memory for the flat tensor as of the last finite step (read-only during
+            a reduction), or ``None`` when error feedback is off.
         comm: the collectives (with byte accounting and round ordering); ``None`` outside a reduction.
+        new_residual: where a reduction writes the updated residual (committed when the step is finite on every
+            rank); set during :meth:`Compressor.reduce` when error feedback is on.
+        updates: the step's staged state changes (:class:`~lightning_gradcomp.compressors.exchange.StepUpdates`);
+            set during :meth:`Compressor.reduce` and :meth:`Compressor.finish_dense`.
     """
 
     index: int
@@ -126,6 +133,8 @@ class BucketContext:
     seed: int = 0
     residual: Tensor | None = None
     comm: Comm | None = None
+    new_residual: Tensor | None = None
+    updates: StepUpdates | None = None
 
     @property
     def numel(self) -> int:
@@ -153,26 +162,57 @@ class BucketContext:
 class Compressor(ABC):
     """Compress one flat gradient tensor into a small payload and restore it.
 
-    Subclasses implement :meth:`compress` and :meth:`decompress`. :meth:`reduce` runs error feedback, the collective
-    and the averaging, and should almost never be overridden: only methods that need several rounds of communication
-    (PowerSGD) do, and they must issue later rounds through ``ctx.comm.after`` so every rank issues its collectives
-    in the same order.
+    The contract, smallest first:
+
+    * every method implements :meth:`compress` and :meth:`decompress`; a single-round method (one all-reduce or
+      all-gather per bucket) needs nothing else: the base class runs error feedback, the collective, the averaging,
+      the timing and the non-finite guard (:meth:`reduce`);
+    * a method whose reduction takes several dependent rounds (PowerSGD's two projections, ScaleCom's shared indices,
+      TernGrad's shared scaler, AdaComp's exchange of sizes) overrides :meth:`exchange`, a generator that *yields*
+      each collective it needs and receives its result, and declares how many with ``rounds``;
+    * a method that changes what is compressed before error feedback (DGC's momentum correction, Signum's momentum)
+      overrides :meth:`accumulate`, and one whose update for densely averaged layers is not the average itself (DGC's
+      momentum, signSGD's sign step) overrides :meth:`finish_dense`;
+    * state that a step changes (momentum buffers, warm-start factors) is *staged* with ``ctx.updates.stage`` and
+      written only when the step is finite on every rank.
+
+    No compressor touches a future or a process group, and :meth:`reduce` cannot be overridden.
 
     Attributes:
         collective: ``"allreduce"`` if payloads can be summed: ``decompress(sum of payloads)`` is the sum of the
             decompressed payloads (every rank must then use the same indices or projections). ``"allgather"``
             otherwise: every rank's payload is gathered, decompressed and averaged locally.
         unbiased: ``True`` if ``E[decompress(compress(x))] == x`` over the compressor's randomness.
-        rounds: how many dependent rounds of collectives one reduction needs.
+        rounds: how many dependent rounds of collectives one reduction needs (a process group is made for each).
         level_attribute: the hyper-parameter that sets how hard a layer is compressed (``"ratio"`` for sparsifiers,
             ``"rank"`` for PowerSGD), or ``None``. Compressors that have one can compress each layer at its own
             level (:meth:`set_levels`), which is what Accordion switches.
+        propagates_nonfinite: the aggregate is a plain sum (Identity, the casts): a NaN on any rank reaches every
+            rank by itself, so without error feedback no guard is needed.
+        exchanges_sizes: payload sizes depend on the data and are exchanged in a first round (AdaComp).
+        optimizer_momentum_conflicts: the compressor applies momentum itself (DGC): an optimizer with momentum on
+            the gradient would apply it twice.
     """
 
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = False
     rounds: ClassVar[int] = 1
     level_attribute: ClassVar[str | None] = None
+    propagates_nonfinite: ClassVar[bool] = False
+    exchanges_sizes: ClassVar[bool] = False
+    optimizer_momentum_conflicts: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._layer_levels: dict[str, Any] = {}
+        self._levels_version = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "reduce" in cls.__dict__:
+            raise TypeError(
+                f"{cls.__name__} overrides Compressor.reduce; implement `exchange` (a generator that yields its"
+                " collectives) instead, so that error feedback, ordering and the non-finite guard stay in one place."
+            )
 
     # ----------------------------------------------------------------------------------------------------------
     # The two methods a compressor implements
@@ -200,9 +240,9 @@ class Compressor(ABC):
         """Whether ``layer`` is compressed; the rest of the bucket is averaged densely.
 
         By default 1-D tensors (biases, normalisation weights) and tensors with fewer than ``min_numel`` elements go
-        dense, as in the PowerSGD, DGC and Accordion reference code.
+        dense, as in the PowerSGD, DGC and Accordion reference code. Empty tensors always go dense.
         """
-        return layer.ndim >= 2 and layer.numel >= min_numel
+        return layer.ndim >= 2 and layer.numel >= max(min_numel, 1)
 
     @property
     def default_error_feedback(self) -> bool:
@@ -221,9 +261,80 @@ class Compressor(ABC):
             total.add_(self.decompress(payload, ctx))
         return total
 
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+        """Turn the gradient into what is compressed, in place: error feedback's ``tensor += residual``.
+
+        ``ctx.residual`` is this rank's residual from the last finite step (read-only here). Override to accumulate
+        something else first (DGC's momentum correction); stage any state it changes with ``ctx.updates.stage``.
+        """
+        if ctx.residual is not None:
+            tensor.add_(ctx.residual)
+
     def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
-        """Set ``residual`` to what compression lost: ``tensor - decompress(payload)`` (local reconstruction)."""
+        """Write what compression lost into ``residual``: ``tensor - decompress(payload)`` (local reconstruction).
+
+        ``residual`` is a buffer of its own (``ctx.new_residual``); ``ctx.residual`` still holds the old residual.
+        """
         torch.sub(tensor, self.decompress(payload, ctx), out=residual)
+
+    def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
+        """Turn the dense average of ``ctx.layers`` into the update, in place (default: the average itself).
+
+        Called for the layers a bucket averages densely (small layers, and every layer while compression is off, as
+        during :class:`~lightning_gradcomp.callbacks.DenseWarmup`), so that a method whose update is not the averaged
+        gradient keeps its semantics there (DGC's momentum correction, signSGD's sign step). ``average`` is identical
+        on every rank; stage state changes with ``ctx.updates.stage``.
+        """
+
+    @property
+    def has_dense_update(self) -> bool:
+        """Whether :meth:`finish_dense` changes anything (the hook skips it otherwise)."""
+        return type(self).finish_dense is not Compressor.finish_dense
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Multi-round methods: the extension point
+    # ----------------------------------------------------------------------------------------------------------
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        """The reduction as a generator: yield each collective, receive its result, return the flat average.
+
+        The default is the single-round method: ``payload = compress(tensor)``; the new residual is ``tensor -
+        decompress(payload)``; ``"allreduce"``: payloads are divided by the world size and summed (dividing first
+        keeps fp16 sums from overflowing, as torch's ``fp16_compress_hook`` does), then decompressed;
+        ``"allgather"``: payloads are gathered, decompressed and averaged in rank order (so every rank computes
+        bitwise the same average).
+
+        A multi-round method overrides it, yielding :class:`~lightning_gradcomp.compressors.exchange.AllReduce`,
+        :class:`~lightning_gradcomp.compressors.exchange.AllGather` or
+        :class:`~lightning_gradcomp.compressors.exchange.Broadcast` requests, at most ``rounds`` of them, the same
+        number on every rank. It writes the new residual into ``ctx.new_residual`` when that is set, and may use
+        ``tensor`` as the output buffer.
+        """
+        payload = self.compress(tensor, ctx)
+        if ctx.new_residual is not None:
+            self.update_residual(ctx.new_residual, tensor, payload, ctx)
+        if self.collective == "allreduce":
+            for part in payload:
+                if not part.is_floating_point():
+                    raise TypeError(
+                        f"{type(self).__name__} declares collective='allreduce' but its payload has a {part.dtype}"
+                        " tensor; the default exchange averages by dividing the payload, so integer payloads need"
+                        " an exchange of their own."
+                    )
+                part.div_(ctx.world_size)
+            summed = yield AllReduce(payload)
+            return self.decompress(summed, ctx, out=tensor)  # the input is spent: decode into it
+        gathered = yield AllGather(payload)
+        return self.aggregate(gathered, ctx, out=tensor).div_(ctx.world_size)
+
+    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+        """Average ``tensor`` across ranks through this compressor; returns a future of the flat average.
+
+        Runs :meth:`accumulate` (error feedback), then :meth:`exchange` round by round (round ``k`` on its own
+        process group, in bucket order on every rank), times encoding and decoding, and guards against non-finite
+        input (:mod:`lightning_gradcomp.compressors.exchange`). ``tensor`` may be modified in place. Not to be
+        overridden.
+        """
+        return run_exchange(self, tensor, ctx)
 
     # ----------------------------------------------------------------------------------------------------------
     # Per-layer compression levels
@@ -232,12 +343,12 @@ class Compressor(ABC):
         """The level ``layer`` is compressed at: its own from :meth:`set_levels`, else the compressor's."""
         if self.level_attribute is None:
             raise TypeError(f"{type(self).__name__} has no compression level to set per layer.")
-        return self.__dict__.get("_layer_levels", {}).get(layer.name, getattr(self, self.level_attribute))
+        return self._layer_levels.get(layer.name, getattr(self, self.level_attribute))
 
     @property
     def layer_levels(self) -> dict[str, Any]:
         """The per-layer levels set with :meth:`set_levels` (layer name to level)."""
-        return dict(self.__dict__.get("_layer_levels", {}))
+        return dict(self._layer_levels)
 
     def set_levels(self, levels: Mapping[str, Any]) -> None:
         """Compress the named layers at their own level (the others at the compressor's); ``{}`` clears them.
@@ -251,9 +362,8 @@ class Compressor(ABC):
         """
         if self.level_attribute is None:
             raise TypeError(f"{type(self).__name__} has no compression level to set per layer.")
-        checked = {str(name): self.check_level(value) for name, value in levels.items()}
-        self.__dict__["_layer_levels"] = checked
-        self.__dict__["_levels_version"] = self.__dict__.get("_levels_version", 0) + 1
+        self._layer_levels = {str(name): self.check_level(value) for name, value in levels.items()}
+        self._levels_version += 1
 
     def check_level(self, value: Any) -> Any:
         """Validate one level (as the constructor validates ``level_attribute``) and return it."""
@@ -262,8 +372,11 @@ class Compressor(ABC):
     def plan_key(self) -> tuple:
         """What decides which layers this compressor takes; the hook re-plans its buckets when it changes."""
         default = getattr(self, self.level_attribute) if self.level_attribute else None
-        return (id(self), self.__dict__.get("_levels_version", 0), default)
+        return (id(self), self._levels_version, default)
 
+    # ----------------------------------------------------------------------------------------------------------
+    # State
+    # ----------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """The compressor's own state (beyond error feedback), for checkpoints: here, the per-layer levels."""
         levels = self.layer_levels
@@ -274,53 +387,9 @@ class Compressor(ABC):
         if state_dict.get("layer_levels") or self.layer_levels:
             self.set_levels(state_dict.get("layer_levels", {}))
 
-    # ----------------------------------------------------------------------------------------------------------
-    # The template: error feedback, collective, averaging
-    # ----------------------------------------------------------------------------------------------------------
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
-        """Average ``tensor`` across ranks through this compressor; returns a future of the flat average.
-
-        Steps (the same for every single-round compressor):
-
-        1. error feedback: ``tensor += residual`` (when ``ctx.residual`` is set);
-        2. ``payload = compress(tensor)``; the residual becomes ``tensor - decompress(payload)``;
-        3. ``"allreduce"``: payloads are divided by the world size and summed (dividing first keeps fp16 sums from
-           overflowing, as torch's ``fp16_compress_hook`` does), then decompressed;
-           ``"allgather"``: payloads are gathered, decompressed and averaged in rank order (so every rank computes
-           bitwise the same average).
-
-        ``tensor`` may be modified in place.
-        """
-        comm = _require_comm(ctx)
-        with comm.timed("encode"):
-            if ctx.residual is not None:
-                tensor = tensor.add_(ctx.residual)
-            payload = self.compress(tensor, ctx)
-            if ctx.residual is not None:
-                self.update_residual(ctx.residual, tensor, payload, ctx)
-        if self.collective == "allreduce":
-            for part in payload:
-                if not part.is_floating_point():
-                    raise TypeError(
-                        f"{type(self).__name__} declares collective='allreduce' but its payload has a {part.dtype}"
-                        " tensor; the default reduce() averages by dividing the payload, so integer payloads need"
-                        " their own reduce()."
-                    )
-                part.div_(ctx.world_size)
-
-            def decode_sum(fut: torch.futures.Future[Payload]) -> Tensor:
-                summed = fut.value()
-                with comm.timed("decode"):
-                    return self.decompress(summed, ctx, out=tensor)  # the input is spent: decode into it
-
-            return comm.all_reduce(payload).then(decode_sum)
-
-        def decode_gathered(fut: torch.futures.Future[list[Payload]]) -> Tensor:
-            gathered = fut.value()
-            with comm.timed("decode"):
-                return self.aggregate(gathered, ctx, out=tensor).div_(ctx.world_size)
-
-        return comm.all_gather(payload).then(decode_gathered)
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # objects pickled before per-layer levels were declared attributes lack them
+        self.__dict__.update({"_layer_levels": {}, "_levels_version": 0, **state})
 
     # ----------------------------------------------------------------------------------------------------------
     # Plumbing
@@ -333,12 +402,6 @@ class Compressor(ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hparams().items())
         return f"{type(self).__name__}({args})"
-
-
-def _require_comm(ctx: BucketContext) -> Comm:
-    if ctx.comm is None:
-        raise RuntimeError("Compressor.reduce needs `ctx.comm` (the hook sets it); use compress/decompress directly.")
-    return ctx.comm
 
 
 class LayerBuffers:

@@ -13,6 +13,7 @@ from lightning_gradcomp.compressors.base import BucketContext, Collective, Compr
 class _Cast(Compressor):
     collective: ClassVar[Collective] = "allreduce"
     unbiased: ClassVar[bool] = False
+    propagates_nonfinite: ClassVar[bool] = True
     wire_dtype: ClassVar[torch.dtype]
 
     @property

@@ -9,17 +9,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import (
-    BucketContext,
-    Collective,
-    Compressor,
-    Layer,
-    LayerBuffers,
-    Payload,
-    _require_comm,
-)
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
+from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
-from lightning_gradcomp.validation import check_ratio
+from lightning_gradcomp.validation import check_bool, check_int, check_momentum, check_number, check_ratio
 
 # the reference code's threshold adaptation (synxlin/deep-gradient-compression, dgc/compression.py)
 _UPPER_BOUND = 1.3  # more than 1.3 k candidates: exact top-k among them
@@ -75,14 +68,18 @@ class DGC(Compressor):
     4. the values and indices are all-gathered and summed in rank order; the average is the update;
     5. **momentum factor masking**: ``u`` and ``v`` are zeroed where values were sent.
 
-    **Use an optimizer without momentum** (``torch.optim.SGD(params, lr, momentum=0)``): the momentum lives here, and
-    the averaged gradient this compressor returns is already the momentum step. Keeping the optimizer's momentum
-    applies momentum twice (``CompressedDDP`` warns when it sees it). Weight decay in the optimizer is fine.
+    **Use** :class:`~lightning_gradcomp.optim.DGCSGD` (``DGCSGD(params, lr, momentum=0.9, weight_decay=...)``), the
+    reference code's optimizer: the gradient's momentum lives here, and the averaged gradient this compressor returns
+    is already the momentum step, so the optimizer applies it as it is and keeps a momentum buffer for the weight
+    decay term alone. ``torch.optim.SGD`` with momentum applies momentum twice (``CompressedDDP`` warns), and without
+    momentum its weight decay has no momentum, about ten times weaker than the paper's at momentum 0.9.
 
-    Every layer goes through DGC so that every layer gets the momentum: layers with fewer than two dimensions or
-    fewer than ``CompressedDDP(min_compress_numel=...)`` elements are averaged densely (one all-reduce) and then
-    given the momentum ``u <- momentum u + avg`` (the reference code's path for uncompressed tensors). Without error
-    feedback (``CompressedDDP(error_feedback=False)``) ``v`` is not kept and the unsent part is dropped.
+    Layers with fewer than two dimensions or fewer than ``CompressedDDP(min_compress_numel=...)`` elements are
+    averaged densely (one all-reduce) and then given the momentum ``u <- momentum u + avg`` (the reference code's path
+    for uncompressed tensors, :meth:`finish_dense`); so is every layer while compression is off (a
+    :class:`~lightning_gradcomp.callbacks.DenseWarmup`), so that warm-up is momentum SGD, not SGD without momentum.
+    Without error feedback (``CompressedDDP(error_feedback=False)``) ``v`` is not kept and the unsent part is
+    dropped.
 
     Warm-up (the paper's exponential schedule, off by default): with ``warmup_steps > 0`` the keep-ratio is
     ``warmup_ratios[step // warmup_steps]`` (default 25%, 6.25%, 1.5625%, 0.4%: sparsity 75%, 93.75%, 98.4375%,
@@ -92,7 +89,7 @@ class DGC(Compressor):
 
     Payload per rank and step for a sparsified layer of ``d`` elements: ``k = ceil(ratio d)`` value slots (fp32: 4
     bytes each) plus the indices as int32 (``4 k`` bytes) or a bitmap (``ceil(d / 32) * 4`` bytes) when smaller;
-    unused slots (fewer than ``k`` selected) are sent as zeros. Dense layers: ``4 d``.
+    unused slots (fewer than ``k`` selected) are sent as zeros. Dense layers: ``4 d`` (their own all-reduce).
 
     On CUDA the selection synchronises with the host per layer (candidate counts), as the reference code does.
 
@@ -135,33 +132,22 @@ class DGC(Compressor):
         warmup_steps: int = 0,
         warmup_ratios: Sequence[float] = WARMUP_RATIOS,
     ) -> None:
+        super().__init__()
         self.ratio = check_ratio(ratio)
-        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"Expected `momentum` to be a number in [0, 1), got {momentum!r}.")
-        for name, flag in (("nesterov", nesterov), ("momentum_masking", momentum_masking),
-                           ("strided_sample", strided_sample)):  # fmt: skip
-            if not isinstance(flag, bool):
-                raise ValueError(f"Expected `{name}` to be a bool, got {flag!r}.")
+        self.momentum = check_momentum(momentum)
+        self.nesterov = check_bool(nesterov, "nesterov")
+        self.momentum_masking = check_bool(momentum_masking, "momentum_masking")
+        self.strided_sample = check_bool(strided_sample, "strided_sample")
         if nesterov and momentum == 0:
             raise ValueError("Expected `momentum` > 0 with `nesterov=True`, got 0.")
-        if clip_norm is not None and (
-            isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or clip_norm <= 0
-        ):
-            raise ValueError(f"Expected `clip_norm` to be a positive number or None, got {clip_norm!r}.")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"Expected `warmup_steps` to be an integer >= 0 (0: no warm-up), got {warmup_steps!r}.")
-        if not isinstance(warmup_ratios, Sequence) or not warmup_ratios:
-            raise ValueError(f"Expected `warmup_ratios` to be a non-empty sequence of ratios, got {warmup_ratios!r}.")
-        self.momentum = float(momentum)
-        self.nesterov = nesterov
-        self.momentum_masking = momentum_masking
         self.sample_ratio = check_ratio(sample_ratio, "sample_ratio")
-        self.strided_sample = strided_sample
-        self.clip_norm = None if clip_norm is None else float(clip_norm)
-        self.warmup_steps = warmup_steps
+        self.clip_norm = check_number(clip_norm, "clip_norm", low=0.0, low_open=True, allow_none=True)
+        self.warmup_steps = check_int(warmup_steps, "warmup_steps", low=0)
+        if isinstance(warmup_ratios, str) or not isinstance(warmup_ratios, Sequence) or not warmup_ratios:
+            raise ValueError(f"Expected `warmup_ratios` to be a non-empty sequence of ratios, got {warmup_ratios!r}.")
         self.warmup_ratios = tuple(check_ratio(r, "warmup_ratios") for r in warmup_ratios)
-        self._momenta = LayerBuffers()
-        self._min_numel = 0
+        self._momenta = LayerBuffers()  # u, per layer
+        self._next_momenta = LayerBuffers()  # this step's u, staged until the step is known finite
 
     # ------------------------------------------------------------------------------------------------------------
     # Which layers, how sparse
@@ -170,19 +156,6 @@ class DGC(Compressor):
         """A keep-ratio in (0, 1]."""
         return check_ratio(value)
 
-    def compresses(self, layer: Layer, min_numel: int) -> bool:
-        """Every layer, so that every layer gets the momentum; small ones are averaged densely inside.
-
-        The hook asks this for every layer, with ``CompressedDDP``'s ``min_compress_numel``, before any reduction;
-        the threshold is remembered to send layers below it densely.
-        """
-        self._min_numel = min_numel
-        return True
-
-    def sparsifies(self, layer: Layer) -> bool:
-        """Whether ``layer`` is sparsified (else averaged densely): >= 2-D and >= ``min_compress_numel`` elements."""
-        return layer.ndim >= 2 and layer.numel >= self._min_numel
-
     def ratio_at(self, layer: Layer, step: int) -> float:
         """The keep-ratio of ``layer`` at ``step``: a warm-up stage's (if denser) or the layer's level."""
         level = self.level(layer)
@@ -190,11 +163,9 @@ class DGC(Compressor):
             return max(level, self.warmup_ratios[step // self.warmup_steps])
         return level
 
-    def _split(self, ctx: BucketContext) -> tuple[list[Layer], list[Layer], SparseLayout]:
-        sparse = [layer for layer in ctx.layers if self.sparsifies(layer)]
-        dense = [layer for layer in ctx.layers if not self.sparsifies(layer)]
-        slots = [math.ceil(layer.numel * self.ratio_at(layer, ctx.step)) for layer in sparse]
-        return sparse, dense, sparse_layout(sparse, slots)
+    def _layout(self, ctx: BucketContext) -> SparseLayout:
+        slots = [math.ceil(layer.numel * self.ratio_at(layer, ctx.step)) for layer in ctx.layers]
+        return sparse_layout(ctx.layers, slots)
 
     # ------------------------------------------------------------------------------------------------------------
     # Selection
@@ -231,20 +202,17 @@ class DGC(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # The contract: sparsify what is given (momentum and accumulation are in reduce)
     # ------------------------------------------------------------------------------------------------------------
-    def _encode(self, tensor: Tensor, ctx: BucketContext) -> tuple[Payload, list[Tensor]]:
-        sparse, dense, layout = self._split(ctx)
+    def _encode(self, tensor: Tensor, ctx: BucketContext, layout: SparseLayout) -> tuple[Payload, list[Tensor]]:
         picked = [
             self.select(layer.flat(tensor), self.ratio_at(layer, ctx.step), ctx.generator(layer, per_rank=True))
-            for layer in sparse
+            for layer in ctx.layers
         ]
-        values = [layer.flat(tensor)[idx] for layer, idx in zip(sparse, picked)]
-        blob, slot_values = encode_sparse(layout, picked, values, tensor)
-        dense_values = torch.cat([layer.flat(tensor) for layer in dense]) if dense else tensor.new_empty(0)
-        return (blob, slot_values, dense_values), picked
+        values = [layer.flat(tensor)[idx] for layer, idx in zip(ctx.layers, picked)]
+        return encode_sparse(layout, picked, values, tensor), picked
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
-        """Index blob and slot values of every sparsified layer; the dense layers' values."""
-        return self._encode(tensor, ctx)[0]
+        """Index blob and slot values of every layer."""
+        return self._encode(tensor, ctx, self._layout(ctx))[0]
 
     def _add_sparse(self, layout: SparseLayout, blob: Tensor, values: Tensor, out: Tensor) -> None:
         indices = decode_sparse(layout, blob)
@@ -253,88 +221,71 @@ class DGC(Compressor):
             out.index_add_(0, idx, values[segment.value_at : segment.value_at + idx.numel()].to(out.dtype))
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
-        """Sparse values scattered into zeros, dense values copied."""
+        """Sparse values scattered into zeros."""
         return self.aggregate([payload], ctx, out)
 
     def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Sum every rank's payload, in rank order."""
-        _, dense, layout = self._split(ctx)
+        layout = self._layout(ctx)
         out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out.zero_()
-        for blob, values, dense_values in payloads:
+        for blob, values in payloads:
             self._add_sparse(layout, blob, values, out)
-            at = 0
-            for layer in dense:
-                layer.flat(out).add_(dense_values[at : at + layer.numel].to(ctx.dtype))
-                at += layer.numel
         return out
 
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: clipping, momentum correction, accumulation, selection, masking
     # ------------------------------------------------------------------------------------------------------------
-    def _momentum(self, layer: Layer, like: Tensor) -> Tensor:
-        return self._momenta.get(layer, like)
+    def _correct(self, layer: Layer, g: Tensor, ctx: BucketContext) -> None:
+        """Momentum-correct ``g`` in place: ``g`` becomes what is accumulated (``u``, or ``u + g`` for Nesterov).
 
-    def _correct(self, g: Tensor, u: Tensor) -> None:
-        """Momentum-correct ``g`` in place: ``g`` becomes what is accumulated (``u``, or ``u + g`` for Nesterov)."""
+        The new ``u`` goes into a buffer of its own, staged: it replaces ``u`` once the step is finite everywhere.
+        """
+        if not self.momentum:
+            return
+        u = self._momenta.get(layer, g)
+        new_u = self._next_momenta.get(layer, g)
         if self.nesterov:
-            u.add_(g).mul_(self.momentum)
-            g.add_(u)
+            torch.add(u, g, out=new_u).mul_(self.momentum)
+            g.add_(new_u)
         else:
-            u.mul_(self.momentum).add_(g)
-            g.copy_(u)
+            torch.add(g, u, alpha=self.momentum, out=new_u)
+            g.copy_(new_u)
+        ctx.updates.stage(u, new_u)
 
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
-        """Average through DGC (see the class doc); ``tensor`` becomes the average."""
-        comm = _require_comm(ctx)
-        sparse, dense, layout = self._split(ctx)
-        with comm.timed("encode"):
-            for layer in sparse:
-                g = layer.flat(tensor)
-                if self.clip_norm is not None:
-                    _clip_norm_(g, self.clip_norm / math.sqrt(ctx.world_size))
-                self._correct(g, self._momentum(layer, g))
-            if ctx.residual is not None:
-                tensor = tensor.add_(ctx.residual)  # v <- v + u (dense layers owe nothing: their residual is 0)
-            (blob, values, dense_values), picked = self._encode(tensor, ctx)
-            if ctx.residual is not None:
-                ctx.residual.copy_(tensor)
-            for layer, idx in zip(sparse, picked):
-                if ctx.residual is not None:
-                    layer.flat(ctx.residual).index_fill_(0, idx, 0)  # v is cleared where it was sent
-                if self.momentum_masking:
-                    self._momenta[layer.name].index_fill_(0, idx, 0)
-            for layer in dense:
-                if ctx.residual is not None:
-                    layer.flat(ctx.residual).zero_()
-        futures = []
-        if sparse:
-            futures.append(comm.all_gather((blob, values)))
-        if dense:
-            futures.append(comm.all_reduce((dense_values.div_(ctx.world_size),)))
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+        """Local clipping, then ``u <- momentum u + g`` per layer, then ``v <- v + u`` (``v`` is the residual)."""
+        for layer in ctx.layers:
+            g = layer.flat(tensor)
+            if self.clip_norm is not None:
+                _clip_norm_(g, self.clip_norm / math.sqrt(ctx.world_size))
+            self._correct(layer, g, ctx)
+        if ctx.residual is not None:
+            tensor.add_(ctx.residual)
 
-        def decode(fut: torch.futures.Future[list[torch.futures.Future]]) -> Tensor:
-            done = [f.value() for f in fut.value()]
-            with comm.timed("decode"):
-                tensor.zero_()
-                if sparse:
-                    for rank_blob, rank_values in done[0]:
-                        self._add_sparse(layout, rank_blob, rank_values, tensor)
-                    for layer in sparse:
-                        layer.flat(tensor).div_(ctx.world_size)
-                if dense:
-                    (average,) = done[-1]
-                    at = 0
-                    for layer in dense:
-                        g = layer.flat(tensor)
-                        g.copy_(average[at : at + layer.numel])
-                        if self.clip_norm is not None:
-                            _clip_norm_(g, self.clip_norm)
-                        if self.momentum:
-                            self._correct(g, self._momentum(layer, g))
-                        at += layer.numel
-            return tensor
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        """Select, clear ``v`` (and ``u``) where sent, all-gather; the average is the sum over ranks ``/ n``."""
+        layout = self._layout(ctx)
+        payload, picked = self._encode(tensor, ctx, layout)
+        if ctx.new_residual is not None:
+            ctx.new_residual.copy_(tensor)
+        for layer, idx in zip(ctx.layers, picked):
+            if ctx.new_residual is not None:
+                layer.flat(ctx.new_residual).index_fill_(0, idx, 0)  # v is cleared where it was sent
+            if self.momentum_masking and self.momentum:
+                self._next_momenta[layer.name].index_fill_(0, idx, 0)
+        gathered = yield AllGather(payload)
+        out = tensor.zero_()
+        for blob, values in gathered:
+            self._add_sparse(layout, blob, values, out)
+        return out.div_(ctx.world_size)
 
-        return torch.futures.collect_all(futures).then(decode)
+    def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
+        """Densely averaged layers get the momentum too: clipping at ``clip_norm``, then ``u <- momentum u + avg``."""
+        for layer in ctx.layers:
+            g = layer.flat(average)
+            if self.clip_norm is not None:
+                _clip_norm_(g, self.clip_norm)
+            self._correct(layer, g, ctx)
 
     # ------------------------------------------------------------------------------------------------------------
     # State

@@ -25,6 +25,7 @@ class Identity(Compressor):
 
     collective: ClassVar[Collective] = "allreduce"
     unbiased: ClassVar[bool] = True
+    propagates_nonfinite: ClassVar[bool] = True
 
     def compresses(self, layer: Layer, min_numel: int) -> bool:
         """Every layer: sending it as it is costs the same as the dense path."""
@@ -35,5 +36,8 @@ class Identity(Compressor):
         return (tensor,)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
-        """The tensor itself."""
-        return payload[0]
+        """The tensor itself (copied into ``out`` when that is another tensor)."""
+        (tensor,) = payload
+        if out is None or out.data_ptr() == tensor.data_ptr():
+            return tensor
+        return out.copy_(tensor)

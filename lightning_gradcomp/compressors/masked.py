@@ -19,13 +19,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload, _require_comm
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.exchange import Exchange
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.validation import check_number
 
 
 class Masks:
@@ -138,45 +140,57 @@ class MaskedCompressor(Compressor):
     hold the same masks. Masks are keyed by parameter name and may change between steps (the compressor rebuilds its
     indices when :attr:`Masks.version` changes); they must be equal on every rank (PacTrain checks that).
 
-    The gradients of pruned entries are discarded, not owed: the pruned weights are held at zero. Error feedback is
-    on or off as for ``inner`` alone; when it is on, a pruned entry's residual simply is never paid (it accumulates
-    what was dropped, as the error-feedback identity of the contract requires). ``unbiased`` is ``False`` because
-    the pruned entries are dropped.
+    The gradients of pruned entries are discarded, not owed: the pruned weights are held at zero, so a pruned entry's
+    error-feedback residual is zero (it is never accumulated, so nothing is dumped into a later dense step). Error
+    feedback is on or off as for ``inner`` alone. ``unbiased`` is ``False`` because the pruned entries are dropped.
 
     Args:
         inner: the compressor applied to the compact buffer (:class:`~lightning_gradcomp.compressors.Identity`:
             exact averaging of the kept entries).
         masks: the masks (a :class:`Masks`, shared with whoever updates them, or a mapping of parameter name to
             boolean tensor shaped like the parameter).
-        dense_threshold: layers whose mask keeps more than this fraction are not compacted ([inferred]; PacTrain's
-            "adaptive" part is not described in its abstract).
+        dense_threshold: layers whose mask keeps more than this fraction are not compacted (this package's design:
+            PacTrain's "adaptive" part is not described in its abstract).
 
     Raises:
         ValueError: If ``inner`` is not a compressor or ``dense_threshold`` is not in [0, 1].
     """
 
-    unbiased = False
+    unbiased: ClassVar[bool] = False
 
     def __init__(
         self, inner: Compressor | None = None, masks: Masks | Mapping[str, Tensor] | None = None,
         dense_threshold: float = 0.9,
     ) -> None:  # fmt: skip
+        super().__init__()
         inner = Identity() if inner is None else inner
         if not isinstance(inner, Compressor) or isinstance(inner, MaskedCompressor):
             raise ValueError(f"Expected `inner` to be a compressor (not a MaskedCompressor), got {inner!r}.")
-        if (
-            isinstance(dense_threshold, bool)
-            or not isinstance(dense_threshold, (int, float))
-            or not (0.0 <= dense_threshold <= 1.0)
-        ):
-            raise ValueError(f"Expected `dense_threshold` to be a number in [0, 1], got {dense_threshold!r}.")
         self.inner = inner
         self.masks = masks if isinstance(masks, Masks) else Masks(masks)
-        self.dense_threshold = float(dense_threshold)
-        # the inner compressor decides how payloads travel
-        self.collective = inner.collective
-        self.rounds = inner.rounds
+        self.dense_threshold = check_number(dense_threshold, "dense_threshold", low=0.0, high=1.0)
         self._layouts: dict[tuple, _Layout] = {}
+
+    # the inner compressor decides how payloads travel and what it needs
+    @property
+    def collective(self) -> Collective:  # type: ignore[override]
+        """The inner compressor's collective."""
+        return self.inner.collective
+
+    @property
+    def rounds(self) -> int:  # type: ignore[override]
+        """The inner compressor's rounds."""
+        return self.inner.rounds
+
+    @property
+    def exchanges_sizes(self) -> bool:  # type: ignore[override]
+        """Whether the inner compressor exchanges payload sizes."""
+        return self.inner.exchanges_sizes
+
+    @property
+    def optimizer_momentum_conflicts(self) -> bool:  # type: ignore[override]
+        """Whether the inner compressor applies momentum itself."""
+        return self.inner.optimizer_momentum_conflicts
 
     # ------------------------------------------------------------------------------------------------------------
     # Which layers
@@ -238,14 +252,10 @@ class MaskedCompressor(Compressor):
         Reusing matters on the CPU, where allocating a bucket-sized tensor every step costs page faults; payloads
         returned by ``compress`` may be the buffer itself (``Identity``), so they always get a fresh one.
         """
-        compact = None
-        if reuse is not None:
-            compact = layout.scratch.get((reuse, tensor.dtype))
-            if compact is None:
-                compact = torch.empty(layout.numel, dtype=tensor.dtype, device=tensor.device)
-                layout.scratch[(reuse, tensor.dtype)] = compact
-        if compact is None:
+        if reuse is None:
             compact = torch.empty(layout.numel, dtype=tensor.dtype, device=tensor.device)
+        else:
+            compact = self._buffer(layout, reuse, tensor)
         for e in layout.entries:
             target = e.compact.flat(compact)
             if e.mode == "whole":
@@ -257,6 +267,14 @@ class MaskedCompressor(Compressor):
             else:
                 torch.index_select(e.layer.matrix(tensor), 0, e.index, out=target.view(e.index.numel(), -1))
         return compact
+
+    def _buffer(self, layout: _Layout, name: str, like: Tensor) -> Tensor:
+        """A compact-sized buffer kept with ``layout`` and reused every step."""
+        key = (name, like.dtype)
+        buffer = layout.scratch.get(key)
+        if buffer is None:
+            buffer = layout.scratch[key] = torch.empty(layout.numel, dtype=like.dtype, device=like.device)
+        return buffer
 
     def _scatter(self, compact: Tensor, layout: _Layout, out: Tensor) -> Tensor:
         """Lay ``compact`` back into ``out``, zeros at the pruned entries (``out`` may alias nothing in ``compact``)."""
@@ -272,22 +290,10 @@ class MaskedCompressor(Compressor):
                 e.layer.matrix(out).zero_().index_copy_(0, e.index, source.view(e.index.numel(), -1))
         return out
 
-    def _keep_residual(self, compact: Tensor, layout: _Layout, residual: Tensor) -> None:
-        """Write the inner compressor's residual of the kept entries into the full residual (pruned ones stay)."""
-        for e in layout.entries:
-            source = e.compact.flat(compact)
-            if e.mode == "whole":
-                e.layer.flat(residual).copy_(source)
-            elif e.mode == "masked":
-                flat = e.layer.flat(residual)
-                flat.copy_(torch.where(e.mask, source, flat))
-            elif e.mode == "elements":
-                e.layer.flat(residual).index_copy_(0, e.index, source)
-            else:
-                e.layer.matrix(residual).index_copy_(0, e.index, source.view(e.index.numel(), -1))
-
-    def _inner_ctx(self, ctx: BucketContext, layout: _Layout, residual: Tensor | None) -> BucketContext:
-        return dataclasses.replace(ctx, layers=layout.layers, residual=residual)
+    def _inner_ctx(
+        self, ctx: BucketContext, layout: _Layout, residual: Tensor | None = None, new_residual: Tensor | None = None
+    ) -> BucketContext:
+        return dataclasses.replace(ctx, layers=layout.layers, residual=residual, new_residual=new_residual)
 
     # ------------------------------------------------------------------------------------------------------------
     # The contract
@@ -295,12 +301,12 @@ class MaskedCompressor(Compressor):
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """``inner``'s payload of the compact buffer."""
         layout = self._layout(ctx)
-        return self.inner.compress(self._gather(tensor, layout), self._inner_ctx(ctx, layout, None))
+        return self.inner.compress(self._gather(tensor, layout), self._inner_ctx(ctx, layout))
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """``inner``'s reconstruction, scattered back (zeros at the pruned entries)."""
         layout = self._layout(ctx)
-        compact = self.inner.decompress(payload, self._inner_ctx(ctx, layout, None))
+        compact = self.inner.decompress(payload, self._inner_ctx(ctx, layout))
         if out is None:
             out = torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device)
         return self._scatter(compact, layout, out)
@@ -308,33 +314,41 @@ class MaskedCompressor(Compressor):
     def aggregate(self, payloads: Any, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """``inner``'s sum of the gathered payloads, scattered back."""
         layout = self._layout(ctx)
-        compact = self.inner.aggregate(payloads, self._inner_ctx(ctx, layout, None))
+        compact = self.inner.aggregate(payloads, self._inner_ctx(ctx, layout))
         if out is None:
             out = torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device)
         return self._scatter(compact, layout, out)
 
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+        """Nothing here when a layer is compacted: the inner compressor accumulates the compact buffer."""
+        if not self._layout(ctx).partial:  # nothing pruned here: exactly the inner compressor
+            self.inner.accumulate(tensor, ctx)
+
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Compact, let ``inner`` reduce the compact buffer (its collectives, its rounds), scatter back."""
         layout = self._layout(ctx)
-        if not layout.partial:  # nothing pruned here: exactly the inner compressor
-            return self.inner.reduce(tensor, ctx)
-        comm = _require_comm(ctx)
-        with comm.timed("encode"):
-            compact = self._gather(tensor, layout, reuse="gradient")
-            residual = None
-            if ctx.residual is not None:
-                residual = self._gather(ctx.residual, layout, reuse="residual")
-                ctx.residual.add_(tensor)  # pruned entries owe their gradient; the kept ones are overwritten below
-        reduced = self.inner.reduce(compact, self._inner_ctx(ctx, layout, residual))
+        if not layout.partial:
+            return (yield from self.inner.exchange(tensor, ctx))
+        compact = self._gather(tensor, layout, reuse="gradient")
+        residual = new_residual = None
+        if ctx.residual is not None:
+            residual = self._gather(ctx.residual, layout, reuse="residual")
+            new_residual = self._buffer(layout, "new_residual", compact)
+        inner_ctx = self._inner_ctx(ctx, layout, residual, new_residual)
+        self.inner.accumulate(compact, inner_ctx)
+        average = yield from self.inner.exchange(compact, inner_ctx)
+        if ctx.new_residual is not None:
+            self._scatter(new_residual, layout, ctx.new_residual)  # zeros at the pruned entries: nothing owed there
+        return self._scatter(average, layout, tensor)
 
-        def scatter(fut: torch.futures.Future[Tensor]) -> Tensor:
-            average = fut.value()
-            with comm.timed("decode"):
-                if residual is not None:
-                    self._keep_residual(residual, layout, ctx.residual)
-                return self._scatter(average, layout, tensor)
+    def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
+        """The inner compressor's update of densely averaged layers (pruned entries stay zero: they averaged 0)."""
+        self.inner.finish_dense(average, ctx)
 
-        return reduced.then(scatter)
+    @property
+    def has_dense_update(self) -> bool:
+        """Whether the inner compressor has a dense update."""
+        return self.inner.has_dense_update
 
     # ------------------------------------------------------------------------------------------------------------
     # State

@@ -7,22 +7,18 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import (
-    BucketContext,
-    Collective,
-    Compressor,
-    Layer,
-    Payload,
-    _require_comm,
-)
-from lightning_gradcomp.validation import check_positive_int
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.exchange import AllReduce, Exchange
+from lightning_gradcomp.validation import check_bool, check_choice, check_number, check_positive_int
 
 
-def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> None:
+def orthogonalize(matrices: Tensor, epsilon: float = 1e-8) -> None:
     """Orthonormalise the columns of every matrix of the batch ``matrices`` ``(b, n, r)`` in place (views work).
 
     Gram-Schmidt for rank <= 2 and half precision, QR otherwise (the rule of torch's ``powerSGD_hook``, which the
-    paper's code follows). ``epsilon`` is added to every column norm, to survive all-zero columns.
+    paper's code follows). ``epsilon`` is added to every column norm, so an all-zero column (a layer whose gradient is
+    exactly zero, as every residual branch of a ResNet with ``zero_init_residual=True`` at its first step) stays zero
+    instead of becoming 0 / 0.
     """
     rank = matrices.shape[2]
     if rank <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
@@ -36,6 +32,13 @@ def orthogonalize(matrices: Tensor, epsilon: float = 0.0) -> None:
         # on a fresh copy: LAPACK's blocked QR rounds differently depending on where its input lives, and these
         # factors sit at offsets that depend on DDP's bucket layout
         matrices.copy_(torch.linalg.qr(matrices.contiguous()).Q)
+
+
+def _into(buffer: Tensor, received: Tensor) -> Tensor:
+    """``buffer`` holding ``received`` (a collective reduces in place unless it packed the payload with others)."""
+    if received.data_ptr() != buffer.data_ptr():
+        buffer.copy_(received.view_as(buffer))
+    return buffer
 
 
 def _reconstruct_into(group: list[Layer], pt: Tensor, qt: Tensor, out: Tensor) -> None:
@@ -93,7 +96,8 @@ class PowerSGD(Compressor):
         warm_start: reuse ``Q`` from the previous step (the paper's ``reuse_query``).
         min_compression_rate: compress a layer only if ``(n + m) r * min_compression_rate < n m`` (torch's rule);
             the others are averaged densely.
-        orthogonalization_epsilon: added to column norms in Gram-Schmidt (the paper's code uses 1e-8; torch 0).
+        orthogonalization_epsilon: added to column norms in Gram-Schmidt: 1e-8 as in the paper's code (torch's hook
+            uses 0, which turns an all-zero gradient into NaN).
         batch_same_shape: batch same-shaped matrices of a bucket into one product; ``None`` means "on CUDA only".
         init: how the shared random ``Q`` is drawn. ``"layer"``: from a seed derived from the shared seed, the step
             and the layer, independent of DDP's buckets (exact resume, results independent of ``bucket_cap_mb``).
@@ -107,7 +111,7 @@ class PowerSGD(Compressor):
 
         >>> from lightning_gradcomp.compressors import PowerSGD
         >>> PowerSGD(rank=2)
-        PowerSGD(rank=2, warm_start=True, min_compression_rate=2.0, orthogonalization_epsilon=0.0, \
+        PowerSGD(rank=2, warm_start=True, min_compression_rate=2.0, orthogonalization_epsilon=1e-08, \
 batch_same_shape=None, init='layer')
     """
 
@@ -121,32 +125,17 @@ batch_same_shape=None, init='layer')
         rank: int = 2,
         warm_start: bool = True,
         min_compression_rate: float = 2.0,
-        orthogonalization_epsilon: float = 0.0,
+        orthogonalization_epsilon: float = 1e-8,
         batch_same_shape: bool | None = None,
         init: Literal["layer", "torch"] = "layer",
     ) -> None:
+        super().__init__()
         self.rank = check_positive_int(rank, "rank")
-        if not isinstance(warm_start, bool):
-            raise ValueError(f"Expected `warm_start` to be a bool, got {warm_start!r}.")
-        if (
-            isinstance(min_compression_rate, bool)
-            or not isinstance(min_compression_rate, (int, float))
-            or (min_compression_rate < 0)
-        ):
-            raise ValueError(f"Expected `min_compression_rate` to be a number >= 0, got {min_compression_rate!r}.")
-        if not isinstance(orthogonalization_epsilon, (int, float)) or orthogonalization_epsilon < 0:
-            raise ValueError(
-                f"Expected `orthogonalization_epsilon` to be a number >= 0, got {orthogonalization_epsilon!r}."
-            )
-        if batch_same_shape is not None and not isinstance(batch_same_shape, bool):
-            raise ValueError(f"Expected `batch_same_shape` to be None or a bool, got {batch_same_shape!r}.")
-        if init not in ("layer", "torch"):
-            raise ValueError(f"Expected `init` to be 'layer' or 'torch', got {init!r}.")
-        self.warm_start = warm_start
-        self.min_compression_rate = float(min_compression_rate)
-        self.orthogonalization_epsilon = float(orthogonalization_epsilon)
-        self.batch_same_shape = batch_same_shape
-        self.init = init
+        self.warm_start = check_bool(warm_start, "warm_start")
+        self.min_compression_rate = check_number(min_compression_rate, "min_compression_rate", low=0.0)
+        self.orthogonalization_epsilon = check_number(orthogonalization_epsilon, "orthogonalization_epsilon", low=0.0)
+        self.batch_same_shape = check_bool(batch_same_shape, "batch_same_shape", allow_none=True)
+        self.init = check_choice(init, "init", ("layer", "torch"))
         self._memory: dict[str, Tensor] = {}
         self._torch_rng: Any = None  # numpy RandomState, for init="torch"
 
@@ -231,11 +220,10 @@ batch_same_shape=None, init='layer')
         groups = self._shape_groups(ctx.layers) if self._batched(ctx) else [[layer] for layer in ctx.layers]
         return [(g, len(g), g[0].shape[0], g[0].numel // g[0].shape[0], self._rank_for(g[0])) for g in groups]
 
-    def _blocks(self, tensor: Tensor, ctx: BucketContext) -> tuple[list[tuple[list[Layer], Tensor, Tensor, Tensor]],
-                                                                    Tensor, Tensor]:  # fmt: skip
+    def _blocks(self, tensor: Tensor, ctx: BucketContext, queries: dict[str, Tensor]) -> tuple[
+            list[tuple[list[Layer], Tensor, Tensor, Tensor]], Tensor, Tensor]:  # fmt: skip
         """Batched matrices with views of ``P^T`` and ``Q^T`` in two flat buffers; ``Q`` filled and orthonormalised."""
         layout = self._layout(ctx)
-        queries = self._queries(ctx)
         p_buffer = torch.empty(sum(b * n * r for _, b, n, _, r in layout), dtype=tensor.dtype, device=tensor.device)
         q_buffer = torch.empty(sum(b * m * r for _, b, _, m, r in layout), dtype=tensor.dtype, device=tensor.device)
         blocks, p_at, q_at = [], 0, 0
@@ -254,7 +242,7 @@ batch_same_shape=None, init='layer')
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """One worker's PowerSGD step: ``P = orth(M Q)``, ``Q = M^T P``; the payload is ``(P^T, Q^T)`` flattened."""
-        blocks, p_buffer, q_buffer = self._blocks(tensor, ctx)
+        blocks, p_buffer, q_buffer = self._blocks(tensor, ctx, self._queries(ctx))
         for _, batch, pt, qt in blocks:
             _bmm_into(qt, batch.transpose(1, 2), pt)  # P^T = Q^T M^T
             orthogonalize(pt.transpose(1, 2), self.orthogonalization_epsilon)
@@ -278,42 +266,41 @@ batch_same_shape=None, init='layer')
     # ------------------------------------------------------------------------------------------------------------
     # The distributed reduction: two ordered rounds
     # ------------------------------------------------------------------------------------------------------------
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
-        """Average ``tensor`` across ranks: all-reduce the ``P`` of all layers, then their ``Q`` (see class doc)."""
-        comm = _require_comm(ctx)
-        with comm.timed("encode"):
-            if ctx.residual is not None:
-                tensor = tensor.add_(ctx.residual)
-            blocks, p_buffer, q_buffer = self._blocks(tensor, ctx)
-            for _, batch, pt, qt in blocks:
-                _bmm_into(qt, batch.transpose(1, 2), pt)  # P^T = Q^T M^T
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        """Round 0: all-reduce the ``P`` of all layers. Round 1: all-reduce their ``Q``. Then ``P Q^T``."""
+        queries = self._queries(ctx)
+        blocks, p_buffer, q_buffer = self._blocks(tensor, ctx, queries)
+        for _, batch, pt, qt in blocks:
+            _bmm_into(qt, batch.transpose(1, 2), pt)  # P^T = Q^T M^T
+        (p_summed,) = yield AllReduce((p_buffer,))  # its scale does not matter: it is orthonormalised
+        _into(p_buffer, p_summed)
+        for _, batch, pt, qt in blocks:
+            orthogonalize(pt.transpose(1, 2), self.orthogonalization_epsilon)
+            _bmm_into(pt, batch, qt)  # Q^T = P^T M
+        (q_summed,) = yield AllReduce((q_buffer,))
+        _into(q_buffer, q_summed).div_(ctx.world_size)
+        if ctx.new_residual is not None:
+            ctx.new_residual.copy_(tensor)  # M (the old residual was already added into it)
+        # M is spent once the new residual holds it: reconstruct into it instead of allocating
+        for group, _, pt, qt in blocks:
+            _reconstruct_into(group, pt, qt, tensor)
+            if self.warm_start:
+                for i, layer in enumerate(group):
+                    self._stage_query(layer, qt[i].t(), queries[layer.name], ctx)
+        if ctx.new_residual is not None:
+            ctx.new_residual.sub_(tensor)  # M - P Q^T
+        return tensor
 
-        def project(fut: torch.futures.Future[Payload]) -> torch.futures.Future[Payload]:
-            fut.value()  # P summed in place (its scale does not matter: it is orthonormalised)
-            with comm.timed("encode"):
-                for _, batch, pt, qt in blocks:
-                    orthogonalize(pt.transpose(1, 2), self.orthogonalization_epsilon)
-                    _bmm_into(pt, batch, qt)  # Q^T = P^T M
-            return comm.all_reduce((q_buffer,), round=1)
+    def _stage_query(self, layer: Layer, query: Tensor, used: Tensor, ctx: BucketContext) -> None:
+        """Keep ``query`` (a view of this step's buffer) as ``layer``'s warm start, once the step is finite.
 
-        def reconstruct(fut: torch.futures.Future[Payload]) -> Tensor:
-            fut.value()
-            with comm.timed("decode"):
-                q_buffer.div_(ctx.world_size)
-                if ctx.residual is not None:
-                    ctx.residual.copy_(tensor)  # M; the old residual was already added into it
-                # M is spent once the residual holds it: reconstruct into it instead of allocating
-                for group, _, pt, qt in blocks:
-                    _reconstruct_into(group, pt, qt, tensor)
-                    if self.warm_start:
-                        for i, layer in enumerate(group):
-                            self._memory[layer.name] = qt[i].t()
-                if ctx.residual is not None:
-                    ctx.residual.sub_(tensor)  # M - P Q^T
-            return tensor
-
-        p_summed = comm.all_reduce((p_buffer,), round=0)
-        return comm.after(p_summed, project, round=1).then(reconstruct)
+        A layer seen for the first time starts from the query this step used (a finite one, which a non-finite step
+        then leaves in place).
+        """
+        memory = self._memory.get(layer.name)
+        if memory is None or memory.shape != query.shape:
+            memory = self._memory[layer.name] = used.clone()
+        ctx.updates.stage(memory, query)
 
     # ------------------------------------------------------------------------------------------------------------
     # State

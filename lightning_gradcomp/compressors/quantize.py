@@ -7,14 +7,8 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import (
-    BucketContext,
-    Collective,
-    Compressor,
-    Layer,
-    Payload,
-    _require_comm,
-)
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
 from lightning_gradcomp.compressors.packing import (
     field_width,
     pack_fields,
@@ -24,7 +18,7 @@ from lightning_gradcomp.compressors.packing import (
     unpack_uint,
     words_needed,
 )
-from lightning_gradcomp.validation import check_positive_int
+from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
 
 _WIRE = torch.float32  # norms and scalers travel as fp32
 _MAX_LEVELS = 127  # the sign and the level share one byte at most
@@ -50,11 +44,8 @@ def _uniform(ctx: BucketContext, layer: Layer, n: int, dtype: torch.dtype) -> Te
 
 
 def _check_levels(levels: Any) -> int:
-    if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels <= _MAX_LEVELS:
-        raise ValueError(
-            f"Expected `levels` to be an integer in [1, {_MAX_LEVELS}] (quantisation levels per sign), got {levels!r}."
-        )
-    return levels
+    """Quantisation levels per sign: an integer in [1, 127]."""
+    return check_int(levels, "levels", low=1, high=_MAX_LEVELS)  # type: ignore[return-value]
 
 
 class QSGD(Compressor):
@@ -95,6 +86,7 @@ class QSGD(Compressor):
     level_attribute: ClassVar[str] = "levels"
 
     def __init__(self, levels: int = 7, bucket_size: int = 512) -> None:
+        super().__init__()
         self.levels = _check_levels(levels)
         self.bucket_size = check_positive_int(bucket_size, "bucket_size")
 
@@ -209,12 +201,9 @@ class TernGrad(Compressor):
     rounds: ClassVar[int] = 2
 
     def __init__(self, clip: float | None = 2.5, aggregation: Literal["allreduce", "allgather"] = "allreduce") -> None:
-        if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
-            raise ValueError(f"Expected `clip` to be a positive number of standard deviations or None, got {clip!r}.")
-        if aggregation not in ("allreduce", "allgather"):
-            raise ValueError(f"Expected `aggregation` to be 'allreduce' or 'allgather', got {aggregation!r}.")
-        self.clip = None if clip is None else float(clip)
-        self.aggregation = aggregation
+        super().__init__()
+        self.clip = check_number(clip, "clip", low=0.0, low_open=True, allow_none=True)
+        self.aggregation = check_choice(aggregation, "aggregation", ("allreduce", "allgather"))
 
     @property
     def collective(self) -> Collective:  # type: ignore[override]
@@ -311,39 +300,25 @@ class TernGrad(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: max of the scalers, then the exact sum of the ternaries
     # ------------------------------------------------------------------------------------------------------------
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Round 0: max all-reduce of the scalers. Round 1: ternarise with them; sum the ternaries exactly."""
-        comm = _require_comm(ctx)
-        with comm.timed("encode"):
-            if ctx.residual is not None:
-                tensor = tensor.add_(ctx.residual)
-                ctx.residual.copy_(tensor)  # what is owed is measured from the unclipped tensor
-            _, scales = self._clip_and_scale(tensor, ctx, inplace=True)
-
-        def ternarize(fut: torch.futures.Future[Payload]) -> torch.futures.Future:
-            (shared,) = fut.value()
-            with comm.timed("encode"):
-                offset = self._ternarize(tensor, shared, ctx)
-                if ctx.residual is not None:  # what this rank's own ternaries did not carry
-                    ctx.residual.sub_(self._scaled(offset, shared, ctx, 1, torch.empty_like(tensor)))
-                wire = self._wire(offset, ctx.world_size)
-            if self.aggregation == "allreduce":
-                return comm.all_reduce((wire,), round=1).then(lambda done: (shared, done.value()[0]))
-            return comm.all_gather((wire,), round=1).then(lambda done: (shared, done.value()))
-
-        def decode(fut: torch.futures.Future) -> Tensor:
-            shared, received = fut.value()
-            with comm.timed("decode"):
-                if self.aggregation == "allreduce":
-                    total = self._offset_sum(received, ctx)
-                else:  # integer sums: exact in any order
-                    total = torch.zeros(ctx.numel, dtype=torch.int32, device=ctx.device)
-                    for (wire,) in received:
-                        total += self._offset_sum(wire, ctx)
-                return self._scaled(total, shared, ctx, ctx.world_size, tensor)
-
-        scaled = comm.all_reduce((self._pad_scales(scales),), round=0, op="max")
-        return comm.after(scaled, ternarize, round=1).then(decode)
+        if ctx.new_residual is not None:
+            ctx.new_residual.copy_(tensor)  # what is owed is measured from the unclipped tensor
+        _, scales = self._clip_and_scale(tensor, ctx, inplace=True)
+        (shared,) = yield AllReduce((self._pad_scales(scales),), op="max")
+        offset = self._ternarize(tensor, shared, ctx)
+        if ctx.new_residual is not None:  # what this rank's own ternaries did not carry
+            ctx.new_residual.sub_(self._scaled(offset, shared, ctx, 1, torch.empty_like(tensor)))
+        wire = self._wire(offset, ctx.world_size)
+        if self.aggregation == "allreduce":
+            (summed,) = yield AllReduce((wire,))
+            total = self._offset_sum(summed, ctx)
+        else:  # integer sums: exact in any order
+            gathered = yield AllGather((wire,))
+            total = torch.zeros(ctx.numel, dtype=torch.int32, device=ctx.device)
+            for (rank_wire,) in gathered:
+                total += self._offset_sum(rank_wire, ctx)
+        return self._scaled(total, shared, ctx, ctx.world_size, tensor)
 
     def words(self, numel: int, world_size: int) -> int:
         """Bytes of ternaries one rank sends for ``numel`` elements (for byte accounting and docs)."""

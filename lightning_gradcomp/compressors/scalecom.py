@@ -7,14 +7,8 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import (
-    BucketContext,
-    Collective,
-    Compressor,
-    Payload,
-    _require_comm,
-    keep_count,
-)
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Payload, keep_count
+from lightning_gradcomp.compressors.exchange import AllReduce, Broadcast, Exchange
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import topk_indices
 from lightning_gradcomp.validation import check_ratio
@@ -66,6 +60,7 @@ class ScaleCom(Compressor):
     level_attribute: ClassVar[str] = "ratio"
 
     def __init__(self, ratio: float = 0.01, beta: float = 1.0) -> None:
+        super().__init__()
         self.ratio = check_ratio(ratio)
         self.beta = check_ratio(beta, "beta")
 
@@ -113,37 +108,26 @@ class ScaleCom(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: broadcast of the leader's indices, all-reduce of everyone's values at them
     # ------------------------------------------------------------------------------------------------------------
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Round 0: the leader broadcasts its indices. Round 1: all-reduce of the values there. Then the memory."""
-        comm = _require_comm(ctx)
         layout = self._layout(ctx)
         leader = self.leader(ctx)
-        with comm.timed("encode"):
-            if ctx.residual is not None:
-                tensor = tensor.add_(ctx.residual)  # p = m + g (the residual still holds m)
-            if ctx.rank == leader:
-                blob = self._indices(tensor, layout)
-            else:  # filled by the broadcast; the size depends only on the layout
-                blob = torch.zeros(_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
-
-        def gather_values(fut: torch.futures.Future[Payload]) -> torch.futures.Future[Payload]:
-            (shared,) = fut.value()
-            with comm.timed("encode"):
-                indices = torch.cat(decode_sparse(layout, shared)) if layout.segments else shared.long()
-                values = tensor[indices].div_(ctx.world_size)  # dividing first keeps half-precision sums in range
-                if ctx.residual is not None:
-                    # m <- (1 - beta) m + beta r, with r = p where nothing was sent and 0 where it was
-                    r = tensor.index_fill(0, indices, 0)
-                    ctx.residual.mul_(1.0 - self.beta).add_(r, alpha=self.beta)
-            return comm.all_reduce((values,), round=1).then(lambda done: (indices, done.value()[0]))
-
-        def scatter(fut: torch.futures.Future) -> Tensor:
-            indices, average = fut.value()
-            with comm.timed("decode"):
-                return tensor.zero_().index_copy_(0, indices, average.to(tensor.dtype))
-
-        shared = comm.broadcast((blob,), src=leader, round=0)
-        return comm.after(shared, gather_values, round=1).then(scatter)
+        if ctx.rank == leader:
+            blob = self._indices(tensor, layout)  # tensor is p = m + g: the residual was added by accumulate()
+        else:  # filled by the broadcast; the size depends only on the layout
+            blob = torch.zeros(_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
+        (shared,) = yield Broadcast((blob,), src=leader)
+        indices = torch.cat(decode_sparse(layout, shared)) if layout.segments else shared.long()
+        values = tensor[indices].div_(ctx.world_size)  # dividing first keeps half-precision sums in range
+        if ctx.new_residual is not None:
+            # m <- (1 - beta) m + beta r, with r = p where nothing was sent and 0 where it was
+            if self.beta == 1.0:
+                ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0)
+            else:
+                torch.mul(ctx.residual, 1.0 - self.beta, out=ctx.new_residual)
+                ctx.new_residual.add_(tensor.index_fill(0, indices, 0), alpha=self.beta)
+        (average,) = yield AllReduce((values,))
+        return tensor.zero_().index_copy_(0, indices, average.to(tensor.dtype))
 
     def bytes_per_step(self, ctx: BucketContext) -> tuple[int, int]:
         """``(index bytes the leader broadcasts, value bytes every rank all-reduces)`` for fp32 gradients."""

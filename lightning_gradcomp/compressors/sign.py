@@ -7,16 +7,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import (
-    BucketContext,
-    Collective,
-    Compressor,
-    Layer,
-    LayerBuffers,
-    Payload,
-    _require_comm,
-)
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
+from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
+from lightning_gradcomp.validation import check_momentum
 
 _WIRE_SCALE = torch.float32  # per-layer scales travel as fp32, whatever the gradient's dtype
 
@@ -28,12 +22,6 @@ def _out(ctx: BucketContext, out: Tensor | None) -> Tensor:
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
     """Sums in at least fp32 (half-precision sums of a large layer overflow)."""
     return torch.promote_types(dtype, torch.float32)
-
-
-def _check_momentum(momentum: Any) -> float:
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0.0 <= momentum < 1.0:
-        raise ValueError(f"Expected `momentum` to be a number in [0, 1), got {momentum!r}.")
-    return float(momentum)
 
 
 def _signs_into(bits: Tensor, ctx: BucketContext, positive: Tensor, negative: Tensor, out: Tensor) -> Tensor:
@@ -62,6 +50,9 @@ class SignSGD(Compressor):
     votes +1 (one bit cannot encode 0). There is no error feedback: the vote is not an average of compressed
     gradients, so there is nothing to carry over, and forcing ``CompressedDDP(error_feedback=True)`` raises.
 
+    While compression is off (a :class:`~lightning_gradcomp.callbacks.DenseWarmup`), the update is the sign of the
+    exact average (of its Signum momentum), so the learning rate keeps its meaning of a per-coordinate step size.
+
     Payload per rank and step: ``ceil(d / 8)`` bytes for the ``d`` elements of a bucket.
 
     Args:
@@ -81,7 +72,8 @@ class SignSGD(Compressor):
     unbiased: ClassVar[bool] = False
 
     def __init__(self, momentum: float = 0.0) -> None:
-        self.momentum = _check_momentum(momentum)
+        super().__init__()
+        self.momentum = check_momentum(momentum)
         self._momenta = LayerBuffers()
 
     @property
@@ -113,30 +105,34 @@ class SignSGD(Compressor):
                              device=ctx.device)  # fmt: skip
         return torch.index_select(table, 0, positives.int(), out=_out(ctx, out))
 
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
-        """Signs (of the Signum momentum, if any) all-gathered; every rank takes the majority vote."""
-        comm = _require_comm(ctx)
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+        """Signum: ``m <- momentum m + (1 - momentum) g`` per layer, and ``m`` is what is signed."""
         if ctx.residual is not None:
             raise ValueError(
                 "SignSGD's majority vote is not an average of compressed gradients, so error feedback has nothing to"
                 " carry; pass `error_feedback=None` or `False` to CompressedDDP, or use EFSignSGD (scaled signs with"
                 " error feedback)."
             )
-        with comm.timed("encode"):
-            if self.momentum:
-                for layer in ctx.layers:
-                    g = layer.flat(tensor)
-                    m = self._momenta.get(layer, g)
-                    m.mul_(self.momentum).add_(g, alpha=1.0 - self.momentum)
-                    g.copy_(m)
-            (bits,) = self.compress(tensor, ctx)
+        self._momentum_step(tensor, ctx)
 
-        def decode(fut: torch.futures.Future[list[Payload]]) -> Tensor:
-            gathered = fut.value()
-            with comm.timed("decode"):
-                return self.vote(gathered, ctx, out=tensor)
+    def _momentum_step(self, tensor: Tensor, ctx: BucketContext) -> None:
+        if not self.momentum:
+            return
+        for layer in ctx.layers:
+            g = layer.flat(tensor)
+            m = self._momenta.get(layer, g)
+            g.mul_(1.0 - self.momentum).add_(m, alpha=self.momentum)  # the new m, in the gradient's place
+            ctx.updates.stage(m, g.clone())
 
-        return comm.all_gather((bits,)).then(decode)
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        """Signs all-gathered; every rank takes the majority vote."""
+        gathered = yield AllGather(self.compress(tensor, ctx))
+        return self.vote(gathered, ctx, out=tensor)
+
+    def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
+        """Without compression: the sign of the exact average (of its momentum), a sign step all the same."""
+        self._momentum_step(average, ctx)
+        torch.sign(average, out=average)
 
     def state_dict(self) -> dict[str, Any]:
         """Signum's momentum per layer (this rank's own)."""

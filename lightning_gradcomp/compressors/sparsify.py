@@ -15,7 +15,7 @@ from lightning_gradcomp.compressors.base import (
     Payload,
     keep_count,
 )
-from lightning_gradcomp.validation import check_ratio
+from lightning_gradcomp.validation import check_bool, check_ratio
 
 
 def _zeros(ctx: BucketContext, out: Tensor | None) -> Tensor:
@@ -81,6 +81,7 @@ class TopK(Compressor):
     level_attribute: ClassVar[str] = "ratio"
 
     def __init__(self, ratio: float = 0.01) -> None:
+        super().__init__()
         self.ratio = check_ratio(ratio)
 
     def check_level(self, value: Any) -> float:
@@ -147,10 +148,9 @@ class RandomK(Compressor):
     level_attribute: ClassVar[str] = "ratio"
 
     def __init__(self, ratio: float = 0.01, rescale: bool = False) -> None:
+        super().__init__()
         self.ratio = check_ratio(ratio)
-        if not isinstance(rescale, bool):
-            raise ValueError(f"Expected `rescale` to be a bool, got {rescale!r}.")
-        self.rescale = rescale
+        self.rescale = check_bool(rescale, "rescale")
         self._cache: dict[tuple, Tensor] = {}
 
     @property
@@ -205,7 +205,7 @@ class RandomK(Compressor):
         return {k: v for k, v in self.__dict__.items() if k != "_cache"}  # cached index tensors are not state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        super().__setstate__(state)
         self._cache = {}
 
 
