@@ -203,12 +203,12 @@ class CompressedDDP(DDPStrategy):
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        """Sync the compression step with ``trainer.global_step``; create process groups a new compressor needs."""
+        """Create the process groups a newly switched compressor needs (every rank is here together).
+
+        The compression step is the hook's own count of gradient synchronisations (restored from checkpoints): with
+        gradient accumulation DDP synchronises once per optimizer step, so it equals ``trainer.global_step``.
+        """
         super().on_train_batch_start(batch, batch_idx)
-        trainer = self.lightning_module.trainer
-        # the step, not a count of hook calls: hooks fire only on the micro-step that synchronises
-        self._state.step = trainer.global_step
-        # a callback may have switched to a compressor with more rounds; all ranks are here together
         self._state.ensure_rounds()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -295,6 +295,8 @@ class CompressedDDP(DDPStrategy):
         saved = checkpoint.get(_CHECKPOINT_KEY)
         if saved is None:
             if "loops" in checkpoint:
+                # what the step counter would be (DGC's warm-up, shared seeds): the optimizer steps taken
+                self._state.step = int(checkpoint.get("global_step", 0))
                 rank_zero_warn(
                     "The checkpoint holds no CompressedDDP state (it was not written by CompressedDDP):"
                     " error-feedback residuals and compressor state start empty."

@@ -45,7 +45,7 @@ def _powersgd_bytes(levels: dict[str, int]) -> int:
             total += 4 * (n + m) * r
         else:
             total += 4 * numel
-    return total
+    return total + 4  # the non-finite flag rides with P (fp32)
 
 
 def _topk_bytes(levels: dict[str, float]) -> int:
@@ -55,7 +55,8 @@ def _topk_bytes(levels: dict[str, float]) -> int:
             k += keep_count(shape.numel(), levels[name])
         else:
             dense += shape.numel()
-    return 4 * dense + 2 * math.ceil(4 * k / 8) * 8  # values and int32 indices, each 8-byte aligned
+    # values and int32 indices, each 8-byte aligned, and the non-finite flag (one more aligned word)
+    return 4 * dense + 2 * math.ceil(4 * k / 8) * 8 + 8
 
 
 def _accordion():
