@@ -1,7 +1,9 @@
 """The compressor contract, checked for every compressor (single process, simulated ranks)."""
 
 import copy
+import os
 import pickle
+import re
 
 import pytest
 import torch
@@ -461,3 +463,34 @@ def test_a_nonfinite_step_leaves_every_state_as_it_was(case, bad):
     expected = simulate_reduce(twins, clean, layers, step=3, residuals=twin_residuals)
     assert all(torch.isfinite(out).all() for out in after)
     torch.testing.assert_close(after[0], expected[0], rtol=0, atol=0)
+
+
+def _walkthrough_compressors():
+    """The example compressors of docs/concepts.md#writing-a-compressor, executed from the page itself."""
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "concepts.md")
+    with open(path) as f:
+        text = f.read()
+    section = text.split("## Writing a compressor", 1)[1].split("\n## ", 1)[0]
+    namespace: dict = {}
+    for block in re.findall(r"```python\n(.*?)```", section, flags=re.S):
+        exec(block, namespace)  # noqa: S102 (the documentation's own code)
+    return namespace["ScaledSign"], namespace["LeaderRandomK"]
+
+
+def test_the_writing_a_compressor_walkthrough_works():
+    """The page's single-round and multi-round examples keep the contract: ranks agree, error feedback telescopes."""
+    layers = layers_from_shapes(SHAPES[1:3])
+    numel = sum(layer.numel for layer in layers)
+    for cls in _walkthrough_compressors():
+        compressors = [cls(), cls()]
+        residuals = [torch.zeros(numel, dtype=torch.float64) for _ in range(2)]
+        applied = torch.zeros(numel, dtype=torch.float64)
+        computed = torch.zeros(numel, dtype=torch.float64)
+        for step in range(4):
+            torch.manual_seed(step)  # LeaderRandomK draws its indices on the leader only
+            grads = _data(layers, 2, seed=500 + step)
+            outs = simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)
+            assert torch.equal(outs[0], outs[1]), cls.__name__
+            applied += outs[0]
+            computed += (grads[0] + grads[1]) / 2
+        torch.testing.assert_close(applied + (residuals[0] + residuals[1]) / 2, computed, rtol=1e-10, atol=1e-10)

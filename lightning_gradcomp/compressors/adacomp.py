@@ -46,13 +46,15 @@ class AdaComp(Compressor):
        (50) for convolutions (>= 3-D weights), ``bin_size_fc`` (500) for fully-connected and recurrent weights
        (2-D); ``gmax[b] = max |G|`` over bin ``b``;
     3. element ``j`` is sent iff ``|H_j| >= gmax[bin(j)]``, the number sent adapting to each bin (an all-zero bin,
-       whose maximum 0 would select all of it, sends nothing: a guard the operator does not have [inferred]);
+       whose maximum 0 would select all of it, sends nothing: this package's guard, which the operator lacks);
     4. the layer's scale is ``mean_b gmax[b]``; a sent element is ``+scale`` if ``G_j > 0``, else ``-scale`` (a sign
        bit each, one fp32 scale per layer, as the operator encodes it); the residue becomes ``G - sent``.
 
-    The 50/500 bin lengths [recall] and the mean of the bin maxima as the scale [code, third-party operator; the
-    paper's own statistic could not be checked] are configurable only in the bin lengths; which layers are exempt
-    could not be checked either: by default 1-D tensors and small layers go dense, as for every compressor.
+    What was verified: the selection rule, the soft threshold and the sign-and-scale encoding follow the MXNet
+    operator line by line. What was not: the 50/500 bin lengths are remembered from the paper, not re-checked against
+    its text; the mean of the bin maxima as the scale is the operator's choice (the paper's own statistic could not be
+    read); which layers the paper exempts could not be checked either, so by default 1-D tensors and small layers go
+    dense, as for every compressor. Only the bin lengths are configurable.
 
     How the data-dependent sizes travel: round 0 all-gathers every rank's number of selected elements per layer
     (``4`` bytes per layer); round 1 all-gathers the payloads padded to the largest count of each layer over the

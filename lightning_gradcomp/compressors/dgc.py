@@ -55,8 +55,8 @@ class DGC(Compressor):
 
     1. **local gradient clipping** (when ``clip_norm`` is set): the layer's gradient norm is clipped to
        ``clip_norm / sqrt(n)``. The paper clips the whole local gradient and scales the threshold by ``n^(-1/2)``
-       [recall]; inside a DDP bucket hook only layers are visible, so the norm is per layer, as the authors' code
-       clips each tensor;
+       (from memory of the paper, not re-checked against its text); inside a DDP bucket hook only layers are
+       visible, so the norm is per layer, as the authors' code clips each tensor;
     2. **momentum correction**: ``u <- momentum u + g``; ``v <- v + u`` (Nesterov: ``u <- momentum (u + g)``,
        ``v <- v + u + g``). ``v`` is the error-feedback memory (the hook's residual, per parameter, checkpointed);
        ``u`` is this compressor's state (per layer, in :meth:`state_dict`);

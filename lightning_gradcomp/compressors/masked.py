@@ -4,7 +4,7 @@ Wang, Wu, Li & Kutscher, "PacTrain: Pruning and Adaptive Sparse Gradient Compres
 Communication in Distributed Deep Learning", arXiv:2505.18563 (2025). Only the abstract could be read: pruning makes
 weights and gradients sparse, and because every worker knows the sparsity pattern ("global knowledge of the gradient
 sparsity"), the gradients can be compressed in an all-reduce compatible way. How is not in the abstract; the
-mechanism here is this package's reading of it ([inferred]):
+mechanism here is this package's design, a reading of that sentence, not verified against the paper's text:
 
 * every rank holds the same masks (the weights they are computed from are equal, and PacTrain checks it);
 * per layer, the entries the mask keeps are gathered into one compact dense buffer (no indices: every rank knows

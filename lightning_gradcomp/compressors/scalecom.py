@@ -32,8 +32,9 @@ class ScaleCom(Compressor):
     ``beta = 1`` is ordinary error feedback (then ``sum of updates + m`` telescopes to ``sum of gradients``); with
     ``beta < 1`` the memory is a low-pass filter and ``m / beta`` is what is owed (``m`` changes by
     ``beta (g - sent)`` per step). The paper uses ``beta < 1`` for large-batch runs; the exact values per experiment
-    could not be checked [recall], so ``beta`` defaults to 1 and is configurable. The memory is the hook's
-    error-feedback residual (per parameter, checkpointed); with ``CompressedDDP(error_feedback=False)`` there is none.
+    could not be checked against the paper's text, so ``beta`` defaults to 1 and is configurable. The memory is the
+    hook's error-feedback residual (per parameter, checkpointed); with ``CompressedDDP(error_feedback=False)`` there
+    is none.
 
     Bytes per rank do not grow with the number of ranks: every rank all-reduces ``4 k`` bytes of values per step, and
     the leader (one step in ``n`` for each rank) broadcasts ``4 k`` bytes of indices (or ``ceil(d / 32) * 4`` bytes of

@@ -195,7 +195,8 @@ class OneBit(Compressor):
     of the reconstruction given the signs; ``e <- p - reconstruction``. Payloads are all-gathered and averaged.
 
     The paper's CNTK implementation keeps the two values per *column* of each weight matrix; this implementation
-    keeps them per layer (tensor), as this project's issue specifies; per-column reconstruction is not implemented.
+    keeps them per layer (tensor), this package's choice (fewer scales on the wire); per-column reconstruction is not
+    implemented.
 
     Payload per layer of ``d`` elements: ``ceil(d / 8)`` bytes of signs (packed over the bucket) plus 8 bytes.
 
