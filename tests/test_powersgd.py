@@ -132,3 +132,36 @@ def test_powersgd_over_many_buckets_equals_one_bucket():
         assert run["many"]["identical"]
         assert run["one"]["identical"]
         assert torch.equal(run["many"]["flat"], run["one"]["flat"])
+
+
+def _zero_init_residual(rank: int, world_size: int) -> dict:
+    """torchvision's ResNet-18 with zero_init_residual=True: 16 residual-branch convolutions have exactly zero
+    gradients at the first step. Our default epsilon, and torch's epsilon 0 as the control."""
+    import torchvision
+
+    finite = {}
+    for epsilon in (1e-8, 0.0):
+        torch.manual_seed(0)
+        model = torchvision.models.resnet18(num_classes=10, zero_init_residual=True)
+        ddp = DDP(model)
+        state = CompressionState(PowerSGD(rank=2, orthogonalization_epsilon=epsilon))
+        state.attach(ddp)
+        ddp.register_comm_hook(state, compression_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        steps = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * rank + step)
+            x, y = torch.randn(4, 3, 32, 32, generator=g), torch.randint(0, 10, (4,), generator=g)
+            optimizer.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            steps.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+            optimizer.step()
+        finite[epsilon] = steps
+    return finite
+
+
+def test_powersgd_survives_exactly_zero_gradients():
+    for result in run_distributed(_zero_init_residual):
+        assert result[1e-8] == [True, True, True]
+        # the control: torch's epsilon 0 turns the zero columns into 0 / 0 at the first step
+        assert result[0.0][0] is False
