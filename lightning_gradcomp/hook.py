@@ -277,7 +277,8 @@ class CompressionState:
         def finish(fut: torch.futures.Future[Tensor]) -> Tensor:
             average = fut.value()
             # the average is the same on every rank, and a NaN anywhere reaches it: no flag needs to travel
-            self._updates.observe(torch.isfinite(torch.sum(average, dtype=torch.float64)))
+            # the step's own updates, captured at issue time: this callback may run after the next step began
+            ctx.updates.observe(torch.isfinite(torch.sum(average, dtype=torch.float64)))
             self.compressor.finish_dense(average, ctx)
             return average
 

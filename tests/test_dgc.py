@@ -253,3 +253,25 @@ def test_state_is_keyed_by_layer_name():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=f"`{match}`"):
         DGC(**kwargs)
+
+
+def test_a_nonfinite_step_is_forgotten_by_the_hook_dense_layers_included():
+    """Through the hook on simulated ranks: rank 1 all NaN at step 2. Every later step is the same on both ranks and
+    equal to a run that never saw step 2 (the dense layers' momentum is staged and rolled back too).
+
+    Regression: the dense layers' verdict was once recorded into the *next* step when the collective completed after
+    the hook had moved on, so a rank skipped a clean step's commit and the ranks diverged.
+    """
+    hook = _hook([_dgc(ratio=0.05) for _ in range(2)])
+    twin = _hook([_dgc(ratio=0.05) for _ in range(2)])
+    for step in range(5):
+        grads = _grads(2, seed=50 + step)
+        if step == 2:
+            outs = hook.step([grads[0], grads[1] * float("nan")])
+            assert not any(torch.isfinite(out).all() for out in outs)
+            for state in twin.states:
+                state.step += 1  # the twin skips the step but keeps the same step count
+            continue
+        outs, expected = hook.step(grads), twin.step(grads)
+        assert torch.equal(outs[0], outs[1])
+        torch.testing.assert_close(outs[0], expected[0], rtol=0, atol=0)

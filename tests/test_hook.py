@@ -142,3 +142,53 @@ def test_changing_levels_between_steps_changes_the_payload(hook_runs, name):
 @pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_replicas_stay_identical(hook_runs, name):
     assert all(rank_result[name]["replicas_identical"] for rank_result in hook_runs)
+
+
+def _skips_after_a_nan(rank: int, world_size: int) -> dict:
+    """Rank 1's loss times NaN (or inf) at step 2; the usual guard (zero the gradients when one is not finite) skips
+    steps. Counted per compressor, with plain DDP as the control; replicas must stay identical."""
+    results = {}
+    configs = {"ddp": None, **{name: factory for name, factory in EXAMPLES.items()}}
+    for name, factory in configs.items():
+        for bad in (float("nan"), float("inf")):
+            model = small_net()
+            ddp = DDP(model, bucket_cap_mb=0.004)
+            if factory is not None:
+                state = CompressionState(factory(), min_compress_numel=MIN_NUMEL)
+                state.attach(ddp)
+                ddp.register_comm_hook(state, compression_hook)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+            skipped = []
+            for step in range(6):
+                x, y = _batch(rank, step)
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(ddp(x), y)
+                (loss * bad if (rank == 1 and step == 2) else loss).backward()
+                if not all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()):
+                    skipped.append(step)
+                    continue
+                optimizer.step()
+            flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+            everyone = [torch.empty_like(flat) for _ in range(world_size)]
+            dist.all_gather(everyone, flat)
+            results[(name, str(bad))] = {
+                "skipped": skipped,
+                "identical": all(torch.equal(everyone[0], other) for other in everyone),
+                "finite": bool(torch.isfinite(flat).all()),
+            }
+    return results
+
+
+@pytest.fixture(scope="module")
+def nan_runs():
+    return run_distributed(_skips_after_a_nan)
+
+
+@pytest.mark.parametrize("name", ["ddp", *EXAMPLES])
+def test_one_nonfinite_step_costs_one_step_as_with_plain_ddp(nan_runs, name):
+    for rank_result in nan_runs:
+        for bad in ("nan", "inf"):
+            result = rank_result[(name, bad)]
+            assert result["skipped"] == [2], f"{name} ({bad}): skipped {result['skipped']}"
+            assert result["identical"]
+            assert result["finite"]
