@@ -148,7 +148,7 @@ def _skips_after_a_nan(rank: int, world_size: int) -> dict:
     """Rank 1's loss times NaN (or inf) at step 2; the usual guard (zero the gradients when one is not finite) skips
     steps. Counted per compressor, with plain DDP as the control; replicas must stay identical."""
     results = {}
-    configs = {"ddp": None, **{name: factory for name, factory in EXAMPLES.items()}}
+    configs = {"ddp": None, **EXAMPLES}
     for name, factory in configs.items():
         for bad in (float("nan"), float("inf")):
             model = small_net()
