@@ -126,7 +126,7 @@ def test_payload_shapes_depend_only_on_the_layout(case):
     """
     _, compressor = case
     layers = _layers(compressor)
-    if getattr(compressor, "exchanges_sizes", False):
+    if compressor.exchanges_sizes:
         outs = simulate_reduce(_fresh(compressor, 3), _data(layers, 3, seed=1), layers)
         assert all(torch.equal(outs[0], out) for out in outs)
         return

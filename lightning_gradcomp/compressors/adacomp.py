@@ -166,7 +166,7 @@ class AdaComp(Compressor):
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """``sign * scale`` at the payload's indices, zeros elsewhere."""
         counts = payload[0].tolist()
-        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out.zero_()
+        out = ctx.output(out, zeros=True)
         self._add(payload[1:], sparse_layout(ctx.layers, counts), counts, out)
         return out
 

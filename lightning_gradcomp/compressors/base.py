@@ -141,6 +141,16 @@ class BucketContext:
         """Number of elements of the flat tensor (the sum over ``layers``)."""
         return sum(layer.numel for layer in self.layers)
 
+    def output(self, out: Tensor | None = None, *, zeros: bool = False) -> Tensor:
+        """The flat result tensor of :meth:`Compressor.decompress`.
+
+        ``out`` if given (zeroed when ``zeros``), else a new one of ``numel`` elements, ``dtype`` and ``device``.
+        """
+        if out is None:
+            factory = torch.zeros if zeros else torch.empty
+            return factory(self.numel, dtype=self.dtype, device=self.device)
+        return out.zero_() if zeros else out
+
     def layer_seed(self, layer: Layer, *salt: int, per_rank: bool = False) -> int:
         """A seed for ``layer`` at this step: shared by all ranks unless ``per_rank``.
 
@@ -205,6 +215,11 @@ class Compressor(ABC):
     def __init__(self) -> None:
         self._layer_levels: dict[str, Any] = {}
         self._levels_version = 0
+        self._layer_state: dict[str, LayerBuffers] = {}
+
+    def layer_state(self, key: str) -> LayerBuffers:
+        """Per-layer tensors kept between steps under ``key`` (a momentum, say), saved in :meth:`state_dict`."""
+        return self._layer_state.setdefault(key, LayerBuffers())
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -256,7 +271,7 @@ class Compressor(ABC):
         :meth:`decompress`.
         """
         # accumulate into zeros: a decompressed payload may be the payload itself, which must not change
-        total = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out.zero_()
+        total = ctx.output(out, zeros=True)
         for payload in payloads:
             total.add_(self.decompress(payload, ctx))
         return total
@@ -378,18 +393,23 @@ class Compressor(ABC):
     # State
     # ----------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The compressor's own state (beyond error feedback), for checkpoints: here, the per-layer levels."""
+        """The compressor's own state (beyond error feedback), for checkpoints: per-layer levels and buffers."""
+        state: dict[str, Any] = {key: buffers.state_dict() for key, buffers in self._layer_state.items() if buffers}
         levels = self.layer_levels
-        return {"layer_levels": levels} if levels else {}
+        if levels:
+            state["layer_levels"] = levels
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         if state_dict.get("layer_levels") or self.layer_levels:
             self.set_levels(state_dict.get("layer_levels", {}))
+        for key, buffers in self._layer_state.items():
+            buffers.load_state_dict(state_dict.get(key, {}))
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        # objects pickled before per-layer levels were declared attributes lack them
-        self.__dict__.update({"_layer_levels": {}, "_levels_version": 0, **state})
+        # objects pickled before these were declared attributes lack them
+        self.__dict__.update({"_layer_levels": {}, "_levels_version": 0, "_layer_state": {}, **state})
 
     # ----------------------------------------------------------------------------------------------------------
     # Plumbing

@@ -146,7 +146,7 @@ class DGC(Compressor):
         if isinstance(warmup_ratios, str) or not isinstance(warmup_ratios, Sequence) or not warmup_ratios:
             raise ValueError(f"Expected `warmup_ratios` to be a non-empty sequence of ratios, got {warmup_ratios!r}.")
         self.warmup_ratios = tuple(check_ratio(r, "warmup_ratios") for r in warmup_ratios)
-        self._momenta = LayerBuffers()  # u, per layer
+        self._momenta = self.layer_state("momentum")  # u, per layer (checkpointed)
         self._next_momenta = LayerBuffers()  # this step's u, staged until the step is known finite
 
     # ------------------------------------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ class DGC(Compressor):
     def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Sum every rank's payload, in rank order."""
         layout = self._layout(ctx)
-        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out.zero_()
+        out = ctx.output(out, zeros=True)
         for blob, values in payloads:
             self._add_sparse(layout, blob, values, out)
         return out
@@ -286,18 +286,3 @@ class DGC(Compressor):
             if self.clip_norm is not None:
                 _clip_norm_(g, self.clip_norm)
             self._correct(layer, g, ctx)
-
-    # ------------------------------------------------------------------------------------------------------------
-    # State
-    # ------------------------------------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's momentum ``u`` per layer (``v`` is the error-feedback residual, saved by the strategy)."""
-        state = super().state_dict()
-        if self._momenta:
-            state["momentum"] = self._momenta.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        super().load_state_dict(state_dict)
-        self._momenta.load_state_dict(state_dict.get("momentum", {}))

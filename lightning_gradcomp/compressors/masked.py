@@ -307,16 +307,14 @@ class MaskedCompressor(Compressor):
         """``inner``'s reconstruction, scattered back (zeros at the pruned entries)."""
         layout = self._layout(ctx)
         compact = self.inner.decompress(payload, self._inner_ctx(ctx, layout))
-        if out is None:
-            out = torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device)
+        out = ctx.output(out)
         return self._scatter(compact, layout, out)
 
     def aggregate(self, payloads: Any, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """``inner``'s sum of the gathered payloads, scattered back."""
         layout = self._layout(ctx)
         compact = self.inner.aggregate(payloads, self._inner_ctx(ctx, layout))
-        if out is None:
-            out = torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device)
+        out = ctx.output(out)
         return self._scatter(compact, layout, out)
 
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:

@@ -252,8 +252,7 @@ batch_same_shape=None, init='layer')
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """``P Q^T`` for every layer."""
         p_buffer, q_buffer = payload
-        if out is None:
-            out = torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device)
+        out = ctx.output(out)
         p_at = q_at = 0
         for group, b, n, m, r in self._layout(ctx):
             pt = p_buffer[p_at : p_at + b * r * n].view(b, r, n)

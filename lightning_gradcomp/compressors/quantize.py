@@ -134,7 +134,7 @@ class QSGD(Compressor):
         """``norm * sign * level / levels`` for every element."""
         norms, packed = payload
         dtype = _compute_dtype(ctx.dtype)
-        out = torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out
+        out = ctx.output(out)
         norm_at = byte_at = 0
         for layer in ctx.layers:
             s = self.level(layer)
@@ -294,7 +294,7 @@ class TernGrad(Compressor):
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """``s t`` for one payload."""
         scales, wire = payload
-        out = torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out
+        out = ctx.output(out)
         return self._scaled(self._offset_sum(wire, ctx), scales, ctx, 1, out)
 
     # ------------------------------------------------------------------------------------------------------------

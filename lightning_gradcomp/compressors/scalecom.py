@@ -100,7 +100,7 @@ class ScaleCom(Compressor):
         """The values scattered into zeros at the payload's indices."""
         blob, values = payload
         layout = self._layout(ctx)
-        out = torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out.zero_()
+        out = ctx.output(out, zeros=True)
         indices = decode_sparse(layout, blob)
         if indices:
             out.index_copy_(0, torch.cat(indices), values.to(ctx.dtype))

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
 from lightning_gradcomp.validation import check_momentum
@@ -16,7 +16,7 @@ _WIRE_SCALE = torch.float32  # per-layer scales travel as fp32, whatever the gra
 
 
 def _out(ctx: BucketContext, out: Tensor | None) -> Tensor:
-    return torch.empty(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out
+    return ctx.output(out)
 
 
 def _accumulator(dtype: torch.dtype) -> torch.dtype:
@@ -74,7 +74,7 @@ class SignSGD(Compressor):
     def __init__(self, momentum: float = 0.0) -> None:
         super().__init__()
         self.momentum = check_momentum(momentum)
-        self._momenta = LayerBuffers()
+        self._momenta = self.layer_state("momentum")  # Signum's m, per layer: this rank's own
 
     @property
     def default_error_feedback(self) -> bool:
@@ -133,18 +133,6 @@ class SignSGD(Compressor):
         """Without compression: the sign of the exact average (of its momentum), a sign step all the same."""
         self._momentum_step(average, ctx)
         torch.sign(average, out=average)
-
-    def state_dict(self) -> dict[str, Any]:
-        """Signum's momentum per layer (this rank's own)."""
-        state = super().state_dict()
-        if self._momenta:
-            state["momentum"] = self._momenta.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
-        super().load_state_dict(state_dict)
-        self._momenta.load_state_dict(state_dict.get("momentum", {}))
 
 
 class EFSignSGD(Compressor):

@@ -19,7 +19,7 @@ from lightning_gradcomp.validation import check_bool, check_ratio
 
 
 def _zeros(ctx: BucketContext, out: Tensor | None) -> Tensor:
-    return torch.zeros(ctx.numel, dtype=ctx.dtype, device=ctx.device) if out is None else out.zero_()
+    return ctx.output(out, zeros=True)
 
 
 def _index_dtype(numel: int) -> torch.dtype:
