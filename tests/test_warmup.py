@@ -169,3 +169,47 @@ def test_setup_requires_compressed_ddp_and_a_ratio_for_the_ramp():
     with pytest.raises(MisconfigurationException, match="sparsifying compressor"):
         DenseWarmup(steps=1, ramp="dgc").setup(_trainer_stub(CompressedDDP(PowerSGD(rank=1))), None, "fit")
     DenseWarmup(steps=1).setup(_trainer_stub(CompressedDDP(PowerSGD(rank=1))), None, "fit")  # no ramp: any compressor
+
+
+def _dense_phase(compressor_factory, steps=3):
+    """Through the real hook on simulated ranks with compression off (DenseWarmup's dense phase)."""
+    from lightning_gradcomp.compressors.base import layers_from_shapes
+    from lightning_gradcomp.hook import CompressionState
+    from lightning_gradcomp.testing import SimulatedHook
+
+    layers = layers_from_shapes([(32, 40), (16,)])
+    numel = sum(layer.numel for layer in layers)
+    hook = SimulatedHook([CompressionState(compressor_factory(), enabled=False) for _ in range(2)], layers)
+    grads = [[torch.randn(numel, generator=torch.Generator().manual_seed(10 * s + r)) for r in range(2)]
+             for s in range(steps)]  # fmt: skip
+    return [hook.step(g) for g in grads], [(g[0] + g[1]) / 2 for g in grads]
+
+
+def test_dense_warmup_keeps_dgc_momentum():
+    """DGC's momentum lives in the compressor (the optimizer has none): the dense phase is momentum SGD, not SGD."""
+    from lightning_gradcomp.compressors import DGC
+
+    outs, averages = _dense_phase(lambda: DGC(momentum=0.9))
+    u = torch.zeros_like(averages[0])
+    for out, average in zip(outs, averages):
+        u = 0.9 * u + average
+        torch.testing.assert_close(out[0], u, rtol=1e-6, atol=1e-6)
+        assert torch.equal(out[0], out[1])
+
+
+def test_dense_warmup_keeps_the_sign_step():
+    """signSGD's learning rate is a per-coordinate step: the dense phase takes the sign of the exact average."""
+    from lightning_gradcomp.compressors import SignSGD
+
+    outs, averages = _dense_phase(SignSGD)
+    for out, average in zip(outs, averages):
+        assert torch.equal(out[0], torch.sign(average))
+
+
+def test_dense_warmup_is_plain_averaging_for_other_methods():
+    from lightning_gradcomp.compressors import PowerSGD, TopK
+
+    for factory in (TopK, PowerSGD):
+        outs, averages = _dense_phase(factory)
+        for out, average in zip(outs, averages):
+            torch.testing.assert_close(out[0], average, rtol=0, atol=1e-6)

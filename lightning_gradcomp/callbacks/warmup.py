@@ -43,6 +43,11 @@ class DenseWarmup(Callback):
     during the ramp, the compressor's ``ratio``) between steps. Error-feedback residuals are empty during the dense
     phase; what is still owed when compression is switched off is paid into the dense all-reduce.
 
+    The dense phase keeps the method's optimizer semantics: a method whose update is not the averaged gradient
+    applies its own rule to the exact average (``Compressor.finish_dense``). With ``DGC`` the dense phase is momentum
+    SGD (DGC's momentum correction on the average; the optimizer has none), with ``SignSGD`` it takes the sign of the
+    average (the learning rate stays a per-coordinate step); every other method averages plainly.
+
     Args:
         epochs: dense for the first ``epochs`` epochs (give this or ``steps``, not both).
         steps: dense for the first ``steps`` optimizer steps (``trainer.global_step``).
