@@ -9,7 +9,18 @@ import pytest
 import torch
 
 from lightning_gradcomp.comm import Comm
-from lightning_gradcomp.compressors import Compressor, Identity, MaskedCompressor, PowerSGD, RandomK, TopK
+from lightning_gradcomp.compressors import (
+    DGC,
+    QSGD,
+    Compressor,
+    Identity,
+    MaskedCompressor,
+    PowerSGD,
+    RandomK,
+    SignSGD,
+    TernGrad,
+    TopK,
+)
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.telemetry import Telemetry
@@ -382,6 +393,19 @@ def test_collective_mismatch_is_detected():
         (lambda: PowerSGD(rank=True), "rank"),
         (lambda: PowerSGD(rank=2, min_compression_rate=-1), "min_compression_rate"),
         (lambda: PowerSGD(rank=2, init="svd"), "init"),
+        # the reliability probe's cases: NaN and infinity used to train silently
+        (lambda: PowerSGD(min_compression_rate=float("nan")), "min_compression_rate"),
+        (lambda: PowerSGD(min_compression_rate=float("inf")), "min_compression_rate"),
+        (lambda: PowerSGD(orthogonalization_epsilon=float("nan")), "orthogonalization_epsilon"),
+        (lambda: PowerSGD(orthogonalization_epsilon=float("inf")), "orthogonalization_epsilon"),
+        (lambda: PowerSGD(orthogonalization_epsilon=True), "orthogonalization_epsilon"),
+        (lambda: DGC(clip_norm=float("nan")), "clip_norm"),
+        (lambda: DGC(clip_norm=float("inf")), "clip_norm"),
+        (lambda: TernGrad(clip=float("nan")), "clip"),
+        (lambda: TernGrad(clip=float("inf")), "clip"),
+        (lambda: MaskedCompressor(dense_threshold=float("nan")), "dense_threshold"),
+        (lambda: QSGD(levels=0), "levels"),
+        (lambda: SignSGD(momentum=float("nan")), "momentum"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_argument_named(factory, match):
@@ -494,3 +518,21 @@ def test_the_writing_a_compressor_walkthrough_works():
             applied += outs[0]
             computed += (grads[0] + grads[1]) / 2
         torch.testing.assert_close(applied + (residuals[0] + residuals[1]) / 2, computed, rtol=1e-10, atol=1e-10)
+
+
+def test_zero_size_parameters_go_dense_for_every_compressor(case):
+    """The probe: a zero-size parameter with min_compress_numel=0 crashed TopK, PowerSGD, ScaleCom, DGC, AdaComp."""
+    from lightning_gradcomp.hook import CompressionState
+    from lightning_gradcomp.testing import SimulatedHook
+
+    name, compressor = case
+    layers = layers_from_shapes([(48, 64), (0, 5), (24, 96), (0,)], names=["a", "empty", "b", "empty1d"])
+    numel = sum(layer.numel for layer in layers)
+    states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=0) for _ in range(2)]
+    if name in REFUSES_ERROR_FEEDBACK:
+        states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=0, error_feedback=False)
+                  for _ in range(2)]  # fmt: skip
+    outs = SimulatedHook(states, layers).step(_data(layers, 2, seed=600))
+    assert outs[0].numel() == numel
+    assert torch.equal(outs[0], outs[1])
+    assert torch.isfinite(outs[0]).all()
