@@ -30,6 +30,7 @@ class StepStats:
         buckets: how many bucket reductions the step made.
         finite: whether the step's gradients were finite on every rank; a non-finite step leaves every compressor
             state as it was (its aggregate is non-finite on every rank, for the optimizer's or AMP's skip).
+        bytes_guard: the part of ``bytes_sent`` that carried the non-finite flags (and the padding they add).
     """
 
     bytes_sent: int
@@ -38,6 +39,7 @@ class StepStats:
     decode_ms: float
     buckets: int
     finite: bool = True
+    bytes_guard: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -70,6 +72,12 @@ class Telemetry:
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._buckets = 0
         self._verdicts: list[torch.Tensor] = []
+        self._guard = 0
+
+    def add_guard(self, nbytes: int) -> None:
+        """Count ``nbytes`` of what was sent as the non-finite flag (already counted as sent)."""
+        with self._lock:
+            self._guard += nbytes
 
     def add_verdict(self, ok: torch.Tensor | None) -> None:
         """Record whether the step was finite on every rank (a device tensor: read when the step is popped)."""
@@ -121,6 +129,7 @@ class Telemetry:
                 decode_ms=seconds["decode"] * 1e3,
                 buckets=self._buckets,
                 finite=all(bool(ok) for ok in self._verdicts),  # read when logging, never on the hook path
+                bytes_guard=self._guard,
             )
             self.total_nonfinite_steps += not stats.finite
             self.total_bytes_sent += stats.bytes_sent

@@ -172,7 +172,9 @@ class _Run:
         payload = tuple(request.payload)
         carries = self.flag is not None and isinstance(request, (AllReduce, AllGather))
         if carries:
-            payload = (*payload, self._flag_like(payload, request))
+            flag = self._flag_like(payload, request)
+            comm.telemetry.add_guard(_flag_nbytes(payload, flag, isinstance(request, AllGather)))
+            payload = (*payload, flag)
             self.flag_at = (round, type(request))
             self.flag = None
         if isinstance(request, AllReduce):
@@ -275,6 +277,16 @@ class _Run:
                 out[:1].add_(torch.where(self.ok, torch.zeros_like(nan), nan))
             self.ctx.updates.observe(self.ok)
         return out
+
+
+def _flag_nbytes(payload: Payload, flag: Tensor, gathered: bool) -> int:
+    """What the flag adds to the bytes handed to the collective (the byte-packed all-gather pads to 8 bytes)."""
+    if not gathered:
+        return flag.element_size()
+    if len(payload) == 1:  # a lone tensor is sent unpacked; with the flag it is packed, so padded too
+        nbytes = payload[0].numel() * payload[0].element_size()
+        return -(-nbytes // 8) * 8 - nbytes + 8
+    return 8
 
 
 def _completed(comm: Comm, value: Any) -> torch.futures.Future:

@@ -183,6 +183,13 @@ class MaskedCompressor(Compressor):
         return self.inner.rounds
 
     @property
+    def propagates_nonfinite(self) -> bool:  # type: ignore[override]
+        """As for the inner compressor: a NaN in a kept entry reaches every rank through a plain sum; one in a pruned
+        entry is discarded with the entry, whose weight is held at zero.
+        """
+        return self.inner.propagates_nonfinite
+
+    @property
     def exchanges_sizes(self) -> bool:  # type: ignore[override]
         """Whether the inner compressor exchanges payload sizes."""
         return self.inner.exchanges_sizes
