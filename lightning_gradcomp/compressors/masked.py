@@ -184,8 +184,10 @@ class MaskedCompressor(Compressor):
 
     @property
     def propagates_nonfinite(self) -> bool:  # type: ignore[override]
-        """As for the inner compressor: a NaN in a kept entry reaches every rank through a plain sum; one in a pruned
-        entry is discarded with the entry, whose weight is held at zero.
+        """As for the inner compressor.
+
+        A NaN in a kept entry reaches every rank through a plain sum; one in a pruned entry is discarded with the
+        entry, whose weight is held at zero.
         """
         return self.inner.propagates_nonfinite
 
