@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_gradcomp.comm import release_round_groups
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.hook import CompressionState, compression_hook
@@ -268,6 +269,17 @@ class CompressedDDP(DDPStrategy):
         super()._configure_launcher()
         if type(self._launcher) is _MultiProcessingLauncher:
             self._launcher = _Launcher(self, start_method=self._start_method)
+
+    @override
+    def teardown(self) -> None:
+        """DDPStrategy's teardown, then release the hook's collectives and the extra process groups of its rounds.
+
+        Released here, on the main thread while the interpreter is alive: left to interpreter finalisation, a gloo
+        worker thread touching a Python object then aborts the process at exit (see ``comm.release_round_groups``).
+        """
+        super().teardown()
+        self._state.detach()
+        release_round_groups(self._ddp_kwargs.get("process_group") or dist.group.WORLD)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: every rank's compressor state travels with the checkpoint
