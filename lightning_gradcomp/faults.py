@@ -43,10 +43,11 @@ CHILD_GRACE_S = 5.0
 # how long a watcher waits for the main process to raise its own error after a child failed, before killing it
 MAIN_GRACE_S = 15.0
 _KEY = "gradcomp/failure/{rank}"
-# what gloo and NCCL say when a peer went away or did not answer: such an error is a consequence, not the fault
+# what gloo and NCCL say when a peer went away or did not answer: such an error is a consequence, not the fault.
+# Specific on purpose: a rank's own error that merely mentions a timeout (a DataLoader's) must stay its own fault.
 _COLLECTIVE_FAILURE = re.compile(
-    r"Connection closed by peer|Connection reset by peer|Broken pipe|pair closure|Timed out|timed out|[Tt]imeout"
-    r"|NCCL (error|communicator was aborted)|ProcessGroupGloo|DistBackendError",
+    r"Connection closed by peer|Connection reset by peer|caused pair closure|Timed out waiting \d+ ?ms"
+    r"|gloo/transport/|NCCL (error|communicator)|DistBackendError",
 )
 
 
@@ -190,7 +191,7 @@ class ScriptLauncher(_SubprocessScriptLauncher):
                 proc.wait()
         main_rank = first_rank - 1
         if own_fault:
-            if hasattr(error, "add_note"):
+            if isinstance(error, Exception) and hasattr(error, "add_note"):  # not for Ctrl+C (Python >= 3.11)
                 error.add_note(
                     f"CompressedDDP: rank {main_rank} failed (this error); the other ranks of this node were stopped."
                 )

@@ -113,3 +113,21 @@ def test_a_rank_that_hangs_is_stopped_after_the_timeout(tmp_path):
     proc, latency = _run(tmp_path, "hang", rank=1)
     _assert_ended_naming(proc, tmp_path, r"CompressedDDP: rank 1 did not answer within the timeout")
     assert latency < TIMEOUT_S + HANG_GRACE_S, f"{latency:.1f} s from the failure to the end"
+
+
+def test_collective_failures_are_told_from_a_ranks_own_error():
+    """What decides whether rank 0 blames another rank (waits for it, names it) or keeps its own error."""
+    import torch.distributed as dist
+
+    from lightning_gradcomp.faults import is_collective_failure
+
+    consequences = [
+        "Got the following error when running the callback: RuntimeError: [third_party/gloo/gloo/transport/tcp/"
+        "pair.cc:561] Connection closed by peer [127.0.0.1]:13445.",
+        "Application timeout caused pair closure",
+        "[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 20000ms for recv operation to complete",
+    ]
+    assert all(is_collective_failure(RuntimeError(message)) for message in consequences)
+    assert is_collective_failure(dist.DistStoreError("Timed out after 16 seconds waiting for clients"))
+    own = [ValueError("injected failure"), RuntimeError("DataLoader timed out after 10 seconds"), KeyboardInterrupt()]
+    assert not any(is_collective_failure(error) for error in own)
