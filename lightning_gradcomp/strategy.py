@@ -283,7 +283,8 @@ class CompressedDDP(DDPStrategy):
         """
         super().teardown()
         self._state.detach()
-        release_round_groups(self._ddp_kwargs.get("process_group") or dist.group.WORLD)
+        if dist.is_available() and dist.is_initialized():
+            release_round_groups(self._ddp_kwargs.get("process_group") or dist.group.WORLD)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
