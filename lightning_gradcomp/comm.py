@@ -14,6 +14,8 @@ issued on group ``k``, and :meth:`Comm.after` issues round ``k`` of bucket ``i``
 
 from __future__ import annotations
 
+import atexit
+import logging
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
@@ -23,7 +25,9 @@ from torch import Tensor
 
 from lightning_gradcomp.telemetry import Telemetry
 
-__all__ = ["CollectiveBackend", "Comm", "TorchCollectives"]
+__all__ = ["CollectiveBackend", "Comm", "TorchCollectives", "release_round_groups"]
+
+log = logging.getLogger(__name__)
 
 Payload = tuple[Tensor, ...]
 ReduceOpName = Literal["sum", "max"]
@@ -54,6 +58,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 # a process group, the group's destructor would join its own worker thread and abort the process ("Resource deadlock
 # avoided"). The registry also lets a re-wrapped DDP model reuse the groups instead of creating new ones.
 _ROUND_GROUPS: dict[int, tuple[dist.ProcessGroup, list[dist.ProcessGroup]]] = {}
+_RELEASE_AT_EXIT = False
 
 
 def _is_alive(group: dist.ProcessGroup) -> bool:
@@ -70,10 +75,43 @@ def _round_groups(base: dist.ProcessGroup) -> list[dist.ProcessGroup]:
         return entry[1]
     for key, (old_base, _) in list(_ROUND_GROUPS.items()):
         if not _is_alive(old_base):  # destroyed with destroy_process_group(): release here, on the main thread
-            del _ROUND_GROUPS[key]
+            _release(_ROUND_GROUPS.pop(key)[1])
+    global _RELEASE_AT_EXIT
+    if not _RELEASE_AT_EXIT:
+        # Whatever is still registered at exit is released before the interpreter finalises (atexit handlers run
+        # while it is fully alive), never by finalisation itself: see release_round_groups.
+        atexit.register(release_round_groups)
+        _RELEASE_AT_EXIT = True
     groups = [base]
     _ROUND_GROUPS[id(base)] = (base, groups)
     return groups
+
+
+def _release(groups: list[dist.ProcessGroup]) -> None:
+    for group in groups[1:]:  # round 0 is the caller's group (DDP's): never ours to destroy
+        if _is_alive(group):
+            try:
+                dist.destroy_process_group(group)
+            except (RuntimeError, ValueError) as error:  # already torn down with its peers: nothing left to free
+                log.debug("gradcomp: could not destroy a round group: %s", error)
+    # the list is shared by every TorchCollectives over this base group: emptying it drops all their references
+    groups.clear()
+
+
+def release_round_groups(base: dist.ProcessGroup | None = None) -> None:
+    """Destroy the extra process groups made for later rounds (of ``base``, or of every group) and forget them.
+
+    Call it on the main thread while the interpreter is alive: ``CompressedDDP.teardown`` does, and so does an
+    ``atexit`` handler for whatever is left (raw-DDP users may call it before ``destroy_process_group``). Otherwise
+    the registry keeps the groups alive into interpreter finalisation, where a gloo worker thread that still has to
+    touch a Python object (a collective's tensor, a future's callback) tries to take the GIL and is ended by the
+    interpreter inside a C++ destructor: ``terminate called without an active exception`` and SIGABRT at exit.
+    Collectives issued later on ``base`` fail until a new :class:`TorchCollectives` is made (``attach`` again).
+    """
+    for key, (old_base, groups) in list(_ROUND_GROUPS.items()):
+        if base is None or old_base is base:
+            del _ROUND_GROUPS[key]
+            _release(groups)
 
 
 class TorchCollectives:

@@ -11,15 +11,17 @@ import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_gradcomp.comm import release_round_groups
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
 from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.transforms.base import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.transforms.base import ModelTransform
@@ -268,6 +270,28 @@ class CompressedDDP(DDPStrategy):
         super()._configure_launcher()
         if type(self._launcher) is _MultiProcessingLauncher:
             self._launcher = _Launcher(self, start_method=self._start_method)
+        elif type(self._launcher) is _SubprocessScriptLauncher:
+            # stops every rank when one fails, and names it (see lightning_gradcomp.faults)
+            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def teardown(self) -> None:
+        """DDPStrategy's teardown, then release the hook's collectives and the extra process groups of its rounds.
+
+        Released here, on the main thread while the interpreter is alive: left to interpreter finalisation, a gloo
+        worker thread touching a Python object then aborts the process at exit (see ``comm.release_round_groups``).
+        """
+        super().teardown()
+        self._state.detach()
+        if dist.is_available() and dist.is_initialized():
+            release_round_groups(self._ddp_kwargs.get("process_group") or dist.group.WORLD)
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """DDPStrategy's message fixes, plus a note of this rank's own failure for the main process's report."""
+        super().on_exception(exception)
+        if not is_collective_failure(exception):  # a failed collective is a consequence of another rank's fault
+            record_failure(self.global_rank, exception)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: every rank's compressor state travels with the checkpoint

@@ -1,0 +1,76 @@
+"""A two-process fit in which one rank fails at one step (launched as a script by tests/test_faults.py).
+
+Usage: ``python -m tests.fault_worker OUTDIR FAULT RANK STEP TIMEOUT_S [CKPT_PATH]`` with ``FAULT`` one of ``raise``,
+``exit`` (``os._exit(3)``: the process vanishes without Python's clean-up), ``kill`` (SIGKILL to itself), ``hang``
+(sleeps far longer than the timeout) or ``none``. Lightning's default launcher is used, as a user's script gets it:
+rank 0 is this process, rank 1 a child that runs this same command. Every rank writes its pid to ``OUTDIR/pid{rank}``
+so the test can check that no process is left running; ``ModelCheckpoint`` saves ``OUTDIR/ckpt/last.ckpt`` every
+step.
+"""
+
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp.compressors import TopK
+from tests.models import TinyNet
+
+MAX_STEPS = 6
+
+
+class FailingNet(TinyNet):
+    """TinyNet whose rank ``rank`` fails in ``training_step`` at global step ``step`` (the way ``fault`` says)."""
+
+    def __init__(self, outdir: str, fault: str, rank: int, step: int) -> None:
+        super().__init__(n=96, batch_size=8)
+        self.outdir, self.fault, self.fail_rank, self.fail_step = outdir, fault, rank, step
+
+    def on_fit_start(self) -> None:
+        with open(os.path.join(self.outdir, f"pid{self.global_rank}"), "w") as f:
+            f.write(str(os.getpid()))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == self.fail_rank and self.global_step == self.fail_step:
+            with open(os.path.join(self.outdir, "failed_at"), "w") as f:
+                f.write(repr(time.time()))
+            if self.fault == "raise":
+                raise ValueError(f"injected failure at step {self.global_step}")
+            if self.fault == "exit":
+                os._exit(3)
+            if self.fault == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if self.fault == "hang":
+                time.sleep(3600)
+        return super().training_step(batch, batch_idx)
+
+
+def main(outdir: str, fault: str, rank: int, step: int, timeout_s: float, ckpt_path: str | None) -> None:
+    """Fit ``FailingNet`` for ``MAX_STEPS`` steps on two CPU processes, checkpointing every step."""
+    torch.set_num_threads(1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CompressedDDP(TopK(ratio=0.1), min_compress_numel=64, timeout=timedelta(seconds=timeout_s)),
+        max_steps=MAX_STEPS,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=os.path.join(outdir, "ckpt"), every_n_train_steps=1, save_last=True)],
+    )
+    trainer.fit(FailingNet(outdir, fault, rank, step), ckpt_path=ckpt_path)
+    if trainer.global_rank == 0:
+        with open(os.path.join(outdir, "finished"), "w") as f:
+            f.write(str(trainer.global_step))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
+         sys.argv[6] if len(sys.argv) > 6 else None)  # fmt: skip

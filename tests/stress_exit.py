@@ -1,0 +1,119 @@
+"""Count aborts at process exit over many two-process runs (not collected by pytest: no ``test_`` prefix).
+
+Two patterns, each run ``--runs`` times in a fresh Python process so that every run ends with a real interpreter
+teardown:
+
+- ``hook``: the module fixture of ``tests/test_hook.py`` (raw DDP + ``compression_hook`` with every compressor,
+  two gloo processes spawned by ``tests/distributed.py``);
+- ``fit``: a Lightning fit with ``CompressedDDP`` (its ``CompressionMonitor`` added automatically) and a
+  ``ModelCheckpoint`` every step, two CPU processes, Lightning's default launcher (rank 1 is a child script).
+
+A run counts as an abort when any process printed ``terminate called`` or died by a signal / exit code 134; the
+command exits non-zero if any run aborted::
+
+    PYTHONPATH=$PWD python tests/stress_exit.py hook --runs 30
+    PYTHONPATH=$PWD python tests/stress_exit.py fit --runs 30
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ABORT_MARKERS = ("terminate called", "Fatal Python error", "Aborted")
+
+
+def _hook_worker() -> None:
+    from tests.distributed import run_distributed
+    from tests.test_hook import _hook_vs_reference
+
+    results = run_distributed(_hook_vs_reference)  # raises (with both ranks' stderr) if a rank died
+    bad = {name: r["mismatches"] for r in results for name, r in r.items() if r["mismatches"]}
+    if bad:
+        raise SystemExit(f"mismatches: {bad}")
+
+
+def _fit_worker(outdir: str) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_gradcomp import CompressedDDP
+    from lightning_gradcomp.compressors import EFSignSGD
+    from tests.models import TinyNet
+
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CompressedDDP(EFSignSGD(), min_compress_numel=64),  # the probe's most frequent aborter
+        max_steps=8,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=outdir, every_n_train_steps=1, save_top_k=-1)],
+    )
+    trainer.fit(TinyNet(n=64))
+
+
+def _allow_core_dumps() -> None:
+    # a C++ abort leaves a core (kernel.core_pattern permitting) whose stack names the thread that called terminate
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+
+
+def _loop(pattern: str, runs: int, cores: str | None) -> int:
+    aborts, failures = 0, 0
+    started = time.perf_counter()
+    for run in range(runs):
+        with tempfile.TemporaryDirectory() as outdir:
+            command = [sys.executable, os.path.abspath(__file__), f"{pattern}-worker", outdir]
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+            begin = time.perf_counter()
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
+            proc = subprocess.run(command, cwd=outdir, env=env, capture_output=True, text=True, timeout=600,
+                                  preexec_fn=_allow_core_dumps if cores else None)  # fmt: skip
+            output = proc.stdout + proc.stderr
+            aborted = proc.returncode in (134, -6) or any(marker in output for marker in ABORT_MARKERS)
+            failed = proc.returncode != 0 and not aborted
+            aborts += aborted
+            failures += failed
+            verdict = "ABORT" if aborted else "FAIL" if failed else "ok"
+            print(f"run {run + 1:3d}/{runs}: {verdict} rc={proc.returncode} {time.perf_counter() - begin:.1f}s",
+                  flush=True)  # fmt: skip
+            if cores:
+                for name in os.listdir(outdir):
+                    if name.startswith("core"):
+                        os.makedirs(cores, exist_ok=True)
+                        shutil.move(os.path.join(outdir, name), os.path.join(cores, f"{pattern}-run{run + 1}-{name}"))
+            if aborted or failed:
+                print("    " + output[-4000:].replace("\n", "\n    "), flush=True)
+    print(
+        f"{pattern}: {runs} runs, {aborts} aborted, {failures} failed otherwise"
+        f" ({time.perf_counter() - started:.0f}s in all)"
+    )
+    return 1 if aborts or failures else 0
+
+
+def main() -> None:
+    """Parse the command line and run the loop (or one worker run)."""
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("pattern", choices=["hook", "fit", "hook-worker", "fit-worker"])
+    parser.add_argument("outdir", nargs="?", default=None)
+    parser.add_argument("--runs", type=int, default=30)
+    parser.add_argument("--cores", default=None, help="keep core dumps of aborted processes in this directory")
+    args = parser.parse_args()
+    if args.pattern == "hook-worker":
+        _hook_worker()
+    elif args.pattern == "fit-worker":
+        _fit_worker(args.outdir)
+    else:
+        sys.exit(_loop(args.pattern, args.runs, args.cores))
+
+
+if __name__ == "__main__":
+    main()
