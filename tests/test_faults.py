@@ -29,18 +29,20 @@ def _read(path) -> str:
         return f.read()
 
 
-def _run(outdir, fault: str, rank: int, ckpt_path=None) -> tuple[subprocess.CompletedProcess, float]:
-    """Run the worker; return its result and the seconds from the injected failure to the end of the launcher."""
+def _run(outdir, fault: str, rank: int, ckpt_path=None) -> tuple[int, str, float]:
+    """Run the worker; return its exit status, its output and the seconds from the injected failure to its end."""
     os.makedirs(outdir, exist_ok=True)
     command = [sys.executable, "-m", "tests.fault_worker", str(outdir), fault, str(rank), str(STEP), str(TIMEOUT_S)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("LOCAL_RANK", None)  # the script must launch its own child rank
-    proc = subprocess.run([*command, *([ckpt_path] if ckpt_path else [])], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=240)  # fmt: skip
+    # output to a file, not a pipe: a rank left running would hold a pipe open and block the test until its timeout
+    with open(os.path.join(outdir, "output.txt"), "w") as log:
+        proc = subprocess.run([*command, *([ckpt_path] if ckpt_path else [])], cwd=ROOT, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, timeout=240)  # fmt: skip
     ended = time.time()
     failed_at = os.path.join(outdir, "failed_at")
     latency = ended - float(_read(failed_at)) if os.path.exists(failed_at) else 0.0
-    return proc, latency
+    return proc.returncode, _read(os.path.join(outdir, "output.txt")), latency
 
 
 def _left_running(outdir) -> list[int]:
@@ -63,55 +65,50 @@ def _left_running(outdir) -> list[int]:
     return alive
 
 
-def _output(proc: subprocess.CompletedProcess) -> str:
-    return proc.stdout + proc.stderr
-
-
-def _assert_ended_naming(proc, outdir, pattern: str) -> None:
-    output = _output(proc)
-    assert proc.returncode not in (0, 134, -6), output[-4000:]
+def _assert_ended_naming(returncode: int, output: str, outdir, pattern: str) -> None:
+    assert returncode not in (0, 134, -6), output[-4000:]
     assert "terminate called" not in output, output[-4000:]
     assert _left_running(outdir) == []
     assert re.search(pattern, output), output[-4000:]
 
 
 def test_a_rank_that_raises_ends_every_rank_naming_it_and_the_last_checkpoint_resumes(tmp_path):
-    proc, latency = _run(tmp_path / "failed", "raise", rank=1)
+    returncode, output, latency = _run(tmp_path / "failed", "raise", rank=1)
     # rank 0's error (the one the script ends with) names rank 1 and its error, not only "Connection closed"
-    _assert_ended_naming(proc, tmp_path / "failed", r"RankFailedError: CompressedDDP: rank 1 \(ValueError: injected"
-                         r" failure at step 3\) exited with code 1")  # fmt: skip
+    named = r"RankFailedError: CompressedDDP: rank 1 \(ValueError: injected failure at step 3\) exited with code 1"
+    _assert_ended_naming(returncode, output, tmp_path / "failed", named)
     assert latency < TIMEOUT_S, f"{latency:.1f} s from the failure to the end"
 
     last = tmp_path / "failed" / "ckpt" / "last.ckpt"
     checkpoint = torch.load(last, weights_only=False)
     assert checkpoint["global_step"] == STEP  # written after the last step that every rank finished
     assert len(checkpoint["gradcomp"]["ranks"]) == 2
-    resumed, _ = _run(tmp_path / "resumed", "none", rank=1, ckpt_path=str(last))
-    assert resumed.returncode == 0, _output(resumed)[-4000:]
+    returncode, output, _ = _run(tmp_path / "resumed", "none", rank=1, ckpt_path=str(last))
+    assert returncode == 0, output[-4000:]
     assert int(_read(tmp_path / "resumed" / "finished")) == MAX_STEPS
 
 
 @pytest.mark.parametrize(("fault", "how"), [("exit", "exited with code 3"), ("kill", "was killed by SIGKILL")])
 def test_a_rank_that_dies_ends_every_rank_naming_it(tmp_path, fault, how):
     """``os._exit`` and SIGKILL: the rank leaves no Python error and no note; its exit status names it."""
-    proc, latency = _run(tmp_path, fault, rank=1)
-    _assert_ended_naming(proc, tmp_path, rf"RankFailedError: CompressedDDP: rank 1 {how}")
+    returncode, output, latency = _run(tmp_path, fault, rank=1)
+    _assert_ended_naming(returncode, output, tmp_path, rf"RankFailedError: CompressedDDP: rank 1 {how}")
     assert latency < TIMEOUT_S, f"{latency:.1f} s from the failure to the end"
 
 
 def test_rank_zero_raising_stops_the_other_ranks(tmp_path):
     """The main process's own error is kept (a user's ``except ValueError`` still works); its children are stopped,
     although they would wait in their collective for the whole timeout."""
-    proc, latency = _run(tmp_path, "raise", rank=0)
-    _assert_ended_naming(proc, tmp_path, r"ValueError: injected failure at step 3")
-    assert "CompressedDDP: rank 0 failed (this error)" in _output(proc)
+    returncode, output, latency = _run(tmp_path, "raise", rank=0)
+    _assert_ended_naming(returncode, output, tmp_path, r"ValueError: injected failure at step 3")
+    assert "CompressedDDP: rank 0 failed (this error)" in output
     assert latency < TIMEOUT_S, f"{latency:.1f} s from the failure to the end"
 
 
 def test_a_rank_that_hangs_is_stopped_after_the_timeout(tmp_path):
     """Rank 1 sleeps in ``training_step``: rank 0's collective times out, then rank 1 is killed, not left running."""
-    proc, latency = _run(tmp_path, "hang", rank=1)
-    _assert_ended_naming(proc, tmp_path, r"CompressedDDP: rank 1 did not answer within the timeout")
+    returncode, output, latency = _run(tmp_path, "hang", rank=1)
+    _assert_ended_naming(returncode, output, tmp_path, r"CompressedDDP: rank 1 did not answer within the timeout")
     assert latency < TIMEOUT_S + HANG_GRACE_S, f"{latency:.1f} s from the failure to the end"
 
 
