@@ -21,8 +21,9 @@ from typing_extensions import override
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.hook import CompressionState, compression_hook
-from lightning_gradcomp.transforms.base import CHECKPOINT_KEY as _TRANSFORMS_KEY
-from lightning_gradcomp.transforms.base import ModelTransform
+from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
+from lightning_gradcomp.model_transform import ModelTransform
+from lightning_gradcomp.monitor import CompressionMonitor
 
 log = logging.getLogger(__name__)
 
@@ -176,20 +177,47 @@ class CompressedDDP(DDPStrategy):
         """The hook's state: compressor, switches, residuals and telemetry."""
         return self._state
 
+    @staticmethod
+    def require(trainer: pl.Trainer, who: object) -> CompressedDDP:
+        """``trainer.strategy`` if it is a ``CompressedDDP``; for callbacks that drive the compression.
+
+        Args:
+            trainer: the trainer whose strategy is checked.
+            who: the callback (or other object) that needs the strategy, named in the error.
+
+        Raises:
+            MisconfigurationException: If the trainer's strategy is not a ``CompressedDDP``.
+        """
+        if not isinstance(trainer.strategy, CompressedDDP):
+            raise MisconfigurationException(
+                f"`{type(who).__name__}` requires `Trainer(strategy=CompressedDDP(...))`,"
+                f" got `{type(trainer.strategy).__name__}`."
+            )
+        return trainer.strategy
+
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
     # ------------------------------------------------------------------------------------------------------------
     @override
+    def connect(self, model: pl.LightningModule) -> None:
+        """Connect the model; when fitting, add a :class:`CompressionMonitor` unless the trainer has one.
+
+        Added here, not in :meth:`setup`: Lightning calls the callbacks' ``setup`` between ``connect`` and the
+        strategy's ``setup``, so a monitor appended in ``setup`` would never have its own ``setup`` called.
+        """
+        super().connect(model)
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not self._monitor:
+            return
+        if not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks):
+            trainer.callbacks.append(CompressionMonitor())
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """DDPStrategy's setup, plus a :class:`CompressionMonitor` when fitting (unless one is there)."""
+        """DDPStrategy's setup, plus a warning when fitting if the compressor and the optimizer both apply momentum."""
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _warn_if_optimizer_momentum(self._state.compressor, self.optimizers)
-        if trainer.state.fn == TrainerFn.FITTING and self._monitor:
-            from lightning_gradcomp.callbacks.monitor import CompressionMonitor
-
-            if not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks):
-                trainer.callbacks.append(CompressionMonitor())
 
     @override
     def configure_ddp(self) -> None:

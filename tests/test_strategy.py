@@ -181,3 +181,22 @@ def test_ddp_arguments_pass_through():
     assert strategy.process_group_backend == "gloo"
     assert strategy._start_method == "spawn"
     assert isinstance(strategy.compressor, TopK)
+
+
+def test_the_monitor_compressed_ddp_adds_gets_its_setup(tmp_path, monkeypatch):
+    """Lightning calls the callbacks' ``setup`` before the strategy's: the monitor must be added before that."""
+    from lightning.pytorch import Trainer
+
+    from lightning_gradcomp.monitor import CompressionMonitor
+
+    set_up = []
+    monkeypatch.setattr(CompressionMonitor, "setup", lambda self, trainer, pl_module, stage: set_up.append(stage))
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=CompressedDDP(TopK(0.1)), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(TinyNet())
+    monitors = [cb for cb in trainer.callbacks if isinstance(cb, CompressionMonitor)]
+    assert len(monitors) == 1
+    assert set_up == ["fit"]

@@ -19,8 +19,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.callbacks.monitor import _require_compressed_ddp
 from lightning_gradcomp.compressors.base import Compressor, Layer
+from lightning_gradcomp.strategy import CompressedDDP
 
 #: The reference code's level pairs (low compression, high compression) per level attribute: PowerSGD rank 2 vs 1
 #: (``auto_scale.py``), top-k keep 99 % vs 10 % (``auto_scale_topk.py``, CIFAR-10).
@@ -225,7 +225,7 @@ class Accordion(Callback):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = _require_compressed_ddp(trainer, self)
+        strategy = CompressedDDP.require(trainer, self)
         compressor: Compressor = strategy.compressor
         min_numel = strategy.compression_state.min_compress_numel
         if self.switches_levels:

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_gradcomp.callbacks.monitor import _require_compressed_ddp
+from lightning_gradcomp.strategy import CompressedDDP
 
 #: Deep Gradient Compression's warm-up densities (Lin et al., ICLR 2018): 75 %, 93.75 %, 98.4375 %, 99.6 % sparsity,
 #: one epoch each, before the final density.
@@ -131,7 +131,7 @@ class DenseWarmup(Callback):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = _require_compressed_ddp(trainer, self)
+        strategy = CompressedDDP.require(trainer, self)
         compressor = strategy.compressor
         if self.ramp is not None and compressor.level_attribute != "ratio":
             raise MisconfigurationException(

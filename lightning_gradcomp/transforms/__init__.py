@@ -1,6 +1,6 @@
 """Model-side compression: change the model so that plain averaging moves fewer numbers (Pufferfish, PacTrain)."""
 
-from lightning_gradcomp.transforms.base import ModelTransform
+from lightning_gradcomp.model_transform import ModelTransform
 from lightning_gradcomp.transforms.complexity import count_macs, count_parameters
 from lightning_gradcomp.transforms.lowrank import (
     FactorizedConv,

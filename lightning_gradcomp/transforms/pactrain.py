@@ -33,9 +33,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_gradcomp.callbacks.monitor import _require_compressed_ddp
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.masked import MaskedCompressor, Masks
+from lightning_gradcomp.strategy import CompressedDDP
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm)
 Schedule = Literal["cubic", "linear"]
@@ -242,7 +242,7 @@ class PacTrain(Callback):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        strategy = _require_compressed_ddp(trainer, self)
+        strategy = CompressedDDP.require(trainer, self)
         if not isinstance(strategy.compressor, MaskedCompressor):
             self._inner = strategy.compressor
             strategy.compressor = MaskedCompressor(self._inner, self.masks, self.dense_threshold)

@@ -26,8 +26,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_gradcomp.callbacks.monitor import _require_compressed_ddp
-from lightning_gradcomp.transforms.base import ModelTransform
+from lightning_gradcomp.model_transform import ModelTransform
+from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.transforms.complexity import MacCounter, count_parameters
 from lightning_gradcomp.transforms.lowrank import (
     FactorizedConv,
@@ -287,7 +287,7 @@ class Pufferfish(ModelTransform):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            _require_compressed_ddp(trainer, self)
+            CompressedDDP.require(trainer, self)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -323,7 +323,7 @@ class Pufferfish(ModelTransform):
     # ------------------------------------------------------------------------------------------------------------
     def factorize(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Factorize ``pl_module`` now and re-wrap it (call on every rank, between steps)."""
-        strategy = _require_compressed_ddp(trainer, self)
+        strategy = CompressedDDP.require(trainer, self)
         if self.full_rank is not None and (unused := unused_rules(pl_module, self.full_rank)):
             rank_zero_warn(f"Pufferfish: `full_rank` entries {unused} match no factorizable layer (see `candidates`).")
         decisions = plan(pl_module, self.rank_ratio, self.full_rank)
