@@ -187,7 +187,7 @@ def test_the_monitor_compressed_ddp_adds_gets_its_setup(tmp_path, monkeypatch):
     """Lightning calls the callbacks' ``setup`` before the strategy's: the monitor must be added before that."""
     from lightning.pytorch import Trainer
 
-    from lightning_gradcomp.monitor import CompressionMonitor
+    from lightning_gradcomp.callbacks import CompressionMonitor
 
     set_up = []
     monkeypatch.setattr(CompressionMonitor, "setup", lambda self, trainer, pl_module, stage: set_up.append(stage))

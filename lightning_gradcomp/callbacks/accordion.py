@@ -99,8 +99,10 @@ class Accordion(Callback):
        interval]`` with ``eta`` per layer: at least ``eta`` (or no earlier norm: the first check, a zero norm)
        means a critical regime and low compression for that layer until the next check, otherwise high
        compression. Rank 0 decides and broadcasts, so every rank compresses every layer alike;
-    4. when the learning rate decays (checked at every epoch start), every layer goes to low compression at once;
-       the next check may raise compression again.
+    4. when the learning rate decays (checked at every epoch start), every layer goes to low compression at once
+       and stays there at least until the next check after the decay's epoch: a check at the end of the decay's own
+       epoch does not override it (the reference applies the decay rule after the check); a later check may raise
+       compression again.
 
     Layers start at low compression. Levels are applied with :meth:`Compressor.set_levels` (PowerSGD ranks, top-k
     and random-k keep-ratios); error-feedback memory is kept across switches (the reference's default). In
@@ -320,7 +322,8 @@ class Accordion(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         lrs = [float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups]
-        self._lr_decay_epoch = None
+        if self._lr_decay_epoch != trainer.current_epoch:  # kept when resuming inside the decay's epoch
+            self._lr_decay_epoch = None
         decayed = (
             self._epoch_lrs is not None
             and len(lrs) == len(self._epoch_lrs)
@@ -365,6 +368,10 @@ class Accordion(Callback):
         self.norms[epoch] = message["norms"]
         if message["critical"] is not None:
             self.critical = {name: bool(message["critical"].get(name, True)) for name in self._layers}
+        if self._lr_decay_epoch == epoch:
+            # the reference (auto_scale.py) applies the decay rule after the regime check, so the decay wins: a
+            # check in the decay's own epoch must not switch back to high compression after one epoch
+            self.critical = dict.fromkeys(self._layers, True)
         self.history.append(
             {
                 "epoch": epoch,
@@ -433,6 +440,8 @@ class Accordion(Callback):
             "critical": dict(self.critical),
             "history": list(self.history),
             "epoch_lrs": self._epoch_lrs,
+            # saved inside the decay's epoch, the rule must still win at that epoch's end after a resume
+            "lr_decay_epoch": self._lr_decay_epoch,
         }
         if self._sums is not None and self._sums.backward_passes:
             # saved inside an epoch: rank 0's partial sums (the checkpoint is rank 0's), so the epoch's norm is whole
@@ -445,4 +454,5 @@ class Accordion(Callback):
         self.critical = dict(state_dict["critical"])
         self.history = list(state_dict["history"])
         self._epoch_lrs = state_dict["epoch_lrs"]
+        self._lr_decay_epoch = state_dict.get("lr_decay_epoch")
         self._pending_sums = state_dict.get("partial_sums")
