@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_positive_int
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
 CheckpointLoader = Callable[[nn.Module, str], float]
 Method = Literal["full", "last_layer"]
@@ -161,14 +163,13 @@ class TracInScorer:
         self.checkpoints = list(checkpoints)
         if not self.checkpoints:
             raise ValueError("Expected `checkpoints` to hold at least one checkpoint, got none.")
-        if method not in ("full", "last_layer"):
-            raise ValueError(f"Expected `method` to be 'full' or 'last_layer', got {method!r}.")
-        if projection_dim is not None and (
-            isinstance(projection_dim, bool) or not isinstance(projection_dim, int) or projection_dim < 1
-        ):
-            raise ValueError(f"Expected `projection_dim` to be None or an integer >= 1, got {projection_dim!r}.")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"Expected `batch_size` to be an integer >= 1, got {batch_size!r}.")
+        # plain ValueError: the scorer is usable without Lightning
+        check_choice(method, "method", ("full", "last_layer"))
+        check_int(projection_dim, "projection_dim", low=1, allow_none=True)
+        check_int(seed, "seed")
+        check_positive_int(batch_size, "batch_size")
+        check_bool(distributed, "distributed", allow_none=True)
+        check_bool(show_progress, "show_progress")
         self.model = model
         self.loss_fn = loss_fn or per_example_cross_entropy
         self.method = method

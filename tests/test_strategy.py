@@ -163,7 +163,7 @@ def test_switch_setters_validate():
     strategy = CompressedDDP()
     with pytest.raises(MisconfigurationException, match="`compressor`"):
         strategy.compressor = "topk"
-    with pytest.raises(ValueError, match="`compression_enabled`"):
+    with pytest.raises(MisconfigurationException, match="`compression_enabled`"):  # one exception type per layer
         strategy.compression_enabled = "no"
 
 
@@ -196,7 +196,11 @@ def test_the_monitor_compressed_ddp_adds_gets_its_setup(tmp_path, monkeypatch):
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=str(tmp_path),
     )  # fmt: skip
-    trainer.fit(TinyNet())
+    try:
+        trainer.fit(TinyNet())
+    finally:  # Lightning leaves the process group up after fit; later in-process tests expect none
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     monitors = [cb for cb in trainer.callbacks if isinstance(cb, CompressionMonitor)]
     assert len(monitors) == 1
     assert set_up == ["fit"]

@@ -21,10 +21,15 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
+
+_MiscError = MisconfigurationException
 
 #: The reference code's level pairs (low compression, high compression) per level attribute: PowerSGD rank 2 vs 1
 #: (``auto_scale.py``), top-k keep 99 % vs 10 % (``auto_scale_topk.py``, CIFAR-10).
 DEFAULT_LEVELS: dict[str, tuple[float, float]] = {"rank": (2, 1), "ratio": (0.99, 0.1)}
+#: Level attributes for which a larger value compresses less: PowerSGD's rank, a keep-ratio, QSGD's number of levels.
+GENTLER_WHEN_LARGER = frozenset({"rank", "ratio", "levels"})
 #: Batch-size mode: the reference logs switch between batches of 512 and 4096.
 DEFAULT_BATCH_SIZE_FACTOR = 8
 
@@ -157,32 +162,26 @@ class Accordion(Callback):
         batch_size_factor: int | None = None,
         lr_drop: float = 1.0,
     ) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise MisconfigurationException(f"`interval` must be an integer >= 1 (epochs), got {interval!r}.")
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta > 0:
-            raise MisconfigurationException(f"`eta` must be a number > 0, got {eta!r}.")
-        if mode not in ("levels", "batch_size", "both"):
-            raise MisconfigurationException(f"`mode` can be 'levels', 'batch_size' or 'both', got {mode!r}.")
+        check_positive_int(interval, "interval", error=_MiscError)
+        check_number(eta, "eta", low=0, low_open=True, error=_MiscError)
+        check_choice(mode, "mode", ("levels", "batch_size", "both"), error=_MiscError)
         if mode == "batch_size" and (low_compression_level is not None or high_compression_level is not None):
             raise MisconfigurationException(
                 "`low_compression_level` and `high_compression_level` are set but `mode='batch_size'` does not switch"
                 " compression levels (use mode='both')."
             )
-        for name, level in (("low_compression_level", low_compression_level),
-                            ("high_compression_level", high_compression_level)):  # fmt: skip
-            if level is not None and (isinstance(level, bool) or not isinstance(level, (int, float))):
-                raise MisconfigurationException(f"`{name}` must be None or a number, got {level!r}.")
+        # NaN would compare false with everything and silently pass the order check in setup
+        check_number(low_compression_level, "low_compression_level", low=0, low_open=True, allow_none=True,
+                     error=_MiscError)  # fmt: skip
+        check_number(high_compression_level, "high_compression_level", low=0, low_open=True, allow_none=True,
+                     error=_MiscError)  # fmt: skip
         if batch_size_factor is not None:
             if mode == "levels":
                 raise MisconfigurationException(
                     "`batch_size_factor` is set but `mode='levels'` does not switch the batch size (use mode='both')."
                 )
-            if isinstance(batch_size_factor, bool) or not isinstance(batch_size_factor, int) or batch_size_factor < 2:
-                raise MisconfigurationException(
-                    f"`batch_size_factor` must be an integer >= 2, got {batch_size_factor!r}."
-                )
-        if isinstance(lr_drop, bool) or not isinstance(lr_drop, (int, float)) or not 0 <= lr_drop <= 1:
-            raise MisconfigurationException(f"`lr_drop` must be a number in [0, 1], got {lr_drop!r}.")
+            check_int(batch_size_factor, "batch_size_factor", low=2, error=_MiscError)
+        check_number(lr_drop, "lr_drop", low=0, high=1, error=_MiscError)
         self.interval = interval
         self.eta = float(eta)
         self.low_compression_level = low_compression_level
@@ -275,11 +274,12 @@ class Accordion(Callback):
             low, high = compressor.check_level(low), compressor.check_level(high)
         except ValueError as err:
             raise MisconfigurationException(f"`Accordion`: a level is invalid for {compressor!r}: {err}") from err
-        if attribute in DEFAULT_LEVELS and not low > high:
-            # for ranks and keep-ratios, larger means gentler
+        if attribute in GENTLER_WHEN_LARGER and not low > high:
             raise MisconfigurationException(
-                f"`low_compression_level` must compress less than `high_compression_level` (a larger `{attribute}`),"
-                f" got {low!r} and {high!r}."
+                f"`low_compression_level` is the level of critical regimes and must compress less than"
+                f" `high_compression_level`: for {type(compressor).__name__}'s `{attribute}` a larger value compresses"
+                f" less, so `low_compression_level` must be the larger one, got low_compression_level={low!r} and"
+                f" high_compression_level={high!r}" + (" (swapped?)." if low < high else ".")
             )
         return low, high
 

@@ -36,11 +36,13 @@ from typing_extensions import override
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.masked import MaskedCompressor, Masks
 from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number, check_positive_int
 
 _NORMS = (nn.modules.batchnorm._NormBase, nn.LayerNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.RMSNorm)
 Schedule = Literal["cubic", "linear"]
 Granularity = Literal["element", "channel"]
 Scope = Literal["layer", "global"]
+_MiscError = MisconfigurationException
 
 
 def sparsity_at(
@@ -171,40 +173,22 @@ class PacTrain(Callback):
         dense_threshold: float = 0.9,
         check_masks: bool = True,
     ) -> None:
-        for name, value in (("sparsity", sparsity), ("initial_sparsity", initial_sparsity)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
-                raise MisconfigurationException(f"`{name}` must be a number in [0, 1), got {value!r}.")
-        for name, value in (("start_step", start_step), ("end_step", end_step), ("frequency", frequency)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name == "frequency" else 0):
-                raise MisconfigurationException(
-                    f"`{name}` must be an integer >= {1 if name == 'frequency' else 0}, got {value!r}."
-                )
-        if end_step < start_step:
-            raise MisconfigurationException(f"`end_step` ({end_step}) must be >= `start_step` ({start_step}).")
-        if initial_sparsity > sparsity:
-            raise MisconfigurationException(
-                f"`initial_sparsity` ({initial_sparsity}) must not exceed `sparsity` ({sparsity})."
-            )
-        choices = {"schedule": ("cubic", "linear"), "granularity": ("element", "channel"), "scope": ("layer", "global")}
-        for name, value in (("schedule", schedule), ("granularity", granularity), ("scope", scope)):
-            if value not in choices[name]:
-                raise MisconfigurationException(
-                    f"`{name}` can be {' or '.join(map(repr, choices[name]))}, got {value!r}."
-                )
+        check_number(sparsity, "sparsity", low=0, high=1, high_open=True, error=_MiscError)
+        check_number(initial_sparsity, "initial_sparsity", low=0, high=sparsity, error=_MiscError)
+        check_int(start_step, "start_step", low=0, error=_MiscError)
+        check_int(end_step, "end_step", low=start_step, error=_MiscError)
+        check_positive_int(frequency, "frequency", error=_MiscError)
+        check_choice(schedule, "schedule", ("cubic", "linear"), error=_MiscError)
+        check_choice(granularity, "granularity", ("element", "channel"), error=_MiscError)
+        check_choice(scope, "scope", ("layer", "global"), error=_MiscError)
         if scope == "global" and granularity == "channel":
             raise MisconfigurationException(
                 "`scope` can be 'global' only with `granularity='element'`, got granularity='channel'."
             )
         if isinstance(exclude, str) or not all(isinstance(p, str) for p in exclude):
-            raise MisconfigurationException(f"`exclude` must be a list of name patterns, got {exclude!r}.")
-        if (
-            isinstance(dense_threshold, bool)
-            or not isinstance(dense_threshold, (int, float))
-            or not (0 <= dense_threshold <= 1)
-        ):
-            raise MisconfigurationException(f"`dense_threshold` must be a number in [0, 1], got {dense_threshold!r}.")
-        if not isinstance(check_masks, bool):
-            raise MisconfigurationException(f"`check_masks` must be True or False, got {check_masks!r}.")
+            raise MisconfigurationException(f"Expected `exclude` to be a list of name patterns, got {exclude!r}.")
+        check_number(dense_threshold, "dense_threshold", low=0, high=1, error=_MiscError)
+        check_bool(check_masks, "check_masks", error=_MiscError)
         self.sparsity = float(sparsity)
         self.start_step, self.end_step, self.frequency = start_step, end_step, frequency
         self.initial_sparsity = float(initial_sparsity)

@@ -36,6 +36,7 @@ from lightning_gradcomp.transforms.lowrank import (
     FactorizedMultiheadAttention,
     factorize,
 )
+from lightning_gradcomp.validation import check_bool, check_int, check_ratio
 
 _FACTORIZED = (FactorizedLinear, FactorizedConv, FactorizedLSTM, FactorizedMultiheadAttention)
 #: the paper's ImageNet "hybrid" ResNet-50 / Wide-ResNet-50-2: layer1 to layer3 (and stem and classifier) full-rank
@@ -253,22 +254,19 @@ class Pufferfish(ModelTransform):
         keep_lr_schedule: bool = True,
         verbose: bool = False,
     ) -> None:
-        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
-            raise MisconfigurationException(f"`warmup_epochs` must be an integer >= 0, got {warmup_epochs!r}.")
-        if isinstance(rank_ratio, bool) or not isinstance(rank_ratio, (int, float)) or not 0 < rank_ratio <= 1:
-            raise MisconfigurationException(f"`rank_ratio` must be a number in (0, 1], got {rank_ratio!r}.")
+        check_int(warmup_epochs, "warmup_epochs", low=0, error=MisconfigurationException)
+        check_ratio(rank_ratio, "rank_ratio", error=MisconfigurationException)
         if full_rank is not None:
             if isinstance(full_rank, (str, int)) or not all(
                 isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool)) for x in full_rank
             ):
                 raise MisconfigurationException(
-                    "`full_rank` must be None or a list of module-name patterns (str) and positions (int),"
+                    "Expected `full_rank` to be None or a list of module-name patterns (str) and positions (int),"
                     f" got {full_rank!r}."
                 )
             full_rank = list(full_rank)
-        for name, value in (("keep_lr_schedule", keep_lr_schedule), ("verbose", verbose)):
-            if not isinstance(value, bool):
-                raise MisconfigurationException(f"`{name}` must be True or False, got {value!r}.")
+        check_bool(keep_lr_schedule, "keep_lr_schedule", error=MisconfigurationException)
+        check_bool(verbose, "verbose", error=MisconfigurationException)
         self.warmup_epochs = warmup_epochs
         self.rank_ratio = float(rank_ratio)
         self.full_rank = full_rank
