@@ -5,7 +5,8 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -312,6 +313,20 @@ class CompressedDDP(DDPStrategy):
         self._state.step = trainer.global_step
         # a callback may have switched to a compressor with more rounds; all ranks are here together
         self._state.ensure_rounds()
+
+    def identical_on_all_ranks(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` are bitwise equal on every rank (call on every rank: a collective).
+
+        Each rank reduces every tensor to a CRC32 of its bytes and the checksums are all-gathered through the
+        strategy (one small collective, whatever the tensors' size). For the transforms that rebuild or mask the
+        model on every rank from equal replicas and must check that they came out equal.
+        """
+        if self.world_size == 1:
+            return True
+        crcs = [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for t in tensors]
+        local = torch.tensor([len(crcs), *crcs], dtype=torch.int64, device=self.root_device)
+        gathered = self.all_gather(local).reshape(self.world_size, -1)
+        return bool((gathered == gathered[0]).all())
 
     # ------------------------------------------------------------------------------------------------------------
     # A model whose structure changed during fit (Pufferfish's factorization)

@@ -45,6 +45,16 @@ def relative_changes(current: Mapping[str, float], previous: Mapping[str, float]
     return changes
 
 
+def _monitored_by_reference(layer: Layer, min_numel: int) -> bool:
+    """Whether the reference code would track ``layer`` when no compression level is switched.
+
+    Tensors of two or more dimensions with at least ``min_numel`` elements (biases and normalisation weights are
+    left out). Batch-size mode works with any compressor (``Identity`` included, which "compresses" every layer), so the
+    tracked layers cannot be the compressor's own choice.
+    """
+    return layer.ndim >= 2 and layer.numel >= min_numel
+
+
 class LocalGradientSum:
     """Sum, per parameter, of this rank's own gradients before DDP communicates them.
 
@@ -284,8 +294,8 @@ class Accordion(Callback):
         return low, high
 
     def _tracks(self, probe: Compressor, layer: Layer, min_numel: int) -> bool:
-        if self._levels is None:  # batch-size mode: the layers a compressor compresses by the default rule
-            return Compressor.compresses(probe, layer, min_numel)
+        if self._levels is None:  # batch-size mode: whatever the compressor, the layers the reference monitors
+            return _monitored_by_reference(layer, min_numel)
         for level in self._levels:
             probe.set_levels({layer.name: level})
             if probe.compresses(layer, min_numel):

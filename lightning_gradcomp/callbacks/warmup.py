@@ -11,12 +11,13 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_gradcomp.compressors.dgc import WARMUP_RATIOS
 from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.validation import check_int, check_positive_int, check_ratio
 
 #: Deep Gradient Compression's warm-up densities (Lin et al., ICLR 2018): 75 %, 93.75 %, 98.4375 %, 99.6 % sparsity,
-#: one epoch each, before the final density.
-DGC_RAMP: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.004)
+#: one epoch each, before the final density. One constant, defined beside the DGC compressor that also ramps by it.
+DGC_RAMP: tuple[float, ...] = WARMUP_RATIOS
 
 
 def _check_count(value: Any, name: str) -> int | None:

@@ -26,7 +26,6 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -297,17 +296,13 @@ class PacTrain(Callback):
                         value.mul_(self.masks[name])
 
     def _verify(self, trainer: pl.Trainer) -> None:
-        if not self.check_masks or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        if not self.check_masks:
             return
         names = sorted(self.masks)
-        crcs = [zlib.crc32(self.masks[n].detach().cpu().contiguous().numpy().tobytes()) for n in names]
-        local = torch.tensor(
-            [self.masks.version, len(names), *crcs], dtype=torch.int64, device=trainer.strategy.root_device
-        )
-        high, low = local.clone(), -local
-        dist.all_reduce(high, op=dist.ReduceOp.MAX)
-        dist.all_reduce(low, op=dist.ReduceOp.MAX)
-        if not torch.equal(high, -low):
+        # the masks' version and names travel with the masks: the same set, updated as often, on every rank
+        tensors = [torch.tensor([self.masks.version, zlib.crc32("\0".join(names).encode())]), *(
+            self.masks[n] for n in names)]  # fmt: skip
+        if not CompressedDDP.require(trainer, self).identical_on_all_ranks(tensors):
             raise RuntimeError(
                 "PacTrain: the pruning masks differ between ranks (their weights were not equal); refusing to"
                 " compact gradients with different masks."

@@ -13,14 +13,11 @@ kernel and no error feedback are involved. The paper's procedure ("vanilla warm-
 from __future__ import annotations
 
 import fnmatch
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -331,7 +328,7 @@ class Pufferfish(ModelTransform):
         after = count_parameters(pl_module)
         self.layers, self.factorized_ratio = chosen, self.rank_ratio
         new_params = [p for name in chosen for p in pl_module.get_submodule(name).parameters()]
-        self.replicas_identical = _identical_on_all_ranks(new_params, strategy.root_device)
+        self.replicas_identical = strategy.identical_on_all_ranks(new_params)
         if not self.replicas_identical:
             rank_zero_warn(
                 "Pufferfish: the SVD factors differ between ranks (a nondeterministic SVD?); DDP now broadcasts"
@@ -387,15 +384,3 @@ class Pufferfish(ModelTransform):
         structure = state_dict.get("structure")
         if structure is not None:  # the structure itself was rebuilt before the weights were loaded
             self.layers, self.factorized_ratio = list(structure["layers"]), structure["rank_ratio"]
-
-
-def _identical_on_all_ranks(tensors: list[torch.Tensor], device: torch.device) -> bool:
-    """Whether ``tensors`` are bitwise equal on every rank (a CRC32 per tensor, compared by max and min)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return True
-    crcs = [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for t in tensors]
-    high = torch.tensor(crcs, dtype=torch.int64, device=device)
-    low = -high.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MAX)
-    return bool(torch.equal(high, -low))
