@@ -29,6 +29,7 @@ from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.model_transform import ModelTransform
 from lightning_gradcomp.monitor import CompressionMonitor
+from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 
 log = logging.getLogger(__name__)
@@ -107,22 +108,6 @@ def _check_compressor(compressor: Any) -> Compressor:
             f" got {compressor!r} of type {type(compressor).__name__}."
         )
     return compressor
-
-
-def optimizer_momentum_warning(compressor: Compressor, optimizers: Any) -> str | None:
-    """A warning if ``compressor`` applies momentum itself (DGC) and an optimizer does too, else ``None``."""
-    if not getattr(compressor, "optimizer_momentum_conflicts", False):
-        return None
-    for optimizer in optimizers or ():
-        for group in getattr(optimizer, "param_groups", ()):
-            momentum = group.get("momentum", 0)
-            if isinstance(momentum, (int, float)) and momentum > 0:
-                return (
-                    f"{type(compressor).__name__} applies momentum itself (momentum correction), but the optimizer"
-                    f" {type(optimizer).__name__} has momentum={momentum}: momentum is applied twice. Use"
-                    " `torch.optim.SGD(params, lr, momentum=0)` with this compressor."
-                )
-    return None
 
 
 def _warn_if_optimizer_momentum(compressor: Compressor, optimizers: Any) -> None:

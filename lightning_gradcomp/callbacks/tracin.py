@@ -15,7 +15,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_gradcomp.influence import LOSSES, Method, TracInScorer, save_tracin_checkpoint, write_report
+from lightning_gradcomp.influence import LOSSES, Method, TracInScorer, save_tracin_checkpoint
+from lightning_gradcomp.influence_report import write_report
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_positive_int
 
 _MiscError = MisconfigurationException
@@ -36,9 +37,9 @@ class TracIn(Callback):
 
     **After training** (``score_on_train_end``) every rank scores a shard of the training dataset (the training
     dataloader's ``dataset``) and the scores are gathered, so every rank holds :attr:`scores`, the self-influence of
-    every training example; rank 0 writes the report (:func:`~lightning_gradcomp.influence.write_report`): a CSV of
-    every example's self-influence and loss under the final weights, most influential first, and a PNG grid of the
-    ``top_n`` most self-influential examples with their labels. Mislabeled examples tend to be at the top.
+    every training example; rank 0 writes the report (:func:`~lightning_gradcomp.influence_report.write_report`):
+    a CSV of every example's self-influence and loss under the final weights, most influential first, and a PNG grid
+    of the ``top_n`` most self-influential examples with their labels. Mislabeled examples tend to be at the top.
 
     **On demand**, :meth:`scorer` returns a :class:`~lightning_gradcomp.influence.TracInScorer` over the saved
     checkpoints for self-influence, proponents and opponents of test examples
