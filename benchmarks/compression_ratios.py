@@ -8,7 +8,7 @@ per layer kind (convolutions, fully-connected, recurrent), so each kind's ratio 
 averaged densely. Ratios are ``dense bytes / bytes sent`` per rank, summed over the measured steps and both ranks.
 
 Models: ``DigitsCNN`` on scikit-learn's digits, ``CharLSTM`` on the standard library's source text (see
-``benchmarks/workloads.py``). Everything is deterministic: the numbers do not depend on the machine's load.
+``lightning_gradcomp/demo/workloads.py``). Everything is deterministic: the numbers do not depend on the machine's load.
 
 Examples::
 
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,10 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.workloads import CharLSTM, DigitsCNN, digits, layer_kind, stdlib_text, text_batch  # noqa: E402
-from lightning_gradcomp.compressors import (  # noqa: E402
+from lightning_gradcomp.compressors import (
     DGC,
     QSGD,
     AdaComp,
@@ -44,9 +40,10 @@ from lightning_gradcomp.compressors import (  # noqa: E402
     TernGrad,
     TopK,
 )
-from lightning_gradcomp.compressors.base import layers_from_shapes  # noqa: E402
-from lightning_gradcomp.telemetry import Telemetry  # noqa: E402
-from lightning_gradcomp.testing import simulate_reduce  # noqa: E402
+from lightning_gradcomp.compressors.base import layers_from_shapes
+from lightning_gradcomp.demo.workloads import CharLSTM, DigitsCNN, digits, layer_kind, stdlib_text, text_batch
+from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.testing import simulate_reduce
 
 CONFIGS: dict[str, Callable[[], Compressor]] = {
     "adacomp": lambda: AdaComp(),

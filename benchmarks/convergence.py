@@ -25,7 +25,6 @@ import argparse
 import copy
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 
@@ -35,11 +34,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.workloads import DigitsCNN, digits  # noqa: E402
-from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
-from lightning_gradcomp.compressors import (  # noqa: E402
+from lightning_gradcomp import CompressionState, compression_hook
+from lightning_gradcomp.compressors import (
     BF16,
     DGC,
     FP16,
@@ -56,6 +52,7 @@ from lightning_gradcomp.compressors import (  # noqa: E402
     TernGrad,
     TopK,
 )
+from lightning_gradcomp.demo.workloads import DigitsCNN, digits
 
 # name -> (compressor factory, learning rate, optimizer momentum)
 CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {

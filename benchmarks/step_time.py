@@ -39,19 +39,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
+from _netns import shaped_namespace
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _netns import shaped_namespace  # noqa: E402
-
-from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
-from lightning_gradcomp.compressors import (  # noqa: E402
+from lightning_gradcomp import CompressionState, compression_hook
+from lightning_gradcomp.compressors import (
     BF16,
     DGC,
     FP16,
@@ -67,8 +63,8 @@ from lightning_gradcomp.compressors import (  # noqa: E402
     TernGrad,
     TopK,
 )
-from lightning_gradcomp.compressors.base import Layer, keep_count  # noqa: E402
-from lightning_gradcomp.compressors.packing import field_width, index_nbytes, words_needed  # noqa: E402
+from lightning_gradcomp.compressors.base import Layer, keep_count
+from lightning_gradcomp.compressors.packing import field_width, index_nbytes, words_needed
 
 RANK = 2
 COMPRESSORS = {

@@ -15,12 +15,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.digits import DigitsMLP, digits, fit
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import Accordion
 from lightning_gradcomp.callbacks.accordion import LocalGradientSum, relative_changes
 from lightning_gradcomp.compressors import Identity, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import keep_count
+from lightning_gradcomp.demo.digits import DigitsMLP, digits, fit
 from tests.distributed import run_distributed
 
 SPAWN = {"start_method": "spawn"}

@@ -266,7 +266,7 @@ class _Watch(Callback):
 
 
 def _digits_model():
-    from benchmarks.pactrain_accuracy import DigitsNet
+    from lightning_gradcomp.demo.digits import DigitsNet
 
     return DigitsNet(lr=0.05)
 

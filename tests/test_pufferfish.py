@@ -286,7 +286,7 @@ class _Record(Callback):
 
 
 def _digits_model(epochs):
-    from benchmarks.pactrain_accuracy import DigitsNet
+    from lightning_gradcomp.demo.digits import DigitsNet
 
     return DigitsNet(epochs=epochs, lr=0.05)
 

@@ -12,10 +12,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from benchmarks.digits import DigitsMLP, digits, fit
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import TracIn
 from lightning_gradcomp.compressors import PowerSGD
+from lightning_gradcomp.demo.digits import DigitsMLP, digits, fit
 from lightning_gradcomp.influence import (
     TracInScorer,
     detection_curve,
