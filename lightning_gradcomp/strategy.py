@@ -56,6 +56,8 @@ _DDP_KWARGS = [
 #: Lightning's DDPStrategy(start_method=...): "popen" runs the script again per process, the others are
 #: multiprocessing's start methods
 _START_METHODS = ("popen", "spawn", "fork", "forkserver")
+#: single backends by name (the ones this torch knows)
+_BACKENDS = tuple(b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if b in dist.Backend.backend_list)
 _MiscError = MisconfigurationException
 
 
@@ -95,9 +97,6 @@ def _check_kwargs(kwargs: dict[str, Any], own: list[str]) -> None:
     for name in ("static_graph", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers"):
         if name in kwargs:
             check_bool(kwargs[name], name, allow_none=True, error=_MiscError)  # None: DDP decides (broadcast_buffers)
-
-
-_BACKENDS = tuple(b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if b in dist.Backend.backend_list)
 
 
 def _check_compressor(compressor: Any) -> Compressor:
