@@ -103,7 +103,7 @@ def test_valid_ddp_arguments_still_pass():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_nccl_without_cuda_is_refused_before_the_process_group_starts(tmp_path):
+def test_nccl_without_cuda_is_refused_before_the_process_group_starts(tmp_path, in_process_ddp):
     trainer = Trainer(accelerator="cpu", devices=1, strategy=CompressedDDP(process_group_backend="nccl"),
                       max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       default_root_dir=str(tmp_path))  # fmt: skip
