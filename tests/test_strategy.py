@@ -17,7 +17,6 @@ from tests.models import TinyNet, fit, synthetic_classification
 SPAWN = {"start_method": "spawn"}
 
 
-
 def _same_weights(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
