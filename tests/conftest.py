@@ -19,10 +19,12 @@ def _restore_default_dtype():
 def in_process_ddp():
     """For a Lightning DDP run inside the test process: leave no process group and none of its environment behind.
 
-    Lightning writes ``MASTER_ADDR``/``MASTER_PORT`` (and the rank variables) into ``os.environ``; later tests that
-    spawn workers would inherit that port and fail to listen on it.
+    Lightning's spawn launcher leaves ``MASTER_PORT`` in this process's environment and every later run reuses it; an
+    in-process run would listen on that port itself (its store outlives the process group) and every later spawned
+    run would fail to listen on it. So the in-process run gets a port of its own, and the environment is put back.
     """
     saved = dict(os.environ)
+    os.environ.pop("MASTER_PORT", None)
     try:
         yield
     finally:
