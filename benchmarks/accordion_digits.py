@@ -17,18 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from torch.utils.data import TensorDataset
 
-import torch  # noqa: E402
-from torch.utils.data import TensorDataset  # noqa: E402
-
-from benchmarks.digits import DigitsMLP, accuracy, digits, fit  # noqa: E402
-from lightning_gradcomp import CompressedDDP  # noqa: E402
-from lightning_gradcomp.callbacks import Accordion  # noqa: E402
-from lightning_gradcomp.compressors import PowerSGD, TopK  # noqa: E402
+from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp.callbacks import Accordion
+from lightning_gradcomp.compressors import PowerSGD, TopK
+from lightning_gradcomp.demo.digits import DigitsMLP, accuracy, digits, fit
 
 LEVELS = {"powersgd": (4, 1), "topk": (0.99, 0.1)}
 

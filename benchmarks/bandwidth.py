@@ -21,9 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _netns import rate_bytes_per_second, shaped_namespace  # noqa: E402
+from _netns import rate_bytes_per_second, shaped_namespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_RATES = ["100mbit", "1gbit", "10gbit"]

@@ -15,21 +15,15 @@ Example::
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 
 import torch
 import torchvision
+from step_time import COMPRESSORS, MIN_COMPRESS_NUMEL
 from torch.profiler import profile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from step_time import COMPRESSORS, MIN_COMPRESS_NUMEL  # noqa: E402
-
-from lightning_gradcomp.compressors.base import Layer  # noqa: E402
-from lightning_gradcomp.testing import simulate_reduce  # noqa: E402
+from lightning_gradcomp.compressors.base import Layer
+from lightning_gradcomp.testing import simulate_reduce
 
 
 def compressed_layers(model: torch.nn.Module) -> tuple[Layer, ...]:

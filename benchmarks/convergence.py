@@ -25,7 +25,6 @@ import argparse
 import copy
 import json
 import os
-import sys
 import tempfile
 from collections.abc import Callable
 
@@ -35,46 +34,34 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.workloads import DigitsCNN, digits  # noqa: E402
-from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
-from lightning_gradcomp.compressors import (  # noqa: E402
-    BF16,
-    DGC,
-    FP16,
-    QSGD,
-    AdaComp,
+from lightning_gradcomp import CompressionState, compression_hook
+from lightning_gradcomp.compressors import (
     Compressor,
-    EFSignSGD,
-    Identity,
-    OneBit,
-    PowerSGD,
-    RandomK,
-    ScaleCom,
     SignSGD,
-    TernGrad,
-    TopK,
 )
+from lightning_gradcomp.demo.workloads import DigitsCNN, digits
+from lightning_gradcomp.testing import EXAMPLES
 
 # name -> (compressor factory, learning rate, optimizer momentum)
+# (compressor, learning rate, momentum); the compressors are the methods' default configurations of the package's
+# one table of examples (DGC applies momentum itself, hence momentum 0 for its optimizer)
 CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
-    "identity": (Identity, 0.05, 0.9),
-    "adacomp": (AdaComp, 0.05, 0.9),
-    "dgc": (DGC, 0.05, 0.0),
-    "scalecom": (ScaleCom, 0.05, 0.9),
-    "signsgd": (SignSGD, 0.05, 0.9),
-    "signsgd-lr": (SignSGD, 0.003, 0.0),
-    "signum-lr": (lambda: SignSGD(momentum=0.9), 0.001, 0.0),
-    "efsignsgd": (EFSignSGD, 0.05, 0.9),
-    "onebit": (OneBit, 0.05, 0.9),
-    "qsgd": (QSGD, 0.05, 0.9),
-    "terngrad": (TernGrad, 0.05, 0.9),
-    "fp16": (FP16, 0.05, 0.9),
-    "bf16": (BF16, 0.05, 0.9),
-    "topk": (lambda: TopK(ratio=0.01), 0.05, 0.9),
-    "randomk": (lambda: RandomK(ratio=0.01), 0.05, 0.9),
-    "powersgd": (lambda: PowerSGD(rank=2), 0.05, 0.9),
+    "identity": (EXAMPLES["identity"], 0.05, 0.9),
+    "adacomp": (EXAMPLES["adacomp"], 0.05, 0.9),
+    "dgc": (EXAMPLES["dgc"], 0.05, 0.0),
+    "scalecom": (EXAMPLES["scalecom"], 0.05, 0.9),
+    "signsgd": (EXAMPLES["signsgd"], 0.05, 0.9),
+    "signsgd-lr": (EXAMPLES["signsgd"], 0.003, 0.0),
+    "signum-lr": (EXAMPLES["signum"], 0.001, 0.0),
+    "efsignsgd": (EXAMPLES["efsignsgd"], 0.05, 0.9),
+    "onebit": (EXAMPLES["onebit"], 0.05, 0.9),
+    "qsgd": (EXAMPLES["qsgd"], 0.05, 0.9),
+    "terngrad": (EXAMPLES["terngrad"], 0.05, 0.9),
+    "fp16": (EXAMPLES["fp16"], 0.05, 0.9),
+    "bf16": (EXAMPLES["bf16"], 0.05, 0.9),
+    "topk": (EXAMPLES["topk"], 0.05, 0.9),
+    "randomk": (EXAMPLES["randomk"], 0.05, 0.9),
+    "powersgd": (EXAMPLES["powersgd"], 0.05, 0.9),
 }
 # sign steps: a learning rate for signs, chosen from this sweep (run it with --sign-lr-sweep)
 SIGN_SWEEP: dict[str, tuple[Callable[[], Compressor], float, float]] = {

@@ -41,14 +41,11 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
-from lightning_gradcomp.compressors import Identity, MaskedCompressor, Masks  # noqa: E402
-from lightning_gradcomp.models import CifarResNet18  # noqa: E402
-from lightning_gradcomp.transforms.pactrain import magnitude_masks, prunable_parameters  # noqa: E402
-from lightning_gradcomp.transforms.pufferfish import apply_factorization, plan  # noqa: E402
+from lightning_gradcomp import CompressionState, compression_hook
+from lightning_gradcomp.compressors import Identity, MaskedCompressor, Masks
+from lightning_gradcomp.models import CifarResNet18
+from lightning_gradcomp.transforms.pactrain import magnitude_masks, prunable_parameters
+from lightning_gradcomp.transforms.pufferfish import apply_factorization, plan
 
 CONFIGS = ["dense", "pufferfish", "pactrain-50", "pactrain-90", "pactrain-95", "pactrain-90-channel"]
 

@@ -16,73 +16,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import tempfile
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lightning_gradcomp import CompressedDDP, PacTrain  # noqa: E402
-from lightning_gradcomp.compressors import TopK  # noqa: E402
-
-BATCH_SIZE = 32  # per rank
-
-
-def digits(train: bool) -> TensorDataset:
-    """The fixed split of scikit-learn's digits: 1,437 training or 360 test images, scaled to [0, 1]."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    x, y = load_digits(return_X_y=True)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    x, y = (x_train, y_train) if train else (x_test, y_test)
-    return TensorDataset(torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0, torch.tensor(y))
-
-
-class DigitsNet(pl.LightningModule):
-    """Conv(1->32) - Conv(32->64) - Linear(1024->128) - Linear(128->10), ReLU between, batch norm after the convs."""
-
-    def __init__(self, epochs: int = 30, lr: float = 0.05) -> None:
-        super().__init__()
-        self.epochs, self.lr = epochs, lr
-        torch.manual_seed(0)
-        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
-        self.bn1 = nn.BatchNorm2d(32)
-        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
-        self.bn2 = nn.BatchNorm2d(64)
-        self.fc1 = nn.Linear(64 * 4 * 4, 128)
-        self.fc2 = nn.Linear(128, 10)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = torch.relu(self.bn1(self.conv1(x)))
-        x = nn.functional.max_pool2d(torch.relu(self.bn2(self.conv2(x))), 2)
-        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        loss = nn.functional.cross_entropy(self(x), y)
-        self.log("train_loss", loss, on_step=True, on_epoch=False)
-        return loss
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
-        steps = self.trainer.estimated_stepping_batches
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, steps), "interval": "step"}}  # fmt: skip
-
-    def train_dataloader(self) -> DataLoader:
-        # shuffled by Lightning's DistributedSampler (seeded), the same on every run
-        return DataLoader(digits(train=True), batch_size=BATCH_SIZE, shuffle=True)
+from lightning_gradcomp import CompressedDDP, PacTrain
+from lightning_gradcomp.compressors import TopK
+from lightning_gradcomp.demo.digits import BATCH_SIZE, DigitsNet, digits_split
 
 
 def accuracy(model: nn.Module) -> float:
     """Test accuracy in percent."""
-    x, y = digits(train=False).tensors
+    x, y = digits_split(train=False).tensors
     model.eval()
     with torch.no_grad():
         return 100.0 * (model(x).argmax(1) == y).float().mean().item()
@@ -122,7 +70,7 @@ def run(config: str, epochs: int, workdir: str) -> dict:
     """Train one configuration on two processes; return its accuracy, sparsity and last-step bytes."""
     options = dict(CONFIGS[config])
     compressor = TopK(ratio=0.25) if options.pop("compressor", None) == "topk" else None
-    steps_per_epoch = -(-len(digits(train=True)) // (2 * BATCH_SIZE))
+    steps_per_epoch = -(-len(digits_split(train=True)) // (2 * BATCH_SIZE))
     callbacks: list[Callback] = [_LastStep(os.path.join(workdir, "last.pt"))]
     pruning = pactrain(epochs=epochs, steps_per_epoch=steps_per_epoch, **options) if options else None
     if pruning is not None:

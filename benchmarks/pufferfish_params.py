@@ -11,17 +11,12 @@ layers.
 
 from __future__ import annotations
 
-import os
-import sys
-
 import torch
 import torchvision
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lightning_gradcomp.models import VGG19BN, CifarResNet18  # noqa: E402
-from lightning_gradcomp.transforms import count_macs, count_parameters  # noqa: E402
-from lightning_gradcomp.transforms.pufferfish import apply_factorization, plan  # noqa: E402
+from lightning_gradcomp.models import VGG19BN, CifarResNet18
+from lightning_gradcomp.transforms import count_macs, count_parameters
+from lightning_gradcomp.transforms.pufferfish import apply_factorization, plan
 
 MODELS = {
     "ResNet-18 (CIFAR-10)": (CifarResNet18, 32),

@@ -39,26 +39,19 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
+from _netns import shaped_namespace
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from _netns import shaped_namespace  # noqa: E402
-
-from lightning_gradcomp import CompressionState, compression_hook  # noqa: E402
-from lightning_gradcomp.compressors import (  # noqa: E402
-    BF16,
+from lightning_gradcomp import CompressionState, compression_hook
+from lightning_gradcomp.compressors import (
     DGC,
-    FP16,
     QSGD,
     AdaComp,
     EFSignSGD,
-    Identity,
     OneBit,
     PowerSGD,
     RandomK,
@@ -67,26 +60,17 @@ from lightning_gradcomp.compressors import (  # noqa: E402
     TernGrad,
     TopK,
 )
-from lightning_gradcomp.compressors.base import Layer, keep_count  # noqa: E402
-from lightning_gradcomp.compressors.packing import field_width, index_nbytes, words_needed  # noqa: E402
+from lightning_gradcomp.compressors.base import Layer, keep_count
+from lightning_gradcomp.compressors.packing import field_width, index_nbytes, words_needed
+from lightning_gradcomp.testing import EXAMPLES
 
 RANK = 2
+# every method's default configuration, from the package's one table of examples (PowerSGD: rank RANK)
 COMPRESSORS = {
-    "identity": lambda: Identity(),
-    "fp16": lambda: FP16(),
-    "bf16": lambda: BF16(),
-    "topk": lambda: TopK(ratio=0.01),
-    "randomk": lambda: RandomK(ratio=0.01),
-    "powersgd": lambda: PowerSGD(rank=RANK),
-    "dgc": lambda: DGC(),
-    "adacomp": lambda: AdaComp(),
-    "scalecom": lambda: ScaleCom(),
-    "signsgd": lambda: SignSGD(),
-    "efsignsgd": lambda: EFSignSGD(),
-    "onebit": lambda: OneBit(),
-    "qsgd": lambda: QSGD(),
-    "terngrad": lambda: TernGrad(),
-}
+    name: EXAMPLES[name]
+    for name in ("identity", "fp16", "bf16", "topk", "randomk", "powersgd", "dgc", "adacomp", "scalecom", "signsgd",
+                 "efsignsgd", "onebit", "qsgd", "terngrad")
+}  # fmt: skip
 DEFAULT_CONFIGS = ["ddp", "compute", "identity", "fp16", "topk", "powersgd", "torch-powersgd"]
 MIN_COMPRESS_NUMEL = 1024  # CompressedDDP's default
 

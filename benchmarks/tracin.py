@@ -23,20 +23,17 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-import torch  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
-from torch import nn  # noqa: E402
-from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
-
-from benchmarks.digits import DigitsMLP, digits  # noqa: E402
-from lightning_gradcomp.influence import TracInScorer, load_tracin_checkpoint, save_tracin_checkpoint  # noqa: E402
+from lightning_gradcomp.demo.digits import DigitsMLP, digits
+from lightning_gradcomp.influence import TracInScorer, load_tracin_checkpoint, save_tracin_checkpoint
 
 
 def train(args: argparse.Namespace, workdir: str) -> tuple[DigitsMLP, TensorDataset, tuple, list[str]]:

@@ -23,18 +23,15 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks.digits import DigitsMLP, digits, fit  # noqa: E402
-from lightning_gradcomp import CompressedDDP  # noqa: E402
-from lightning_gradcomp.callbacks import TracIn  # noqa: E402
-from lightning_gradcomp.compressors import Identity, PowerSGD  # noqa: E402
-from lightning_gradcomp.influence import TracInScorer, detection_curve  # noqa: E402
+from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp.callbacks import TracIn
+from lightning_gradcomp.compressors import Identity, PowerSGD
+from lightning_gradcomp.demo.digits import DigitsMLP, digits, fit
+from lightning_gradcomp.influence import TracInScorer, detection_curve
 
 FRACTIONS = (0.1, 0.2)
 

@@ -4,10 +4,11 @@ Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))`
 """
 
 from lightning_gradcomp import callbacks, comm, compressors, tasks, testing, transforms
+from lightning_gradcomp.callbacks import PacTrain
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.strategy import CompressedDDP
-from lightning_gradcomp.transforms import PacTrain, Pufferfish
+from lightning_gradcomp.transforms import Pufferfish
 
 __version__ = "0.1.0.dev0"
 

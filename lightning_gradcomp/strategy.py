@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import logging
-from collections.abc import Callable, Mapping
+import zlib
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
@@ -23,8 +28,11 @@ from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
 from lightning_gradcomp.hook import CompressionState, compression_hook
-from lightning_gradcomp.transforms.base import CHECKPOINT_KEY as _TRANSFORMS_KEY
-from lightning_gradcomp.transforms.base import ModelTransform
+from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
+from lightning_gradcomp.model_transform import ModelTransform
+from lightning_gradcomp.monitor import CompressionMonitor
+from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +44,61 @@ _REFUSED = {
     " CompressedDDP replaces",
 }
 _CHECKPOINT_KEY = "gradcomp"
+#: set by Lightning itself when it wraps the model, so not accepted from the user
+_SET_BY_LIGHTNING = {
+    "module": "Lightning wraps the LightningModule itself",
+    "device_ids": "Lightning sets it from `Trainer(devices=...)`",
+}
+#: every keyword ``**kwargs`` may carry: DDPStrategy's own, then DistributedDataParallel's
+_STRATEGY_KWARGS = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
+_DDP_KWARGS = [
+    n for n in inspect.signature(DistributedDataParallel.__init__).parameters
+    if n != "self" and n not in _SET_BY_LIGHTNING
+]  # fmt: skip
+#: Lightning's DDPStrategy(start_method=...): "popen" runs the script again per process, the others are
+#: multiprocessing's start methods
+_START_METHODS = ("popen", "spawn", "fork", "forkserver")
+#: single backends by name (the ones this torch knows)
+_BACKENDS = tuple(b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if b in dist.Backend.backend_list)
+_MiscError = MisconfigurationException
+
+
+def _check_kwargs(kwargs: dict[str, Any], own: list[str]) -> None:
+    """Refuse keywords that neither DDPStrategy nor DistributedDataParallel accept (a misspelling) and bad values.
+
+    Without this a misspelt ``compresor=`` lands in DDP's keyword arguments and fails, if at all, deep inside DDP
+    with an unrelated message once training starts.
+    """
+    for name in kwargs:
+        if name in _SET_BY_LIGHTNING:
+            raise MisconfigurationException(f"CompressedDDP does not accept `{name}`: {_SET_BY_LIGHTNING[name]}.")
+        if name not in _STRATEGY_KWARGS and name not in _DDP_KWARGS:
+            valid = own + _STRATEGY_KWARGS + _DDP_KWARGS
+            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
+            raise MisconfigurationException(
+                f"CompressedDDP got an unexpected keyword argument `{name}`: it is not an argument of CompressedDDP,"
+                f" DDPStrategy or DistributedDataParallel.{hint}"
+            )
+    if "timeout" in kwargs and kwargs["timeout"] is not None and not isinstance(kwargs["timeout"], timedelta):
+        raise MisconfigurationException(
+            f"Expected `timeout` to be a datetime.timedelta (e.g. `timedelta(minutes=30)`) or None,"
+            f" got {kwargs['timeout']!r}."
+        )
+    if "start_method" in kwargs:
+        check_choice(kwargs["start_method"], "start_method", _START_METHODS, error=_MiscError)
+    backend = kwargs.get("process_group_backend")
+    # a single backend by name; torch also takes per-device lists such as "cpu:gloo,cuda:nccl"
+    if backend is not None and (not isinstance(backend, str) or (":" not in backend and backend not in _BACKENDS)):
+        raise MisconfigurationException(
+            f"Expected `process_group_backend` to be None or one of {', '.join(map(repr, _BACKENDS))} (or a"
+            f" per-device list such as 'cpu:gloo,cuda:nccl'), got {backend!r}."
+        )
+    if "bucket_cap_mb" in kwargs:
+        check_number(kwargs["bucket_cap_mb"], "bucket_cap_mb", low=0, low_open=True, allow_none=True, error=_MiscError)
+    for name in ("static_graph", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers"):
+        if name in kwargs:
+            check_bool(kwargs[name], name, allow_none=True, error=_MiscError)  # None: DDP decides (broadcast_buffers)
 
 
 def _check_compressor(compressor: Any) -> Compressor:
@@ -46,22 +109,6 @@ def _check_compressor(compressor: Any) -> Compressor:
             f" got {compressor!r} of type {type(compressor).__name__}."
         )
     return compressor
-
-
-def optimizer_momentum_warning(compressor: Compressor, optimizers: Any) -> str | None:
-    """A warning if ``compressor`` applies momentum itself (DGC) and an optimizer does too, else ``None``."""
-    if not getattr(compressor, "optimizer_momentum_conflicts", False):
-        return None
-    for optimizer in optimizers or ():
-        for group in getattr(optimizer, "param_groups", ()):
-            momentum = group.get("momentum", 0)
-            if isinstance(momentum, (int, float)) and momentum > 0:
-                return (
-                    f"{type(compressor).__name__} applies momentum itself (momentum correction), but the optimizer"
-                    f" {type(optimizer).__name__} has momentum={momentum}: momentum is applied twice. Use"
-                    " `torch.optim.SGD(params, lr, momentum=0)` with this compressor."
-                )
-    return None
 
 
 def _warn_if_optimizer_momentum(compressor: Compressor, optimizers: Any) -> None:
@@ -96,8 +143,12 @@ class CompressedDDP(DDPStrategy):
             ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``find_unused_parameters``, ...).
 
     Raises:
-        MisconfigurationException: If ``compressor`` is not a compressor, another argument is out of range, or
-            ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper`` or ``model_averaging_period`` is passed.
+        MisconfigurationException: If ``compressor`` is not a compressor, another argument is out of range (also
+            those passed on in ``**kwargs``: ``timeout`` must be a ``timedelta``, ``bucket_cap_mb`` > 0,
+            ``start_method`` one of Lightning's), a keyword is neither CompressedDDP's, DDPStrategy's nor
+            DistributedDataParallel's (a misspelling: the closest valid name is suggested), or
+            ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper`` or ``model_averaging_period`` is passed;
+            before the process group is created, if ``process_group_backend="nccl"`` and the run is not on CUDA.
 
     Example::
 
@@ -132,17 +183,11 @@ class CompressedDDP(DDPStrategy):
             if value is not None:
                 raise MisconfigurationException(f"CompressedDDP does not accept `{name}`: {_REFUSED[name]}.")
         compressor = _check_compressor(Identity() if compressor is None else compressor)
-        if error_feedback is not None and not isinstance(error_feedback, bool):
-            raise MisconfigurationException(f"`error_feedback` must be None, True or False, got {error_feedback!r}.")
-        if isinstance(min_compress_numel, bool) or not isinstance(min_compress_numel, int) or min_compress_numel < 0:
-            raise MisconfigurationException(
-                f"`min_compress_numel` must be an integer >= 0 (layers smaller than this are averaged densely),"
-                f" got {min_compress_numel!r}."
-            )
-        if isinstance(seed, bool) or not isinstance(seed, int):
-            raise MisconfigurationException(f"`seed` must be an integer, got {seed!r}.")
-        if not isinstance(monitor, bool):
-            raise MisconfigurationException(f"`monitor` must be True or False, got {monitor!r}.")
+        check_bool(error_feedback, "error_feedback", allow_none=True, error=_MiscError)
+        check_int(min_compress_numel, "min_compress_numel", low=0, error=_MiscError)
+        check_int(seed, "seed", error=_MiscError)
+        check_bool(monitor, "monitor", error=_MiscError)
+        _check_kwargs(kwargs, own=list(inspect.signature(CompressedDDP.__init__).parameters))
         super().__init__(**kwargs)
         self._monitor = monitor
         self._state = CompressionState(
@@ -169,29 +214,71 @@ class CompressedDDP(DDPStrategy):
 
     @compression_enabled.setter
     def compression_enabled(self, enabled: bool) -> None:
-        if not isinstance(enabled, bool):
-            raise ValueError(f"`compression_enabled` must be True or False, got {enabled!r}.")
-        self._state.enabled = enabled
+        self._state.enabled = check_bool(enabled, "compression_enabled", error=_MiscError)
 
     @property
     def compression_state(self) -> CompressionState:
         """The hook's state: compressor, switches, residuals and telemetry."""
         return self._state
 
+    @staticmethod
+    def require(trainer: pl.Trainer, who: object) -> CompressedDDP:
+        """``trainer.strategy`` if it is a ``CompressedDDP``; for callbacks that drive the compression.
+
+        Args:
+            trainer: the trainer whose strategy is checked.
+            who: the callback (or other object) that needs the strategy, named in the error.
+
+        Raises:
+            MisconfigurationException: If the trainer's strategy is not a ``CompressedDDP``.
+        """
+        if not isinstance(trainer.strategy, CompressedDDP):
+            raise MisconfigurationException(
+                f"`{type(who).__name__}` requires `Trainer(strategy=CompressedDDP(...))`,"
+                f" got `{type(trainer.strategy).__name__}`."
+            )
+        return trainer.strategy
+
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
     # ------------------------------------------------------------------------------------------------------------
     @override
+    def connect(self, model: pl.LightningModule) -> None:
+        """Connect the model; when fitting, add a :class:`CompressionMonitor` unless the trainer has one.
+
+        Added here, not in :meth:`setup`: Lightning calls the callbacks' ``setup`` between ``connect`` and the
+        strategy's ``setup``, so a monitor appended in ``setup`` would never have its own ``setup`` called.
+        """
+        super().connect(model)
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not self._monitor:
+            return
+        if not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks):
+            trainer.callbacks.append(CompressionMonitor())
+
+    @override
+    def setup_environment(self) -> None:
+        """Refuse NCCL without CUDA before the process group is created, then set up as DDPStrategy does.
+
+        Checked here rather than at construction: a strategy may be built on a machine that does not train (a login
+        node checking a config), but the process group is created on the training machine, with the accelerator
+        known.
+        """
+        backend = self._process_group_backend
+        if backend == "nccl" and (self.root_device.type != "cuda" or not torch.cuda.is_available()):
+            raise MisconfigurationException(
+                f"`process_group_backend='nccl'` needs CUDA devices, but this run trains on"
+                f" {self.root_device.type!r} (CUDA available: {torch.cuda.is_available()}). Use 'gloo' for CPU"
+                " training, or leave `process_group_backend` unset to let Lightning choose."
+            )
+        super().setup_environment()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """DDPStrategy's setup, plus a :class:`CompressionMonitor` when fitting (unless one is there)."""
+        """DDPStrategy's setup, plus a warning when fitting if the compressor and the optimizer both apply momentum."""
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _warn_if_optimizer_momentum(self._state.compressor, self.optimizers)
-        if trainer.state.fn == TrainerFn.FITTING and self._monitor:
-            from lightning_gradcomp.callbacks.monitor import CompressionMonitor
-
-            if not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks):
-                trainer.callbacks.append(CompressionMonitor())
 
     @override
     def configure_ddp(self) -> None:
@@ -212,6 +299,20 @@ class CompressedDDP(DDPStrategy):
         """
         super().on_train_batch_start(batch, batch_idx)
         self._state.ensure_rounds()
+
+    def identical_on_all_ranks(self, tensors: Sequence[torch.Tensor]) -> bool:
+        """Whether ``tensors`` are bitwise equal on every rank (call on every rank: a collective).
+
+        Each rank reduces every tensor to a CRC32 of its bytes and the checksums are all-gathered through the
+        strategy (one small collective, whatever the tensors' size). For the transforms that rebuild or mask the
+        model on every rank from equal replicas and must check that they came out equal.
+        """
+        if self.world_size == 1:
+            return True
+        crcs = [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for t in tensors]
+        local = torch.tensor([len(crcs), *crcs], dtype=torch.int64, device=self.root_device)
+        gathered = self.all_gather(local).reshape(self.world_size, -1)
+        return bool((gathered == gathered[0]).all())
 
     # ------------------------------------------------------------------------------------------------------------
     # A model whose structure changed during fit (Pufferfish's factorization)

@@ -13,3 +13,22 @@ def _restore_default_dtype():
     dtype = torch.get_default_dtype()
     yield
     torch.set_default_dtype(dtype)
+
+
+@pytest.fixture
+def in_process_ddp():
+    """For a Lightning DDP run inside the test process: leave no process group and none of its environment behind.
+
+    Lightning's spawn launcher leaves ``MASTER_PORT`` in this process's environment and every later run reuses it; an
+    in-process run would listen on that port itself (its store outlives the process group) and every later spawned
+    run would fail to listen on it. So the in-process run gets a port of its own, and the environment is put back.
+    """
+    saved = dict(os.environ)
+    os.environ.pop("MASTER_PORT", None)
+    try:
+        yield
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)

@@ -15,12 +15,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from benchmarks.digits import DigitsMLP, digits, fit
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import Accordion
 from lightning_gradcomp.callbacks.accordion import LocalGradientSum, relative_changes
 from lightning_gradcomp.compressors import Identity, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import keep_count
+from lightning_gradcomp.demo.digits import DigitsMLP, digits, fit
 from tests.distributed import run_distributed
 
 SPAWN = {"start_method": "spawn"}
@@ -108,6 +108,8 @@ def test_decisions_follow_the_rule_and_every_rank_makes_the_same(powersgd_run):
                 critical[name] = change >= 0.5
         else:
             assert h["changes"] is None
+        if h["lr_decay"]:  # the decay rule runs after the check and wins (the reference's order)
+            critical = dict.fromkeys(layers, True)
         assert h["next_critical"] == critical
 
 
@@ -377,3 +379,34 @@ def test_rule_on_controlled_norms_boundaries_lr_decay_and_logging():
     assert logged[f"accordion/level/{b}"] == LOW  # what epoch 4 ran at
     assert logged[f"accordion/norm_change/{b}"] == 1.0
     assert f"accordion/norm_change/{c}" in logged
+
+
+def test_a_decay_at_a_check_epoch_is_not_undone_by_that_epochs_check():
+    """The reference runs the decay rule after the regime check: low compression until the next check, not 1 epoch."""
+    module = DigitsMLP(digits(n=8)[0])
+    stub_module = SimpleNamespace(named_parameters=module.named_parameters, automatic_optimization=True,
+                                  log=lambda *args, **kwargs: None)  # fmt: skip
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    strategy = CompressedDDP(PowerSGD(rank=1), min_compress_numel=MIN_NUMEL)
+    trainer = SimpleNamespace(strategy=strategy, callbacks=[], accumulate_grad_batches=1, is_global_zero=True,
+                              current_epoch=0, optimizers=[optimizer])  # fmt: skip
+    accordion = Accordion(interval=2, low_compression_level=LOW, high_compression_level=HIGH)
+    accordion.setup(trainer, stub_module, "fit")
+    accordion.on_train_start(trainer, stub_module)
+    accordion._sums.remove()
+    accordion._sums = fake = _Norms()
+    layers = list(strategy.compressor.layer_levels)
+    steady = dict.fromkeys(layers, 1.0)  # norms that do not change: every check says "not critical"
+    after = {}
+    for epoch in range(6):
+        trainer.current_epoch = epoch
+        if epoch == 2:  # the decay takes effect at a check epoch
+            optimizer.param_groups[0]["lr"] = 0.01
+        accordion.on_train_epoch_start(trainer, stub_module)
+        fake.next = steady
+        accordion.on_train_epoch_end(trainer, stub_module)
+        after[epoch] = set(strategy.compressor.layer_levels.values())
+    assert after[0] == after[1] == {LOW}, "the first check (no earlier norm) is critical"
+    assert after[2] == {LOW}, "the decay's own check must not switch back to high compression"
+    assert after[3] == {LOW}, "low compression lasts until the next check"
+    assert after[4] == after[5] == {HIGH}, "the next check raises compression again"

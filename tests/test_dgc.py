@@ -10,7 +10,7 @@ from lightning_gradcomp.compressors import DGC, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
 from lightning_gradcomp.compressors.dgc import sample_plan
 from lightning_gradcomp.hook import CompressionState
-from lightning_gradcomp.strategy import optimizer_momentum_warning
+from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedHook, simulate_reduce
 

@@ -215,8 +215,15 @@ def _grads_for(layers, n):
 # --------------------------------------------------------------------------------------------------------------------
 # Training on two processes
 # --------------------------------------------------------------------------------------------------------------------
+class _UnlaunchedDDP(CompressedDDP):
+    """CompressedDDP over a process group started outside Lightning: its collectives, the group's world size."""
+
+    world_size = property(lambda self: torch.distributed.get_world_size())
+    root_device = property(lambda self: torch.device("cpu"))
+
+
 def _check_masks(rank, world_size):
-    trainer = SimpleNamespace(strategy=SimpleNamespace(root_device=torch.device("cpu")))
+    trainer = SimpleNamespace(strategy=_UnlaunchedDDP())
     results = []
     for differ in (False, True):
         callback = PacTrain()
@@ -259,7 +266,7 @@ class _Watch(Callback):
 
 
 def _digits_model():
-    from benchmarks.pactrain_accuracy import DigitsNet
+    from lightning_gradcomp.demo.digits import DigitsNet
 
     return DigitsNet(lr=0.05)
 

@@ -286,7 +286,7 @@ class _Record(Callback):
 
 
 def _digits_model(epochs):
-    from benchmarks.pactrain_accuracy import DigitsNet
+    from lightning_gradcomp.demo.digits import DigitsNet
 
     return DigitsNet(epochs=epochs, lr=0.05)
 
@@ -346,13 +346,17 @@ def test_factorization_mid_training_with_two_processes_then_resume(tmp_path):
                                rtol=0, atol=0)  # fmt: skip
 
 
-def _replica_check(rank, world_size):
-    from lightning_gradcomp.transforms.pufferfish import _identical_on_all_ranks
+class _UnlaunchedDDP(CompressedDDP):
+    """CompressedDDP over a process group started outside Lightning: its collectives, the group's world size."""
 
+    world_size = property(lambda self: torch.distributed.get_world_size())
+    root_device = property(lambda self: torch.device("cpu"))
+
+
+def _replica_check(rank, world_size):
+    strategy = _UnlaunchedDDP()
     same = torch.arange(6.0)
-    return _identical_on_all_ranks([same], torch.device("cpu")), _identical_on_all_ranks(
-        [same, same + rank * 1e-7], torch.device("cpu")
-    )
+    return strategy.identical_on_all_ranks([same]), strategy.identical_on_all_ranks([same, same + rank * 1e-7])
 
 
 def test_the_replica_check_sees_a_tiny_difference():

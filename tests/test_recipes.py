@@ -2,9 +2,10 @@
 
 import glob
 import os
+import re
 
 import pytest
-from lightning.pytorch.cli import LightningCLI
+import yaml
 
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.cli import GradcompCLI
@@ -21,7 +22,46 @@ def test_there_are_recipes():
 def test_recipe_parses_and_instantiates(path, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # nothing a recipe writes lands in the repository
     cli = GradcompCLI(args=["--config", path, "--trainer.accelerator", "cpu", "--trainer.devices", "1"], run=False)
-    assert isinstance(cli, LightningCLI)
+    with open(path) as f:
+        config = yaml.safe_load(f)
     assert isinstance(cli.trainer.strategy, CompressedDDP), "every recipe trains with CompressedDDP"
+    # the compressor the recipe names is the one the strategy holds (Identity when it names none)
+    named = config["trainer"]["strategy"].get("init_args", {}).get("compressor", {}).get("class_path", "Identity")
+    assert type(cli.trainer.strategy.compressor).__name__ == named.rpartition(".")[2]
+    assert cli.trainer.max_epochs == config["trainer"]["max_epochs"]
     assert cli.model is not None
     assert cli.datamodule is not None
+
+
+CIFAR = [p for p in RECIPES if os.path.basename(p).startswith("cifar10_")]
+
+
+def _documented_decay_epochs(path: str) -> list[int]:
+    with open(path) as f:
+        found = re.search(r"divided by 10 at epochs (\d+) and (\d+)", f.read())
+    assert found, f"{path} documents its learning-rate decay"
+    return [int(found[1]), int(found[2])]
+
+
+@pytest.mark.parametrize("path", CIFAR, ids=[os.path.basename(p) for p in CIFAR])
+def test_cifar_recipes_decay_the_learning_rate_at_the_documented_epochs(path, monkeypatch, tmp_path):
+    """The warm-up must not shift the step decay (SequentialLR restarts the decay scheduler's epoch count)."""
+    monkeypatch.chdir(tmp_path)
+    cli = GradcompCLI(args=["--config", path, "--trainer.accelerator", "cpu", "--trainer.devices", "1"], run=False)
+    config = cli.model.configure_optimizers()
+    optimizer, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    assert config["lr_scheduler"]["interval"] == "epoch"
+    lrs = []
+    for _ in range(cli.trainer.max_epochs):  # the learning rate each epoch trains with, as Lightning steps it
+        lrs.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    base, warmup = cli.model.hparams.lr, cli.model.hparams.warmup_epochs
+    first, second = _documented_decay_epochs(path)
+    assert lrs[0] == pytest.approx(base / 10), "the warm-up starts at lr / 10"
+    assert lrs[warmup] == pytest.approx(base), "the warm-up ends at the base learning rate"
+    drops = [e for e in range(warmup + 1, len(lrs)) if lrs[e] < lrs[e - 1] * 0.5]
+    assert drops == [first, second]
+    assert lrs[first] == pytest.approx(base / 10)
+    assert lrs[second] == pytest.approx(base / 100)
+    assert lrs[-1] == pytest.approx(base / 100)

@@ -94,8 +94,11 @@ def test_every_compressor_trains_with_identical_replicas_and_logs_true_bytes(tmp
     sent = expected + ranks[0]["steps"][-1]["stats"].bytes_guard  # the non-finite flags, counted as sent
     assert metrics["gradcomp/bytes_sent"].item() == sent
     assert metrics["gradcomp/compression_ratio"].item() == pytest.approx(_dense_bytes(TinyNet()) / sent)
-    assert metrics["gradcomp/encode_ms"].item() >= 0
-    assert "gradcomp/decode_ms" in metrics
+    last = ranks[0]["steps"][-1]["stats"]  # rank 0's last step, as the monitor logged it
+    for key in ("encode_ms", "decode_ms"):
+        logged = metrics[f"gradcomp/{key}"].item()
+        assert logged > 0, f"{key}: the codec's time is measured"
+        assert logged == pytest.approx(getattr(last, key), rel=1e-5), f"{key}: the logged time is the telemetry's"
 
 
 def test_static_graph_and_bucket_views_pass_through(tmp_path):
@@ -164,7 +167,7 @@ def test_switch_setters_validate():
     strategy = CompressedDDP()
     with pytest.raises(MisconfigurationException, match="`compressor`"):
         strategy.compressor = "topk"
-    with pytest.raises(ValueError, match="`compression_enabled`"):
+    with pytest.raises(MisconfigurationException, match="`compression_enabled`"):  # one exception type per layer
         strategy.compression_enabled = "no"
 
 
@@ -182,3 +185,22 @@ def test_ddp_arguments_pass_through():
     assert strategy.process_group_backend == "gloo"
     assert strategy._start_method == "spawn"
     assert isinstance(strategy.compressor, TopK)
+
+
+def test_the_monitor_compressed_ddp_adds_gets_its_setup(tmp_path, monkeypatch, in_process_ddp):
+    """Lightning calls the callbacks' ``setup`` before the strategy's: the monitor must be added before that."""
+    from lightning.pytorch import Trainer
+
+    from lightning_gradcomp.callbacks import CompressionMonitor
+
+    set_up = []
+    monkeypatch.setattr(CompressionMonitor, "setup", lambda self, trainer, pl_module, stage: set_up.append(stage))
+    trainer = Trainer(
+        accelerator="cpu", devices=1, strategy=CompressedDDP(TopK(0.1)), max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+    )  # fmt: skip
+    trainer.fit(TinyNet())
+    monitors = [cb for cb in trainer.callbacks if isinstance(cb, CompressionMonitor)]
+    assert len(monitors) == 1
+    assert set_up == ["fit"]

@@ -10,11 +10,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from benchmarks.digits import fit
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import DGC_RAMP, DenseWarmup
 from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
 from lightning_gradcomp.compressors.base import keep_count
+from lightning_gradcomp.demo.digits import fit
 from tests.models import TinyNet
 
 # 64 samples, 8 per batch, 2 ranks: 4 steps per epoch, 3 epochs. Dense for steps 0-5, then keep-ratios 0.25 (steps

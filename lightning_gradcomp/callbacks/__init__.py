@@ -2,7 +2,8 @@
 
 from lightning_gradcomp.callbacks.accordion import Accordion
 from lightning_gradcomp.callbacks.monitor import CompressionMonitor
+from lightning_gradcomp.callbacks.pactrain import PacTrain
 from lightning_gradcomp.callbacks.tracin import TracIn
 from lightning_gradcomp.callbacks.warmup import DGC_RAMP, DenseWarmup
 
-__all__ = ["DGC_RAMP", "Accordion", "CompressionMonitor", "DenseWarmup", "TracIn"]
+__all__ = ["DGC_RAMP", "Accordion", "CompressionMonitor", "DenseWarmup", "PacTrain", "TracIn"]

@@ -19,12 +19,17 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.callbacks.monitor import _require_compressed_ddp
 from lightning_gradcomp.compressors.base import Compressor, Layer
+from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
+
+_MiscError = MisconfigurationException
 
 #: The reference code's level pairs (low compression, high compression) per level attribute: PowerSGD rank 2 vs 1
 #: (``auto_scale.py``), top-k keep 99 % vs 10 % (``auto_scale_topk.py``, CIFAR-10).
 DEFAULT_LEVELS: dict[str, tuple[float, float]] = {"rank": (2, 1), "ratio": (0.99, 0.1)}
+#: Level attributes for which a larger value compresses less: PowerSGD's rank, a keep-ratio, QSGD's number of levels.
+GENTLER_WHEN_LARGER = frozenset({"rank", "ratio", "levels"})
 #: Batch-size mode: the reference logs switch between batches of 512 and 4096.
 DEFAULT_BATCH_SIZE_FACTOR = 8
 
@@ -38,6 +43,16 @@ def relative_changes(current: Mapping[str, float], previous: Mapping[str, float]
         prev = None if previous is None else previous.get(name)
         changes[name] = float("inf") if prev is None or prev == 0 else abs(prev - norm) / prev
     return changes
+
+
+def _monitored_by_reference(layer: Layer, min_numel: int) -> bool:
+    """Whether the reference code would track ``layer`` when no compression level is switched.
+
+    Tensors of two or more dimensions with at least ``min_numel`` elements (biases and normalisation weights are
+    left out). Batch-size mode works with any compressor (``Identity`` included, which "compresses" every layer), so the
+    tracked layers cannot be the compressor's own choice.
+    """
+    return layer.ndim >= 2 and layer.numel >= min_numel
 
 
 class LocalGradientSum:
@@ -99,8 +114,10 @@ class Accordion(Callback):
        interval]`` with ``eta`` per layer: at least ``eta`` (or no earlier norm: the first check, a zero norm)
        means a critical regime and low compression for that layer until the next check, otherwise high
        compression. Rank 0 decides and broadcasts, so every rank compresses every layer alike;
-    4. when the learning rate decays (checked at every epoch start), every layer goes to low compression at once;
-       the next check may raise compression again.
+    4. when the learning rate decays (checked at every epoch start), every layer goes to low compression at once
+       and stays there at least until the next check after the decay's epoch: a check at the end of the decay's own
+       epoch does not override it (the reference applies the decay rule after the check); a later check may raise
+       compression again.
 
     Layers start at low compression. Levels are applied with :meth:`Compressor.set_levels` (PowerSGD ranks, top-k
     and random-k keep-ratios); error-feedback memory is kept across switches (the reference's default). In
@@ -155,32 +172,26 @@ class Accordion(Callback):
         batch_size_factor: int | None = None,
         lr_drop: float = 1.0,
     ) -> None:
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 1:
-            raise MisconfigurationException(f"`interval` must be an integer >= 1 (epochs), got {interval!r}.")
-        if isinstance(eta, bool) or not isinstance(eta, (int, float)) or not eta > 0:
-            raise MisconfigurationException(f"`eta` must be a number > 0, got {eta!r}.")
-        if mode not in ("levels", "batch_size", "both"):
-            raise MisconfigurationException(f"`mode` can be 'levels', 'batch_size' or 'both', got {mode!r}.")
+        check_positive_int(interval, "interval", error=_MiscError)
+        check_number(eta, "eta", low=0, low_open=True, error=_MiscError)
+        check_choice(mode, "mode", ("levels", "batch_size", "both"), error=_MiscError)
         if mode == "batch_size" and (low_compression_level is not None or high_compression_level is not None):
             raise MisconfigurationException(
                 "`low_compression_level` and `high_compression_level` are set but `mode='batch_size'` does not switch"
                 " compression levels (use mode='both')."
             )
-        for name, level in (("low_compression_level", low_compression_level),
-                            ("high_compression_level", high_compression_level)):  # fmt: skip
-            if level is not None and (isinstance(level, bool) or not isinstance(level, (int, float))):
-                raise MisconfigurationException(f"`{name}` must be None or a number, got {level!r}.")
+        # NaN would compare false with everything and silently pass the order check in setup
+        check_number(low_compression_level, "low_compression_level", low=0, low_open=True, allow_none=True,
+                     error=_MiscError)  # fmt: skip
+        check_number(high_compression_level, "high_compression_level", low=0, low_open=True, allow_none=True,
+                     error=_MiscError)  # fmt: skip
         if batch_size_factor is not None:
             if mode == "levels":
                 raise MisconfigurationException(
                     "`batch_size_factor` is set but `mode='levels'` does not switch the batch size (use mode='both')."
                 )
-            if isinstance(batch_size_factor, bool) or not isinstance(batch_size_factor, int) or batch_size_factor < 2:
-                raise MisconfigurationException(
-                    f"`batch_size_factor` must be an integer >= 2, got {batch_size_factor!r}."
-                )
-        if isinstance(lr_drop, bool) or not isinstance(lr_drop, (int, float)) or not 0 <= lr_drop <= 1:
-            raise MisconfigurationException(f"`lr_drop` must be a number in [0, 1], got {lr_drop!r}.")
+            check_int(batch_size_factor, "batch_size_factor", low=2, error=_MiscError)
+        check_number(lr_drop, "lr_drop", low=0, high=1, error=_MiscError)
         self.interval = interval
         self.eta = float(eta)
         self.low_compression_level = low_compression_level
@@ -225,7 +236,7 @@ class Accordion(Callback):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = _require_compressed_ddp(trainer, self)
+        strategy = CompressedDDP.require(trainer, self)
         compressor: Compressor = strategy.compressor
         min_numel = strategy.compression_state.min_compress_numel
         if self.switches_levels:
@@ -273,17 +284,18 @@ class Accordion(Callback):
             low, high = compressor.check_level(low), compressor.check_level(high)
         except ValueError as err:
             raise MisconfigurationException(f"`Accordion`: a level is invalid for {compressor!r}: {err}") from err
-        if attribute in DEFAULT_LEVELS and not low > high:
-            # for ranks and keep-ratios, larger means gentler
+        if attribute in GENTLER_WHEN_LARGER and not low > high:
             raise MisconfigurationException(
-                f"`low_compression_level` must compress less than `high_compression_level` (a larger `{attribute}`),"
-                f" got {low!r} and {high!r}."
+                f"`low_compression_level` is the level of critical regimes and must compress less than"
+                f" `high_compression_level`: for {type(compressor).__name__}'s `{attribute}` a larger value compresses"
+                f" less, so `low_compression_level` must be the larger one, got low_compression_level={low!r} and"
+                f" high_compression_level={high!r}" + (" (swapped?)." if low < high else ".")
             )
         return low, high
 
     def _tracks(self, probe: Compressor, layer: Layer, min_numel: int) -> bool:
-        if self._levels is None:  # batch-size mode: the layers a compressor compresses by the default rule
-            return Compressor.compresses(probe, layer, min_numel)
+        if self._levels is None:  # batch-size mode: whatever the compressor, the layers the reference monitors
+            return _monitored_by_reference(layer, min_numel)
         for level in self._levels:
             probe.set_levels({layer.name: level})
             if probe.compresses(layer, min_numel):
@@ -320,7 +332,8 @@ class Accordion(Callback):
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         lrs = [float(group["lr"]) for optimizer in trainer.optimizers for group in optimizer.param_groups]
-        self._lr_decay_epoch = None
+        if self._lr_decay_epoch != trainer.current_epoch:  # kept when resuming inside the decay's epoch
+            self._lr_decay_epoch = None
         decayed = (
             self._epoch_lrs is not None
             and len(lrs) == len(self._epoch_lrs)
@@ -365,6 +378,10 @@ class Accordion(Callback):
         self.norms[epoch] = message["norms"]
         if message["critical"] is not None:
             self.critical = {name: bool(message["critical"].get(name, True)) for name in self._layers}
+        if self._lr_decay_epoch == epoch:
+            # the reference (auto_scale.py) applies the decay rule after the regime check, so the decay wins: a
+            # check in the decay's own epoch must not switch back to high compression after one epoch
+            self.critical = dict.fromkeys(self._layers, True)
         self.history.append(
             {
                 "epoch": epoch,
@@ -433,6 +450,8 @@ class Accordion(Callback):
             "critical": dict(self.critical),
             "history": list(self.history),
             "epoch_lrs": self._epoch_lrs,
+            # saved inside the decay's epoch, the rule must still win at that epoch's end after a resume
+            "lr_decay_epoch": self._lr_decay_epoch,
         }
         if self._sums is not None and self._sums.backward_passes:
             # saved inside an epoch: rank 0's partial sums (the checkpoint is rank 0's), so the epoch's norm is whole
@@ -445,4 +464,5 @@ class Accordion(Callback):
         self.critical = dict(state_dict["critical"])
         self.history = list(state_dict["history"])
         self._epoch_lrs = state_dict["epoch_lrs"]
+        self._lr_decay_epoch = state_dict.get("lr_decay_epoch")
         self._pending_sums = state_dict.get("partial_sums")

@@ -15,7 +15,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_gradcomp.influence import LOSSES, Method, TracInScorer, save_tracin_checkpoint, write_report
+from lightning_gradcomp.influence import LOSSES, Method, TracInScorer, save_tracin_checkpoint
+from lightning_gradcomp.influence_report import write_report
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_positive_int
+
+_MiscError = MisconfigurationException
 
 
 class TracIn(Callback):
@@ -33,9 +37,9 @@ class TracIn(Callback):
 
     **After training** (``score_on_train_end``) every rank scores a shard of the training dataset (the training
     dataloader's ``dataset``) and the scores are gathered, so every rank holds :attr:`scores`, the self-influence of
-    every training example; rank 0 writes the report (:func:`~lightning_gradcomp.influence.write_report`): a CSV of
-    every example's self-influence and loss under the final weights, most influential first, and a PNG grid of the
-    ``top_n`` most self-influential examples with their labels. Mislabeled examples tend to be at the top.
+    every training example; rank 0 writes the report (:func:`~lightning_gradcomp.influence_report.write_report`):
+    a CSV of every example's self-influence and loss under the final weights, most influential first, and a PNG grid
+    of the ``top_n`` most self-influential examples with their labels. Mislabeled examples tend to be at the top.
 
     **On demand**, :meth:`scorer` returns a :class:`~lightning_gradcomp.influence.TracInScorer` over the saved
     checkpoints for self-influence, proponents and opponents of test examples
@@ -46,8 +50,10 @@ class TracIn(Callback):
     change the analysis: TracIn uses exact per-example gradients at the saved (synchronised) weights.
 
     Args:
-        dirpath: directory of the checkpoints (and of the report, under ``report/``). On several nodes it must be
-            shared: every rank reads the checkpoints to score.
+        dirpath: directory of the checkpoints (and of the report, under ``report/``). It need not exist: it is
+            created (with its parents) when the first checkpoint is saved, during ``fit``, so a path that cannot be
+            created fails then, not at construction. On several nodes it must be shared: every rank reads the
+            checkpoints to score.
         every_n_epochs: save at the end of every ``every_n_epochs``-th epoch (default 1 when ``every_n_steps`` is
             not given).
         every_n_steps: save after every ``every_n_steps``-th optimizer step instead.
@@ -99,18 +105,15 @@ class TracIn(Callback):
             raise MisconfigurationException("Give `every_n_epochs` or `every_n_steps`, not both.")
         for name, value in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps),
                             ("projection_dim", projection_dim)):  # fmt: skip
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise MisconfigurationException(f"`{name}` must be None or an integer >= 1, got {value!r}.")
-        if learning_rate not in ("mean", "last"):
-            raise MisconfigurationException(f"`learning_rate` can be 'mean' or 'last', got {learning_rate!r}.")
-        if method not in ("full", "last_layer"):
-            raise MisconfigurationException(f"`method` can be 'full' or 'last_layer', got {method!r}.")
-        if loss not in LOSSES:
-            raise MisconfigurationException(f"`loss` can be {', '.join(map(repr, LOSSES))}, got {loss!r}.")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise MisconfigurationException(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
-        if isinstance(top_n, bool) or not isinstance(top_n, int) or top_n < 0:
-            raise MisconfigurationException(f"`top_n` must be an integer >= 0, got {top_n!r}.")
+            check_int(value, name, low=1, allow_none=True, error=_MiscError)
+        check_choice(learning_rate, "learning_rate", ("mean", "last"), error=_MiscError)
+        check_bool(score_on_train_end, "score_on_train_end", error=_MiscError)
+        check_choice(method, "method", ("full", "last_layer"), error=_MiscError)
+        check_choice(loss, "loss", tuple(LOSSES), error=_MiscError)
+        check_positive_int(batch_size, "batch_size", error=_MiscError)
+        check_int(top_n, "top_n", low=0, error=_MiscError)
+        check_int(seed, "seed", error=_MiscError)
+        check_bool(show_progress, "show_progress", error=_MiscError)
         self.dirpath = os.fspath(dirpath)
         self.every_n_steps = every_n_steps
         self.every_n_epochs = every_n_epochs if every_n_epochs is not None or every_n_steps is not None else 1

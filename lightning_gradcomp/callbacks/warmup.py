@@ -11,19 +11,29 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_gradcomp.callbacks.monitor import _require_compressed_ddp
+from lightning_gradcomp.compressors.dgc import WARMUP_RATIOS
+from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.validation import check_int, check_positive_int, check_ratio
 
 #: Deep Gradient Compression's warm-up densities (Lin et al., ICLR 2018): 75 %, 93.75 %, 98.4375 %, 99.6 % sparsity,
-#: one epoch each, before the final density.
-DGC_RAMP: tuple[float, ...] = (0.25, 0.0625, 0.015625, 0.004)
+#: one epoch each, before the final density. One constant, defined beside the DGC compressor that also ramps by it.
+DGC_RAMP: tuple[float, ...] = WARMUP_RATIOS
 
 
 def _check_count(value: Any, name: str) -> int | None:
-    if value is None:
+    return check_int(value, name, low=0, allow_none=True, error=MisconfigurationException)
+
+
+def _check_ramp(ramp: Any) -> tuple[float, ...] | None:
+    if ramp == "dgc":
+        return DGC_RAMP
+    if ramp is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MisconfigurationException(f"`{name}` must be None or an integer >= 0, got {value!r}.")
-    return value
+    if isinstance(ramp, str) or not isinstance(ramp, Sequence) or not ramp:
+        raise MisconfigurationException(
+            f"Expected `ramp` to be None, 'dgc' or a non-empty list of keep-ratios in (0, 1], got {ramp!r}."
+        )
+    return tuple(check_ratio(d, "ramp", error=MisconfigurationException) for d in ramp)
 
 
 class DenseWarmup(Callback):
@@ -80,33 +90,61 @@ class DenseWarmup(Callback):
         ramp: Literal["dgc"] | Sequence[float] | None = None,
         ramp_length: int = 1,
     ) -> None:
-        self.epochs = _check_count(epochs, "epochs")
-        self.steps = _check_count(steps, "steps")
-        if (self.epochs is None) == (self.steps is None):
+        epochs, steps = _check_count(epochs, "epochs"), _check_count(steps, "steps")
+        if (epochs is None) == (steps is None):
             raise MisconfigurationException(
                 f"`DenseWarmup` needs exactly one of `epochs` and `steps` (the length of the dense phase),"
                 f" got epochs={epochs!r}, steps={steps!r}."
             )
-        if ramp == "dgc":
-            ramp = DGC_RAMP
-        if ramp is not None:
-            if isinstance(ramp, str) or not isinstance(ramp, Sequence) or not ramp:
-                raise MisconfigurationException(
-                    f"`ramp` must be None, 'dgc' or a non-empty list of keep-ratios in (0, 1], got {ramp!r}."
-                )
-            for density in ramp:
-                if isinstance(density, bool) or not isinstance(density, (int, float)) or not 0 < density <= 1:
-                    raise MisconfigurationException(
-                        f"`ramp` must hold keep-ratios (densities) in (0, 1], got {density!r} in {list(ramp)!r}."
-                    )
-            ramp = tuple(float(d) for d in ramp)
-        if isinstance(ramp_length, bool) or not isinstance(ramp_length, int) or ramp_length < 1:
-            raise MisconfigurationException(f"`ramp_length` must be an integer >= 1, got {ramp_length!r}.")
+        ramp = _check_ramp(ramp)
+        check_positive_int(ramp_length, "ramp_length", error=MisconfigurationException)
         if ramp is None and ramp_length != 1:
             raise MisconfigurationException("`ramp_length` is set but there is no `ramp` to apply it to.")
-        self.ramp: tuple[float, ...] | None = ramp
-        self.ramp_length = ramp_length
+        # private, behind validated properties: a value set after construction is checked as the constructor does
+        self._epochs, self._steps = epochs, steps
+        self._ramp: tuple[float, ...] | None = ramp
+        self._ramp_length = ramp_length
         self._target: tuple[Any, float] | None = None  # (compressor, its configured ratio) while training
+
+    @property
+    def epochs(self) -> int | None:
+        """The dense phase's length in epochs (``None`` when counted in steps); settable to an integer >= 0."""
+        return self._epochs
+
+    @epochs.setter
+    def epochs(self, value: int) -> None:
+        if self._epochs is None:
+            raise MisconfigurationException("`DenseWarmup` counts in steps: set `steps`, not `epochs`.")
+        self._epochs = check_int(value, "epochs", low=0, error=MisconfigurationException)
+
+    @property
+    def steps(self) -> int | None:
+        """The dense phase's length in optimizer steps (``None`` when counted in epochs); settable to an int >= 0."""
+        return self._steps
+
+    @steps.setter
+    def steps(self, value: int) -> None:
+        if self._steps is None:
+            raise MisconfigurationException("`DenseWarmup` counts in epochs: set `epochs`, not `steps`.")
+        self._steps = check_int(value, "steps", low=0, error=MisconfigurationException)
+
+    @property
+    def ramp(self) -> tuple[float, ...] | None:
+        """The keep-ratios of the ramp after the dense phase (``None``: no ramp); set as the constructor's."""
+        return self._ramp
+
+    @ramp.setter
+    def ramp(self, value: Literal["dgc"] | Sequence[float] | None) -> None:
+        self._ramp = _check_ramp(value)
+
+    @property
+    def ramp_length(self) -> int:
+        """How many epochs or steps each ramp density lasts; settable to an integer >= 1."""
+        return self._ramp_length
+
+    @ramp_length.setter
+    def ramp_length(self, value: int) -> None:
+        self._ramp_length = check_positive_int(value, "ramp_length", error=MisconfigurationException)
 
     @property
     def unit(self) -> Literal["epochs", "steps"]:
@@ -136,7 +174,7 @@ class DenseWarmup(Callback):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = _require_compressed_ddp(trainer, self)
+        strategy = CompressedDDP.require(trainer, self)
         compressor = strategy.compressor
         if self.ramp is not None and compressor.level_attribute != "ratio":
             raise MisconfigurationException(

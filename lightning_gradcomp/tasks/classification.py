@@ -10,6 +10,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
+from lightning_gradcomp.validation import check_bool, check_int, check_number, check_positive_int
+
 
 def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
     """Two convolutions and two linear layers for 8x8 images (the quickstart's model, ~38k parameters)."""
@@ -60,6 +62,21 @@ def build_model(arch: str, num_classes: int, in_channels: int) -> nn.Module:
 _CIFAR_MODELS = {"cifar_resnet18": "CifarResNet18", "vgg19_bn": "VGG19BN"}
 
 
+def _check_milestones(milestones: Any, warmup_epochs: int) -> None:
+    """Increasing epochs after the warm-up (a decay inside the warm-up would be cancelled by it)."""
+    if milestones is None:
+        return
+    accepted = f"None or a list of increasing integers > {warmup_epochs}" if warmup_epochs else (
+        "None or a list of increasing integers >= 1")  # fmt: skip
+    low = warmup_epochs + 1 if warmup_epochs else 1
+    if (
+        isinstance(milestones, (str, bytes))
+        or not all(isinstance(m, int) and not isinstance(m, bool) and m >= low for m in milestones)
+        or list(milestones) != sorted(set(milestones))
+    ):
+        raise MisconfigurationException(f"Expected `milestones` to be {accepted}, got {milestones!r}.")
+
+
 class ImageClassifier(pl.LightningModule):
     """Cross-entropy classification trained with SGD, momentum, weight decay and step learning-rate decay.
 
@@ -95,10 +112,15 @@ class ImageClassifier(pl.LightningModule):
         warmup_epochs: int = 0,
     ) -> None:
         super().__init__()
-        if lr <= 0:
-            raise MisconfigurationException(f"`lr` must be > 0, got {lr!r}.")
-        if not 0 <= momentum < 1:
-            raise MisconfigurationException(f"`momentum` must be in [0, 1), got {momentum!r}.")
+        check_positive_int(num_classes, "num_classes", error=MisconfigurationException)
+        check_positive_int(in_channels, "in_channels", error=MisconfigurationException)
+        check_number(lr, "lr", low=0, low_open=True, error=MisconfigurationException)
+        check_number(momentum, "momentum", low=0, high=1, high_open=True, error=MisconfigurationException)
+        check_bool(nesterov, "nesterov", error=MisconfigurationException)
+        check_number(weight_decay, "weight_decay", low=0, error=MisconfigurationException)
+        check_number(gamma, "gamma", low=0, high=1, low_open=True, error=MisconfigurationException)
+        check_int(warmup_epochs, "warmup_epochs", low=0, error=MisconfigurationException)
+        _check_milestones(milestones, warmup_epochs)
         self.save_hyperparameters()
         self.net = build_model(arch, num_classes, in_channels)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
@@ -138,7 +160,12 @@ class ImageClassifier(pl.LightningModule):
         hp = self.hparams
         optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov,
                                     weight_decay=hp.weight_decay)  # fmt: skip
-        decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(hp.milestones or []), gamma=hp.gamma)
+        # SequentialLR restarts the decay scheduler's epoch counter when the warm-up ends, so its milestones are
+        # counted from there: shifted by the warm-up, the decay lands on the epochs given in `milestones`
+        shift = hp.warmup_epochs
+        decay = torch.optim.lr_scheduler.MultiStepLR(
+            optimizer, milestones=[m - shift for m in hp.milestones or []], gamma=hp.gamma
+        )
         if hp.warmup_epochs:
             warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=hp.warmup_epochs)
             decay = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, decay], milestones=[hp.warmup_epochs])

@@ -9,6 +9,8 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gradcomp.validation import check_bool, check_int, check_number, check_positive_int
+
 
 def flip_labels(
     labels: torch.Tensor, fraction: float, generator: torch.Generator, num_classes: int = 10
@@ -45,12 +47,12 @@ class DigitsDataModule(pl.LightningDataModule):
         self, batch_size: int = 32, val_fraction: float = 0.2, label_noise: float = 0.0, seed: int = 0
     ) -> None:
         super().__init__()
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise MisconfigurationException(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
-        if not 0.0 < val_fraction < 1.0:
-            raise MisconfigurationException(f"`val_fraction` must be in (0, 1), got {val_fraction!r}.")
-        if not 0.0 <= label_noise < 1.0:
-            raise MisconfigurationException(f"`label_noise` must be in [0, 1), got {label_noise!r}.")
+        check_positive_int(batch_size, "batch_size", error=MisconfigurationException)
+        check_number(
+            val_fraction, "val_fraction", low=0, high=1, low_open=True, high_open=True, error=MisconfigurationException
+        )
+        check_number(label_noise, "label_noise", low=0, high=1, high_open=True, error=MisconfigurationException)
+        check_int(seed, "seed", error=MisconfigurationException)
         self.batch_size, self.val_fraction, self.label_noise, self.seed = batch_size, val_fraction, label_noise, seed
         self.train_set: TensorDataset | None = None
         self.val_set: TensorDataset | None = None
@@ -119,8 +121,10 @@ class CIFAR10DataModule(pl.LightningDataModule):
         augment: bool = True,
     ) -> None:  # fmt: skip
         super().__init__()
-        if not isinstance(batch_size, int) or batch_size < 1:
-            raise MisconfigurationException(f"`batch_size` must be an integer >= 1, got {batch_size!r}.")
+        check_positive_int(batch_size, "batch_size", error=MisconfigurationException)
+        check_int(num_workers, "num_workers", low=0, error=MisconfigurationException)
+        check_bool(download, "download", error=MisconfigurationException)
+        check_bool(augment, "augment", error=MisconfigurationException)
         self.data_dir, self.batch_size, self.num_workers = data_dir, batch_size, num_workers
         self.download, self.augment = download, augment
 

@@ -13,6 +13,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gradcomp.tasks.classification import _check_milestones
+from lightning_gradcomp.validation import check_int, check_number, check_positive_int
+
 
 class TextDataModule(pl.LightningDataModule):
     """Text as bytes, cut into sequences for next-byte prediction.
@@ -38,13 +41,18 @@ class TextDataModule(pl.LightningDataModule):
         val_fraction: float = 0.05,
     ) -> None:  # fmt: skip
         super().__init__()
-        if seq_len < 2 or batch_size < 1 or max_bytes < 1024:
-            raise MisconfigurationException(
-                f"`seq_len` must be >= 2, `batch_size` >= 1 and `max_bytes` >= 1024, got {seq_len}, {batch_size},"
-                f" {max_bytes}."
-            )
-        if not 0.0 < val_fraction < 0.5:
-            raise MisconfigurationException(f"`val_fraction` must be in (0, 0.5), got {val_fraction!r}.")
+        check_int(seq_len, "seq_len", low=2, error=MisconfigurationException)
+        check_positive_int(batch_size, "batch_size", error=MisconfigurationException)
+        check_int(max_bytes, "max_bytes", low=1024, error=MisconfigurationException)
+        check_number(
+            val_fraction,
+            "val_fraction",
+            low=0.0,
+            high=0.5,
+            low_open=True,
+            high_open=True,
+            error=MisconfigurationException,
+        )
         self.files, self.max_bytes, self.seq_len = files, max_bytes, seq_len
         self.batch_size, self.val_fraction = batch_size, val_fraction
 
@@ -108,11 +116,12 @@ class LSTMLanguageModel(pl.LightningModule):
         milestones: list[int] | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
-        if hidden < 1 or num_layers < 1 or lr <= 0 or not 0 <= dropout < 1:
-            raise MisconfigurationException(
-                f"Expected `hidden` >= 1, `num_layers` >= 1, `lr` > 0 and `dropout` in [0, 1), got {hidden},"
-                f" {num_layers}, {lr}, {dropout}."
-            )
+        check_positive_int(vocab_size, "vocab_size", error=MisconfigurationException)
+        check_positive_int(hidden, "hidden", error=MisconfigurationException)
+        check_positive_int(num_layers, "num_layers", error=MisconfigurationException)
+        check_number(dropout, "dropout", low=0, high=1, high_open=True, error=MisconfigurationException)
+        check_number(lr, "lr", low=0, low_open=True, error=MisconfigurationException)
+        _check_milestones(milestones, 0)
         self.save_hyperparameters()
         self.embedding = nn.Embedding(vocab_size, hidden)
         self.lstm = nn.LSTM(hidden, hidden, num_layers=num_layers, dropout=dropout, batch_first=True)

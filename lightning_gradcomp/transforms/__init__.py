@@ -1,6 +1,11 @@
-"""Model-side compression: change the model so that plain averaging moves fewer numbers (Pufferfish, PacTrain)."""
+"""Model-side compression: change the model so that plain averaging moves fewer numbers.
 
-from lightning_gradcomp.transforms.base import ModelTransform
+Pufferfish's low-rank factorization, and PacTrain's pruning schedule and masks (its callback,
+:class:`lightning_gradcomp.PacTrain`, lives in :mod:`lightning_gradcomp.callbacks`: ``transforms`` sits below the
+callbacks and does not import them).
+"""
+
+from lightning_gradcomp.model_transform import ModelTransform
 from lightning_gradcomp.transforms.complexity import count_macs, count_parameters
 from lightning_gradcomp.transforms.lowrank import (
     FactorizedConv,
@@ -10,7 +15,6 @@ from lightning_gradcomp.transforms.lowrank import (
     factorize,
     svd_factors,
 )
-from lightning_gradcomp.transforms.pactrain import PacTrain
 from lightning_gradcomp.transforms.pufferfish import Pufferfish
 
 __all__ = [
@@ -19,7 +23,6 @@ __all__ = [
     "FactorizedLinear",
     "FactorizedMultiheadAttention",
     "ModelTransform",
-    "PacTrain",
     "Pufferfish",
     "count_macs",
     "count_parameters",

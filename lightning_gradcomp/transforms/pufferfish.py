@@ -13,21 +13,18 @@ kernel and no error feedback are involved. The paper's procedure ("vanilla warm-
 from __future__ import annotations
 
 import fnmatch
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_gradcomp.callbacks.monitor import _require_compressed_ddp
-from lightning_gradcomp.transforms.base import ModelTransform
+from lightning_gradcomp.model_transform import ModelTransform
+from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.transforms.complexity import MacCounter, count_parameters
 from lightning_gradcomp.transforms.lowrank import (
     FactorizedConv,
@@ -36,6 +33,7 @@ from lightning_gradcomp.transforms.lowrank import (
     FactorizedMultiheadAttention,
     factorize,
 )
+from lightning_gradcomp.validation import check_bool, check_int, check_ratio
 
 _FACTORIZED = (FactorizedLinear, FactorizedConv, FactorizedLSTM, FactorizedMultiheadAttention)
 #: the paper's ImageNet "hybrid" ResNet-50 / Wide-ResNet-50-2: layer1 to layer3 (and stem and classifier) full-rank
@@ -253,22 +251,19 @@ class Pufferfish(ModelTransform):
         keep_lr_schedule: bool = True,
         verbose: bool = False,
     ) -> None:
-        if isinstance(warmup_epochs, bool) or not isinstance(warmup_epochs, int) or warmup_epochs < 0:
-            raise MisconfigurationException(f"`warmup_epochs` must be an integer >= 0, got {warmup_epochs!r}.")
-        if isinstance(rank_ratio, bool) or not isinstance(rank_ratio, (int, float)) or not 0 < rank_ratio <= 1:
-            raise MisconfigurationException(f"`rank_ratio` must be a number in (0, 1], got {rank_ratio!r}.")
+        check_int(warmup_epochs, "warmup_epochs", low=0, error=MisconfigurationException)
+        check_ratio(rank_ratio, "rank_ratio", error=MisconfigurationException)
         if full_rank is not None:
             if isinstance(full_rank, (str, int)) or not all(
                 isinstance(x, str) or (isinstance(x, int) and not isinstance(x, bool)) for x in full_rank
             ):
                 raise MisconfigurationException(
-                    "`full_rank` must be None or a list of module-name patterns (str) and positions (int),"
+                    "Expected `full_rank` to be None or a list of module-name patterns (str) and positions (int),"
                     f" got {full_rank!r}."
                 )
             full_rank = list(full_rank)
-        for name, value in (("keep_lr_schedule", keep_lr_schedule), ("verbose", verbose)):
-            if not isinstance(value, bool):
-                raise MisconfigurationException(f"`{name}` must be True or False, got {value!r}.")
+        check_bool(keep_lr_schedule, "keep_lr_schedule", error=MisconfigurationException)
+        check_bool(verbose, "verbose", error=MisconfigurationException)
         self.warmup_epochs = warmup_epochs
         self.rank_ratio = float(rank_ratio)
         self.full_rank = full_rank
@@ -287,7 +282,7 @@ class Pufferfish(ModelTransform):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            _require_compressed_ddp(trainer, self)
+            CompressedDDP.require(trainer, self)
 
     @override
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -323,7 +318,7 @@ class Pufferfish(ModelTransform):
     # ------------------------------------------------------------------------------------------------------------
     def factorize(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Factorize ``pl_module`` now and re-wrap it (call on every rank, between steps)."""
-        strategy = _require_compressed_ddp(trainer, self)
+        strategy = CompressedDDP.require(trainer, self)
         if self.full_rank is not None and (unused := unused_rules(pl_module, self.full_rank)):
             rank_zero_warn(f"Pufferfish: `full_rank` entries {unused} match no factorizable layer (see `candidates`).")
         decisions = plan(pl_module, self.rank_ratio, self.full_rank)
@@ -333,7 +328,7 @@ class Pufferfish(ModelTransform):
         after = count_parameters(pl_module)
         self.layers, self.factorized_ratio = chosen, self.rank_ratio
         new_params = [p for name in chosen for p in pl_module.get_submodule(name).parameters()]
-        self.replicas_identical = _identical_on_all_ranks(new_params, strategy.root_device)
+        self.replicas_identical = strategy.identical_on_all_ranks(new_params)
         if not self.replicas_identical:
             rank_zero_warn(
                 "Pufferfish: the SVD factors differ between ranks (a nondeterministic SVD?); DDP now broadcasts"
@@ -389,15 +384,3 @@ class Pufferfish(ModelTransform):
         structure = state_dict.get("structure")
         if structure is not None:  # the structure itself was rebuilt before the weights were loaded
             self.layers, self.factorized_ratio = list(structure["layers"]), structure["rank_ratio"]
-
-
-def _identical_on_all_ranks(tensors: list[torch.Tensor], device: torch.device) -> bool:
-    """Whether ``tensors`` are bitwise equal on every rank (a CRC32 per tensor, compared by max and min)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return True
-    crcs = [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for t in tensors]
-    high = torch.tensor(crcs, dtype=torch.int64, device=device)
-    low = -high.clone()
-    dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    dist.all_reduce(low, op=dist.ReduceOp.MAX)
-    return bool(torch.equal(high, -low))

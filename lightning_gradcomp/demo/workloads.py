@@ -75,6 +75,7 @@ class DigitsCNN(nn.Module):
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(128 * 2 * 2, 64), nn.ReLU(), nn.Linear(64, 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
         return self.classifier(self.features(x))
 
 
@@ -89,6 +90,7 @@ class CharLSTM(nn.Module):
         self.decoder = nn.Linear(hidden, VOCAB)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
         out, _ = self.lstm(self.embed(x))
         return self.decoder(out)
 

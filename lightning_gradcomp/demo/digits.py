@@ -1,6 +1,7 @@
-"""scikit-learn's bundled digits (1797 8x8 images, 10 classes) and a small MLP: real, offline, deterministic data.
+"""scikit-learn's bundled digits (1797 8x8 images, 10 classes), a small MLP and a small convnet: real, offline data.
 
-Shared by the Accordion and TracIn demos in ``benchmarks/`` and by their tests (importable by spawned workers).
+Shared by the Accordion, TracIn and PacTrain benchmarks in ``benchmarks/`` and by their tests (importable by spawned
+workers).
 """
 
 from __future__ import annotations
@@ -74,15 +75,18 @@ class DigitsMLP(pl.LightningModule):
         self.net = nn.Sequential(*layers, nn.Linear(widths[-1], 10))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
         return self.net(x)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Cross-entropy on one batch."""
         x, y = batch
         loss = nn.functional.cross_entropy(self(x), y)
         self.log("train_loss", loss, on_step=True, on_epoch=False)
         return loss
 
     def configure_optimizers(self) -> Any:
+        """SGD with momentum (and the learning-rate schedule)."""
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=self.weight_decay)
         if not self.milestones:
             return optimizer
@@ -90,6 +94,7 @@ class DigitsMLP(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
 
     def train_dataloader(self) -> DataLoader:
+        """The training set."""
         g = torch.Generator().manual_seed(0)
         return DataLoader(self.dataset, batch_size=self.batch_size, shuffle=self.shuffle, generator=g)
 
@@ -115,6 +120,7 @@ class RecordRun(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:  # fmt: skip
+        """Record the step's telemetry and weights."""
         state = getattr(trainer.strategy, "compression_state", None)
         stats = state.telemetry.last if state is not None else None
         self.steps.append(
@@ -129,6 +135,7 @@ class RecordRun(pl.Callback):
         self.weights.append({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Save this rank's record."""
         import os
 
         states = {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks if cb is not self}
@@ -176,3 +183,60 @@ def fit(model: pl.LightningModule, strategy: Any, dirpath: str, callbacks: Seque
     trainer.fit(model, ckpt_path=ckpt_path)
     records = [torch.load(os.path.join(dirpath, f"rank{r}.pt"), weights_only=False) for r in range(trainer.world_size)]
     return trainer, records
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# A convnet on a fixed train/test split (the PacTrain and Pufferfish accuracy runs)
+# ----------------------------------------------------------------------------------------------------------------
+BATCH_SIZE = 32  # per rank
+
+
+def digits_split(train: bool) -> TensorDataset:
+    """The fixed split of scikit-learn's digits: 1,437 training or 360 test images, scaled to [0, 1]."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    x, y = load_digits(return_X_y=True)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    x, y = (x_train, y_train) if train else (x_test, y_test)
+    return TensorDataset(torch.tensor(x, dtype=torch.float32).view(-1, 1, 8, 8) / 16.0, torch.tensor(y))
+
+
+class DigitsNet(pl.LightningModule):
+    """Conv(1->32) - Conv(32->64) - Linear(1024->128) - Linear(128->10), ReLU between, batch norm after the convs."""
+
+    def __init__(self, epochs: int = 30, lr: float = 0.05) -> None:
+        super().__init__()
+        self.epochs, self.lr = epochs, lr
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(1, 32, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(32)
+        self.conv2 = nn.Conv2d(32, 64, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(64)
+        self.fc1 = nn.Linear(64 * 4 * 4, 128)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
+        x = torch.relu(self.bn1(self.conv1(x)))
+        x = nn.functional.max_pool2d(torch.relu(self.bn2(self.conv2(x))), 2)
+        return self.fc2(torch.relu(self.fc1(x.flatten(1))))
+
+    def training_step(self, batch, batch_idx):
+        """Cross-entropy on one batch."""
+        x, y = batch
+        loss = nn.functional.cross_entropy(self(x), y)
+        self.log("train_loss", loss, on_step=True, on_epoch=False)
+        return loss
+
+    def configure_optimizers(self):
+        """SGD with momentum (and the learning-rate schedule)."""
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
+        steps = self.trainer.estimated_stepping_batches
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(
+            optimizer, steps), "interval": "step"}}  # fmt: skip
+
+    def train_dataloader(self) -> DataLoader:
+        """The training set."""
+        # shuffled by Lightning's DistributedSampler (seeded), the same on every run
+        return DataLoader(digits_split(train=True), batch_size=BATCH_SIZE, shuffle=True)

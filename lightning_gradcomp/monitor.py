@@ -1,0 +1,98 @@
+"""``CompressionMonitor``: log what compression saves, every step, through the Trainer's logger.
+
+It sits below the strategy (``CompressedDDP`` adds one when fitting), so it checks for what it reads, the strategy's
+:class:`~lightning_gradcomp.CompressionState`, instead of importing the strategy class.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from typing_extensions import override
+
+from lightning_gradcomp.hook import CompressionState
+from lightning_gradcomp.validation import check_bool
+
+
+class CompressionMonitor(Callback):
+    """Log what compression sends and saves after every optimizer step.
+
+    Logged keys: ``gradcomp/bytes_sent``, ``gradcomp/bytes_dense``, ``gradcomp/compression_ratio``,
+    ``gradcomp/encode_ms`` and ``gradcomp/decode_ms``.
+
+    The numbers are the logging rank's own: the bytes of the payloads it handed to collectives (with two ranks, the
+    bytes it put on the wire) and the bytes plain DDP would have all-reduced. ``CompressedDDP`` adds this callback
+    unless the trainer already has one (or ``CompressedDDP(monitor=False)``).
+
+    Args:
+        prog_bar: show the compression ratio in the progress bar.
+
+    Raises:
+        MisconfigurationException: In ``setup``, if the strategy is not ``CompressedDDP``.
+    """
+
+    def __init__(self, prog_bar: bool = True) -> None:
+        self.prog_bar = check_bool(prog_bar, "prog_bar", error=MisconfigurationException)
+
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Check that the strategy is CompressedDDP (has the compression state this callback reads)."""
+        if not isinstance(getattr(trainer.strategy, "compression_state", None), CompressionState):
+            raise MisconfigurationException(
+                f"`{type(self).__name__}` requires `Trainer(strategy=CompressedDDP(...))`,"
+                f" got `{type(trainer.strategy).__name__}`."
+            )
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        """Log the finished step's telemetry (nothing on micro-steps that did not communicate)."""
+        stats = trainer.strategy.compression_state.telemetry.pop_step()
+        if stats is None:  # a gradient-accumulation micro-step: nothing was communicated
+            return
+        log = {"on_step": True, "on_epoch": False, "batch_size": 1}
+        pl_module.log("gradcomp/bytes_sent", float(stats.bytes_sent), **log)
+        pl_module.log("gradcomp/bytes_dense", float(stats.bytes_dense), **log)
+        pl_module.log("gradcomp/compression_ratio", stats.compression_ratio, prog_bar=self.prog_bar, **log)
+        pl_module.log("gradcomp/encode_ms", stats.encode_ms, **log)
+        pl_module.log("gradcomp/decode_ms", stats.decode_ms, **log)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Print the per-rank summary table and put the totals in the callback metrics."""
+        telemetry = trainer.strategy.compression_state.telemetry
+        totals = torch.tensor(
+            [telemetry.total_steps, telemetry.total_bytes_sent, telemetry.total_bytes_dense,
+             telemetry.total_encode_ms, telemetry.total_decode_ms],
+            dtype=torch.float64,
+        )  # fmt: skip
+        # every rank's own numbers, for the table (a collective: every rank reaches on_train_end)
+        per_rank = trainer.strategy.all_gather(totals).reshape(-1, totals.numel())
+        # in the callback metrics too, so that a launcher that returns only those (spawn) still reports them
+        names = ("total_steps", "total_bytes_sent", "total_bytes_dense", "total_encode_ms", "total_decode_ms")
+        trainer.callback_metrics.update({f"gradcomp/{n}": v for n, v in zip(names, totals)})
+        if telemetry.total_steps:
+            rank_zero_info(format_summary(per_rank.tolist(), repr(trainer.strategy.compressor)))
+
+
+def format_summary(per_rank: list[list[float]], compressor: str) -> str:
+    """The end-of-training table: each rank's steps, bytes sent against plain DDP's, ratio, encode/decode time."""
+    lines = [
+        f"gradcomp summary ({compressor}):",
+        "| rank | steps | MB sent | MB dense (plain DDP) | compression ratio | encode ms/step | decode ms/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for rank, (steps, sent, dense, encode, decode) in enumerate(per_rank):
+        ratio = dense / sent if sent else float("inf")
+        per_step = max(steps, 1)
+        lines.append(
+            f"| {rank} | {steps:.0f} | {sent / 1e6:,.3f} | {dense / 1e6:,.3f} | {ratio:,.1f}x |"
+            f" {encode / per_step:.2f} | {decode / per_step:.2f} |"
+        )
+    return "\n".join(lines)
