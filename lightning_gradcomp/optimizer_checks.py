@@ -26,15 +26,19 @@ def optimizer_momentum_warning(compressor: Compressor, optimizers: Iterable[Any]
     Returns:
         The warning to show, or ``None`` when there is no conflict.
     """
-    if not getattr(compressor, "optimizer_momentum_conflicts", False):
+    if not compressor.optimizer_momentum_conflicts:
         return None
     for optimizer in optimizers or ():
+        # lightning_gradcomp.optim.DGCSGD applies its momentum to the weight decay alone: no conflict
+        if not getattr(optimizer, "applies_momentum_to_gradient", True):
+            continue
         for group in getattr(optimizer, "param_groups", ()):
             momentum = group.get("momentum", 0)
             if isinstance(momentum, (int, float)) and momentum > 0:
                 return (
                     f"{type(compressor).__name__} applies momentum itself (momentum correction), but the optimizer"
                     f" {type(optimizer).__name__} has momentum={momentum}: momentum is applied twice. Use"
-                    " `torch.optim.SGD(params, lr, momentum=0)` with this compressor."
+                    " `lightning_gradcomp.optim.DGCSGD(params, lr, momentum=0.9, weight_decay=...)`, the reference"
+                    " optimizer (its momentum applies to the weight decay alone)."
                 )
     return None

@@ -10,6 +10,7 @@ from lightning_gradcomp.compressors import DGC, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
 from lightning_gradcomp.compressors.dgc import sample_plan
 from lightning_gradcomp.hook import CompressionState
+from lightning_gradcomp.optim import DGCSGD
 from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedHook, simulate_reduce
@@ -226,6 +227,8 @@ def test_optimizer_momentum_is_flagged():
     without = torch.optim.SGD(model.parameters(), lr=0.1)
     assert "momentum=0.9" in optimizer_momentum_warning(DGC(), [with_momentum])
     assert optimizer_momentum_warning(DGC(), [without]) is None
+    # the reference optimizer's momentum applies to the weight decay alone
+    assert optimizer_momentum_warning(DGC(), [DGCSGD(model.parameters(), lr=0.1, momentum=0.9)]) is None
     assert optimizer_momentum_warning(TopK(), [with_momentum]) is None
 
 

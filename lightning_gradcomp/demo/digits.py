@@ -128,6 +128,7 @@ class RecordRun(pl.Callback):
                 "global_step": trainer.global_step,
                 "epoch": trainer.current_epoch,
                 "bytes_sent": stats.bytes_sent if stats is not None else None,
+                "bytes_guard": stats.bytes_guard if stats is not None else None,
                 "bytes_dense": stats.bytes_dense if stats is not None else None,
                 "compression_enabled": state.enabled if state is not None else None,
             }

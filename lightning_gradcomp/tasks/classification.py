@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -10,7 +10,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torchmetrics.classification import MulticlassAccuracy
 
-from lightning_gradcomp.validation import check_bool, check_int, check_number, check_positive_int
+from lightning_gradcomp.optim import DGCSGD
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number, check_positive_int
 
 
 def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
@@ -90,12 +91,15 @@ class ImageClassifier(pl.LightningModule):
         num_classes: number of classes.
         in_channels: image channels.
         lr: learning rate.
-        momentum: SGD momentum (set 0 with compressors that keep their own momentum, such as DGC).
+        momentum: SGD momentum. With ``optimizer="dgc_sgd"`` it applies to the weight decay alone (DGC keeps the
+            gradient's momentum itself).
         nesterov: Nesterov momentum.
         weight_decay: L2 penalty.
         milestones: epochs at which the learning rate is multiplied by ``gamma``.
         gamma: the decay factor.
         warmup_epochs: linear learning-rate warm-up from ``lr / 10`` over this many epochs (0: none).
+        optimizer: ``"sgd"`` (``torch.optim.SGD``) or ``"dgc_sgd"`` (:class:`~lightning_gradcomp.optim.DGCSGD`,
+            Deep Gradient Compression's optimizer, for :class:`~lightning_gradcomp.compressors.DGC`).
     """
 
     def __init__(
@@ -110,6 +114,7 @@ class ImageClassifier(pl.LightningModule):
         milestones: list[int] | None = None,
         gamma: float = 0.1,
         warmup_epochs: int = 0,
+        optimizer: Literal["sgd", "dgc_sgd"] = "sgd",
     ) -> None:
         super().__init__()
         check_positive_int(num_classes, "num_classes", error=MisconfigurationException)
@@ -121,6 +126,7 @@ class ImageClassifier(pl.LightningModule):
         check_number(gamma, "gamma", low=0, high=1, low_open=True, error=MisconfigurationException)
         check_int(warmup_epochs, "warmup_epochs", low=0, error=MisconfigurationException)
         _check_milestones(milestones, warmup_epochs)
+        check_choice(optimizer, "optimizer", ("sgd", "dgc_sgd"), error=MisconfigurationException)
         self.save_hyperparameters()
         self.net = build_model(arch, num_classes, in_channels)
         self.train_acc = MulticlassAccuracy(num_classes, average="micro")
@@ -158,8 +164,9 @@ class ImageClassifier(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         """SGD with the step decay (and optional linear warm-up), stepped every epoch."""
         hp = self.hparams
-        optimizer = torch.optim.SGD(self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov,
-                                    weight_decay=hp.weight_decay)  # fmt: skip
+        factory = DGCSGD if hp.get("optimizer", "sgd") == "dgc_sgd" else torch.optim.SGD
+        optimizer = factory(self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov,
+                            weight_decay=hp.weight_decay)  # fmt: skip
         # SequentialLR restarts the decay scheduler's epoch counter when the warm-up ends, so its milestones are
         # counted from there: shifted by the warm-up, the decay lands on the epochs given in `milestones`
         shift = hp.warmup_epochs
