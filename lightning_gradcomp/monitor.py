@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gradcomp.hook import CompressionState
@@ -23,7 +23,8 @@ class CompressionMonitor(Callback):
     """Log what compression sends and saves after every optimizer step.
 
     Logged keys: ``gradcomp/bytes_sent``, ``gradcomp/bytes_dense``, ``gradcomp/compression_ratio``,
-    ``gradcomp/encode_ms`` and ``gradcomp/decode_ms``.
+    ``gradcomp/encode_ms``, ``gradcomp/decode_ms`` and ``gradcomp/nonfinite_steps`` (how many steps so far had a
+    non-finite gradient on some rank; the first one also gets a warning).
 
     The numbers are the logging rank's own: the bytes of the payloads it handed to collectives (with two ranks, the
     bytes it put on the wire) and the bytes plain DDP would have all-reduced. ``CompressedDDP`` adds this callback
@@ -62,6 +63,14 @@ class CompressionMonitor(Callback):
         pl_module.log("gradcomp/compression_ratio", stats.compression_ratio, prog_bar=self.prog_bar, **log)
         pl_module.log("gradcomp/encode_ms", stats.encode_ms, **log)
         pl_module.log("gradcomp/decode_ms", stats.decode_ms, **log)
+        telemetry = trainer.strategy.compression_state.telemetry
+        pl_module.log("gradcomp/nonfinite_steps", float(telemetry.total_nonfinite_steps), **log)
+        if not stats.finite and telemetry.total_nonfinite_steps == 1:
+            rank_zero_warn(
+                f"gradcomp: step {trainer.global_step} had a non-finite gradient on some rank. Its aggregate is"
+                " non-finite on every rank (skip it as with plain DDP) and every compressor state was kept as it was"
+                " before the step; `gradcomp/nonfinite_steps` counts such steps."
+            )
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

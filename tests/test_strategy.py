@@ -204,3 +204,32 @@ def test_the_monitor_compressed_ddp_adds_gets_its_setup(tmp_path, monkeypatch, i
     monitors = [cb for cb in trainer.callbacks if isinstance(cb, CompressionMonitor)]
     assert len(monitors) == 1
     assert set_up == ["fit"]
+
+
+class _NaNOnce(TinyNet):
+    """Rank 1's loss times NaN at step 2; non-finite steps are skipped the usual way (gradients zeroed)."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.global_step == 2:
+            loss = loss * float("nan")
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        if not all(bool(torch.isfinite(g).all()) for g in grads):
+            for g in grads:
+                g.zero_()
+
+
+@pytest.mark.parametrize("compressor", [TopK(ratio=0.05), PowerSGD(rank=2)], ids=["topk", "powersgd"])
+def test_one_nan_costs_one_step_and_is_counted(tmp_path, compressor):
+    """The issue's scenario under Lightning: after the NaN step every step is finite again (it was 5 of 5 non-finite
+    with TopK and PowerSGD: the residual kept the NaN); the monitor counts the step; replicas stay identical."""
+    strategy = CompressedDDP(compressor, min_compress_numel=64, **SPAWN)
+    model, trainer, ranks = fit(strategy, str(tmp_path), model=_NaNOnce(), max_steps=8)
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+    assert torch.isfinite(ranks[0]["params"]).all()
+    for rank in ranks:
+        assert [step["stats"].finite for step in rank["steps"]] == [step != 2 for step in range(8)]
+    assert trainer.callback_metrics["gradcomp/nonfinite_steps"].item() == 1
