@@ -358,7 +358,7 @@ class Compressor(ABC):
         input (:mod:`lightning_gradcomp.compressors.exchange`). ``tensor`` may be modified in place. Not to be
         overridden.
         """
-        return run_exchange(self, tensor, ctx)
+        return _run_exchange(self, tensor, ctx)
 
     # ----------------------------------------------------------------------------------------------------------
     # Per-layer compression levels
@@ -630,7 +630,7 @@ def _needs_guard(compressor: Compressor, ctx: BucketContext) -> bool:
     return not (compressor.propagates_nonfinite and ctx.residual is None)
 
 
-def run_exchange(compressor: Compressor, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+def _run_exchange(compressor: Compressor, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
     """Run ``compressor``'s reduction of ``tensor`` (see :meth:`Compressor.reduce`); ``ctx.comm`` must be set."""
     if ctx.comm is None:
         raise RuntimeError("Compressor.reduce needs `ctx.comm` (the hook sets it); use compress/decompress directly.")
