@@ -6,13 +6,19 @@ teardown:
 - ``hook``: the module fixture of ``tests/test_hook.py`` (raw DDP + ``compression_hook`` with every compressor,
   two gloo processes spawned by ``tests/distributed.py``);
 - ``fit``: a Lightning fit with ``CompressedDDP`` (its ``CompressionMonitor`` added automatically) and a
-  ``ModelCheckpoint`` every step, two CPU processes, Lightning's default launcher (rank 1 is a child script).
+  ``ModelCheckpoint`` every step, two CPU processes, Lightning's default launcher (rank 1 is a child script);
+- ``inflight``: the mechanism, made deterministic: rank 0 issues a round-1 all-reduce through ``Comm`` (Python
+  ``.then`` callbacks on a gloo future) and exits at once, rank 1 joins the collective a second later, so the
+  collective completes while rank 0's interpreter shuts down. Before ``release_round_groups`` ran at exit, rank 0
+  crashed every time (SIGSEGV / ``terminate called without an active exception``): the gloo worker thread that
+  completes the future runs the Python callback and takes the GIL of a finalised interpreter.
 
 A run counts as an abort when any process printed ``terminate called`` or died by a signal / exit code 134; the
 command exits non-zero if any run aborted::
 
     PYTHONPATH=$PWD python tests/stress_exit.py hook --runs 30
     PYTHONPATH=$PWD python tests/stress_exit.py fit --runs 30
+    PYTHONPATH=$PWD python tests/stress_exit.py inflight --runs 10
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ABORT_MARKERS = ("terminate called", "Fatal Python error", "Aborted")
+ABORT_MARKERS = ("terminate called", "Fatal Python error", "Aborted", "terminated with signal")
 
 
 def _hook_worker() -> None:
@@ -38,6 +44,42 @@ def _hook_worker() -> None:
     bad = {name: r["mismatches"] for r in results for name, r in r.items() if r["mismatches"]}
     if bad:
         raise SystemExit(f"mismatches: {bad}")
+
+
+def _inflight_rank(rank: int, world_size: int) -> None:
+    import time
+
+    import torch
+
+    from lightning_gradcomp.comm import Comm, TorchCollectives
+    from lightning_gradcomp.telemetry import Telemetry
+
+    backend = TorchCollectives()
+    backend.ensure_rounds(2)
+    comm = Comm(backend, Telemetry(), torch.device("cpu"))
+    if rank == 1:
+        time.sleep(1.0)
+    future = comm.all_reduce((torch.ones(1000), torch.ones(10)), round=1)
+    if rank == 1:
+        future.wait()
+    # rank 0 returns at once: its interpreter shuts down while the collective and its callbacks are pending
+
+
+def _inflight_worker() -> None:
+    import torch.multiprocessing as mp
+
+    from tests.distributed import free_port
+
+    port = free_port()
+    mp.spawn(_inflight_entry, args=(port,), nprocs=2)  # raises if a rank died (by a signal: SIGSEGV, SIGABRT)
+
+
+def _inflight_entry(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    _inflight_rank(rank, 2)  # no destroy_process_group: as Lightning leaves gloo groups
 
 
 def _fit_worker(outdir: str) -> None:
@@ -102,7 +144,7 @@ def _loop(pattern: str, runs: int, cores: str | None) -> int:
 def main() -> None:
     """Parse the command line and run the loop (or one worker run)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("pattern", choices=["hook", "fit", "hook-worker", "fit-worker"])
+    parser.add_argument("pattern", choices=["hook", "fit", "inflight", "hook-worker", "fit-worker", "inflight-worker"])
     parser.add_argument("outdir", nargs="?", default=None)
     parser.add_argument("--runs", type=int, default=30)
     parser.add_argument("--cores", default=None, help="keep core dumps of aborted processes in this directory")
@@ -111,6 +153,8 @@ def main() -> None:
         _hook_worker()
     elif args.pattern == "fit-worker":
         _fit_worker(args.outdir)
+    elif args.pattern == "inflight-worker":
+        _inflight_worker()
     else:
         sys.exit(_loop(args.pattern, args.runs, args.cores))
 
