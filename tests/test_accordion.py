@@ -337,12 +337,8 @@ class _Norms:
         pass
 
 
-def test_rule_on_controlled_norms_boundaries_lr_decay_and_logging():
-    """eta is inclusive, a zero old norm is critical, checks compare with `interval` epochs back, decays force low."""
-    module = DigitsMLP(digits(n=8)[0])
-    logged = {}
-    stub_module = SimpleNamespace(named_parameters=module.named_parameters, automatic_optimization=True,
-                                  log=lambda name, value, **kw: logged.__setitem__(name, value))  # fmt: skip
+def _started_accordion(module, stub_module):
+    """Accordion set up and started on a stub trainer, its gradient norms under the test's control."""
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     strategy = CompressedDDP(PowerSGD(rank=1), min_compress_numel=MIN_NUMEL)
     trainer = SimpleNamespace(strategy=strategy, callbacks=[], accumulate_grad_batches=1, is_global_zero=True,
@@ -352,6 +348,16 @@ def test_rule_on_controlled_norms_boundaries_lr_decay_and_logging():
     accordion.on_train_start(trainer, stub_module)
     accordion._sums.remove()
     accordion._sums = fake = _Norms()
+    return optimizer, strategy, trainer, accordion, fake
+
+
+def test_rule_on_controlled_norms_boundaries_lr_decay_and_logging():
+    """eta is inclusive, a zero old norm is critical, checks compare with `interval` epochs back, decays force low."""
+    module = DigitsMLP(digits(n=8)[0])
+    logged = {}
+    stub_module = SimpleNamespace(named_parameters=module.named_parameters, automatic_optimization=True,
+                                  log=lambda name, value, **kw: logged.__setitem__(name, value))  # fmt: skip
+    optimizer, strategy, trainer, accordion, fake = _started_accordion(module, stub_module)
     a, b, c = "net.0.weight", "net.2.weight", "net.4.weight"
     assert strategy.compressor.layer_levels == {a: LOW, b: LOW, c: LOW}
     epochs = {
@@ -386,15 +392,7 @@ def test_a_decay_at_a_check_epoch_is_not_undone_by_that_epochs_check():
     module = DigitsMLP(digits(n=8)[0])
     stub_module = SimpleNamespace(named_parameters=module.named_parameters, automatic_optimization=True,
                                   log=lambda *args, **kwargs: None)  # fmt: skip
-    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
-    strategy = CompressedDDP(PowerSGD(rank=1), min_compress_numel=MIN_NUMEL)
-    trainer = SimpleNamespace(strategy=strategy, callbacks=[], accumulate_grad_batches=1, is_global_zero=True,
-                              current_epoch=0, optimizers=[optimizer])  # fmt: skip
-    accordion = Accordion(interval=2, low_compression_level=LOW, high_compression_level=HIGH)
-    accordion.setup(trainer, stub_module, "fit")
-    accordion.on_train_start(trainer, stub_module)
-    accordion._sums.remove()
-    accordion._sums = fake = _Norms()
+    optimizer, strategy, trainer, accordion, fake = _started_accordion(module, stub_module)
     layers = list(strategy.compressor.layer_levels)
     steady = dict.fromkeys(layers, 1.0)  # norms that do not change: every check says "not critical"
     after = {}

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
 from lightning_gradcomp.validation import check_momentum
@@ -75,6 +75,7 @@ class SignSGD(Compressor):
         super().__init__()
         self.momentum = check_momentum(momentum)
         self._momenta = self.layer_state("momentum")  # Signum's m, per layer: this rank's own
+        self._next_momenta = LayerBuffers()  # this step's m, staged until the step is known finite
 
     @property
     def default_error_feedback(self) -> bool:
@@ -121,8 +122,10 @@ class SignSGD(Compressor):
         for layer in ctx.layers:
             g = layer.flat(tensor)
             m = self._momenta.get(layer, g)
-            g.mul_(1.0 - self.momentum).add_(m, alpha=self.momentum)  # the new m, in the gradient's place
-            ctx.updates.stage(m, g.clone())
+            new_m = self._next_momenta.get(layer, g)  # reused every step: no allocation on the hook path
+            torch.mul(g, 1.0 - self.momentum, out=new_m).add_(m, alpha=self.momentum)
+            g.copy_(new_m)  # the new m is what is signed
+            ctx.updates.stage(m, new_m)
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Signs all-gathered; every rank takes the majority vote."""
