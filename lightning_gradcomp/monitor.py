@@ -81,8 +81,10 @@ class CompressionMonitor(Callback):
              telemetry.total_encode_ms, telemetry.total_decode_ms],
             dtype=torch.float64,
         )  # fmt: skip
-        # every rank's own numbers, for the table (a collective: every rank reaches on_train_end)
-        per_rank = trainer.strategy.all_gather(totals).reshape(-1, totals.numel())
+        # every rank's own numbers, for the table (a collective: every rank reaches on_train_end; on the strategy's
+        # device, since NCCL gathers no CPU tensor)
+        gathered = trainer.strategy.all_gather(totals.to(trainer.strategy.root_device))
+        per_rank = gathered.cpu().reshape(-1, totals.numel())
         # in the callback metrics too, so that a launcher that returns only those (spawn) still reports them
         names = ("total_steps", "total_bytes_sent", "total_bytes_dense", "total_encode_ms", "total_decode_ms")
         trainer.callback_metrics.update({f"gradcomp/{n}": v for n, v in zip(names, totals)})

@@ -1,4 +1,4 @@
-"""Run a function on several gloo processes and collect what each returns (the torchmetrics/accelerate pattern)."""
+"""Run a function on several processes (gloo, or NCCL on a GPU); collect what each returns (torchmetrics' pattern)."""
 
 import faulthandler
 import os
@@ -18,7 +18,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, outdir: str) -> None:
+def _entry(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, outdir: str, backend: str = "gloo"
+) -> None:
     # keep what a crashing rank prints (C++ aborts included) and the Python stack at a fatal signal, for the report
     err = open(os.path.join(outdir, f"rank{rank}.err"), "w")  # noqa: SIM115 (open for the life of the process)
     os.dup2(err.fileno(), 2)
@@ -26,7 +28,7 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
     finally:
@@ -34,11 +36,12 @@ def _entry(rank: int, world_size: int, port: int, fn: Callable, args: tuple, out
     torch.save(result, os.path.join(outdir, f"rank{rank}.pt"))
 
 
-def run_distributed(fn: Callable, *args: Any, world_size: int = 2) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes; return each rank's result."""
+def run_distributed(fn: Callable, *args: Any, world_size: int = 2, backend: str = "gloo") -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes (``backend``: their process group's
+    backend, gloo unless given); return each rank's result."""
     with tempfile.TemporaryDirectory() as outdir:
         try:
-            mp.spawn(_entry, args=(world_size, free_port(), fn, args, outdir), nprocs=world_size)
+            mp.spawn(_entry, args=(world_size, free_port(), fn, args, outdir, backend), nprocs=world_size)
         except mp.ProcessExitedException as error:
             raise RuntimeError(f"{error}\n{_stderr_tails(outdir, world_size)}") from error
         return [torch.load(os.path.join(outdir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]

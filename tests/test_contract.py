@@ -26,6 +26,11 @@ from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, SimulatedWorld, exported_compressor_classes, simulate_reduce
 
+# GRADCOMP_TEST_DEVICE=cuda runs the whole contract on CUDA tensors (tests/test_gpu.py does, on a GPU machine)
+DEVICE = torch.device(os.environ.get("GRADCOMP_TEST_DEVICE", "cpu"))
+if DEVICE.type == "cuda" and not torch.cuda.is_available():
+    pytest.skip("GRADCOMP_TEST_DEVICE=cuda needs a GPU", allow_module_level=True)
+
 # a conv weight, two same-shape matrices apart (batching groups them out of layer order), a tall and a wide matrix
 SHAPES = [(16, 4, 3, 3), (48, 64), (96, 24), (48, 64), (24, 96)]
 
@@ -84,13 +89,13 @@ def _layers(compressor):
 
 def _ctx(layers, dtype=torch.float64, step=0, seed=0, rank=0, world_size=1, updates=None):
     return BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=layers, dtype=dtype, seed=seed,
-                         updates=updates)  # fmt: skip
+                         updates=updates, device=DEVICE)  # fmt: skip
 
 
 def _data(layers, n, dtype=torch.float64, seed=0):
     g = torch.Generator().manual_seed(seed)
     numel = sum(layer.numel for layer in layers)
-    return [torch.randn(numel, generator=g, dtype=dtype) for _ in range(n)]
+    return [torch.randn(numel, generator=g, dtype=dtype).to(DEVICE) for _ in range(n)]
 
 
 def _fresh(compressor, n=1):
@@ -207,7 +212,7 @@ def test_unbiased_compressors_are_unbiased(case):
     # A coordinate that never varied may be a rare event of a quantiser (a 0.05% chance to round up does not happen in
     # 400 draws), so its sample mean is no test. Random projections mix thousands of coordinates: their standard
     # errors are well estimated, and a bias anywhere shows (deterministic compressors: exactly x).
-    directions = torch.randn(16, x.numel(), generator=torch.Generator().manual_seed(1), dtype=x.dtype)
+    directions = torch.randn(16, x.numel(), generator=torch.Generator().manual_seed(1), dtype=x.dtype).to(x.device)
     projected = samples @ directions.T
     error = (projected.mean(0) - directions @ x).abs()
     assert torch.all(error <= 5 * projected.std(0) / 400**0.5 + 1e-9), name
@@ -225,13 +230,13 @@ def test_error_feedback_telescopes(case):
     layers = _layers(compressor)
     compressors = _fresh(compressor, 2)
     numel = sum(layer.numel for layer in layers)
-    residuals = [torch.zeros(numel, dtype=torch.float64) for _ in range(2)]
+    residuals = [torch.zeros(numel, dtype=torch.float64, device=DEVICE) for _ in range(2)]
     if name in REFUSES_ERROR_FEEDBACK:
         with pytest.raises(ValueError, match="error feedback"):
             simulate_reduce(compressors, _data(layers, 2), layers, residuals=residuals)
         return
-    applied = torch.zeros(numel, dtype=torch.float64)
-    computed = torch.zeros(numel, dtype=torch.float64)
+    applied = torch.zeros(numel, dtype=torch.float64, device=DEVICE)
+    computed = torch.zeros(numel, dtype=torch.float64, device=DEVICE)
     for step in range(6):
         grads = _data(layers, 2, seed=100 + step)
         applied += simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)[0]
@@ -251,7 +256,7 @@ def test_error_feedback_telescopes(case):
 
 def _kept(compressor, layers):
     """Which elements of the flat layout a MaskedCompressor's masks keep (all for every other compressor)."""
-    kept = torch.ones(sum(layer.numel for layer in layers), dtype=torch.bool)
+    kept = torch.ones(sum(layer.numel for layer in layers), dtype=torch.bool, device=DEVICE)
     for layer in layers:
         masks = getattr(compressor, "masks", None)
         if masks is not None and layer.name in masks:
@@ -332,7 +337,7 @@ def _bytes_counted_and_handed(compressor, xs, layers):
     for rank, (c, x) in enumerate(zip(_fresh(compressor, len(xs)), xs)):
         telemetry[rank].add_bucket(x.numel() * x.element_size())
         ctx = BucketContext(index=0, step=0, rank=rank, world_size=len(xs), layers=layers, dtype=x.dtype,
-                            comm=Comm(backends[rank], telemetry[rank], x.device))  # fmt: skip
+                            device=x.device, comm=Comm(backends[rank], telemetry[rank], x.device))  # fmt: skip
         futures.append(c.reduce(x.clone(), ctx))
     world.assert_quiescent()
     for future in futures:
@@ -465,7 +470,7 @@ def test_a_nonfinite_step_leaves_every_state_as_it_was(case, bad):
     numel = sum(layer.numel for layer in layers)
     use_residuals = name not in REFUSES_ERROR_FEEDBACK
     compressors = _fresh(compressor, 2)
-    residuals = [torch.zeros(numel, dtype=torch.float64) for _ in range(2)] if use_residuals else None
+    residuals = [torch.zeros(numel, dtype=torch.float64, device=DEVICE) for _ in range(2)] if use_residuals else None
     for step in range(2):
         simulate_reduce(compressors, _data(layers, 2, seed=400 + step), layers, step=step, residuals=residuals)
     twins = [copy.deepcopy(c) for c in compressors]
@@ -507,9 +512,9 @@ def test_the_writing_a_compressor_walkthrough_works():
     numel = sum(layer.numel for layer in layers)
     for cls in _walkthrough_compressors():
         compressors = [cls(), cls()]
-        residuals = [torch.zeros(numel, dtype=torch.float64) for _ in range(2)]
-        applied = torch.zeros(numel, dtype=torch.float64)
-        computed = torch.zeros(numel, dtype=torch.float64)
+        residuals = [torch.zeros(numel, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+        applied = torch.zeros(numel, dtype=torch.float64, device=DEVICE)
+        computed = torch.zeros(numel, dtype=torch.float64, device=DEVICE)
         for step in range(4):
             torch.manual_seed(step)  # LeaderRandomK draws its indices on the leader only
             grads = _data(layers, 2, seed=500 + step)

@@ -279,10 +279,13 @@ class Compressor(ABC):
         Override when the sum can be formed without one dense tensor per rank (sparse payloads). ``out`` is as in
         :meth:`decompress`.
         """
-        # accumulate into zeros: a decompressed payload may be the payload itself, which must not change
+        # accumulate into zeros: a decompressed payload may be the payload itself, which must not change; every
+        # rank's payload is decoded into one scratch buffer (a fresh gradient-sized tensor per rank costs its page
+        # faults on the CPU: as much as the decoding itself)
         total = ctx.output(out, zeros=True)
+        scratch = torch.empty_like(total) if len(payloads) > 1 else None
         for payload in payloads:
-            total.add_(self.decompress(payload, ctx))
+            total.add_(self.decompress(payload, ctx, out=scratch))
         return total
 
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
@@ -299,7 +302,8 @@ class Compressor(ABC):
 
         ``residual`` is a buffer of its own (``ctx.new_residual``); ``ctx.residual`` still holds the old residual.
         """
-        torch.sub(tensor, self.decompress(payload, ctx), out=residual)
+        # decoded straight into the residual's buffer (no gradient-sized temporary), then subtracted in place
+        torch.sub(tensor, self.decompress(payload, ctx, out=residual), out=residual)
 
     def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
         """Turn the dense average of ``ctx.layers`` into the update, in place (default: the average itself).
@@ -445,8 +449,10 @@ class LayerBuffers:
     def get(self, layer: Layer, like: Tensor) -> Tensor:
         """``layer``'s buffer, zero-initialised like ``like`` when missing or no longer matching it."""
         buffer = self._tensors.get(layer.name)
-        if buffer is None or buffer.shape != like.shape or buffer.device != like.device or buffer.dtype != like.dtype:
+        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
             buffer = self._tensors[layer.name] = torch.zeros_like(like)
+        elif buffer.device != like.device:  # loaded from a checkpoint on another device: moved, not lost
+            buffer = self._tensors[layer.name] = buffer.to(like.device)
         return buffer
 
     def __getitem__(self, name: str) -> Tensor:

@@ -202,7 +202,7 @@ def encode_indices(indices: Tensor, numel: int, slots: int, bitmap: bool) -> Ten
     device = indices.device
     if bitmap:
         mask = torch.zeros(-(-numel // 32) * 32, dtype=torch.bool, device=device)
-        mask[indices] = True
+        mask.index_fill_(0, indices.long(), True)  # `mask[indices] = True` copies a host scalar: a CUDA sync
         return pack_bits(mask)
     listed = indices.to(torch.int32)
     if listed.numel() < slots:

@@ -34,6 +34,19 @@ def orthogonalize(matrices: Tensor, epsilon: float = 1e-8) -> None:
         matrices.copy_(torch.linalg.qr(matrices.contiguous()).Q)
 
 
+def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
+    """``tensor`` (drawn or loaded on the CPU) on ``device``, without a host synchronisation on CUDA.
+
+    A plain ``.to("cuda")`` of pageable memory waits for the copy; from pinned memory a non-blocking copy is ordered
+    on the current stream like any kernel, and the caching host allocator keeps the pinned block alive until then.
+    """
+    if tensor.device == device:
+        return tensor
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
 def _into(buffer: Tensor, received: Tensor) -> Tensor:
     """``buffer`` holding ``received`` (a collective reduces in place unless it packed the payload with others)."""
     if received.data_ptr() != buffer.data_ptr():
@@ -171,6 +184,9 @@ batch_same_shape=None, init='layer')
 
     def _random_queries(self, ctx: BucketContext) -> dict[str, Tensor]:
         """Fresh N(0, 1) queries for every layer of ``ctx``, identical on every rank (drawn on the CPU)."""
+        return {name: _to_device(q, ctx.device) for name, q in self._random_host_queries(ctx).items()}
+
+    def _random_host_queries(self, ctx: BucketContext) -> dict[str, Tensor]:
         shape = {layer.name: (layer.numel // layer.shape[0], self._rank_for(layer)) for layer in ctx.layers}
         if self.init == "layer":
             return {
@@ -201,6 +217,9 @@ batch_same_shape=None, init='layer')
         expected = {layer.name: (layer.numel // layer.shape[0], self._rank_for(layer)) for layer in ctx.layers}
         if self.warm_start:
             known = {name: self._memory.get(name) for name in expected}
+            for name, q in known.items():
+                if q is not None and q.device != ctx.device:  # loaded from a checkpoint: moved once, kept
+                    known[name] = self._memory[name] = _to_device(q, ctx.device)
             if all(q is not None and tuple(q.shape) == expected[name] for name, q in known.items()):
                 return known  # type: ignore[return-value]
             if self.init == "layer":

@@ -1,0 +1,210 @@
+"""Encode+decode time of every compressor, next to the backward pass and to one memory pass (a benchmark, not a test).
+
+One process. Lays out the model's layers that ``CompressedDDP`` compresses by default (>= 2-D, >= 1024 elements) as
+one bucket, runs each compressor for ``--ranks`` simulated ranks through ``lightning_gradcomp.testing.
+simulate_reduce`` (the training code path: error feedback, compress, packing, aggregation and decode; the collectives
+are simulated in memory and not counted) and reports, per compressor and rank, the encode+decode time the hook's
+telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
+
+* a share of the backward pass of the same model (forward excluded), measured in the same run;
+* *passes*: the time divided by the time of one memory pass over the compressed gradient (``dst.copy_(src)``: one
+  read and one write of every element), the unit every elementwise stage costs at least. A codec that reads the
+  gradient, writes a residual and writes the output is three passes at best, whatever the device.
+
+On CUDA it also counts kernel launches per step and rank (``torch.profiler``) and runs one step with
+``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation on the codec path raises, and the table says
+``sync`` instead of ``0``. Timings are medians over ``--steps`` steps after two warm-up steps; on CPU one torch thread,
+as each worker of ``step_time.py`` has. Gradients are random normal scaled to 1e-3.
+
+Examples::
+
+    python benchmarks/codec.py                                    # CPU, ResNet-18 (CIFAR shape), batch 32
+    python benchmarks/codec.py --device cuda --batch-size 128      # GPU, ResNet-18, batch 128
+    python benchmarks/codec.py --device cuda --model resnet50 --image-size 224 --batch-size 64
+    python benchmarks/codec.py --compressors topk qsgd --out benchmarks/results/codec_cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torchvision
+
+from lightning_gradcomp.compressors.base import Layer
+from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
+
+MIN_COMPRESS_NUMEL = 1024  # CompressedDDP's default
+DEFAULT_COMPRESSORS = (
+    "fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom",
+    "signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp",
+)  # fmt: skip
+TARGETS = {  # issue 11's CPU targets, as a share of the backward pass
+    **dict.fromkeys(("fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom"), 0.10),
+    **dict.fromkeys(("signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp"), 0.30),
+}
+
+
+def compressed_layers(model: torch.nn.Module) -> tuple[Layer, ...]:
+    """The layers CompressedDDP compresses by default, laid out back to back."""
+    layers, offset = [], 0
+    for index, (name, p) in enumerate(model.named_parameters()):
+        if p.dim() >= 2 and p.numel() >= MIN_COMPRESS_NUMEL:
+            layers.append(Layer(name, index, p.shape, offset))
+            offset += p.numel()
+    return tuple(layers)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _median_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def backward_ms(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> float:
+    """The median backward pass (forward excluded) of one batch."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device)
+    y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    times = []
+    for i in range(args.steps + 2):
+        model.zero_grad(set_to_none=False)
+        loss = loss_fn(model(x), y)
+        _sync(device)
+        start = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        if i >= 2:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def kernel_launches(run: Callable[[], None], ranks: int) -> float:
+    """CUDA kernel launches (and memcpy/memset calls) per call of ``run`` and rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync")
+    count = sum(e.count for e in prof.key_averages() if e.key in names)
+    return count / ranks
+
+
+def has_host_sync(run: Callable[[], None]) -> bool:
+    """Whether ``run`` synchronises the host with the GPU (``set_sync_debug_mode("error")`` raises)."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        run()
+    except RuntimeError as err:
+        if "synchroniz" not in str(err).lower():
+            raise
+        print(f"  host sync: {str(err).splitlines()[0]}")
+        return True
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    return False
+
+
+def measure(name: str, layers: tuple[Layer, ...], args: argparse.Namespace, device: torch.device) -> dict:
+    """One compressor: encode+decode per step and rank (telemetry medians), launches and syncs on CUDA."""
+    numel = layers[-1].offset + layers[-1].numel
+    torch.manual_seed(0)
+    grads = [(torch.randn(numel) * 1e-3).to(device) for _ in range(args.ranks)]
+    compressors = [EXAMPLES[name]() for _ in range(args.ranks)]
+    residuals = (
+        [torch.zeros(numel, device=device) for _ in range(args.ranks)]
+        if compressors[0].default_error_feedback
+        else None
+    )
+    telemetry = [Telemetry() for _ in range(args.ranks)]
+    step = 0
+
+    def run() -> None:
+        nonlocal step
+        simulate_reduce(compressors, grads, layers, step=step, residuals=residuals, telemetry=telemetry)
+        step += 1
+
+    per_step = []
+    for i in range(args.steps + 2):
+        run()
+        _sync(device)
+        for t in telemetry:
+            t.add_bucket(numel * 4)  # what the hook counts per bucket; pop_step reports nothing without one
+        stats = [t.pop_step() for t in telemetry]
+        if i >= 2:
+            per_step.append(statistics.fmean(s.encode_ms + s.decode_ms for s in stats if s is not None))
+    result = {"compressor": name, "codec_ms": statistics.median(per_step)}
+    if device.type == "cuda":
+        result["launches"] = kernel_launches(run, args.ranks)
+        result["host_sync"] = has_host_sync(run)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", choices=["resnet18", "resnet50"], default="resnet18")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--ranks", type=int, default=2, help="simulated ranks (each one's codec time is averaged)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
+    parser.add_argument("--compressors", nargs="+", default=list(DEFAULT_COMPRESSORS), choices=sorted(EXAMPLES))
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    model = getattr(torchvision.models, args.model)(num_classes=10).to(device)
+    layers = compressed_layers(model)
+    numel = layers[-1].offset + layers[-1].numel
+    backward = backward_ms(model, args, device)
+    src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
+    one_pass = _median_ms(lambda: dst.copy_(src), device, 20)
+    rows = [measure(name, layers, args, device) for name in args.compressors]
+    header = (
+        f"{args.model} ({numel:,} compressed elements in {len(layers)} layers), batch {args.batch_size}x"
+        f"{args.image_size}x{args.image_size}, {device}, {args.ranks} simulated ranks"
+        + (f", {args.threads} thread(s)" if device.type == "cpu" else "")
+        + f": backward {backward:.1f} ms, one memory pass {one_pass:.2f} ms"
+    )
+    print(header)
+    cuda = device.type == "cuda"
+    print(f"{'compressor':<11} {'codec ms':>9} {'% backward':>10} {'passes':>7}" + ("  launches  sync" if cuda else ""))
+    for row in rows:
+        row["share_of_backward"] = row["codec_ms"] / backward
+        row["passes"] = row["codec_ms"] / one_pass
+        share = 100 * row["share_of_backward"]
+        line = f"{row['compressor']:<11} {row['codec_ms']:9.2f} {share:9.1f}% {row['passes']:7.1f}"
+        if cuda:
+            line += f"  {row['launches']:8.0f}  {'sync' if row['host_sync'] else 'none'}"
+        elif row["compressor"] in TARGETS:
+            line += f"   (target {100 * TARGETS[row['compressor']]:.0f}%)"
+        print(line)
+    if args.out:
+        meta = {k: v for k, v in vars(args).items() if k != "out"}
+        meta.update(torch=torch.__version__, backward_ms=backward, one_pass_ms=one_pass, numel=numel)
+        if cuda:
+            meta["gpu"] = torch.cuda.get_device_name(device)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""The GPU path: every compressor on CUDA tensors, the hook through DDP with NCCL and with gloo, no host syncs.
+
+Skipped without a GPU (CI has none); run on a GPU machine with ``pytest tests/test_gpu.py``. The host-sync checks use
+``torch.cuda.set_sync_debug_mode("error")``: any operation on the codec path that makes the CPU wait for the GPU
+(``.item()``, ``nonzero``, a device-to-host copy) raises, so the hook never stalls the backward pass it overlaps.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lightning_gradcomp.compressors.base import layers_from_shapes
+from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
+from tests.distributed import run_distributed
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
+
+SHAPES = [(64, 32, 3, 3), (128, 256), (256, 128), (10, 128)]
+# Methods whose result does not depend on random draws made on the device: CUDA must give the CPU's result (to
+# rounding: kernels sum in another order)
+DETERMINISTIC = ("identity", "fp16", "bf16", "topk", "topk-10%", "randomk", "powersgd", "scalecom", "signsgd",
+                 "efsignsgd", "onebit", "dgc-no-momentum")  # fmt: skip
+# What cannot avoid a host read on the codec path, and why (docs/benchmarks.md#gpu)
+SYNCS = {
+    "adacomp": "payload sizes are data-dependent: the exchanged sizes are read to size the second round",
+    "adacomp-small-bins": "payload sizes are data-dependent: the exchanged sizes are read to size the second round",
+}
+
+
+def _grads(layers, n, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    numel = sum(layer.numel for layer in layers)
+    return [torch.randn(numel, generator=g).to(device) for _ in range(n)]
+
+
+def _reduce_steps(name, device, steps=3, sync_check=False):
+    layers = layers_from_shapes(SHAPES)
+    compressors = [EXAMPLES[name]() for _ in range(2)]
+    numel = sum(layer.numel for layer in layers)
+    ef = compressors[0].default_error_feedback
+    residuals = [torch.zeros(numel, device=device) for _ in range(2)] if ef else None
+    outs = []
+    for step in range(steps):
+        grads = _grads(layers, 2, device, seed=step)
+        if sync_check and step == steps - 1:  # the first steps allocate and warm caches; the steady state must not sync
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            outs.append(simulate_reduce(compressors, grads, layers, step=step, residuals=residuals))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return outs
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_every_compressor_reduces_on_cuda_identically_on_every_rank_without_host_syncs(name):
+    if name in SYNCS:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            _reduce_steps(name, "cuda", sync_check=True)
+        return
+    for outs in _reduce_steps(name, "cuda", sync_check=True):
+        assert outs[0].device.type == "cuda"
+        assert torch.equal(outs[0], outs[1])
+        assert torch.isfinite(outs[0]).all()
+
+
+@pytest.mark.parametrize("name", DETERMINISTIC)
+def test_cuda_gives_the_cpu_result(name):
+    for cpu, cuda in zip(_reduce_steps(name, "cpu"), _reduce_steps(name, "cuda")):
+        tol = {"rtol": 1e-2, "atol": 1e-2} if name == "bf16" else {"rtol": 1e-4, "atol": 1e-5}
+        torch.testing.assert_close(cuda[0].cpu(), cpu[0], **tol)
+
+
+def test_the_contract_suite_passes_on_cuda_tensors():
+    """tests/test_contract.py, every compressor, with every tensor on the GPU (GRADCOMP_TEST_DEVICE=cuda)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "GRADCOMP_TEST_DEVICE": "cuda"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_contract.py"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The hook through DDP
+# ---------------------------------------------------------------------------------------------------------------------
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+def _train(rank, world_size, name, steps, sync_check):
+    """``steps`` SGD steps of DDP on cuda:0 (``name``: a compressor of EXAMPLES, or None for plain DDP)."""
+    from lightning_gradcomp import CompressionState, compression_hook
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    model = torch.nn.parallel.DistributedDataParallel(_model().to(device), device_ids=[0], bucket_cap_mb=0.05)
+    if name is not None:
+        state = CompressionState(EXAMPLES[name](), min_compress_numel=256)
+        state.attach(model)
+        model.register_comm_hook(state, compression_hook)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    synced = []
+    for step in range(steps):
+        x = torch.randn(16, 3, 16, 16, generator=g).to(device)
+        y = torch.randint(0, 10, (16,), generator=g).to(device)
+        loss = nn.functional.cross_entropy(model(x), y)
+        check = sync_check and step >= 2  # after DDP's bucket rebuild and the first allocations
+        if check:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            loss.backward()
+        except RuntimeError as err:
+            synced.append(str(err).splitlines()[0])
+            raise
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.cuda.synchronize()
+    return {"params": [p.detach().cpu() for p in model.parameters()], "synced": synced}
+
+
+def test_ddp_over_nccl_at_world_size_one_with_identity_is_bitwise_plain_ddp():
+    plain = run_distributed(_train, None, 4, False, world_size=1, backend="nccl")[0]
+    ours = run_distributed(_train, "identity", 4, True, world_size=1, backend="nccl")[0]
+    for a, b in zip(plain["params"], ours["params"]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd", "dgc", "qsgd", "terngrad", "efsignsgd", "scalecom"])
+def test_ddp_over_nccl_runs_every_method_without_host_syncs_in_backward(name):
+    result = run_distributed(_train, name, 5, True, world_size=1, backend="nccl")[0]
+    assert not result["synced"]
+    assert all(torch.isfinite(p).all() for p in result["params"])
+
+
+@pytest.mark.parametrize("name", ["topk", "powersgd", "qsgd"])
+def test_two_processes_share_the_gpu_over_gloo_and_stay_identical(name):
+    """Two ranks on one GPU (NCCL refuses two ranks per device; gloo stages CUDA tensors through the host)."""
+    ranks = run_distributed(_train, name, 4, False, world_size=2, backend="gloo")
+    for a, b in zip(ranks[0]["params"], ranks[1]["params"]):
+        assert torch.equal(a, b)
+
+
+def _fit_with_lightning(rank, world_size):
+    import lightning as L
+
+    from lightning_gradcomp import CompressedDDP
+    from lightning_gradcomp.compressors import PowerSGD
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = _model()
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return nn.functional.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 3, 16, 16, generator=g), torch.randint(0, 10, (64,), generator=g)
+    data = torch.utils.data.TensorDataset(x, y)
+    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=CompressedDDP(compressor=PowerSGD(rank=2)),
+                        max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    module = Module()
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
+    return [p.detach().cpu() for p in module.parameters()]
+
+
+def test_lightning_trainer_fits_with_compressed_ddp_on_the_gpu():
+    params = _fit_with_lightning(0, 1)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert all(torch.isfinite(p).all() for p in params)
+    assert not torch.equal(params[0], _model()[0].weight.detach())
