@@ -17,7 +17,7 @@ from __future__ import annotations
 import atexit
 import logging
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.distributed as dist
@@ -240,13 +240,13 @@ class Comm:
         if len(futures) == 1:
             return futures[0].then(lambda fut: _ordered(unpackers[0](fut.value()), len(payload)))
 
-        def unpack_all(fut: torch.futures.Future[list[torch.futures.Future[Tensor]]]) -> Payload:
+        def unpack_all(fut: torch.futures.Future[list[Tensor]]) -> Payload:
             pieces: list[tuple[int, Tensor]] = []
-            for unpack, done in zip(unpackers, fut.value()):
-                pieces.extend(unpack(done.value()))
+            for unpack, value in zip(unpackers, fut.value()):
+                pieces.extend(unpack(value))
             return _ordered(pieces, len(payload))
 
-        return torch.futures.collect_all(futures).then(unpack_all)
+        return when_all(futures, self.device).then(unpack_all)
 
     def all_gather(self, payload: Sequence[Tensor], round: int = 0) -> torch.futures.Future[list[Payload]]:
         """Gather every rank's ``payload`` in one collective (tensors packed byte-wise, 8-byte aligned).
@@ -297,6 +297,7 @@ class Comm:
 
         def start(_: torch.futures.Future) -> None:
             try:
+                fut.wait()  # in this callback's stream, wait for what wrote ``fut``'s tensors (no host sync)
                 inner = issue(fut)
             except BaseException as error:  # noqa: BLE001 (forwarded to the waiting DDP reducer)
                 issued.set_result(None)
@@ -307,6 +308,31 @@ class Comm:
 
         gate.then(start)
         return result
+
+
+def when_all(futures: list[torch.futures.Future], device: torch.device) -> torch.futures.Future[list[Any]]:
+    """The values of ``futures`` once all are done, ordered for the device like each of them.
+
+    ``torch.futures.collect_all`` returns a future without devices: a callback chained on it reads its children's
+    CUDA tensors without waiting for the streams that wrote them (the children's ``.then`` callbacks run on side
+    streams). Here each child is ``wait()``-ed inside the callback, which makes the current stream wait for its
+    events (no host synchronisation), and the result is set on a future that carries the device, so whatever is
+    chained next waits too. Found by two ranks sharing a GPU over gloo, whose replicas drifted apart without it.
+    """
+    if device.type != "cuda":
+        return torch.futures.collect_all(futures).then(lambda fut: [done.value() for done in fut.value()])
+    result: torch.futures.Future = torch.futures.Future(devices=[device])
+
+    def finish(fut: torch.futures.Future) -> None:
+        try:
+            values = [done.wait() for done in fut.value()]
+        except BaseException as error:  # noqa: BLE001 (forwarded to the waiting DDP reducer)
+            result.set_exception(error)
+            return
+        result.set_result(values)
+
+    torch.futures.collect_all(futures).then(finish)
+    return result
 
 
 def _forward(done: torch.futures.Future, result: torch.futures.Future) -> None:

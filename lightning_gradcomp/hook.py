@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives
+from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives, when_all
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
@@ -315,11 +315,11 @@ class CompressionState:
             return reduced
         futures.append(reduced)
 
-        def finish(fut: torch.futures.Future[list[torch.futures.Future]]) -> Tensor:
-            done = fut.value()
-            return plan.scatter(buffer, done[-1].value(), done[0].value() if dense is not None else None)
+        def finish(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
+            values = fut.value()
+            return plan.scatter(buffer, values[-1], values[0] if dense is not None else None)
 
-        return torch.futures.collect_all(futures).then(finish)
+        return when_all(futures, buffer.device).then(finish)
 
     def _end_step(self, last: torch.futures.Future[Tensor]) -> torch.futures.Future[Tensor]:
         """After every bucket of the step: commit the staged state (if finite everywhere), count the verdict."""
@@ -327,13 +327,12 @@ class CompressionState:
         self._in_flight, self._updates = [], StepUpdates()
         telemetry = self.telemetry
 
-        def commit(fut: torch.futures.Future[list[torch.futures.Future]]) -> Tensor:
-            for done in fut.value():
-                done.value()  # a failed bucket fails the step: nothing is committed
+        def commit(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
+            fut.value()  # a failed bucket fails the step: nothing is committed
             telemetry.add_verdict(updates.commit())
-            return last.value()
+            return last.wait()
 
-        return torch.futures.collect_all(in_flight).then(commit)
+        return when_all(in_flight, self.comm.device).then(commit)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpointing

@@ -26,9 +26,17 @@ SHAPES = [(64, 32, 3, 3), (128, 256), (256, 128), (10, 128)]
 DETERMINISTIC = ("identity", "fp16", "bf16", "topk", "topk-10%", "randomk", "powersgd", "scalecom", "signsgd",
                  "efsignsgd", "onebit", "dgc-no-momentum")  # fmt: skip
 # What cannot avoid a host read on the codec path, and why (docs/benchmarks.md#gpu)
+_SELECTION = "DGC's selection reads how many entries pass its sampled threshold (the reference's adaptive loop)"
+_SIZES = "payload sizes are data-dependent: the exchanged sizes are read to size the second round"
+_BITMAP = "indices sent as a bitmap are decoded with nonzero, whose output size is read"
 SYNCS = {
-    "adacomp": "payload sizes are data-dependent: the exchanged sizes are read to size the second round",
-    "adacomp-small-bins": "payload sizes are data-dependent: the exchanged sizes are read to size the second round",
+    "adacomp": _SIZES,
+    "adacomp-small-bins": _SIZES,
+    "dgc": _SELECTION,
+    "dgc-bitmap": _SELECTION,
+    "dgc-no-momentum": _SELECTION,
+    "dgc-warmup-nesterov-clip": _SELECTION,
+    "scalecom-lowpass": _BITMAP,  # at ratio 0.1 the leader's indices travel as a bitmap
 }
 
 
@@ -104,7 +112,11 @@ def _train(rank, world_size, name, steps, sync_check):
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     model = torch.nn.parallel.DistributedDataParallel(_model().to(device), device_ids=[0], bucket_cap_mb=0.05)
-    if name is not None:
+    if name == "torch-fp16":  # torch's own hook, for comparison
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
+
+        model.register_comm_hook(None, fp16_compress_hook)
+    elif name is not None:
         state = CompressionState(EXAMPLES[name](), min_compress_numel=256)
         state.attach(model)
         model.register_comm_hook(state, compression_hook)
@@ -138,7 +150,7 @@ def test_ddp_over_nccl_at_world_size_one_with_identity_is_bitwise_plain_ddp():
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("name", ["topk", "powersgd", "dgc", "qsgd", "terngrad", "efsignsgd", "scalecom"])
+@pytest.mark.parametrize("name", ["topk", "powersgd", "qsgd", "terngrad", "efsignsgd", "onebit", "scalecom", "fp16"])
 def test_ddp_over_nccl_runs_every_method_without_host_syncs_in_backward(name):
     result = run_distributed(_train, name, 5, True, world_size=1, backend="nccl")[0]
     assert not result["synced"]
