@@ -134,9 +134,16 @@ def test_state_dict_resume_is_bitwise():
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
-    [({"lr": -0.1}, "lr"), ({"betas": (1.0, 0.9)}, "betas[0]"), ({"betas": (0.9, -0.1)}, "betas[1]"),
-     ({"betas": (0.9,)}, "betas"), ({"eps": -1e-8}, "eps"), ({"weight_decay": -1.0}, "weight_decay"),
-     ({"grad_averaging": 1}, "grad_averaging"), ({"foreach": None}, "foreach")],  # fmt: skip
+    [
+        ({"lr": -0.1}, "lr"),
+        ({"betas": (1.0, 0.9)}, "betas[0]"),
+        ({"betas": (0.9, -0.1)}, "betas[1]"),
+        ({"betas": (0.9,)}, "betas"),
+        ({"eps": -1e-8}, "eps"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+        ({"grad_averaging": 1}, "grad_averaging"),
+        ({"foreach": None}, "foreach"),
+    ],  # fmt: skip
 )
 def test_bad_arguments_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`".replace("[", r"\[").replace("]", r"\]")):
