@@ -68,10 +68,10 @@ LR = {
 }  # fmt: skip
 # the grids the learning rates above were chosen from (--lr-sweep, seed 0, the shorter lengths given)
 SWEEP = {
-    "digits": {"sgd": (0.02, 0.05, 0.1), "adamw": (3e-4, 1e-3, 3e-3), "novograd": (0.003, 0.01, 0.03),
-               "fused-adalomo": (0.003, 0.01, 0.03)},
-    "lm": {"sgd": (0.3, 1.0, 3.0), "adamw": (1e-3, 3e-3, 1e-2), "novograd": (0.01, 0.03, 0.1),
-           "fused-adalomo": (0.01, 0.03, 0.1)},
+    "digits": {"sgd": (0.02, 0.05, 0.1, 0.2), "adamw": (3e-4, 1e-3, 3e-3, 1e-2),
+               "novograd": (0.003, 0.01, 0.03, 0.1), "fused-adalomo": (0.003, 0.01, 0.03, 0.1)},
+    "lm": {"sgd": (0.3, 1.0, 3.0, 10.0), "adamw": (1e-3, 3e-3, 1e-2, 3e-2), "novograd": (0.01, 0.03, 0.1, 0.3),
+           "fused-adalomo": (0.01, 0.03, 0.1, 0.3)},
 }  # fmt: skip
 BATCH = 32
 

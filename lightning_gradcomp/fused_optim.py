@@ -73,6 +73,7 @@ class FusedOptimizer(Optimizer):
         self._last_norm: Tensor | None = None  # the global norm of the last finished step
         self._norm_parts: dict[int, Tensor] = {}  # this step's squared norm, one entry per bucket
         self._coef: Tensor | None = None  # this step's norm-clipping coefficient
+        self._groups: dict[int, dict[str, Any]] = {}  # parameter id -> its group, rebuilt each step
 
     @property
     def bound(self) -> bool:
@@ -143,6 +144,7 @@ class FusedOptimizer(Optimizer):
     def _begin_step(self) -> None:
         """Advance the step; this step's norm coefficient comes from the last one's norm (no host sync)."""
         self._step += 1
+        self._groups = {id(p): group for group in self.param_groups for p in group["params"]}
         if self._norm_parts:
             self._last_norm = torch.stack(list(self._norm_parts.values())).sum().sqrt()
             self._norm_parts = {}
@@ -150,18 +152,14 @@ class FusedOptimizer(Optimizer):
         if self.clip_grad_norm is not None and self._last_norm is not None:
             self._coef = (self.clip_grad_norm / (self._last_norm + 1e-6)).clamp(max=1.0)
 
-    def _group_of(self) -> dict[int, dict[str, Any]]:
-        return {id(p): group for group in self.param_groups for p in group["params"]}
-
     def _apply(self, params: Sequence[Tensor], grads: Sequence[Tensor], key: int) -> None:
         """Clip and apply the update of ``params`` (one bucket, or all of them) from their averaged ``grads``."""
         if self.clip_grad_norm is not None:
             # the callbacks of different buckets may run on different threads: one slot each, summed next step
             norms = torch._foreach_norm([g.float() for g in grads]) if grads else []
             self._norm_parts[key] = torch.stack(norms).square().sum()
-        groups = self._group_of()
         for p, g in zip(params, grads):
-            group = groups.get(id(p))
+            group = self._groups.get(id(p))
             if group is None:
                 continue  # not this optimizer's parameter (bind_fused_optimizer refuses that setup)
             if self.clip_grad_value is not None:
@@ -289,11 +287,12 @@ class FusedAdaLomo(FusedOptimizer):
         w = w * (1 - step * weight_decay) - step * update
 
     No first moment. Our choices where the reference is silent or broken: tensors of more than two dimensions
-    (convolutions) are factored over their last two dimensions, as Adafactor does (the reference allocates
-    ``shape[0]``/``shape[1]`` vectors, which do not match its own ``mean(dim=-1)`` for such tensors); 0-d tensors
-    use the unfactored path; ``max(eps[1], RMS(w))`` is a tensor ``clamp`` (no host synchronisation); state is
-    created on the parameter's device, in fp32. The reference's fixed loss scale (2**10, for fp16) is not offered:
-    train in bf16 or fp32.
+    (convolutions) are factored as a matrix of ``shape[0]`` rows and ``numel / shape[0]`` columns (the reference
+    allocates ``shape[0]``/``shape[1]`` vectors, which do not match its own ``mean(dim=-1)`` for such tensors;
+    Adafactor factors over the last two dimensions instead, which for a 3x3 kernel keeps two thirds of the tensor's
+    size as state); 0-d tensors use the unfactored path; ``max(eps[1], RMS(w))`` is a tensor ``clamp`` (no host
+    synchronisation); state is created on the parameter's device, in fp32. The reference's fixed loss scale (2**10,
+    for fp16) is not offered: train in bf16 or fp32.
 
     Args:
         params: the parameters or parameter groups (every trainable parameter of the model).
@@ -336,18 +335,20 @@ class FusedAdaLomo(FusedOptimizer):
         eps1, eps2 = group["eps"]
         beta2 = 1.0 - math.pow(self._step, group["decay_rate"])
         g = grad.float()
-        u = g * g + eps1
+        if p.dim() > 2:  # a convolution: viewed as a matrix of shape[0] rows (see the class docstring)
+            g = g.reshape(p.shape[0], -1)
+        u = g.square().add_(eps1)
         state = self.state[p]
-        if p.dim() >= 2:
+        if g.dim() == 2:
             if not state:
-                state["exp_avg_sq_row"] = torch.zeros(p.shape[:-1], dtype=torch.float32, device=p.device)
-                state["exp_avg_sq_col"] = torch.zeros(p.shape[:-2] + p.shape[-1:], dtype=torch.float32,
-                                                      device=p.device)  # fmt: skip
+                state["exp_avg_sq_row"] = torch.zeros(g.shape[0], dtype=torch.float32, device=p.device)
+                state["exp_avg_sq_col"] = torch.zeros(g.shape[1], dtype=torch.float32, device=p.device)
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
             row.mul_(beta2).add_(u.mean(dim=-1), alpha=1.0 - beta2)
             col.mul_(beta2).add_(u.mean(dim=-2), alpha=1.0 - beta2)
+            del u  # a full-size temporary: freed before the update (another one) is built
             r_factor = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
-            update = (r_factor * col.unsqueeze(-2).rsqrt()).mul_(g)
+            update = (r_factor * col.unsqueeze(-2).rsqrt()).mul_(g).view_as(p)
         else:
             if not state:
                 state["exp_avg_sq"] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)

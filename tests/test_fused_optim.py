@@ -151,19 +151,21 @@ def test_norm_clipping_uses_the_previous_steps_global_norm():
 
 
 def _adalomo_reference(params, grads, state, t, lr, eps1, eps2, threshold, decay, wd):
-    """AdaLomo's formulas in float64, straight from the paper's code, factored over the last two dimensions."""
+    """AdaLomo's formulas in float64, straight from the paper's code; a convolution as a matrix of shape[0] rows."""
     beta2 = 1 - t**decay
     for i, (w, g) in enumerate(zip(params, grads)):
         g = g.double()
-        u = g * g + eps1
         if g.dim() >= 2:
-            r, c = state.get(i, (torch.zeros(g.shape[:-1], dtype=torch.float64),
-                                 torch.zeros(g.shape[:-2] + g.shape[-1:], dtype=torch.float64)))  # fmt: skip
+            g = g.reshape(g.shape[0], -1)
+            u = g * g + eps1
+            r, c = state.get(i, (torch.zeros(g.shape[0], dtype=torch.float64),
+                                 torch.zeros(g.shape[1], dtype=torch.float64)))  # fmt: skip
             r = beta2 * r + (1 - beta2) * u.mean(-1)
             c = beta2 * c + (1 - beta2) * u.mean(-2)
             state[i] = (r, c)
-            update = g / torch.sqrt((r / r.mean(-1, keepdim=True)).unsqueeze(-1) * c.unsqueeze(-2))
+            update = (g / torch.sqrt((r / r.mean(-1, keepdim=True)).unsqueeze(-1) * c.unsqueeze(-2))).view_as(w)
         else:
+            u = g * g + eps1
             v = state.get(i, torch.zeros_like(g))
             v = beta2 * v + (1 - beta2) * u
             state[i] = v
@@ -190,7 +192,9 @@ def test_adalomo_equals_its_formulas():
             _adalomo_reference(ref_params, grads, state, step, 1e-2, 1e-30, 1e-3, 1.0, -0.8, 0.1)
         for p, q in zip(models[0].parameters(), ref_params):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6, msg=f"step {step}")
-    assert optimizer.state[models[0][0].weight]["exp_avg_sq_row"].shape == (8, 3, 3)  # conv: last two dims factored
+    conv = optimizer.state[models[0][0].weight]  # 8 x 3 x 3 x 3: factored as 8 rows x 27 columns
+    assert conv["exp_avg_sq_row"].shape == (8,)
+    assert conv["exp_avg_sq_col"].shape == (27,)
     assert not torch.equal(models[0][0].weight, small_net()[0].weight)
 
 
