@@ -60,10 +60,11 @@ FACTORIES: dict[str, tuple[Callable, bool]] = {
     "fused-lomo": (lambda p, lr: FusedSGD(p, lr=lr), True),
     "fused-adalomo": (lambda p, lr: FusedAdaLomo(p, lr=lr), True),
 }
-# learning rates per workload: the best of --lr-sweep (SGD's on digits and NovoGrad's on the LM are the largest of
-# their grids); memory runs use 1e-3 for all (only time and memory are read)
+# learning rates per workload: the best of --lr-sweep (NovoGrad's on the LM is the largest of its grid), except SGD on
+# digits: the sweep's best, 0.2 (seed 0, 3 epochs), diverged on 2 of 3 seeds over 6 epochs, so SGD uses 0.05, the
+# setting of benchmarks/convergence.py; memory runs use 1e-3 for all (only time and memory are read)
 LR = {
-    "digits": {"sgd": 0.2, "adamw": 3e-3, "novograd": 0.03, "fused-sgd": 0.2, "fused-lomo": 0.2,
+    "digits": {"sgd": 0.05, "adamw": 3e-3, "novograd": 0.03, "fused-sgd": 0.05, "fused-lomo": 0.05,
                "fused-adalomo": 0.03},
     "lm": {"sgd": 3.0, "adamw": 1e-2, "novograd": 0.3, "fused-sgd": 3.0, "fused-lomo": 3.0, "fused-adalomo": 0.1},
 }  # fmt: skip
