@@ -154,9 +154,9 @@ class FusedOptimizer(Optimizer):
 
     def _apply(self, params: Sequence[Tensor], grads: Sequence[Tensor], key: int) -> None:
         """Clip and apply the update of ``params`` (one bucket, or all of them) from their averaged ``grads``."""
-        if self.clip_grad_norm is not None:
+        if self.clip_grad_norm is not None and grads:
             # the callbacks of different buckets may run on different threads: one slot each, summed next step
-            norms = torch._foreach_norm([g.float() for g in grads]) if grads else []
+            norms = torch._foreach_norm([g.float() for g in grads])
             self._norm_parts[key] = torch.stack(norms).square().sum()
         for p, g in zip(params, grads):
             group = self._groups.get(id(p))

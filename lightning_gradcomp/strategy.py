@@ -125,6 +125,10 @@ class CompressedDDP(DDPStrategy):
     payload goes through a ``torch.distributed`` collective. Works on CPU/gloo (where Lightning's own
     ``DDPStrategy`` silently skips communication hooks) and on CUDA/NCCL, on one or several nodes.
 
+    An optimizer from :mod:`lightning_gradcomp.fused_optim` (``FusedSGD``, ``FusedAdaLomo``) returned by
+    ``configure_optimizers`` is applied inside the hook, bucket by bucket, once each bucket's average is ready (see
+    :meth:`setup_optimizers`).
+
     Args:
         compressor: how gradients are compressed. Defaults to :class:`~lightning_gradcomp.compressors.Identity`
             (plain DDP averaging).
