@@ -48,6 +48,7 @@ CASES = {
                    torch.float32),
     "clip-fused": (Identity, lambda p: FusedSGD(p, lr=0.1, clip_grad_norm=0.5, clip_grad_value=0.05), True,
                    torch.float32),
+    "view-fused": (Identity, lambda p: FusedSGD(p, **SGD), True, torch.float32),  # gradient_as_bucket_view=True
     "adalomo-bf16-after": (Identity, lambda p: FusedAdaLomo(p, lr=1e-2, weight_decay=0.1), False, torch.bfloat16),
     "adalomo-bf16-fused": (Identity, lambda p: FusedAdaLomo(p, lr=1e-2, weight_decay=0.1), True, torch.bfloat16),
 }  # fmt: skip
@@ -58,7 +59,8 @@ def _train_raw_ddp(rank: int, world_size: int) -> dict:
     results = {}
     for name, (compressor, factory, fused, dtype) in CASES.items():
         model = small_net(dtype)
-        ddp = DDP(model, bucket_cap_mb=0.004)  # ~1000 floats per bucket: several buckets
+        # ~1000 floats per bucket: several buckets
+        ddp = DDP(model, bucket_cap_mb=0.004, gradient_as_bucket_view=name.startswith("view"))
         state = CompressionState(compressor(), min_compress_numel=200)
         state.attach(ddp)
         ddp.register_comm_hook(state, compression_hook)
@@ -87,6 +89,7 @@ def raw_runs():
 def test_fused_sgd_in_the_hook_is_bitwise_torch_sgd_with_identity(raw_runs):
     for rank in raw_runs:
         assert torch.equal(rank["sgd-identity-fused"]["params"], rank["sgd-identity-torch"]["params"])
+        assert torch.equal(rank["view-fused"]["params"], rank["sgd-identity-torch"]["params"]), "with bucket views"
         # momentum buffers are where torch keeps them, equal too
         ours, theirs = rank["sgd-identity-fused"]["state"]["state"], rank["sgd-identity-torch"]["state"]["state"]
         assert ours.keys() == theirs.keys()
