@@ -13,6 +13,7 @@ over layers.
 """
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -119,6 +120,7 @@ class CompressionState:
         "seed",
         "enabled",
         "step",
+        "after_reduce",
         # internal
         "telemetry",
         "residuals",
@@ -144,6 +146,9 @@ class CompressionState:
         self.seed = seed
         self.enabled = enabled
         self.step = 0
+        # called with (bucket, future of its average) for every bucket; its future is what DDP receives (the
+        # strategy sets it to a fused optimizer's bucket_step; runtime binding, not pickled)
+        self.after_reduce: Callable[[dist.GradBucket, torch.futures.Future], torch.futures.Future] | None = None
         self.telemetry = Telemetry()
         self.residuals = ErrorFeedback()
         self._comm: Comm | None = None
@@ -393,6 +398,8 @@ def _to_cpu(obj: Any) -> Any:
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP communication hook that averages ``bucket`` through ``state.compressor``.
 
-    It has the signature of torch's hooks; the work is :meth:`CompressionState.reduce`.
+    It has the signature of torch's hooks; the work is :meth:`CompressionState.reduce`, then ``state.after_reduce``
+    (a fused optimizer's per-bucket update) when one is set.
     """
-    return state.reduce(bucket)
+    reduced = state.reduce(bucket)
+    return reduced if state.after_reduce is None else state.after_reduce(bucket, reduced)

@@ -27,6 +27,7 @@ from lightning_gradcomp.comm import release_round_groups
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
+from lightning_gradcomp.fused_optim import FusedOptimizer, bind_fused_optimizer
 from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.model_transform import ModelTransform
@@ -124,6 +125,10 @@ class CompressedDDP(DDPStrategy):
     payload goes through a ``torch.distributed`` collective. Works on CPU/gloo (where Lightning's own
     ``DDPStrategy`` silently skips communication hooks) and on CUDA/NCCL, on one or several nodes.
 
+    An optimizer from :mod:`lightning_gradcomp.fused_optim` (``FusedSGD``, ``FusedAdaLomo``) returned by
+    ``configure_optimizers`` is applied inside the hook, bucket by bucket, once each bucket's average is ready (see
+    :meth:`setup_optimizers`).
+
     Args:
         compressor: how gradients are compressed. Defaults to :class:`~lightning_gradcomp.compressors.Identity`
             (plain DDP averaging).
@@ -190,6 +195,7 @@ class CompressedDDP(DDPStrategy):
         _check_kwargs(kwargs, own=list(inspect.signature(CompressedDDP.__init__).parameters))
         super().__init__(**kwargs)
         self._monitor = monitor
+        self._fused: FusedOptimizer | None = None
         self._state = CompressionState(
             compressor, error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed
         )
@@ -279,6 +285,30 @@ class CompressedDDP(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _warn_if_optimizer_momentum(self._state.compressor, self.optimizers)
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Lightning's optimizers; a fused optimizer (``FusedSGD``, ``FusedAdaLomo``) is checked and bound to the hook.
+
+        Bound, it updates each bucket's parameters as soon as the bucket's average is ready, and its ``step`` only
+        runs Lightning's closure (see :mod:`lightning_gradcomp.fused_optim`).
+
+        Raises:
+            MisconfigurationException: If the fused optimizer cannot be honoured by this run (another optimizer, a
+                missing parameter, fp16 with a gradient scaler, gradient accumulation, ``gradient_clip_val``).
+        """
+        super().setup_optimizers(trainer)
+        self._unbind_fused()
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        self._fused = bind_fused_optimizer(self.optimizers, trainer, self.lightning_module, scaler)
+        if self._fused is not None:
+            self._state.after_reduce = self._fused.bind()
+
+    def _unbind_fused(self) -> None:
+        if self._fused is not None:
+            self._fused.unbind()
+        self._fused = None
+        self._state.after_reduce = None
 
     @override
     def configure_ddp(self) -> None:
@@ -383,6 +413,7 @@ class CompressedDDP(DDPStrategy):
         worker thread touching a Python object then aborts the process at exit (see ``comm.release_round_groups``).
         """
         super().teardown()
+        self._unbind_fused()
         self._state.detach()
         if dist.is_available() and dist.is_initialized():
             release_round_groups(self._ddp_kwargs.get("process_group") or dist.group.WORLD)

@@ -67,3 +67,24 @@ def test_classifier_refuses_an_unknown_architecture():
     with pytest.raises(MisconfigurationException, match="`arch`"):
         ImageClassifier(arch="resnet9000")
     assert ImageClassifier(arch="torchvision.resnet18")(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+@pytest.mark.parametrize(
+    ("name", "cls"), [("sgd", torch.optim.SGD), ("novograd", "NovoGrad"), ("fused_sgd", "FusedSGD"),
+                      ("fused_adalomo", "FusedAdaLomo")],
+)  # fmt: skip
+def test_language_model_optimizer_choice(name, cls):
+    kwargs = {"clip_grad_norm": 0.25} if name.startswith("fused_") else {}
+    model = LSTMLanguageModel(hidden=8, num_layers=1, dropout=0.0, optimizer=name, lr=0.1, weight_decay=1e-4, **kwargs)
+    optimizer = model.configure_optimizers()["optimizer"]
+    assert type(optimizer).__name__ == (cls if isinstance(cls, str) else cls.__name__)
+    assert optimizer.param_groups[0]["weight_decay"] == 1e-4
+    if kwargs:
+        assert optimizer.clip_grad_norm == 0.25
+
+
+def test_language_model_refuses_fused_clipping_for_other_optimizers():
+    with pytest.raises(MisconfigurationException, match="`clip_grad_norm`"):
+        LSTMLanguageModel(hidden=8, optimizer="sgd", clip_grad_norm=0.25)
+    with pytest.raises(MisconfigurationException, match="`optimizer`"):
+        LSTMLanguageModel(hidden=8, optimizer="adam")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import glob
 import os
 import sysconfig
-from typing import Any
+from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
@@ -13,8 +13,11 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gradcomp.optim import FusedAdaLomo, FusedSGD, NovoGrad
 from lightning_gradcomp.tasks.classification import _check_milestones
-from lightning_gradcomp.validation import check_int, check_number, check_positive_int
+from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
+
+_OPTIMIZERS = {"sgd": torch.optim.SGD, "novograd": NovoGrad, "fused_sgd": FusedSGD, "fused_adalomo": FusedAdaLomo}
 
 
 class TextDataModule(pl.LightningDataModule):
@@ -106,14 +109,27 @@ class LSTMLanguageModel(pl.LightningModule):
         hidden: embedding and hidden size (tied weights need them equal).
         num_layers: LSTM layers.
         dropout: dropout between layers.
-        lr: SGD learning rate.
-        clip: gradient-norm clipping is the Trainer's ``gradient_clip_val`` (0.25 in the papers' runs).
+        lr: the learning rate.
         milestones: epochs at which the learning rate is divided by 4.
+        optimizer: ``"sgd"`` (``torch.optim.SGD``, the papers' setting), ``"novograd"``
+            (:class:`~lightning_gradcomp.optim.NovoGrad`), or a step fused into ``CompressedDDP``'s hook:
+            ``"fused_sgd"`` (:class:`~lightning_gradcomp.optim.FusedSGD`) or ``"fused_adalomo"``
+            (:class:`~lightning_gradcomp.optim.FusedAdaLomo`).
+        weight_decay: the optimizer's weight decay.
+        clip_grad_norm: for the fused optimizers only, clipping by the previous step's global gradient norm (they
+            refuse the Trainer's ``gradient_clip_val``, which is the clipping for ``"sgd"``: 0.25 in the papers'
+            runs).
+
+    Raises:
+        MisconfigurationException: If an argument is out of range, or ``clip_grad_norm`` is given for an optimizer
+            that is not fused.
     """
 
     def __init__(
         self, vocab_size: int = 256, hidden: int = 256, num_layers: int = 2, dropout: float = 0.2, lr: float = 20.0,
         milestones: list[int] | None = None,
+        optimizer: Literal["sgd", "novograd", "fused_sgd", "fused_adalomo"] = "sgd", weight_decay: float = 0.0,
+        clip_grad_norm: float | None = None,
     ) -> None:  # fmt: skip
         super().__init__()
         check_positive_int(vocab_size, "vocab_size", error=MisconfigurationException)
@@ -122,6 +138,15 @@ class LSTMLanguageModel(pl.LightningModule):
         check_number(dropout, "dropout", low=0, high=1, high_open=True, error=MisconfigurationException)
         check_number(lr, "lr", low=0, low_open=True, error=MisconfigurationException)
         _check_milestones(milestones, 0)
+        check_choice(optimizer, "optimizer", tuple(_OPTIMIZERS), error=MisconfigurationException)
+        check_number(weight_decay, "weight_decay", low=0, error=MisconfigurationException)
+        check_number(clip_grad_norm, "clip_grad_norm", low=0, low_open=True, allow_none=True,
+                     error=MisconfigurationException)  # fmt: skip
+        if clip_grad_norm is not None and not optimizer.startswith("fused_"):
+            raise MisconfigurationException(
+                f"`clip_grad_norm` is for the fused optimizers; with optimizer={optimizer!r} clip with the Trainer's"
+                f" `gradient_clip_val`, got clip_grad_norm={clip_grad_norm!r}."
+            )
         self.save_hyperparameters()
         self.embedding = nn.Embedding(vocab_size, hidden)
         self.lstm = nn.LSTM(hidden, hidden, num_layers=num_layers, dropout=dropout, batch_first=True)
@@ -151,8 +176,13 @@ class LSTMLanguageModel(pl.LightningModule):
         self.log("val_ppl", torch.exp(loss), sync_dist=True, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
-        """Plain SGD (the papers' LSTM setting) with a step decay by 4."""
-        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams.lr)
+        """The chosen optimizer (plain SGD: the papers' LSTM setting) with a step decay by 4."""
+        hp = self.hparams
+        name = hp.get("optimizer", "sgd")
+        kwargs: dict[str, Any] = {"lr": hp.lr, "weight_decay": hp.get("weight_decay", 0.0)}
+        if name.startswith("fused_"):
+            kwargs["clip_grad_norm"] = hp.get("clip_grad_norm")
+        optimizer = _OPTIMIZERS[name](self.parameters(), **kwargs)
         decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(self.hparams.milestones or []),
                                                      gamma=0.25)  # fmt: skip
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "epoch"}}
