@@ -25,10 +25,10 @@ from lightning_gradcomp.compressors import (
     BF16,
     DGC,
     FP16,
+    LGC,
     QSGD,
     AdaComp,
     EFSignSGD,
-    LGC,
     Identity,
     MaskedCompressor,
     OneBit,
@@ -93,10 +93,18 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "lgc-allreduce-stages": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2),
     "lgc-ps-stage2": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=100),
     "lgc-allreduce-stage2": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=100),
-    "lgc-ps-stage3": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=0,
-                                 leader="rotating", optimizer="sgd", momentum=0.9),  # fmt: skip
-    "lgc-allreduce-stage3-linear": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=0,
-                                               linear_encoder=True, leader="fixed"),  # fmt: skip
+    "lgc-ps-stage3": lambda: LGC(
+        ratio=0.05,
+        innovation_ratio=0.005,
+        dense_steps=0,
+        training_steps=0,
+        leader="rotating",
+        optimizer="sgd",
+        momentum=0.9,
+    ),  # fmt: skip
+    "lgc-allreduce-stage3-linear": lambda: LGC(
+        variant="allreduce", ratio=0.05, dense_steps=0, training_steps=0, linear_encoder=True, leader="fixed"
+    ),  # fmt: skip
 }
 
 

@@ -218,7 +218,8 @@ class LGC(Compressor):
     def _top(self, tensor: Tensor, ctx: BucketContext, counts: Sequence[int]) -> Tensor:
         """Each layer's top-``counts`` indices of ``|tensor|``, global and sorted (int64)."""
         picked = [
-            topk_indices(layer.flat(tensor).abs(), k).sort().values + layer.offset for layer, k in zip(ctx.layers, counts)
+            topk_indices(layer.flat(tensor).abs(), k).sort().values + layer.offset
+            for layer, k in zip(ctx.layers, counts)
         ]
         return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long, device=tensor.device)
 
@@ -275,7 +276,8 @@ class LGC(Compressor):
 
     def _train(self, model: LGCAutoencoder, ctx: BucketContext) -> None:
         """One optimizer step on every bucket's pending data; the result is staged (and used at once)."""
-        assert self._committed is not None and ctx.updates is not None
+        assert self._committed is not None
+        assert ctx.updates is not None
         entries = [(key, self._pending[key]) for key in sorted(self._pending)]
         on_cpu = ctx.device.type == "cpu"
         if on_cpu:  # reading a CPU flag costs nothing; on CUDA the step is masked instead (no host sync)
@@ -393,8 +395,11 @@ class LGC(Compressor):
     # The contract for one rank on its own (its own leader)
     # ------------------------------------------------------------------------------------------------------------
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
-        """Stage 1: the tensor. Stage 2: top-k (PS: values, indices; all-reduce: index blob, values). Stage 3 PS:
-        code and scale, index blob, innovation values and indices; all-reduce: index blob, scale, code."""
+        """This rank's payload as if it were the leader.
+
+        Stage 1: the tensor. Stage 2: top-k (PS: values, indices; all-reduce: index blob, values). Stage 3 PS: code
+        and scale, index blob, innovation values and indices; all-reduce: index blob, scale, code.
+        """
         stage = self.stage(ctx.step)
         if stage == 1:
             return (tensor.clone(),)
@@ -429,7 +434,8 @@ class LGC(Compressor):
                 values, indices = payload
                 return ctx.output(out, zeros=True).index_copy_(0, indices.long(), values.to(ctx.dtype))
             blob, values = payload
-            return ctx.output(out, zeros=True).index_copy_(0, torch.cat(decode_sparse(layout, blob)), values.to(ctx.dtype))
+            indices = torch.cat(decode_sparse(layout, blob))
+            return ctx.output(out, zeros=True).index_copy_(0, indices, values.to(ctx.dtype))
         model = self._autoencoder(ctx)
         if self.variant == "ps":
             code, blob, values, own = payload
