@@ -9,9 +9,9 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F  # noqa: N812 (the usual alias)
 
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, Payload, derive_seed, keep_count
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload, derive_seed, keep_count
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Broadcast, Exchange
-from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder, optimizer_state, optimizer_step
+from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder, latent_numel, optimizer_state, optimizer_step
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes, top_k_blob
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import topk_indices
@@ -238,7 +238,7 @@ class LGC(Compressor):
 
     def latent_numel(self, k: int) -> int:
         """Numbers in the code of ``k`` top-k values."""
-        return LGCAutoencoder(1, self.channels, (1,), self.latent_channels, False).latent_numel(k)
+        return latent_numel(k, len(self.channels), self.latent_channels)
 
     def _autoencoder(self, ctx: BucketContext) -> LGCAutoencoder:
         """The working autoencoder for this step (trained on the pending data first, when the step can stage)."""
@@ -337,59 +337,108 @@ class LGC(Compressor):
         return self.reconstruction_weight * reconstruction + self.similarity_weight * similarity
 
     def _stage_data(self, ctx: BucketContext, **data: Tensor) -> None:
-        """Keep this step's training data (committed only if the step is finite) for the next step's training."""
+        """Keep this step's training data, per layer (committed only if the step is finite), for the next step.
+
+        ``data`` holds ``[n, k]`` rows in the bucket's slot layout (every layer's ``k`` slots in turn); ``indices``,
+        if given, are global and are made layer-local, so that nothing depends on how DDP buckets the layers.
+        """
         if ctx.updates is None:
             return
-        key = f"{ctx.index}:{data['values'].shape[1]}"
+        for layer, at, k in self._segments(ctx):
+            part = {name: value[:, at : at + k] for name, value in data.items()}
+            if "indices" in part:
+                part["indices"] = part["indices"] - layer.offset
+            self._stage_layer(ctx, layer.name, part)
+
+    def _stage_layer(self, ctx: BucketContext, key: str, data: dict[str, Tensor]) -> None:
+        assert ctx.updates is not None
         entry = self._pending.get(key)
         if entry is None or any(entry[name].shape != value.shape for name, value in data.items()):
             entry = {name: torch.zeros_like(value) for name, value in data.items()}
             entry["fresh"] = torch.zeros((), dtype=torch.bool, device=ctx.device)
             self._pending[key] = entry
         for name, value in data.items():
-            ctx.updates.stage(entry[name], value)
+            ctx.updates.stage(entry[name], value.clone())  # a buffer of its own
         ctx.updates.stage(entry["fresh"], torch.ones_like(entry["fresh"]))
 
     def _innovation_of(self, values: Tensor, ctx: BucketContext) -> Tensor:
         """Rows of top-k ``values`` with everything but each layer's top ``innovation_ratio`` zeroed."""
         out = torch.zeros_like(values)
-        at = 0
-        for layer, k_u in zip(ctx.layers, self._innovation_counts(ctx)):
-            k = keep_count(layer.numel, self.ratio)
+        for (_, at, k), k_u in zip(self._segments(ctx), self._innovation_counts(ctx)):
             part = values[:, at : at + k]
             picked = torch.topk(part.abs(), k_u, dim=1).indices
             out[:, at : at + k].scatter_(1, picked, part.gather(1, picked))
+        return out
+
+    def _segments(self, ctx: BucketContext) -> list[tuple[Layer, int, int]]:
+        """``(layer, where its top-k slots start, how many)`` for every layer, in order."""
+        out, at = [], 0
+        for layer in ctx.layers:
+            k = keep_count(layer.numel, self.ratio)
+            out.append((layer, at, k))
             at += k
         return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Encoding and decoding, one layer at a time (so that nothing depends on how DDP buckets the layers)
+    # ------------------------------------------------------------------------------------------------------------
+    def _code_numel(self, ctx: BucketContext) -> int:
+        return sum(self.latent_numel(k) for _, _, k in self._segments(ctx))
+
+    def _scales(self, x: Tensor, ctx: BucketContext) -> Tensor:
+        """Each layer's root mean square of the top-k values ``x`` (ones without ``normalize``)."""
+        if not self.normalize:
+            return x.new_ones(len(ctx.layers))
+        return torch.cat([_scale(x[at : at + k]) for _, at, k in self._segments(ctx)])
+
+    def _encode(self, model: LGCAutoencoder, x: Tensor, scales: Tensor, ctx: BucketContext) -> Tensor:
+        """The codes of every layer's top-k values ``x`` (slot layout), each divided by its layer's scale."""
+        with torch.no_grad():
+            return torch.cat([
+                model.encode((x[at : at + k].float() / scales[i])[None])[0]
+                for i, (_, at, k) in enumerate(self._segments(ctx))
+            ])  # fmt: skip
+
+    def _decode(
+        self, model: LGCAutoencoder, j: int, z: Tensor, scales: Tensor, ctx: BucketContext, side: Tensor | None = None
+    ) -> Tensor:
+        """Decoder ``j``'s values (slot layout, float32, scaled back) from every layer's code in ``z``."""
+        out, at_z = [], 0
+        with torch.no_grad():
+            for i, (_, at, k) in enumerate(self._segments(ctx)):
+                c = self.latent_numel(k)
+                inn = None if side is None else (side[at : at + k] / scales[i])[None]
+                out.append(model.decode(j, z[at_z : at_z + c][None], k, inn)[0] * scales[i])
+                at_z += c
+        return torch.cat(out) if out else z.new_zeros(0)
 
     # ------------------------------------------------------------------------------------------------------------
     # Stage 3 decoding, shared by the reduction and the single-rank contract
     # ------------------------------------------------------------------------------------------------------------
     def _ps_contribution(
-        self, model: LGCAutoencoder, j: int, code: Tensor, indices: Tensor, values: Tensor, own: Tensor, dtype: Any
-    ) -> tuple[Tensor, Tensor]:
+        self, model: LGCAutoencoder, j: int, code: Tensor, indices: Tensor, values: Tensor, own: Tensor,
+        ctx: BucketContext,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
         """Rank ``j``'s decoded values at the leader's ``indices``, and the correction at its innovation ``own``.
 
         Rank ``j``'s contribution is ``decoded`` at ``indices`` plus ``correction`` at ``own`` (where its innovation
-        ``values`` replace whatever was decoded there).
+        ``values`` replace whatever was decoded there). ``code`` is the leader's codes followed by its scales.
         """
         k = indices.numel()
-        z, s = code[:-1], code[-1:]
+        layers = len(ctx.layers)
+        z, scales = code[:-layers], code[-layers:]
         pos = torch.searchsorted(indices, own).clamp_(max=max(k - 1, 0))
         hit = indices[pos] == own
         side = torch.zeros(k, dtype=torch.float32, device=code.device)
         side.index_add_(0, pos, torch.where(hit, values.float(), 0.0))  # misses add zero
-        with torch.no_grad():
-            decoded = (model.decode(j, z[None], k, (side / s)[None])[0] * s).to(dtype)
-        correction = values.to(dtype) - torch.where(hit, decoded[pos], 0.0)
+        decoded = self._decode(model, j, z, scales, ctx, side).to(ctx.dtype)
+        correction = values.to(ctx.dtype) - torch.where(hit, decoded[pos], 0.0)
         return decoded, correction
 
-    def _ps_leader_code(self, model: LGCAutoencoder, tensor: Tensor, indices: Tensor) -> Tensor:
+    def _ps_leader_code(self, model: LGCAutoencoder, tensor: Tensor, indices: Tensor, ctx: BucketContext) -> Tensor:
         x = tensor[indices].float()
-        s = _scale(x) if self.normalize else x.new_ones(1)
-        with torch.no_grad():
-            z = model.encode((x / s)[None])[0]
-        return torch.cat([z, s])
+        scales = self._scales(x, ctx)
+        return torch.cat([self._encode(model, x, scales, ctx), scales])
 
     # ------------------------------------------------------------------------------------------------------------
     # The contract for one rank on its own (its own leader)
@@ -415,13 +464,11 @@ class LGC(Compressor):
         indices = torch.cat(decode_sparse(layout, blob))
         if self.variant == "ps":
             own = self._top(tensor, ctx, self._innovation_counts(ctx))
-            code = self._ps_leader_code(model, tensor, indices)
+            code = self._ps_leader_code(model, tensor, indices, ctx)
             return code, blob, tensor[own], own.to(self._index_dtype(ctx))
         x = tensor[indices].float()
-        s = _scale(x) if self.normalize else x.new_ones(1)
-        with torch.no_grad():
-            z = model.encode((x / s)[None])[0]
-        return blob, s, z
+        scales = self._scales(x, ctx)
+        return blob, scales, self._encode(model, x, scales, ctx)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """The dense tensor the payload stands for (stage 3 PS: with this rank's decoder)."""
@@ -440,13 +487,12 @@ class LGC(Compressor):
         if self.variant == "ps":
             code, blob, values, own = payload
             indices = torch.cat(decode_sparse(layout, blob))
-            decoded, correction = self._ps_contribution(model, ctx.rank, code, indices, values, own.long(), ctx.dtype)
+            decoded, correction = self._ps_contribution(model, ctx.rank, code, indices, values, own.long(), ctx)
             result = ctx.output(out, zeros=True).index_add_(0, indices, decoded)
             return result.index_add_(0, own.long(), correction)
-        blob, s, z = payload
+        blob, scales, z = payload
         indices = torch.cat(decode_sparse(layout, blob))
-        with torch.no_grad():
-            decoded = (model.decode(0, z[None], indices.numel())[0] * s).to(ctx.dtype)
+        decoded = self._decode(model, 0, z, scales, ctx).to(ctx.dtype)
         return ctx.output(out, zeros=True).index_copy_(0, indices, decoded)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -506,15 +552,15 @@ class LGC(Compressor):
         own = self._top(tensor, ctx, self._innovation_counts(ctx))
         if ctx.rank == leader:
             blob = top_k_blob(tensor, layout, sort=True)
-            code = self._ps_leader_code(model, tensor, torch.cat(decode_sparse(layout, blob)))
+            code = self._ps_leader_code(model, tensor, torch.cat(decode_sparse(layout, blob)), ctx)
         else:
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
-            code = torch.zeros(self.latent_numel(layout.slots) + 1, dtype=torch.float32, device=ctx.device)
+            code = torch.zeros(self._code_numel(ctx) + len(ctx.layers), dtype=torch.float32, device=ctx.device)
         gathered = yield AllGather((tensor[own], own.to(self._index_dtype(ctx))))
         code, shared = yield Broadcast((code, blob), src=leader)
         indices = torch.cat(decode_sparse(layout, shared))
         parts = [
-            self._ps_contribution(model, j, code, indices, values, idx.long(), ctx.dtype)
+            self._ps_contribution(model, j, code, indices, values, idx.long(), ctx)
             for j, (values, idx) in enumerate(gathered)
         ]
         if ctx.new_residual is not None:
@@ -531,18 +577,15 @@ class LGC(Compressor):
         layout, leader = self._layout(ctx), self.leader_of(ctx)
         if ctx.rank == leader:
             blob = top_k_blob(tensor, layout, sort=True)
-            x = tensor[torch.cat(decode_sparse(layout, blob))].float()
-            s = _scale(x) if self.normalize else x.new_ones(1)
+            scales = self._scales(tensor[torch.cat(decode_sparse(layout, blob))].float(), ctx)
         else:
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
-            s = torch.zeros(1, dtype=torch.float32, device=ctx.device)
-        shared, s = yield Broadcast((blob, s), src=leader)
+            scales = torch.zeros(len(ctx.layers), dtype=torch.float32, device=ctx.device)
+        shared, scales = yield Broadcast((blob, scales), src=leader)
         indices = torch.cat(decode_sparse(layout, shared))
-        with torch.no_grad():
-            z = model.encode((tensor[indices].float() / s)[None])[0]
+        z = self._encode(model, tensor[indices], scales, ctx)
         (summed,) = yield AllReduce((z.div_(ctx.world_size),))
-        with torch.no_grad():
-            decoded = (model.decode(0, summed[None], indices.numel())[0] * s).to(ctx.dtype)
+        decoded = self._decode(model, 0, summed, scales, ctx).to(ctx.dtype)
         if ctx.new_residual is not None:
             # every rank's share of the aggregate is the aggregate: sum of updates + mean residual telescopes
             ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1)
@@ -554,15 +597,15 @@ class LGC(Compressor):
     def bytes_per_step(self, ctx: BucketContext) -> int:
         """Bytes this rank hands to the collectives for one bucket at ``ctx.step``, the non-finite flag included.
 
-        With ``k`` top-k slots, ``k_u`` innovation slots, ``c`` code numbers (:meth:`latent_numel`), ``B`` the
-        leader's index blob (int32 or bitmap per layer, padded to 8 bytes), ``b`` the value size (4 for fp32),
-        ``d`` the tensor's elements and ``p(x) = 8 ceil(x / 8)``:
+        With ``k`` top-k slots, ``k_u`` innovation slots, ``c`` code numbers (:meth:`latent_numel` summed over
+        the layers), ``L`` layers (one scale each), ``B`` the leader's index blob (int32 or bitmap per layer, padded
+        to 8 bytes), ``b`` the value size (4 for fp32), ``d`` the tensor's elements and ``p(x) = 8 ceil(x / 8)``:
 
         * stage 1: ``b d + b`` (the all-reduce, the flag in its dtype);
         * stage 2 ``"ps"``: ``p(b k) + p(4 k) + 8`` (the all-gather of values and int32 indices, packed with the flag);
-        * stage 3 ``"ps"``: ``p(b k_u) + p(4 k_u) + 8``, plus ``p(4 (c + 1)) + B`` on the leader;
+        * stage 3 ``"ps"``: ``p(b k_u) + p(4 k_u) + 8``, plus ``p(4 (c + L)) + B`` on the leader;
         * stage 2 ``"allreduce"``: ``p(b k) + 8``, plus ``B`` on the leader;
-        * stage 3 ``"allreduce"``: ``4 c + 4``, plus ``B + 8`` on the leader (its blob and scale).
+        * stage 3 ``"allreduce"``: ``4 c + 4``, plus ``B + p(4 L)`` on the leader (its blob and scales).
         """
         stage, b = self.stage(ctx.step), torch.empty(0, dtype=ctx.dtype).element_size()
         if stage == 1:
@@ -576,10 +619,10 @@ class LGC(Compressor):
                 return _pad8(b * k) + _pad8(index * k) + 8
             k_u = sum(self._innovation_counts(ctx))
             sent = _pad8(b * k_u) + _pad8(index * k_u) + 8
-            return sent + (_pad8(4 * (self.latent_numel(k) + 1)) + blob if lead else 0)
+            return sent + (_pad8(4 * (self._code_numel(ctx) + len(ctx.layers))) + blob if lead else 0)
         if stage == 2:
             return _pad8(b * k) + 8 + (blob if lead else 0)
-        return 4 * self.latent_numel(k) + 4 + (blob + 8 if lead else 0)
+        return 4 * self._code_numel(ctx) + 4 + (blob + _pad8(4 * len(ctx.layers)) if lead else 0)
 
     # ------------------------------------------------------------------------------------------------------------
     # State

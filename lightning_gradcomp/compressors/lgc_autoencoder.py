@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F  # noqa: N812 (the usual alias)
 
-__all__ = ["LGCAutoencoder", "optimizer_state", "optimizer_step"]
+__all__ = ["LGCAutoencoder", "latent_numel", "min_length", "optimizer_state", "optimizer_step"]
 
 
 class LGCAutoencoder(nn.Module):
@@ -69,22 +69,15 @@ class LGCAutoencoder(nn.Module):
                 width = c
             self.decoders.append(nn.Sequential(*stack))
             self.heads.append(nn.Conv1d(width + int(innovation), 1, 1))
-        # the shortest input every stride-2 convolution maps to at least one element: L -> 2 (L - 1) + 3 backwards
-        shortest = 1
-        for _ in range(self.strides):
-            shortest = 2 * (shortest - 1) + 3
-        self.min_length = shortest
+        self.min_length = min_length(self.strides)
 
     def padded_length(self, k: int) -> int:
         """The length an input of ``k`` values is zero-padded to."""
         return max(k, self.min_length)
 
     def latent_numel(self, k: int) -> int:
-        """Numbers in the code of ``k`` values: ``latent_channels`` times the length after the strided layers."""
-        length = self.padded_length(k)
-        for _ in range(self.strides):
-            length = (length - 3) // 2 + 1
-        return self.latent_channels * length
+        """Numbers in the code of ``k`` values (:func:`latent_numel`)."""
+        return latent_numel(k, self.strides, self.latent_channels)
 
     def encode(self, x: Tensor) -> Tensor:
         """Codes of the rows of ``x`` (``[B, k]``), flattened to ``[B, latent_numel(k)]``."""
@@ -101,6 +94,25 @@ class LGCAutoencoder(nn.Module):
             assert innovation is not None
             h = torch.cat([h, F.pad(innovation, (0, length - k)).unsqueeze(1)], dim=1)
         return self.heads[j](h)[:, 0, :k]
+
+
+def min_length(strides: int) -> int:
+    """The shortest input that ``strides`` kernel-3 stride-2 convolutions map to at least one element."""
+    shortest = 1
+    for _ in range(strides):
+        shortest = 2 * (shortest - 1) + 3  # L -> (L - 3) // 2 + 1, backwards
+    return shortest
+
+
+def latent_numel(k: int, strides: int, latent_channels: int) -> int:
+    """Numbers in the code of ``k`` values: ``latent_channels`` times the length after the strided convolutions.
+
+    Inputs shorter than :func:`min_length` are zero-padded to it first.
+    """
+    length = max(k, min_length(strides))
+    for _ in range(strides):
+        length = (length - 3) // 2 + 1
+    return latent_channels * length
 
 
 def optimizer_state(params: dict[str, Tensor], kind: str) -> dict[str, Tensor]:
