@@ -261,8 +261,9 @@ def _strategy(variant):
     return CompressedDDP(lgc, min_compress_numel=64, bucket_cap_mb=0.01, start_method="spawn")
 
 
-@pytest.mark.parametrize("variant", ["ps", "allreduce"])
-def test_two_processes_cross_every_stage_identically_and_resume_bitwise(tmp_path, variant):
+def test_two_processes_cross_every_stage_identically_and_resume_bitwise(tmp_path):
+    """The parameter-server variant, checkpoints taken in stage 2 (pending data) and stage 3."""
+    variant = "ps"
     ckpt_dir = str(tmp_path / "ckpt")
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
     _, _, straight = fit(_strategy(variant), str(tmp_path / "straight"), model=TinyNet(**DATA), max_steps=-1,
@@ -282,3 +283,13 @@ def test_two_processes_cross_every_stage_identically_and_resume_bitwise(tmp_path
                             max_steps=-1, max_epochs=3, ckpt_path=path)  # fmt: skip
         for rank in range(2):
             assert torch.equal(straight[rank]["params"], resumed[rank]["params"]), f"epoch {epoch}, rank {rank}"
+
+
+def test_two_processes_of_the_allreduce_variant_stay_identical(tmp_path):
+    """The all-reduce variant through every stage on real gloo processes (its resume: the contract suite's hook-state
+    test and test_state_dict_holds_the_autoencoder_its_optimizer_and_the_pending_data)."""
+    _, _, ranks = fit(_strategy("allreduce"), str(tmp_path), model=TinyNet(**DATA), max_steps=-1, max_epochs=3)
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"]), "replicas differ"
+    ratios = [step["stats"].compression_ratio for step in ranks[1]["steps"]]
+    assert ratios[0] < 1.1, ratios
+    assert ratios[-1] > ratios[3] > 2, ratios
