@@ -72,6 +72,7 @@ def measure(factory, layers, ranks: int, steps: list[int]) -> list[dict]:
                 "step": step,
                 "bytes_per_rank": [s.bytes_sent for s in stats],
                 "encode_decode_ms": sum(s.encode_ms + s.decode_ms for s in stats),
+                "decode_ms": sum(s.decode_ms for s in stats),
                 "wall_ms": 1000 * wall,
             })  # fmt: skip
     return out
@@ -103,14 +104,16 @@ def main() -> None:
                 rows.append({"ranks": n, "method": f"lgc-{variant}", "stage": stage, "bytes_per_rank": per_rank,
                              "leader_bytes": max(chosen[0]["bytes_per_rank"]),
                              "other_bytes": min(chosen[0]["bytes_per_rank"]),
-                             "encode_decode_ms": sum(r["encode_decode_ms"] for r in chosen) / len(chosen)})  # fmt: skip
+                             "encode_decode_ms": sum(r["encode_decode_ms"] for r in chosen) / len(chosen),
+                             "decode_ms": sum(r["decode_ms"] for r in chosen) / len(chosen)})  # fmt: skip
         for name, factory in (("topk", lambda: TopK(ratio=rho)), ("dgc", lambda: DGC(ratio=rho)),
                               ("scalecom", lambda: ScaleCom(ratio=rho))):  # fmt: skip
             runs = measure(factory, layers, n, steps=list(range(n)))
             per_rank = sum(sum(r["bytes_per_rank"]) for r in runs) / (n * len(runs))
             rows.append({"ranks": n, "method": name, "stage": None, "bytes_per_rank": per_rank,
                          "leader_bytes": max(runs[0]["bytes_per_rank"]), "other_bytes": min(runs[0]["bytes_per_rank"]),
-                         "encode_decode_ms": sum(r["encode_decode_ms"] for r in runs) / len(runs)})  # fmt: skip
+                         "encode_decode_ms": sum(r["encode_decode_ms"] for r in runs) / len(runs),
+                         "decode_ms": sum(r["decode_ms"] for r in runs) / len(runs)})  # fmt: skip
         # the PS variant's other form, by formula: the leader broadcasts k values instead of the code and scales
         ctx = BucketContext(index=0, step=3, rank=1, world_size=n, layers=layers)
         probe = lgc["ps"]()
@@ -120,7 +123,7 @@ def main() -> None:
         leader_values = -(-4 * layout.slots // 8) * 8 + index_blob_nbytes(layout)
         rows.append({"ranks": n, "method": "lgc-ps (gather, decode on the leader, broadcast values)", "stage": 3,
                      "bytes_per_rank": innovations + leader_values / n, "leader_bytes": innovations + leader_values,
-                     "other_bytes": innovations, "encode_decode_ms": None,
+                     "other_bytes": innovations, "encode_decode_ms": None, "decode_ms": None,
                      "note": f"leader broadcast {leader_values} B instead of {leader_code} B"})  # fmt: skip
     dense_bytes = 4 * numel
     print(
@@ -130,16 +133,16 @@ def main() -> None:
     print()
     print(
         "| ranks | method | stage | bytes per rank and step | vs dense | leader | other ranks"
-        " | encode+decode ms (all ranks) |"
+        " | encode+decode ms (all ranks) | of which decode |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        ms = "" if r["encode_decode_ms"] is None else f"{r['encode_decode_ms']:.0f}"
+        ms = "" if r["encode_decode_ms"] is None else f"{r['encode_decode_ms']:.0f} | {r['decode_ms']:.0f}"
         stage = "" if r["stage"] is None else r["stage"]
         ratio = dense_bytes / r["bytes_per_rank"]
         print(
             f"| {r['ranks']} | {r['method']} | {stage} | {r['bytes_per_rank']:,.0f} | {ratio:,.0f}x |"
-            f" {r['leader_bytes']:,} | {r['other_bytes']:,} | {ms} |"
+            f" {r['leader_bytes']:,} | {r['other_bytes']:,} | {ms or ' | '} |"
         )
     if args.json:
         with open(args.json, "w") as f:

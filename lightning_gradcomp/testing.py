@@ -103,8 +103,15 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
         momentum=0.9,
     ),  # fmt: skip
     "lgc-allreduce-stage3-linear": lambda: LGC(
-        variant="allreduce", ratio=0.05, dense_steps=0, training_steps=0, linear_encoder=True, leader="fixed"
+        variant="allreduce",
+        ratio=0.05,
+        dense_steps=0,
+        training_steps=0,
+        linear_encoder=True,
+        leader="fixed",
+        project=False,
     ),  # fmt: skip
+    "lgc-allreduce-stage3": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=0),
 }
 
 

@@ -53,7 +53,7 @@ def test_stages_follow_the_step():
     ("variant", "expected"),
     [
         ("ps", [["all_reduce"], ["all_gather"], ["all_gather", "broadcast"]]),
-        ("allreduce", [["all_reduce"], ["broadcast", "all_gather"], ["broadcast", "all_reduce"]]),
+        ("allreduce", [["all_reduce"], ["broadcast", "all_gather"], ["broadcast", "all_reduce", "all_reduce"]]),
     ],
 )
 def test_each_stage_issues_its_collectives_and_no_more(variant, expected):
@@ -229,6 +229,8 @@ def test_the_code_is_about_a_quarter_of_the_values():
         ({"lr": 0}, "lr"),
         ({"similarity_weight": -1}, "similarity_weight"),
         ({"normalize": 1}, "normalize"),
+        ({"project": True}, "project"),  # the all-reduce variant's
+        ({"variant": "allreduce", "project": "yes"}, "project"),
     ],
 )
 def test_bad_arguments_are_refused_with_the_argument_named(kwargs, match):

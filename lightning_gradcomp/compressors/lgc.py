@@ -136,6 +136,10 @@ class LGC(Compressor):
         reconstruction_weight: ``lambda1`` of the loss (>= 0).
         similarity_weight: ``lambda2`` of the loss (>= 0).
         normalize: divide the values by the leader's root mean square before encoding (sent along, one float).
+        project: ``"allreduce"`` only (``None``: on): scale the decoded average of each layer to its least-squares
+            fit to the true average, clamped to [0, 1], from one more all-reduce of one number per layer (a third
+            round). This package's design: without it the all-reduce variant diverged on the digits task
+            (docs/lgc.md).
         seed: the autoencoder's seed (its initialisation and the random rank of each training step).
 
     Raises:
@@ -149,7 +153,7 @@ class LGC(Compressor):
     """
 
     unbiased: ClassVar[bool] = False
-    rounds: ClassVar[int] = 2
+    rounds: ClassVar[int] = 3  # the all-reduce variant's projection takes a third; the others return after two
 
     def __init__(
         self,
@@ -169,6 +173,7 @@ class LGC(Compressor):
         reconstruction_weight: float = 0.5,
         similarity_weight: float = 0.5,
         normalize: bool = True,
+        project: bool | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -199,6 +204,9 @@ class LGC(Compressor):
         self.reconstruction_weight = check_number(reconstruction_weight, "reconstruction_weight", low=0.0)
         self.similarity_weight = check_number(similarity_weight, "similarity_weight", low=0.0)
         self.normalize = check_bool(normalize, "normalize")
+        if variant == "ps" and project is not None:
+            raise ValueError(f"Expected `project` to be None with variant='ps' (all-reduce only), got {project!r}.")
+        self.project = check_bool(project, "project", allow_none=True)
         self.seed = check_int(seed, "seed", low=0)
         self._reset_autoencoder()
 
@@ -487,7 +495,10 @@ class LGC(Compressor):
             return code, blob, tensor[own], own.to(self._index_dtype(ctx))
         x = tensor[indices].float()
         scales = self._scales(x, ctx)
-        return blob, scales, self._encode(model, x, scales, ctx)
+        z = self._encode(model, x, scales, ctx)
+        if not self._projects:
+            return blob, scales, z
+        return blob, scales, z, self._dots(x, self._decode(model, 0, z, scales, ctx), ctx)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """The dense tensor the payload stands for (stage 3 PS: with this rank's decoder)."""
@@ -509,9 +520,12 @@ class LGC(Compressor):
             decoded, correction = self._ps_contribution(model, ctx.rank, code, indices, values, own.long(), ctx)
             result = ctx.output(out, zeros=True).index_add_(0, indices, decoded)
             return result.index_add_(0, own.long(), correction)
-        blob, scales, z = payload
+        blob, scales, z = payload[:3]
         indices = torch.cat(decode_sparse(layout, blob))
-        decoded = self._decode(model, 0, z, scales, ctx).to(ctx.dtype)
+        decoded = self._decode(model, 0, z, scales, ctx)
+        if self._projects:
+            decoded = self._projected(decoded, payload[3], ctx)
+        decoded = decoded.to(ctx.dtype)
         return ctx.output(out, zeros=True).index_copy_(0, indices, decoded)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -604,11 +618,39 @@ class LGC(Compressor):
         indices = torch.cat(decode_sparse(layout, shared))
         z = self._encode(model, tensor[indices], scales, ctx)
         (summed,) = yield AllReduce((z.div_(ctx.world_size),))
-        decoded = self._decode(model, 0, summed, scales, ctx).to(ctx.dtype)
+        decoded = self._decode(model, 0, summed, scales, ctx)
+        if self._projects:
+            # the decoded average scaled, per layer, to its least-squares fit to the true average (clamped to
+            # [0, 1]): the update never moves further from the average than no update would, so error feedback stays
+            # contractive however poorly the autoencoder decodes
+            dots = self._dots(tensor[indices].float(), decoded, ctx).div_(ctx.world_size)
+            (dots,) = yield AllReduce((dots,))
+            decoded = self._projected(decoded, dots, ctx)
+        decoded = decoded.to(ctx.dtype)
         if ctx.new_residual is not None:
             # every rank's share of the aggregate is the aggregate: sum of updates + mean residual telescopes
             ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1)
         return tensor.zero_().index_copy_(0, indices, decoded)
+
+    @property
+    def _projects(self) -> bool:
+        return self.variant == "allreduce" and self.project is not False
+
+    def _dots(self, x: Tensor, decoded: Tensor, ctx: BucketContext) -> Tensor:
+        """Per layer ``<x, decoded>`` over the slots (float32)."""
+        if not ctx.layers:
+            return x.new_zeros(0)
+        return torch.stack([torch.dot(x[at : at + k], decoded[at : at + k]) for _, at, k in self._segments(ctx)])
+
+    def _projected(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> Tensor:
+        """``decoded`` scaled per layer by ``clamp(dots / |decoded|^2, 0, 1)`` (0 where it is all zeros)."""
+        out = []
+        for i, (_, at, k) in enumerate(self._segments(ctx)):
+            part = decoded[at : at + k]
+            norm = torch.dot(part, part)
+            alpha = torch.where(norm > 0, dots[i] / torch.where(norm > 0, norm, 1.0), 0.0).clamp(0.0, 1.0)
+            out.append(part * alpha)
+        return torch.cat(out) if out else decoded
 
     # ------------------------------------------------------------------------------------------------------------
     # Bytes
@@ -624,7 +666,8 @@ class LGC(Compressor):
         * stage 2 ``"ps"``: ``p(b k) + p(4 k) + 8`` (the all-gather of values and int32 indices, packed with the flag);
         * stage 3 ``"ps"``: ``p(b k_u) + p(4 k_u) + 8``, plus ``p(4 (c + L)) + B`` on the leader;
         * stage 2 ``"allreduce"``: ``p(b k) + 8``, plus ``B`` on the leader;
-        * stage 3 ``"allreduce"``: ``4 c + 4``, plus ``B + p(4 L)`` on the leader (its blob and scales).
+        * stage 3 ``"allreduce"``: ``4 c + 4``, plus ``B + p(4 L)`` on the leader (its blob and scales), plus ``4 L``
+          with ``project`` (one dot product per layer).
         """
         stage, b = self.stage(ctx.step), torch.empty(0, dtype=ctx.dtype).element_size()
         if stage == 1:
@@ -641,7 +684,8 @@ class LGC(Compressor):
             return sent + (_pad8(4 * (self._code_numel(ctx) + len(ctx.layers))) + blob if lead else 0)
         if stage == 2:
             return _pad8(b * k) + 8 + (blob if lead else 0)
-        return 4 * self._code_numel(ctx) + 4 + (blob + _pad8(4 * len(ctx.layers)) if lead else 0)
+        projection = 4 * len(ctx.layers) if self._projects else 0
+        return 4 * self._code_numel(ctx) + 4 + projection + (blob + _pad8(4 * len(ctx.layers)) if lead else 0)
 
     # ------------------------------------------------------------------------------------------------------------
     # State
