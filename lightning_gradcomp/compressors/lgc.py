@@ -92,6 +92,8 @@ class LGC(Compressor):
     all-gathers every rank's values there (the decoder is trained on every rank's values); stage 3 all-reduces
     every rank's code ``E(x_i / s)`` (round 1) and one decoder maps the averaged code to the averaged values. With
     ``linear_encoder=True`` the encoder has no activation, so the average of the codes is the code of the average.
+    With ``project`` (on by default) one more all-reduce of ``<x_i, decoded>`` per layer (round 2) scales the decoded
+    average to its least-squares fit to the true average, clamped to [0, 1].
 
     **Error feedback** subtracts what the aggregate used for this rank: stage 2, the sent entries; stage 3 ``"ps"``,
     the decoded values at the leader's indices and the innovation at its own (not the stale stage-2 mask of the
@@ -107,8 +109,8 @@ class LGC(Compressor):
     chosen rank's indices (the third-party code compares each rank's values in its own order, which assumes the
     supports coincide), normalisation by the leader's root mean square, Adam (the third-party code uses SGD with
     ``lr=1e-3``: ``optimizer="sgd"``), smaller default channels, the mapping onto collectives, and the whole
-    all-reduce variant: its objective (``D(mean_i E(x_i)) ~ mean_i x_i``), the rotating leader and the linear
-    encoder are not from the paper's text, which could not be read.
+    all-reduce variant: its objective (``D(mean_i E(x_i)) ~ mean_i x_i``), the rotating leader, the linear encoder
+    and the projection are not from the paper's text, which could not be read.
 
     **When the autoencoder trains.** The values of step ``t`` are staged (kept only if the step is finite on every
     rank) and trained on at the start of step ``t + 1``, on the main thread, in bucket order: training inside a
