@@ -36,6 +36,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import (
+    LGC,
     Compressor,
     SignSGD,
 )
@@ -62,6 +63,15 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     "topk": (EXAMPLES["topk"], 0.05, 0.9),
     "randomk": (EXAMPLES["randomk"], 0.05, 0.9),
     "powersgd": (EXAMPLES["powersgd"], 0.05, 0.9),
+    # LGC at TopK's and ScaleCom's 1%: dense for 2 epochs (44 steps), top-k while the autoencoder trains for 4 (88),
+    # then the autoencoder's code (the third-party defaults, 200 and 300 steps, would leave the 440 steps at stage 2)
+    "lgc-ps": (lambda: LGC(ratio=0.01, innovation_ratio=0.001, dense_steps=44, training_steps=88), 0.05, 0.9),
+    "lgc-allreduce": (lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=88), 0.05, 0.9),
+    "lgc-allreduce-noproject": (
+        lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=88, project=False),
+        0.05,
+        0.9,
+    ),
 }
 # sign steps: a learning rate for signs, chosen from this sweep (run it with --sign-lr-sweep)
 SIGN_SWEEP: dict[str, tuple[Callable[[], Compressor], float, float]] = {

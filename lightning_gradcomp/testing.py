@@ -25,6 +25,7 @@ from lightning_gradcomp.compressors import (
     BF16,
     DGC,
     FP16,
+    LGC,
     QSGD,
     AdaComp,
     EFSignSGD,
@@ -84,6 +85,33 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "terngrad": lambda: TernGrad(),
     "terngrad-unclipped": lambda: TernGrad(clip=None),
     "terngrad-allgather": lambda: TernGrad(aggregation="allgather"),
+    # LGC's stages follow the step: the defaults are dense for 200 steps; short stages cross all three within the
+    # contract suite's few steps, and the others start in stage 2 or 3 (the ratios are large for the tiny layers)
+    "lgc": lambda: LGC(),
+    "lgc-allreduce": lambda: LGC(variant="allreduce"),
+    "lgc-ps-stages": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=1, training_steps=2),
+    "lgc-allreduce-stages": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2),
+    "lgc-ps-stage2": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=100),
+    "lgc-allreduce-stage2": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=100),
+    "lgc-ps-stage3": lambda: LGC(
+        ratio=0.05,
+        innovation_ratio=0.005,
+        dense_steps=0,
+        training_steps=0,
+        leader="rotating",
+        optimizer="sgd",
+        momentum=0.9,
+    ),  # fmt: skip
+    "lgc-allreduce-stage3-linear": lambda: LGC(
+        variant="allreduce",
+        ratio=0.05,
+        dense_steps=0,
+        training_steps=0,
+        linear_encoder=True,
+        leader="fixed",
+        project=False,
+    ),  # fmt: skip
+    "lgc-allreduce-stage3": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=0),
 }
 
 

@@ -5,6 +5,7 @@ from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.compressors.cast import BF16, FP16
 from lightning_gradcomp.compressors.dgc import DGC
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.lgc import LGC
 from lightning_gradcomp.compressors.masked import MaskedCompressor, Masks
 from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.quantize import QSGD, TernGrad
@@ -16,6 +17,7 @@ __all__ = [
     "BF16",
     "DGC",
     "FP16",
+    "LGC",
     "QSGD",
     "AdaComp",
     "BucketContext",

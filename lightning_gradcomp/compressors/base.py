@@ -659,4 +659,3 @@ def _run_exchange(compressor: Compressor, tensor: Tensor, ctx: BucketContext) ->
         return out
 
     return fut.then(commit)
-

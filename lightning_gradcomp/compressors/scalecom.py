@@ -77,14 +77,8 @@ class ScaleCom(Compressor):
         return ctx.step % ctx.world_size
 
     def _indices(self, tensor: Tensor, layout: SparseLayout) -> Tensor:
-        """This rank's top-k indices of every layer, as an index blob padded to whole 8-byte words.
-
-        The broadcast sends whole words anyway (payloads are packed at 8-byte offsets); padding here makes the
-        payload :meth:`compress` returns exactly what moves.
-        """
-        picked = [topk_indices(s.layer.flat(tensor).abs(), s.slots) for s in layout.segments]
-        blob = encode_sparse(layout, picked, None, tensor)[0]
-        return torch.nn.functional.pad(blob, (0, _blob_nbytes(layout) - blob.numel()))
+        """This rank's top-k indices of every layer, as an index blob (:func:`top_k_blob`)."""
+        return top_k_blob(tensor, layout)
 
     # ------------------------------------------------------------------------------------------------------------
     # The contract: one rank on its own is its own leader
@@ -116,7 +110,7 @@ class ScaleCom(Compressor):
         if ctx.rank == leader:
             blob = self._indices(tensor, layout)  # tensor is p = m + g: the residual was added by accumulate()
         else:  # filled by the broadcast; the size depends only on the layout
-            blob = torch.zeros(_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
+            blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
         (shared,) = yield Broadcast((blob,), src=leader)
         indices = torch.cat(decode_sparse(layout, shared)) if layout.segments else shared.long()
         values = tensor[indices].div_(ctx.world_size)  # dividing first keeps half-precision sums in range
@@ -133,8 +127,23 @@ class ScaleCom(Compressor):
     def bytes_per_step(self, ctx: BucketContext) -> tuple[int, int]:
         """``(index bytes the leader broadcasts, value bytes every rank all-reduces)`` for fp32 gradients."""
         layout = self._layout(ctx)
-        return _blob_nbytes(layout), 4 * layout.slots
+        return index_blob_nbytes(layout), 4 * layout.slots
 
 
-def _blob_nbytes(layout: SparseLayout) -> int:
+def top_k_blob(tensor: Tensor, layout: SparseLayout, *, sort: bool = False) -> Tensor:
+    """The top-k indices of ``|tensor|`` in every layer of ``layout``, as an index blob padded to whole 8-byte words.
+
+    The leader's half of CLT-k (also LGC's). The broadcast sends whole words anyway (payloads are packed at 8-byte
+    offsets); padding here makes the payload exactly what moves. With ``sort`` each layer's int32 list is in
+    increasing order (a bitmap always decodes in order), so the decoded indices are sorted.
+    """
+    picked = [topk_indices(s.layer.flat(tensor).abs(), s.slots) for s in layout.segments]
+    if sort:
+        picked = [idx.sort().values for idx in picked]
+    blob = encode_sparse(layout, picked, None, tensor)[0]
+    return torch.nn.functional.pad(blob, (0, index_blob_nbytes(layout) - blob.numel()))
+
+
+def index_blob_nbytes(layout: SparseLayout) -> int:
+    """Bytes of the index blob of ``layout`` once padded to whole 8-byte words."""
     return -(-layout.nbytes // 8) * 8

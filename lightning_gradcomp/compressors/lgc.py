@@ -1,0 +1,724 @@
+"""LGC: learned gradient compression, an autoencoder trained during training carries the top-k values."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+from torch.nn import functional as F  # noqa: N812 (the usual alias)
+
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload, derive_seed, keep_count
+from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Broadcast, Exchange
+from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder, latent_numel, optimizer_state, optimizer_step
+from lightning_gradcomp.compressors.scalecom import index_blob_nbytes, top_k_blob
+from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, sparse_layout
+from lightning_gradcomp.compressors.sparsify import topk_indices
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number, check_ratio
+
+__all__ = ["LGC"]
+
+_VARIANTS = ("ps", "allreduce")
+_LEADERS = ("fixed", "rotating")
+_OPTIMIZERS = ("adam", "sgd")
+
+
+def _pad8(nbytes: int) -> int:
+    return -(-nbytes // 8) * 8
+
+
+def _channels(value: Any, name: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise ValueError(f"Expected `{name}` to be a non-empty sequence of positive integers, got {value!r}.")
+    return tuple(check_int(c, name, low=1) for c in value)  # type: ignore[misc]
+
+
+def _top_k(magnitudes: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest ``magnitudes`` (unsorted): ``topk_indices``, except for a few indices on the CPU.
+
+    ``topk_indices`` samples about ``64 n / k`` elements to bracket the k-th largest; for the innovation's handful
+    (1e-5 of a layer) that sample is the whole layer. Here a fixed sample of 8192 brackets the top 1% instead, and
+    the exact top-k is taken among the elements above it (falling back to a full ``topk`` if fewer than ``k`` are).
+    """
+    n = magnitudes.numel()
+    if k > 128:
+        return topk_indices(magnitudes, k)
+    if magnitudes.device.type != "cpu" or n < (1 << 16):
+        return torch.topk(magnitudes, k, sorted=False).indices
+    sample = magnitudes[torch.randint(0, n, (8192,), generator=torch.Generator().manual_seed(n))]
+    threshold = torch.topk(sample, 82, sorted=False).values.min()
+    candidates = torch.nonzero(magnitudes > threshold).squeeze(1)  # on the CPU: no device to wait for
+    if candidates.numel() < k:
+        return torch.topk(magnitudes, k, sorted=False).indices
+    return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+
+
+def _scale(values: Tensor) -> Tensor:
+    """The root mean square of the last dimension (1 where it is 0), shaped for broadcasting: ``[..., 1]``."""
+    rms = values.pow(2).mean(-1, keepdim=True).sqrt()
+    return torch.where(rms > 0, rms, torch.ones_like(rms))
+
+
+class LGC(Compressor):
+    """Learned gradient compression: dense, then top-k while an autoencoder learns, then the autoencoder's code.
+
+    Abrahamyan, Chen, Bekoulis & Deligiannis, "Learned Gradient Compression for Distributed Deep Learning", IEEE
+    TNNLS 2021 (doi:10.1109/TNNLS.2021.3084806, arXiv:2103.08870). The gradients of the ranks are correlated; an
+    autoencoder trained during the first stages of training captures what they have in common, so that a short code
+    (plus, for the parameter-server variant, a tiny per-rank "innovation") replaces the top-k values. Three stages,
+    keyed on the step (the same on every rank, checkpointed):
+
+    1. ``step < dense_steps``: dense averaging (an all-reduce; error feedback owes nothing afterwards);
+    2. ``step < dense_steps + training_steps``: top-k at ``ratio`` per layer with error feedback; the values that
+       every rank receives anyway are the autoencoder's training data, so every rank trains the same autoencoder
+       with no extra communication (one optimizer step per training step, on the data of the step before, see below);
+    3. afterwards: the autoencoder carries the values.
+
+    **Variant ``"ps"``** (the paper's parameter-server protocol mapped onto collectives). Stage 2 all-gathers every
+    rank's top-k (values and int32 indices), as :class:`~lightning_gradcomp.compressors.TopK`. Stage 3: every rank
+    all-gathers its innovation (its top ``innovation_ratio`` per layer: values and indices, round 0), and the leader
+    broadcasts its code ``E(x_m / s_m)``, its scale ``s_m`` and its top-k indices ``I_m`` (round 1). Every rank then
+    decodes every rank ``j``'s values at ``I_m`` with rank ``j``'s decoder, from the leader's code and ``j``'s
+    innovation in ``I_m``'s slots; rank ``j``'s contribution is those values at ``I_m``, with its innovation, exact,
+    at its own indices; the aggregate is the average of the contributions, computed alike on every rank. The
+    all-gather form is chosen over gather-to-the-leader-then-broadcast because it moves fewer bytes (the leader
+    broadcasts ``~k/4`` code numbers instead of ``k`` decoded values) in the same number of rounds, and every rank's
+    ``n`` decoder passes run in parallel where the other form makes everyone wait for the leader's ``n``
+    (docs/lgc.md has the measured figures).
+
+    **Variant ``"allreduce"``** (the paper's ring-all-reduce instance). The leader's top-k indices are broadcast to
+    every rank (round 0, as :class:`~lightning_gradcomp.compressors.ScaleCom`), with its scale in stage 3. Stage 2
+    all-gathers every rank's values there (the decoder is trained on every rank's values); stage 3 all-reduces
+    every rank's code ``E(x_i / s)`` (round 1) and one decoder maps the averaged code to the averaged values. With
+    ``linear_encoder=True`` the encoder has no activation, so the average of the codes is the code of the average.
+    With ``project`` (on by default) one more all-reduce of ``<x_i, decoded>`` per layer (round 2) scales the decoded
+    average to its least-squares fit to the true average, clamped to [0, 1].
+
+    **Error feedback** subtracts what the aggregate used for this rank: stage 2, the sent entries; stage 3 ``"ps"``,
+    the decoded values at the leader's indices and the innovation at its own (not the stale stage-2 mask of the
+    third-party code); stage 3 ``"allreduce"``, the decoded average at the shared indices (every rank's share of
+    the aggregate is the aggregate itself, so ``sum of updates + mean residual`` still telescopes).
+
+    **What follows what.** From the paper's abstract: the two instances, the autoencoder trained during the first
+    stages of training, inter-node redundancy, a lightweight network. From the third-party implementation (a
+    federated-learning framework, the only code found): the three stages and their default lengths (200 and 300
+    rounds), ``ratio`` 1e-3, ``innovation_ratio`` 1e-5, the architecture, the loss ``lambda1 sum_j MSE(x_j, D_j(E(x_r),
+    u_j)) + lambda2 sum_{i != j} MSE(E(x_i), E(x_j))`` with ``x_r`` a random rank's values and ``lambda1 = lambda2 =
+    0.5``, the fixed leader (rank 0). This package's design (configurable): training targets aligned to the
+    chosen rank's indices (the third-party code compares each rank's values in its own order, which assumes the
+    supports coincide), normalisation by the leader's root mean square, Adam (the third-party code uses SGD with
+    ``lr=1e-3``: ``optimizer="sgd"``), smaller default channels, the mapping onto collectives, and the whole
+    all-reduce variant: its objective (``D(mean_i E(x_i)) ~ mean_i x_i``), the rotating leader, the linear encoder
+    and the projection are not from the paper's text, which could not be read.
+
+    **When the autoencoder trains.** The values of step ``t`` are staged (kept only if the step is finite on every
+    rank) and trained on at the start of step ``t + 1``, on the main thread, in bucket order: training inside a
+    bucket's last callback would run on the collectives' threads in an order that may differ between ranks. The new
+    weights and optimizer state are staged too, so a non-finite step leaves the autoencoder as it was, and a resume
+    is bitwise exact (the weights, the optimizer state and the pending data are in :meth:`state_dict`).
+
+    Args:
+        variant: ``"ps"`` or ``"allreduce"``.
+        ratio: fraction of each layer's entries in the top-k, in (0, 1].
+        innovation_ratio: ``"ps"`` only: fraction of each layer's entries in a rank's innovation, in (0, ratio);
+            ``None`` gives 1e-5 (the third-party default).
+        dense_steps: steps of stage 1 (dense), an integer >= 0.
+        training_steps: steps of stage 2 (top-k while the autoencoder trains), an integer >= 0.
+        leader: ``"fixed"`` (rank 0) or ``"rotating"`` (``step mod n``); ``None``: fixed for ``"ps"`` (third-party
+            code), rotating for ``"allreduce"`` (as ScaleCom).
+        channels: the encoder's stride-2 convolution widths (third-party: ``(64, 128, 256, 64)``).
+        decoder_channels: each decoder's stride-2 transposed convolution widths (third-party: ``(32, 64, 128, 32)``).
+        latent_channels: channels of the code; the code holds about ``latent_channels / 2**len(channels)`` numbers
+            per top-k value (1/4 by default, as the third-party code).
+        linear_encoder: no activations in the encoder.
+        lr: the autoencoder's learning rate.
+        optimizer: ``"adam"`` or ``"sgd"`` (third-party: SGD, ``lr=1e-3``).
+        momentum: SGD's momentum, in [0, 1) (``"sgd"`` only).
+        reconstruction_weight: ``lambda1`` of the loss (>= 0).
+        similarity_weight: ``lambda2`` of the loss (>= 0).
+        normalize: divide the values by the leader's root mean square before encoding (sent along, one float).
+        project: ``"allreduce"`` only (``None``: on): scale the decoded average of each layer to its least-squares
+            fit to the true average, clamped to [0, 1], from one more all-reduce of one number per layer (a third
+            round). This package's design: without it the all-reduce variant diverged on the digits task
+            (docs/lgc.md).
+        seed: the autoencoder's seed (its initialisation and the random rank of each training step).
+
+    Raises:
+        ValueError: If an argument is out of range or of the wrong type.
+
+    Example::
+
+        >>> from lightning_gradcomp.compressors import LGC
+        >>> LGC(variant="allreduce", dense_steps=100, training_steps=200).variant
+        'allreduce'
+    """
+
+    unbiased: ClassVar[bool] = False
+    rounds: ClassVar[int] = 3  # the all-reduce variant's projection takes a third; the others return after two
+
+    def __init__(
+        self,
+        variant: str = "ps",
+        ratio: float = 1e-3,
+        innovation_ratio: float | None = None,
+        dense_steps: int = 200,
+        training_steps: int = 300,
+        leader: str | None = None,
+        channels: Sequence[int] = (16, 32, 64, 16),
+        decoder_channels: Sequence[int] = (8, 16, 32, 8),
+        latent_channels: int = 4,
+        linear_encoder: bool = False,
+        lr: float = 1e-3,
+        optimizer: str = "adam",
+        momentum: float = 0.0,
+        reconstruction_weight: float = 0.5,
+        similarity_weight: float = 0.5,
+        normalize: bool = True,
+        project: bool | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        self.variant = check_choice(variant, "variant", _VARIANTS)
+        self.ratio = check_ratio(ratio)
+        if variant == "allreduce" and innovation_ratio is not None:
+            raise ValueError(
+                f"Expected `innovation_ratio` to be None with variant='allreduce' (a per-rank innovation does not"
+                f" survive a sum), got {innovation_ratio!r}."
+            )
+        if variant == "ps":
+            innovation_ratio = 1e-5 if innovation_ratio is None else innovation_ratio
+            check_number(innovation_ratio, "innovation_ratio", low=0.0, high=self.ratio, low_open=True, high_open=True)
+            innovation_ratio = float(innovation_ratio)
+        self.innovation_ratio = innovation_ratio
+        self.dense_steps = check_int(dense_steps, "dense_steps", low=0)
+        self.training_steps = check_int(training_steps, "training_steps", low=0)
+        self.leader = check_choice(leader, "leader", (None, *_LEADERS))
+        self.channels = _channels(channels, "channels")
+        self.decoder_channels = _channels(decoder_channels, "decoder_channels")
+        self.latent_channels = check_int(latent_channels, "latent_channels", low=1)
+        self.linear_encoder = check_bool(linear_encoder, "linear_encoder")
+        self.lr = check_number(lr, "lr", low=0.0, low_open=True)
+        self.optimizer = check_choice(optimizer, "optimizer", _OPTIMIZERS)
+        self.momentum = check_number(momentum, "momentum", low=0.0, high=1.0, high_open=True)
+        if optimizer == "adam" and momentum != 0.0:
+            raise ValueError(f"Expected `momentum` to be 0 with optimizer='adam' (SGD only), got {momentum!r}.")
+        self.reconstruction_weight = check_number(reconstruction_weight, "reconstruction_weight", low=0.0)
+        self.similarity_weight = check_number(similarity_weight, "similarity_weight", low=0.0)
+        self.normalize = check_bool(normalize, "normalize")
+        if variant == "ps" and project is not None:
+            raise ValueError(f"Expected `project` to be None with variant='ps' (all-reduce only), got {project!r}.")
+        self.project = check_bool(project, "project", allow_none=True)
+        self.seed = check_int(seed, "seed", low=0)
+        self._reset_autoencoder()
+
+    def _reset_autoencoder(self) -> None:
+        self._committed: dict[str, Tensor] | None = None  # weights and optimizer state as of the last finite step
+        self._decoders = 0
+        self._pending: dict[str, dict[str, Tensor]] = {}  # stage-2 data not trained on yet, per bucket
+        self._model: LGCAutoencoder | None = None  # the working copy this step encodes and decodes with
+        self._prepared_step: int | None = None
+
+    @property
+    def collective(self) -> str:  # type: ignore[override]
+        """``"allgather"`` for the parameter-server variant, ``"allreduce"`` for the all-reduce one."""
+        return "allgather" if self.variant == "ps" else "allreduce"
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Stages, layouts, the leader
+    # ------------------------------------------------------------------------------------------------------------
+    def stage(self, step: int) -> int:
+        """The stage at ``step``: 1 (dense), 2 (top-k, the autoencoder trains) or 3 (the autoencoder's code)."""
+        if step < self.dense_steps:
+            return 1
+        return 2 if step < self.dense_steps + self.training_steps else 3
+
+    def leader_of(self, ctx: BucketContext) -> int:
+        """The rank whose indices (and code) every rank uses at this step."""
+        leader = self.leader or ("fixed" if self.variant == "ps" else "rotating")
+        return 0 if leader == "fixed" else ctx.step % ctx.world_size
+
+    def _layout(self, ctx: BucketContext) -> SparseLayout:
+        return sparse_layout(ctx.layers, [keep_count(layer.numel, self.ratio) for layer in ctx.layers])
+
+    def _innovation_counts(self, ctx: BucketContext) -> list[int]:
+        assert self.innovation_ratio is not None
+        return [keep_count(layer.numel, self.innovation_ratio) for layer in ctx.layers]
+
+    def _top(self, tensor: Tensor, ctx: BucketContext, counts: Sequence[int]) -> Tensor:
+        """Each layer's top-``counts`` indices of ``|tensor|``, global and sorted (int64)."""
+        picked = [
+            _top_k(layer.flat(tensor).abs(), k).sort().values + layer.offset for layer, k in zip(ctx.layers, counts)
+        ]
+        return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long, device=tensor.device)
+
+    def _index_dtype(self, ctx: BucketContext) -> torch.dtype:
+        return torch.int32 if ctx.numel < 2**31 else torch.int64
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The autoencoder: built on first use, trained at the start of each step on the previous step's data
+    # ------------------------------------------------------------------------------------------------------------
+    def _build(self, decoders: int, device: torch.device) -> LGCAutoencoder:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(derive_seed(self.seed, 0x16C))
+            model = LGCAutoencoder(decoders, self.channels, self.decoder_channels, self.latent_channels,
+                                   innovation=self.variant == "ps", linear_encoder=self.linear_encoder)  # fmt: skip
+        return model.to(device)
+
+    def latent_numel(self, k: int) -> int:
+        """Numbers in the code of ``k`` top-k values."""
+        return latent_numel(k, len(self.channels), self.latent_channels)
+
+    def _autoencoder(self, ctx: BucketContext) -> LGCAutoencoder:
+        """The working autoencoder for this step (trained on the pending data first, when the step can stage)."""
+        decoders = ctx.world_size if self.variant == "ps" else 1
+        if self._committed is None and ctx.updates is None:
+            # compress/decompress outside a reduction, before any: the initial autoencoder, not kept as state
+            return self._build(decoders, ctx.device)
+        if self._committed is None:
+            model = self._build(decoders, ctx.device)
+            params = {name: p.detach().clone() for name, p in model.named_parameters()}
+            self._committed = {**params, **optimizer_state(params, self.optimizer)}
+            self._decoders = decoders
+            self._model = model
+        elif self._decoders != decoders:
+            raise RuntimeError(
+                f"LGC's autoencoder has {self._decoders} decoder(s) (it was trained with that many ranks) but this run"
+                f" has {ctx.world_size} ranks; the parameter-server variant needs one decoder per rank."
+            )
+        if next(iter(self._committed.values())).device != ctx.device:
+            self._committed = {k: v.to(ctx.device) for k, v in self._committed.items()}
+            self._pending = {key: {k: v.to(ctx.device) for k, v in e.items()} for key, e in self._pending.items()}
+            self._model = None
+        if self._model is None:
+            self._model = self._build(decoders, ctx.device)
+            self._prepared_step = None
+        model = self._model
+        if self._prepared_step != ctx.step or ctx.updates is None:
+            with torch.no_grad():
+                for name, p in model.named_parameters():
+                    p.copy_(self._committed[name])
+            if ctx.updates is not None:  # outside a reduction nothing can be staged: no training
+                self._prepared_step = ctx.step
+                self._train(model, ctx)
+        return model
+
+    def _train(self, model: LGCAutoencoder, ctx: BucketContext) -> None:
+        """One optimizer step on every bucket's pending data; the result is staged (and used at once)."""
+        assert self._committed is not None
+        assert ctx.updates is not None
+        entries = [(key, self._pending[key]) for key in sorted(self._pending)]
+        on_cpu = ctx.device.type == "cpu"
+        if on_cpu:  # reading a CPU flag costs nothing; on CUDA the step is masked instead (no host sync)
+            entries = [(key, e) for key, e in entries if bool(e["fresh"])]
+        if not entries:
+            return
+        params = dict(model.named_parameters())
+        with torch.enable_grad():  # the hook runs inside the model's backward pass, where grad mode is off
+            loss = torch.zeros((), device=ctx.device)
+            for key, entry in entries:
+                generator = torch.Generator().manual_seed(derive_seed(self.seed, ctx.seed, ctx.step, _hash_key(key)))
+                part = self._loss(model, entry, generator)
+                loss = loss + (part if on_cpu else part * entry["fresh"].float())
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+        grads_by_name = {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(params.items(), grads)}
+        state = {k: v for k, v in self._committed.items() if k not in params}
+        apply = None if on_cpu else torch.stack([e["fresh"] for _, e in entries]).any()
+        new = optimizer_step({n: p.detach() for n, p in params.items()}, grads_by_name, state, kind=self.optimizer,
+                             lr=self.lr, momentum=self.momentum, apply=apply)  # fmt: skip
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(new[name])
+        for key, value in new.items():
+            ctx.updates.stage(self._committed[key], value)
+        for _, entry in entries:
+            ctx.updates.stage(entry["fresh"], torch.zeros_like(entry["fresh"]))
+
+    def _loss(self, model: LGCAutoencoder, entry: dict[str, Tensor], generator: torch.Generator) -> Tensor:
+        values = entry["values"]  # [n, k]: every rank's values (PS: at its own indices; all-reduce: shared ones)
+        n, k = values.shape
+        r = int(torch.randint(n, (1,), generator=generator))  # a random rank's code, as the third-party code
+        scales = _scale(values) if self.normalize else torch.ones_like(values[:, :1])
+        s = scales[r]
+        # stage 3 encodes the leader's values by its own scale (PS) or every rank's by the leader's (all-reduce)
+        codes = model.encode(values / (scales if self.variant == "ps" else s))
+        similarity = values.new_zeros(())
+        for i in range(n):
+            for j in range(n):
+                if i != j:
+                    similarity = similarity + F.mse_loss(codes[i], codes[j])
+        if self.variant == "allreduce":
+            decoded = model.decode(0, codes.mean(0, keepdim=True), k)
+            reconstruction = F.mse_loss(decoded[0], values.mean(0) / s)
+        else:
+            indices, innovation = entry["indices"], entry["innovation"]
+            leader_indices = indices[r]
+            reconstruction = values.new_zeros(())
+            for j in range(n):
+                # rank j's values and innovation at the chosen rank's indices: what stage 3 decodes (zero where
+                # rank j sent nothing there)
+                pos = torch.searchsorted(indices[j], leader_indices).clamp_(max=k - 1)
+                hit = indices[j][pos] == leader_indices
+                target = torch.where(hit, values[j][pos], 0.0)
+                side = torch.where(hit, innovation[j][pos], 0.0)
+                decoded = model.decode(j, codes[r : r + 1], k, (side / s)[None])
+                reconstruction = reconstruction + F.mse_loss(decoded[0], target / s)
+        return self.reconstruction_weight * reconstruction + self.similarity_weight * similarity
+
+    def _stage_data(self, ctx: BucketContext, **data: Tensor) -> None:
+        """Keep this step's training data, per layer (committed only if the step is finite), for the next step.
+
+        ``data`` holds ``[n, k]`` rows in the bucket's slot layout (every layer's ``k`` slots in turn); ``indices``,
+        if given, are global and are made layer-local, so that nothing depends on how DDP buckets the layers.
+        """
+        if ctx.updates is None:
+            return
+        for layer, at, k in self._segments(ctx):
+            part = {name: value[:, at : at + k] for name, value in data.items()}
+            if "indices" in part:
+                part["indices"] = part["indices"] - layer.offset
+            self._stage_layer(ctx, layer.name, part)
+
+    def _stage_layer(self, ctx: BucketContext, key: str, data: dict[str, Tensor]) -> None:
+        assert ctx.updates is not None
+        entry = self._pending.get(key)
+        if entry is None or any(entry[name].shape != value.shape for name, value in data.items()):
+            entry = {name: torch.zeros_like(value) for name, value in data.items()}
+            entry["fresh"] = torch.zeros((), dtype=torch.bool, device=ctx.device)
+            self._pending[key] = entry
+        for name, value in data.items():
+            ctx.updates.stage(entry[name], value.clone())  # a buffer of its own
+        ctx.updates.stage(entry["fresh"], torch.ones_like(entry["fresh"]))
+
+    def _innovation_of(self, values: Tensor, ctx: BucketContext) -> Tensor:
+        """Rows of top-k ``values`` with everything but each layer's top ``innovation_ratio`` zeroed."""
+        out = torch.zeros_like(values)
+        for (_, at, k), k_u in zip(self._segments(ctx), self._innovation_counts(ctx)):
+            part = values[:, at : at + k]
+            picked = torch.topk(part.abs(), k_u, dim=1).indices
+            out[:, at : at + k].scatter_(1, picked, part.gather(1, picked))
+        return out
+
+    def _segments(self, ctx: BucketContext) -> list[tuple[Layer, int, int]]:
+        """``(layer, where its top-k slots start, how many)`` for every layer, in order."""
+        out, at = [], 0
+        for layer in ctx.layers:
+            k = keep_count(layer.numel, self.ratio)
+            out.append((layer, at, k))
+            at += k
+        return out
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Encoding and decoding, one layer at a time (so that nothing depends on how DDP buckets the layers)
+    # ------------------------------------------------------------------------------------------------------------
+    def _code_numel(self, ctx: BucketContext) -> int:
+        return sum(self.latent_numel(k) for _, _, k in self._segments(ctx))
+
+    def _scales(self, x: Tensor, ctx: BucketContext) -> Tensor:
+        """Each layer's root mean square of the top-k values ``x`` (ones without ``normalize``)."""
+        if not self.normalize:
+            return x.new_ones(len(ctx.layers))
+        return torch.cat([_scale(x[at : at + k]) for _, at, k in self._segments(ctx)])
+
+    def _encode(self, model: LGCAutoencoder, x: Tensor, scales: Tensor, ctx: BucketContext) -> Tensor:
+        """The codes of every layer's top-k values ``x`` (slot layout), each divided by its layer's scale."""
+        with torch.no_grad():
+            return torch.cat([
+                model.encode((x[at : at + k].float() / scales[i])[None])[0]
+                for i, (_, at, k) in enumerate(self._segments(ctx))
+            ])  # fmt: skip
+
+    def _decode(
+        self, model: LGCAutoencoder, j: int, z: Tensor, scales: Tensor, ctx: BucketContext, side: Tensor | None = None
+    ) -> Tensor:
+        """Decoder ``j``'s values (slot layout, float32, scaled back) from every layer's code in ``z``."""
+        out, at_z = [], 0
+        with torch.no_grad():
+            for i, (_, at, k) in enumerate(self._segments(ctx)):
+                c = self.latent_numel(k)
+                inn = None if side is None else (side[at : at + k] / scales[i])[None]
+                out.append(model.decode(j, z[at_z : at_z + c][None], k, inn)[0] * scales[i])
+                at_z += c
+        return torch.cat(out) if out else z.new_zeros(0)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Stage 3 decoding, shared by the reduction and the single-rank contract
+    # ------------------------------------------------------------------------------------------------------------
+    def _ps_contribution(
+        self, model: LGCAutoencoder, j: int, code: Tensor, indices: Tensor, values: Tensor, own: Tensor,
+        ctx: BucketContext,
+    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+        """Rank ``j``'s decoded values at the leader's ``indices``, and the correction at its innovation ``own``.
+
+        Rank ``j``'s contribution is ``decoded`` at ``indices`` plus ``correction`` at ``own`` (where its innovation
+        ``values`` replace whatever was decoded there). ``code`` is the leader's codes followed by its scales.
+        """
+        k = indices.numel()
+        layers = len(ctx.layers)
+        z, scales = code[:-layers], code[-layers:]
+        pos = torch.searchsorted(indices, own).clamp_(max=max(k - 1, 0))
+        hit = indices[pos] == own
+        side = torch.zeros(k, dtype=torch.float32, device=code.device)
+        side.index_add_(0, pos, torch.where(hit, values.float(), 0.0))  # misses add zero
+        decoded = self._decode(model, j, z, scales, ctx, side).to(ctx.dtype)
+        correction = values.to(ctx.dtype) - torch.where(hit, decoded[pos], 0.0)
+        return decoded, correction
+
+    def _ps_leader_code(self, model: LGCAutoencoder, tensor: Tensor, indices: Tensor, ctx: BucketContext) -> Tensor:
+        x = tensor[indices].float()
+        scales = self._scales(x, ctx)
+        return torch.cat([self._encode(model, x, scales, ctx), scales])
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The contract for one rank on its own (its own leader)
+    # ------------------------------------------------------------------------------------------------------------
+    def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
+        """This rank's payload as if it were the leader.
+
+        Stage 1: the tensor. Stage 2: top-k (PS: values, indices; all-reduce: index blob, values). Stage 3 PS: code
+        and scale, index blob, innovation values and indices; all-reduce: index blob, scale, code.
+        """
+        stage = self.stage(ctx.step)
+        if stage == 1:
+            return (tensor.clone(),)
+        layout = self._layout(ctx)
+        if stage == 2:
+            if self.variant == "ps":
+                indices = self._top(tensor, ctx, [s.slots for s in layout.segments])
+                return tensor[indices], indices.to(self._index_dtype(ctx))
+            blob = top_k_blob(tensor, layout, sort=True)
+            return blob, tensor[torch.cat(decode_sparse(layout, blob))]
+        model = self._autoencoder(ctx)
+        blob = top_k_blob(tensor, layout, sort=True)
+        indices = torch.cat(decode_sparse(layout, blob))
+        if self.variant == "ps":
+            own = self._top(tensor, ctx, self._innovation_counts(ctx))
+            code = self._ps_leader_code(model, tensor, indices, ctx)
+            return code, blob, tensor[own], own.to(self._index_dtype(ctx))
+        x = tensor[indices].float()
+        scales = self._scales(x, ctx)
+        z = self._encode(model, x, scales, ctx)
+        if not self._projects:
+            return blob, scales, z
+        return blob, scales, z, self._dots(x, self._decode(model, 0, z, scales, ctx), ctx)
+
+    def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """The dense tensor the payload stands for (stage 3 PS: with this rank's decoder)."""
+        stage = self.stage(ctx.step)
+        if stage == 1:
+            return ctx.output(out).copy_(payload[0])
+        layout = self._layout(ctx)
+        if stage == 2:
+            if self.variant == "ps":
+                values, indices = payload
+                return ctx.output(out, zeros=True).index_copy_(0, indices.long(), values.to(ctx.dtype))
+            blob, values = payload
+            indices = torch.cat(decode_sparse(layout, blob))
+            return ctx.output(out, zeros=True).index_copy_(0, indices, values.to(ctx.dtype))
+        model = self._autoencoder(ctx)
+        if self.variant == "ps":
+            code, blob, values, own = payload
+            indices = torch.cat(decode_sparse(layout, blob))
+            decoded, correction = self._ps_contribution(model, ctx.rank, code, indices, values, own.long(), ctx)
+            result = ctx.output(out, zeros=True).index_add_(0, indices, decoded)
+            return result.index_add_(0, own.long(), correction)
+        blob, scales, z = payload[:3]
+        indices = torch.cat(decode_sparse(layout, blob))
+        decoded = self._decode(model, 0, z, scales, ctx)
+        if self._projects:
+            decoded = self._projected(decoded, payload[3], ctx)
+        decoded = decoded.to(ctx.dtype)
+        return ctx.output(out, zeros=True).index_copy_(0, indices, decoded)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The reduction
+    # ------------------------------------------------------------------------------------------------------------
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        """One of the five reductions (stage 1; stages 2 and 3 of each variant), see the class docstring."""
+        stage, n = self.stage(ctx.step), ctx.world_size
+        if stage == 1:
+            if ctx.new_residual is not None:
+                ctx.new_residual.zero_()  # everything is sent
+            (summed,) = yield AllReduce((tensor.div_(n),))
+            return summed
+        # first thing of the step (in bucket order, on the main thread): train on the previous step's data
+        model = self._autoencoder(ctx)
+        if stage == 2:
+            return (yield from self._ps_topk(tensor, ctx) if self.variant == "ps" else self._shared_topk(tensor, ctx))
+        if self.variant == "ps":
+            return (yield from self._ps_code(tensor, ctx, model))
+        return (yield from self._allreduce_code(tensor, ctx, model))
+
+    def _ps_topk(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        layout = self._layout(ctx)
+        indices = self._top(tensor, ctx, [s.slots for s in layout.segments])
+        values = tensor[indices]
+        if ctx.new_residual is not None:
+            ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0)
+        gathered = yield AllGather((values, indices.to(self._index_dtype(ctx))))
+        out = tensor.zero_()
+        for vals, idx in gathered:  # rank order: the same sum on every rank
+            out.index_add_(0, idx.long(), vals.to(ctx.dtype))
+        data = torch.stack([vals.float() for vals, _ in gathered])
+        self._stage_data(ctx, values=data, indices=torch.stack([idx.long() for _, idx in gathered]),
+                         innovation=self._innovation_of(data, ctx))  # fmt: skip
+        return out.div_(ctx.world_size)
+
+    def _shared_topk(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        layout, leader = self._layout(ctx), self.leader_of(ctx)
+        if ctx.rank == leader:
+            blob = top_k_blob(tensor, layout, sort=True)
+        else:  # filled by the broadcast; the size depends only on the layout
+            blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
+        (shared,) = yield Broadcast((blob,), src=leader)
+        indices = torch.cat(decode_sparse(layout, shared))
+        values = tensor[indices]
+        if ctx.new_residual is not None:
+            ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0)
+        gathered = yield AllGather((values,))
+        total = gathered[0][0].to(ctx.dtype).clone()
+        for (vals,) in gathered[1:]:
+            total.add_(vals.to(ctx.dtype))
+        self._stage_data(ctx, values=torch.stack([vals.float() for (vals,) in gathered]))
+        return tensor.zero_().index_copy_(0, indices, total.div_(ctx.world_size))
+
+    def _ps_code(self, tensor: Tensor, ctx: BucketContext, model: LGCAutoencoder) -> Exchange:
+        layout, leader = self._layout(ctx), self.leader_of(ctx)
+        own = self._top(tensor, ctx, self._innovation_counts(ctx))
+        if ctx.rank == leader:
+            blob = top_k_blob(tensor, layout, sort=True)
+            code = self._ps_leader_code(model, tensor, torch.cat(decode_sparse(layout, blob)), ctx)
+        else:
+            blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
+            code = torch.zeros(self._code_numel(ctx) + len(ctx.layers), dtype=torch.float32, device=ctx.device)
+        gathered = yield AllGather((tensor[own], own.to(self._index_dtype(ctx))))
+        code, shared = yield Broadcast((code, blob), src=leader)
+        indices = torch.cat(decode_sparse(layout, shared))
+        parts = [
+            self._ps_contribution(model, j, code, indices, values, idx.long(), ctx)
+            for j, (values, idx) in enumerate(gathered)
+        ]
+        if ctx.new_residual is not None:
+            # what the aggregate used for this rank: its decoded values at the leader's indices, its innovation
+            # exactly at its own
+            decoded = parts[ctx.rank][0]
+            ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1).index_fill_(0, own, 0)
+        out = tensor.zero_()
+        for (decoded, correction), (_, idx) in zip(parts, gathered):
+            out.index_add_(0, indices, decoded).index_add_(0, idx.long(), correction)
+        return out.div_(ctx.world_size)
+
+    def _allreduce_code(self, tensor: Tensor, ctx: BucketContext, model: LGCAutoencoder) -> Exchange:
+        layout, leader = self._layout(ctx), self.leader_of(ctx)
+        if ctx.rank == leader:
+            blob = top_k_blob(tensor, layout, sort=True)
+            scales = self._scales(tensor[torch.cat(decode_sparse(layout, blob))].float(), ctx)
+        else:
+            blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
+            scales = torch.zeros(len(ctx.layers), dtype=torch.float32, device=ctx.device)
+        shared, scales = yield Broadcast((blob, scales), src=leader)
+        indices = torch.cat(decode_sparse(layout, shared))
+        z = self._encode(model, tensor[indices], scales, ctx)
+        (summed,) = yield AllReduce((z.div_(ctx.world_size),))
+        decoded = self._decode(model, 0, summed, scales, ctx)
+        if self._projects:
+            # the decoded average scaled, per layer, to its least-squares fit to the true average (clamped to
+            # [0, 1]): the update never moves further from the average than no update would, so error feedback stays
+            # contractive however poorly the autoencoder decodes
+            dots = self._dots(tensor[indices].float(), decoded, ctx).div_(ctx.world_size)
+            (dots,) = yield AllReduce((dots,))
+            decoded = self._projected(decoded, dots, ctx)
+        decoded = decoded.to(ctx.dtype)
+        if ctx.new_residual is not None:
+            # every rank's share of the aggregate is the aggregate: sum of updates + mean residual telescopes
+            ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1)
+        return tensor.zero_().index_copy_(0, indices, decoded)
+
+    @property
+    def _projects(self) -> bool:
+        return self.variant == "allreduce" and self.project is not False
+
+    def _dots(self, x: Tensor, decoded: Tensor, ctx: BucketContext) -> Tensor:
+        """Per layer ``<x, decoded>`` over the slots (float32)."""
+        if not ctx.layers:
+            return x.new_zeros(0)
+        return torch.stack([torch.dot(x[at : at + k], decoded[at : at + k]) for _, at, k in self._segments(ctx)])
+
+    def _projected(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> Tensor:
+        """``decoded`` scaled per layer by ``clamp(dots / |decoded|^2, 0, 1)`` (0 where it is all zeros)."""
+        out = []
+        for i, (_, at, k) in enumerate(self._segments(ctx)):
+            part = decoded[at : at + k]
+            norm = torch.dot(part, part)
+            alpha = torch.where(norm > 0, dots[i] / torch.where(norm > 0, norm, 1.0), 0.0).clamp(0.0, 1.0)
+            out.append(part * alpha)
+        return torch.cat(out) if out else decoded
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Bytes
+    # ------------------------------------------------------------------------------------------------------------
+    def bytes_per_step(self, ctx: BucketContext) -> int:
+        """Bytes this rank hands to the collectives for one bucket at ``ctx.step``, the non-finite flag included.
+
+        With ``k`` top-k slots, ``k_u`` innovation slots, ``c`` code numbers (:meth:`latent_numel` summed over
+        the layers), ``L`` layers (one scale each), ``B`` the leader's index blob (int32 or bitmap per layer, padded
+        to 8 bytes), ``b`` the value size (4 for fp32), ``d`` the tensor's elements and ``p(x) = 8 ceil(x / 8)``:
+
+        * stage 1: ``b d + b`` (the all-reduce, the flag in its dtype);
+        * stage 2 ``"ps"``: ``p(b k) + p(4 k) + 8`` (the all-gather of values and int32 indices, packed with the flag);
+        * stage 3 ``"ps"``: ``p(b k_u) + p(4 k_u) + 8``, plus ``p(4 (c + L)) + B`` on the leader;
+        * stage 2 ``"allreduce"``: ``p(b k) + 8``, plus ``B`` on the leader;
+        * stage 3 ``"allreduce"``: ``4 c + 4``, plus ``B + p(4 L)`` on the leader (its blob and scales), plus ``4 L``
+          with ``project`` (one dot product per layer).
+        """
+        stage, b = self.stage(ctx.step), torch.empty(0, dtype=ctx.dtype).element_size()
+        if stage == 1:
+            return b * ctx.numel + b
+        layout = self._layout(ctx)
+        k, blob = layout.slots, index_blob_nbytes(layout)
+        lead = ctx.rank == self.leader_of(ctx)
+        index = torch.empty(0, dtype=self._index_dtype(ctx)).element_size()
+        if self.variant == "ps":
+            if stage == 2:
+                return _pad8(b * k) + _pad8(index * k) + 8
+            k_u = sum(self._innovation_counts(ctx))
+            sent = _pad8(b * k_u) + _pad8(index * k_u) + 8
+            return sent + (_pad8(4 * (self._code_numel(ctx) + len(ctx.layers))) + blob if lead else 0)
+        if stage == 2:
+            return _pad8(b * k) + 8 + (blob if lead else 0)
+        projection = 4 * len(ctx.layers) if self._projects else 0
+        return 4 * self._code_numel(ctx) + 4 + projection + (blob + _pad8(4 * len(ctx.layers)) if lead else 0)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # State
+    # ------------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The autoencoder's weights and optimizer state (as of the last finite step) and the pending data."""
+        state = super().state_dict()
+        if self._committed is not None:
+            state["autoencoder"] = {k: v.detach().clone() for k, v in self._committed.items()}
+            state["decoders"] = self._decoders
+        if self._pending:
+            state["pending"] = {key: {k: v.clone() for k, v in e.items()} for key, e in self._pending.items()}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (tensors move to the gradient's device at the next step)."""
+        super().load_state_dict(state_dict)
+        self._reset_autoencoder()
+        if "autoencoder" in state_dict:
+            self._committed = {k: v.clone() for k, v in state_dict["autoencoder"].items()}
+            self._decoders = int(state_dict["decoders"])
+        self._pending = {key: {k: v.clone() for k, v in e.items()} for key, e in state_dict.get("pending", {}).items()}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the working copy is rebuilt from the committed weights on first use
+        return {**self.__dict__, "_model": None, "_prepared_step": None}
+
+
+def _hash_key(key: str) -> int:
+    """A stable integer for a pending-data key (Python's ``hash`` of a string differs between processes)."""
+    h = 0
+    for ch in key.encode():
+        h = (h * 131 + ch) & ((1 << 62) - 1)
+    return h

@@ -1,0 +1,297 @@
+"""LGC: its stages, error feedback against what the aggregate used, ranks agreeing, bytes, state, a real resume."""
+
+import copy
+import os
+import pickle
+
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.compressors import LGC
+from lightning_gradcomp.compressors.base import BucketContext, keep_count, layers_from_shapes
+from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
+from tests.models import TinyNet, fit
+
+LAYERS = layers_from_shapes([(40, 50), (8, 4, 3, 3), (30, 30)])
+NUMEL = sum(layer.numel for layer in LAYERS)
+
+
+def _lgc(variant, **kwargs):
+    options = {"ratio": 0.05, "dense_steps": 1, "training_steps": 3}
+    if variant == "ps":
+        options["innovation_ratio"] = 0.01
+    options.update(kwargs)
+    return LGC(variant=variant, **options)
+
+
+def _grads(n, seed, dtype=torch.float64):
+    """Correlated gradients: a common part plus each rank's own noise (what LGC's premise expects)."""
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randn(NUMEL, generator=g, dtype=dtype)
+    return [common + 0.3 * torch.randn(NUMEL, generator=g, dtype=dtype) for _ in range(n)]
+
+
+def _run(compressors, steps, residuals=None, seed=0):
+    """Steps ``steps`` of ``simulate_reduce``; returns every step's per-rank averages."""
+    n = len(compressors)
+    return [
+        simulate_reduce(compressors, _grads(n, seed + step), LAYERS, step=step, residuals=residuals) for step in steps
+    ]
+
+
+def test_stages_follow_the_step():
+    lgc = LGC(dense_steps=2, training_steps=3)
+    assert [lgc.stage(step) for step in range(7)] == [1, 1, 2, 2, 2, 3, 3]
+    assert LGC(dense_steps=0, training_steps=0).stage(0) == 3
+
+
+@pytest.mark.parametrize(
+    ("variant", "expected"),
+    [
+        ("ps", [["all_reduce"], ["all_gather"], ["all_gather", "broadcast"]]),
+        ("allreduce", [["all_reduce"], ["broadcast", "all_gather"], ["broadcast", "all_reduce", "all_reduce"]]),
+    ],
+)
+def test_each_stage_issues_its_collectives_and_no_more(variant, expected):
+    """Stage 1 dense, stage 2 top-k (the autoencoder trains on what was received: no extra collective), stage 3 the
+    code."""
+    compressors = [_lgc(variant) for _ in range(2)]
+    for step, kinds in zip(range(5), [expected[0], expected[1], expected[1], expected[1], expected[2]]):
+        world = SimulatedWorld(2)
+        futures = []
+        for rank, (c, g) in enumerate(zip(compressors, _grads(2, step))):
+            ctx = BucketContext(index=0, step=step, rank=rank, world_size=2, layers=LAYERS, dtype=g.dtype,
+                                comm=Comm(world.backend(rank), Telemetry(), g.device))  # fmt: skip
+            futures.append(c.reduce(g, ctx))
+        world.assert_quiescent()
+        outs = [f.wait() for f in futures]
+        assert torch.equal(outs[0], outs[1])
+        assert [kind[0] for rank, kind in world.issued if rank == 0] == kinds
+
+
+@pytest.mark.parametrize("variant", ["ps", "allreduce"])
+@pytest.mark.parametrize("leader", ["fixed", "rotating"])
+def test_every_rank_holds_the_same_aggregate_in_every_stage(variant, leader):
+    compressors = [_lgc(variant, leader=leader) for _ in range(3)]
+    residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(3)]
+    for outs in _run(compressors, range(7), residuals):
+        assert all(torch.equal(outs[0], out) for out in outs)
+        assert torch.isfinite(outs[0]).all()
+
+
+@pytest.mark.parametrize("variant", ["ps", "allreduce"])
+def test_error_feedback_subtracts_what_the_aggregate_used_for_this_rank(variant):
+    """Stage 3, per step: n * aggregate == sum_i (p_i - new residual_i), so every rank's residual is exactly what its
+    share of the aggregate left out. PS: a rank owes nothing at its innovation (sent exactly) and all of p_i off the
+    leader's indices and its innovation; all-reduce: every rank's share is the aggregate itself."""
+    n = 2
+    compressors = [_lgc(variant, dense_steps=0, training_steps=2) for _ in range(n)]
+    residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
+    _run(compressors, range(2), residuals)
+    for step in (2, 3):
+        grads = _grads(n, 50 + step)
+        p = [g + r for g, r in zip(grads, residuals)]
+        outs = simulate_reduce(compressors, grads, LAYERS, step=step, residuals=residuals)
+        shares = [pi - ri for pi, ri in zip(p, residuals)]
+        torch.testing.assert_close(outs[0] * n, shares[0] + shares[1], rtol=1e-12, atol=1e-12)
+        leader = 0 if variant == "ps" else step % n
+        chosen = torch.cat([
+            torch.topk(layer.flat(p[leader]).abs(), keep_count(layer.numel, 0.05)).indices + layer.offset
+            for layer in LAYERS
+        ])  # fmt: skip
+        off = torch.ones(NUMEL, dtype=torch.bool)
+        off[chosen] = False
+        if variant == "allreduce":
+            torch.testing.assert_close(shares[0], shares[1], rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(shares[0], outs[0], rtol=1e-12, atol=1e-12)
+        for rank in range(n):
+            owed_off = off.clone()
+            if variant == "ps":
+                own = torch.cat([
+                    torch.topk(layer.flat(p[rank]).abs(), keep_count(layer.numel, 0.01)).indices + layer.offset
+                    for layer in LAYERS
+                ])  # fmt: skip
+                assert torch.all(residuals[rank][own] == 0), "the innovation is sent exactly"
+                owed_off[own] = False
+            assert torch.equal(residuals[rank][owed_off], p[rank][owed_off]), "unsent entries are owed whole"
+            assert residuals[rank][chosen].abs().sum() > 0, "the decoded values are not exact"
+
+
+def _smooth_grads(n, seed):
+    """Gradients with structure a convolutional autoencoder can learn: a few random low-frequency waves, common to the
+    ranks, plus a little noise of each rank's own."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.arange(NUMEL, dtype=torch.float64)
+    a = torch.randn(3, generator=g, dtype=torch.float64)
+    common = sum(a[i] * torch.sin(t * (i + 1) * 0.01 + a[i]) for i in range(3))
+    return [common + 0.05 * torch.randn(NUMEL, generator=g, dtype=torch.float64) for _ in range(n)]
+
+
+@pytest.mark.parametrize("variant", ["ps", "allreduce"])
+def test_the_autoencoder_trains_in_stage_2_only_and_learns(variant):
+    """The committed weights change at every stage-2 step (from the step before's data) and never in stage 3, and the
+    trained autoencoder's loss on the last stage-2 data is below the initial autoencoder's."""
+    compressors = [_lgc(variant, dense_steps=0, training_steps=60, lr=1e-2) for _ in range(2)]
+    residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
+    snapshots = []
+    for step in range(63):
+        simulate_reduce(compressors, _smooth_grads(2, step), LAYERS, step=step, residuals=residuals)
+        snapshots.append(copy.deepcopy(compressors[0].state_dict()["autoencoder"]))
+        if step == 59:
+            lgc = compressors[0]
+            entries = list(lgc._pending.values())  # one per layer
+            with torch.no_grad():
+                untrained_model = lgc._build(lgc._decoders, torch.device("cpu"))
+                initial = sum(lgc._loss(untrained_model, entry, torch.Generator()) for entry in entries)
+                trained = sum(lgc._loss(lgc._model, entry, torch.Generator()) for entry in entries)
+
+    def same(a, b):
+        return all(torch.equal(a[k], b[k]) for k in a)
+
+    assert not any(same(snapshots[s], snapshots[s + 1]) for s in range(59)), "every stage-2 step trains"
+    # step 60 trains on step 59's data (the last of stage 2); then nothing
+    assert not same(snapshots[59], snapshots[60])
+    assert same(snapshots[60], snapshots[61])
+    assert same(snapshots[61], snapshots[62])
+    assert float(snapshots[-1]["step"]) == 60, "one optimizer step per stage-2 step"
+    assert trained < 0.8 * initial, (float(trained), float(initial))
+
+
+@pytest.mark.parametrize("variant", ["ps", "allreduce"])
+def test_state_dict_holds_the_autoencoder_its_optimizer_and_the_pending_data(variant):
+    """Saved in stage 2 (data waiting to be trained on) the restored compressors continue bitwise; dropping the
+    autoencoder state changes the result (the control)."""
+    original = [_lgc(variant, optimizer="sgd", momentum=0.9) for _ in range(2)]
+    _run(original, range(3))
+    state = [pickle.loads(pickle.dumps(c.state_dict())) for c in original]
+    assert any(key.startswith("m.encoder") for key in state[0]["autoencoder"])
+    assert state[0]["pending"], "the last step's values wait for the next step's training"
+    restored = [_lgc(variant, optimizer="sgd", momentum=0.9) for _ in range(2)]
+    for c, s in zip(restored, state):
+        c.load_state_dict(s)
+    dropped = [_lgc(variant, optimizer="sgd", momentum=0.9) for _ in range(2)]
+    for c, s in zip(dropped, state):
+        c.load_state_dict({k: v for k, v in s.items() if k not in ("autoencoder", "decoders")})
+    expected, got, control = (_run(cs, range(3, 6), seed=7) for cs in (original, restored, dropped))
+    for a, b in zip(expected, got):
+        assert torch.equal(a[0], b[0])
+    assert not torch.equal(expected[-1][0], control[-1][0])
+
+
+@pytest.mark.parametrize("variant", ["ps", "allreduce"])
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_telemetry_counts_the_documented_bytes_in_every_stage(variant, ranks):
+    compressors = [_lgc(variant, leader="rotating") for _ in range(ranks)]
+    for step in range(6):
+        telemetry = [Telemetry() for _ in range(ranks)]
+        for t in telemetry:
+            t.add_bucket(NUMEL * 4)
+        grads = _grads(ranks, step, torch.float32)
+        simulate_reduce(compressors, grads, LAYERS, step=step, telemetry=telemetry)
+        for rank, t in enumerate(telemetry):
+            ctx = BucketContext(index=0, step=step, rank=rank, world_size=ranks, layers=LAYERS)
+            assert t.pop_step().bytes_sent == compressors[rank].bytes_per_step(ctx), (step, rank)
+
+
+def test_the_code_is_about_a_quarter_of_the_values():
+    lgc = LGC()
+    k = 11_000
+    length = k
+    for _ in range(4):
+        length = (length - 3) // 2 + 1
+    assert lgc.latent_numel(k) == 4 * length
+    assert 0.24 < lgc.latent_numel(k) / k < 0.25
+    assert lgc.latent_numel(1) == 4, "short inputs are padded to the receptive field"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"ratio": 0}, "ratio"),
+        ({"ratio": 1.5}, "ratio"),
+        ({"innovation_ratio": 1e-3}, "innovation_ratio"),  # not below ratio (1e-3)
+        ({"innovation_ratio": 0.0}, "innovation_ratio"),
+        ({"variant": "allreduce", "innovation_ratio": 1e-5}, "innovation_ratio"),
+        ({"dense_steps": -1}, "dense_steps"),
+        ({"training_steps": 2.5}, "training_steps"),
+        ({"dense_steps": True}, "dense_steps"),
+        ({"variant": "ring"}, "variant"),
+        ({"leader": "random"}, "leader"),
+        ({"channels": ()}, "channels"),
+        ({"decoder_channels": (8, 0)}, "decoder_channels"),
+        ({"latent_channels": 0}, "latent_channels"),
+        ({"optimizer": "lbfgs"}, "optimizer"),
+        ({"momentum": 0.9}, "momentum"),  # Adam has none
+        ({"lr": 0}, "lr"),
+        ({"similarity_weight": -1}, "similarity_weight"),
+        ({"normalize": 1}, "normalize"),
+        ({"project": True}, "project"),  # the all-reduce variant's
+        ({"variant": "allreduce", "project": "yes"}, "project"),
+    ],
+)
+def test_bad_arguments_are_refused_with_the_argument_named(kwargs, match):
+    with pytest.raises(ValueError, match=f"`{match}`"):
+        LGC(**kwargs)
+
+
+def test_a_ps_autoencoder_refuses_another_number_of_ranks():
+    compressors = [_lgc("ps", dense_steps=0) for _ in range(2)]
+    _run(compressors, range(2))
+    state = compressors[0].state_dict()
+    three = [_lgc("ps", dense_steps=0) for _ in range(3)]
+    for c in three:
+        c.load_state_dict(state)
+    with pytest.raises(RuntimeError, match="one decoder per rank"):
+        simulate_reduce(three, _grads(3, 0), LAYERS, step=2)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Two real processes: all three stages, replicas identical, resume from stage 2 and stage 3 bitwise
+# ----------------------------------------------------------------------------------------------------------------
+# 64 samples, 8 per batch, 2 ranks: 4 steps per epoch; stage 1 is steps 0-1, stage 2 steps 2-5, stage 3 from step 6;
+# the checkpoints after epochs 1 and 2 (steps 4 and 8) are in stages 2 and 3. Tiny buckets: several per step.
+DATA = {"n": 64, "batch_size": 8}
+
+
+def _strategy(variant):
+    kwargs = {"innovation_ratio": 0.01} if variant == "ps" else {}
+    lgc = LGC(variant=variant, ratio=0.05, dense_steps=2, training_steps=4, **kwargs)
+    return CompressedDDP(lgc, min_compress_numel=64, bucket_cap_mb=0.01, start_method="spawn")
+
+
+def test_two_processes_cross_every_stage_identically_and_resume_bitwise(tmp_path):
+    """The parameter-server variant, checkpoints taken in stage 2 (pending data) and stage 3."""
+    variant = "ps"
+    ckpt_dir = str(tmp_path / "ckpt")
+    checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
+    _, _, straight = fit(_strategy(variant), str(tmp_path / "straight"), model=TinyNet(**DATA), max_steps=-1,
+                         max_epochs=3, enable_checkpointing=True, callbacks=[checkpoints])  # fmt: skip
+    assert torch.equal(straight[0]["params"], straight[1]["params"]), "replicas differ"
+    ratios = [step["stats"].compression_ratio for step in straight[0]["steps"]]
+    assert ratios[0] < 1.1, ratios  # dense
+    assert ratios[3] > 2, ratios  # top-k
+    assert ratios[-1] > ratios[3], ratios  # the code
+    for epoch, stage in ((0, 2), (1, 3)):
+        path = os.path.join(ckpt_dir, f"epoch={epoch}.ckpt")
+        saved = torch.load(path, weights_only=False)["gradcomp"]["ranks"]
+        assert saved[0]["step"] == 4 * (epoch + 1)
+        assert _strategy(variant).compressor.stage(saved[0]["step"]) == stage
+        assert "autoencoder" in saved[0]["compressor"]
+        _, _, resumed = fit(_strategy(variant), str(tmp_path / f"resumed{epoch}"), model=TinyNet(**DATA),
+                            max_steps=-1, max_epochs=3, ckpt_path=path)  # fmt: skip
+        for rank in range(2):
+            assert torch.equal(straight[rank]["params"], resumed[rank]["params"]), f"epoch {epoch}, rank {rank}"
+
+
+def test_two_processes_of_the_allreduce_variant_stay_identical(tmp_path):
+    """The all-reduce variant through every stage on real gloo processes (its resume: the contract suite's hook-state
+    test and test_state_dict_holds_the_autoencoder_its_optimizer_and_the_pending_data)."""
+    _, _, ranks = fit(_strategy("allreduce"), str(tmp_path), model=TinyNet(**DATA), max_steps=-1, max_epochs=3)
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"]), "replicas differ"
+    ratios = [step["stats"].compression_ratio for step in ranks[1]["steps"]]
+    assert ratios[0] < 1.1, ratios
+    assert ratios[-1] > ratios[3] > 2, ratios
