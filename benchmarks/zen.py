@@ -32,6 +32,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _netns import shaped_namespace
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.debugging_hooks import noop_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import CompressionState, compression_hook
@@ -41,10 +42,12 @@ from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 
 CONFIGS = {
+    "compute": None,  # DDP with torch's noop_hook: no communication, the compute floor
     "ddp": None,
     "zen-embedding": lambda: Zen(layers=["embedding.weight"]),
     "topk-allgather": lambda: TopK(ratio=0.01),
     "topk-zen": lambda: TopK(ratio=0.01, transport="zen"),
+    "topk-auto": lambda: TopK(ratio=0.01, transport="auto"),
 }
 VOCAB, DIM, SEQ, CLASSES = 20_000, 64, 35, 1000
 
@@ -146,7 +149,9 @@ def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Na
     model = EmbeddingModel()
     ddp = DDP(model)
     state = None
-    if CONFIGS[config] is not None:
+    if config == "compute":
+        ddp.register_comm_hook(None, noop_hook)
+    elif CONFIGS[config] is not None:
         state = CompressionState(CONFIGS[config]())
         state.attach(ddp)
         ddp.register_comm_hook(state, compression_hook)
@@ -166,7 +171,7 @@ def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Na
             if stats is not None:
                 sent.append(stats.bytes_sent)
                 received.append(stats.bytes_received)
-    dense = sum(p.numel() for p in model.parameters()) * 4
+    dense = 0 if config == "compute" else sum(p.numel() for p in model.parameters()) * 4
     result = {
         "config": config, "workers": world_size, "step_s": statistics.median(times), "step_s_all": times,
         "bytes_sent": statistics.mean(sent) if sent else dense,
@@ -220,8 +225,8 @@ def step_table(rows: list[dict], args: argparse.Namespace) -> str:
         f" on a shared 2-core machine, median of {args.steps} steps after {args.warmup} warm-up steps (slowest rank)",
         "",
         "| link | workers | configuration | step time (s) | vs plain DDP | vs TopK all-gather |"
-        " bytes sent per rank | bytes received (busiest rank) |",
-        "|---|---|---|---|---|---|---|---|",
+        " communication (s) | communication vs plain DDP | bytes sent per rank | bytes received (busiest rank) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["rate"], r["workers"], r["config"]): r for r in rows}
     for r in rows:
@@ -230,13 +235,21 @@ def step_table(rows: list[dict], args: argparse.Namespace) -> str:
         vs_ddp = f"{ddp['step_s'] / r['step_s']:.2f}x" if ddp else ""
         vs_ag = f"{ag['step_s'] / r['step_s']:.2f}x" if ag and r["config"].startswith("topk") else ""
         measured = "" if r["bytes_measured"] else " (analytical)"
+        compute = by.get((r["rate"], r["workers"], "compute"))
+        comm = comm_vs = ""
+        if compute and r["config"] != "compute":
+            comm_s = max(r["step_s"] - compute["step_s"], 1e-6)
+            comm = f"{comm_s:.3f}"
+            if ddp:
+                comm_vs = f"{max(ddp['step_s'] - compute['step_s'], 1e-6) / comm_s:.2f}x"
         lines.append(
-            f"| {r['rate']} | {r['workers']} | {r['config']} | {r['step_s']:.3f} | {vs_ddp} | {vs_ag} |"
-            f" {r['bytes_sent']:,.0f}{measured} | {r['bytes_received']:,.0f}{measured} |"
+            f"| {r['rate']} | {r['workers']} | {r['config']} | {r['step_s']:.3f} | {vs_ddp} | {vs_ag} | {comm} |"
+            f" {comm_vs} | {r['bytes_sent']:,.0f}{measured} | {r['bytes_received']:,.0f}{measured} |"
         )
     lines.append("")
-    lines.append("Speed-ups are step-time ratios (higher: faster than the reference). Plain DDP's bytes are the ring")
-    lines.append("all-reduce's analytical ones (it has no byte counter).")
+    lines.append("Speed-ups are step-time ratios (higher: faster than the reference). Communication is the step time")
+    lines.append("minus the `compute` configuration's (DDP with torch's noop_hook), i.e. what communication adds to a")
+    lines.append("step. Plain DDP's bytes are the ring all-reduce's analytical ones (it has no byte counter).")
     return "\n".join(lines)
 
 
@@ -244,6 +257,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("part", choices=["bytes", "step"])
     parser.add_argument("--out", default=None, help="write the rows (JSON) here")
+    parser.add_argument("--merge", nargs="*", default=[], help="earlier step rows (JSON) to tabulate with these")
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--rates", nargs="+", default=["100mbit", "1gbit"])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
@@ -258,6 +272,9 @@ def main() -> None:
         print(bytes_table(rows))
     else:
         rows = step_part(args)
+        for path in args.merge:
+            with open(path) as f:
+                rows = json.load(f) + rows
         if not args.inside_namespace:
             print(step_table(rows, args))
     if args.out:
