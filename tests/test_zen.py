@@ -48,6 +48,17 @@ def test_zen_sum_is_the_dense_sum_bitwise(n, encoding):
         assert torch.equal(out, expected)
 
 
+def test_a_rank_with_no_non_zeros_and_an_all_zero_bucket():
+    layers = layers_from_shapes([(10, 31)])
+    xs = _sparse_ints(3, 310, 12, seed=3)
+    xs[1].zero_()  # sends nothing, still owns and receives
+    outs = simulate_reduce([Zen(dense_threshold=1.0) for _ in range(3)], xs, layers)
+    assert all(torch.equal(out, sum(xs) / 3) for out in outs)
+    zeros = [torch.zeros(310) for _ in range(3)]
+    outs = simulate_reduce([Zen(dense_threshold=1.0) for _ in range(3)], zeros, layers)
+    assert all(torch.equal(out, zeros[0]) for out in outs)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_zen_sums_half_precision_in_float32(dtype):
     """Owners add in float32 and round once: 256 + 1 + ... (bf16 alone would lose the ones) comes out as a dense
