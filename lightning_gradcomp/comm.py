@@ -49,6 +49,15 @@ class CollectiveBackend(Protocol):
     def broadcast(self, tensor: Tensor, src: int, round: int) -> torch.futures.Future[Tensor]:
         """Broadcast ``tensor`` from rank ``src`` in place; the future resolves to ``tensor``."""
 
+    def all_to_all(
+        self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], round: int
+    ) -> torch.futures.Future[Tensor]:
+        """Send ``tensor``'s consecutive chunks of ``send_splits[d]`` elements to rank ``d`` (1-D tensors).
+
+        The future resolves to a 1-D tensor of ``sum(recv_splits)`` elements: the chunk every rank sent here, in rank
+        order. ``send_splits[d]`` on rank ``r`` must equal ``recv_splits[r]`` on rank ``d``.
+        """
+
 
 # torch 2.14 renamed all_gather_into_tensor to all_gather_single (the same collective; the old name warns there)
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -168,6 +177,16 @@ class TorchCollectives:
         work = dist.broadcast(tensor, src=global_src, group=group, async_op=True)
         return work.get_future().then(lambda fut: _value_then(fut, tensor))
 
+    def all_to_all(
+        self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], round: int
+    ) -> torch.futures.Future[Tensor]:
+        """Start an all-to-all with variable splits (``all_to_all_single``: gloo and NCCL) on round ``round``."""
+        out = torch.empty(sum(recv_splits), dtype=tensor.dtype, device=tensor.device)
+        work = dist.all_to_all_single(out, tensor, output_split_sizes=list(recv_splits),
+                                      input_split_sizes=list(send_splits), group=self._group(round),
+                                      async_op=True)  # fmt: skip
+        return work.get_future().then(lambda fut: _value_then(fut, out))
+
 
 def _value_then(fut: torch.futures.Future, result: Tensor) -> Tensor:
     fut.value()  # re-raises a failed collective instead of handing on stale memory
@@ -221,7 +240,9 @@ class Comm:
         the whole payload costs one collective. The future resolves to the reduced tensors, shaped as given.
         """
         payload = tuple(payload)
-        self.telemetry.add_sent(sum(t.numel() * t.element_size() for t in payload))
+        nbytes = sum(t.numel() * t.element_size() for t in payload)
+        self.telemetry.add_sent(nbytes)
+        self.telemetry.add_received(2 * (self.world_size - 1) * nbytes // self.world_size)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(payload):
             by_dtype.setdefault(t.dtype, []).append(i)
@@ -257,9 +278,11 @@ class Comm:
         if len(payload) == 1:
             (single,) = payload
             self.telemetry.add_sent(single.numel() * single.element_size())
+            self.telemetry.add_received((self.world_size - 1) * single.numel() * single.element_size())
             return self.backend.all_gather(single, round).then(lambda fut: [(row,) for row in fut.value()])
         buffer, layout = _pack_bytes(payload)
         self.telemetry.add_sent(buffer.numel())
+        self.telemetry.add_received((self.world_size - 1) * buffer.numel())
         return self.backend.all_gather(buffer, round).then(
             lambda fut: [_unpack_bytes(row, layout) for row in fut.value()]
         )
@@ -270,7 +293,58 @@ class Comm:
         buffer, layout = _pack_bytes(payload)
         if self.rank == src:
             self.telemetry.add_sent(buffer.numel())
+        else:
+            self.telemetry.add_received(buffer.numel())
         return self.backend.broadcast(buffer, src, round).then(lambda fut: _unpack_bytes(fut.value(), layout))
+
+    def all_to_all(
+        self, payload: Sequence[Tensor], send_counts: Sequence[int], recv_counts: Sequence[int], round: int = 0
+    ) -> torch.futures.Future[list[Payload]]:
+        """Send rows ``[sum(send_counts[:d]), sum(send_counts[:d + 1]))`` of every tensor of ``payload`` to rank ``d``.
+
+        ``payload`` holds 1-D tensors of ``sum(send_counts)`` elements each (an index and a value per row, say); every
+        row travels as its bytes, the tensors' bytes side by side, in one ``all_to_all_single``. ``recv_counts[s]`` is
+        the number of rows rank ``s`` sends here; the future resolves to one payload per source rank, in rank order.
+        The bytes counted as sent (received) are those of the rows sent to (received from) the other ranks.
+        """
+        payload = tuple(payload)
+        rows, row_bytes = _pack_rows(payload)
+        if rows.shape[0] != sum(send_counts):
+            raise ValueError(f"all_to_all: the payload has {rows.shape[0]} rows, the send counts {sum(send_counts)}.")
+        me = self.rank
+        self.telemetry.add_sent((sum(send_counts) - send_counts[me]) * row_bytes)
+        self.telemetry.add_received((sum(recv_counts) - recv_counts[me]) * row_bytes)
+        recv_counts = list(recv_counts)
+        future = self.backend.all_to_all(
+            rows.reshape(-1), [c * row_bytes for c in send_counts], [c * row_bytes for c in recv_counts], round
+        )
+        return future.then(lambda fut: _unpack_rows_per_rank(fut.value(), recv_counts, row_bytes, payload))
+
+    def all_gather_v(
+        self, payload: Sequence[Tensor], counts: Sequence[int], round: int = 0
+    ) -> torch.futures.Future[list[Payload]]:
+        """Gather every rank's rows; rank ``r`` holds ``counts[r]`` of them, and every rank knows every count.
+
+        Rows are 1-D tensors of one length, as in :meth:`all_to_all`. One all-gather of the rows' bytes padded to the
+        largest count (the padding moves, so it is counted as sent), trimmed on arrival. The future resolves to one
+        payload per rank, in rank order.
+        """
+        payload = tuple(payload)
+        rows, row_bytes = _pack_rows(payload)
+        counts = list(counts)
+        if rows.shape[0] != counts[self.rank]:
+            raise ValueError(f"all_gather_v: this rank has {rows.shape[0]} rows, its count says {counts[self.rank]}.")
+        width = max(counts) * row_bytes if counts else 0
+        buffer = torch.zeros(width, dtype=torch.uint8, device=rows.device)
+        buffer[: rows.numel()].copy_(rows.reshape(-1))
+        self.telemetry.add_sent(width)
+        self.telemetry.add_received((self.world_size - 1) * width)
+
+        def unpack(fut: torch.futures.Future[Tensor]) -> list[Payload]:
+            gathered = fut.value()
+            return [_unpack_rows(gathered[r, : c * row_bytes], c, row_bytes, payload) for r, c in enumerate(counts)]
+
+        return self.backend.all_gather(buffer, round).then(unpack)
 
     # ------------------------------------------------------------------------------------------------------------
     # Ordered multi-round chains
@@ -358,6 +432,35 @@ def _split_like(buffer: Tensor, positions: list[int], parts: list[Tensor]) -> li
         pieces.append((i, buffer[offset : offset + n].view(part.shape)))
         offset += n
     return pieces
+
+
+def _pack_rows(payload: Payload) -> tuple[Tensor, int]:
+    """The rows of 1-D tensors of one length as a ``(rows, row_bytes)`` uint8 matrix: each row's bytes side by side."""
+    if not payload or any(t.dim() != 1 or t.numel() != payload[0].numel() for t in payload):
+        raise ValueError("Row payloads are non-empty tuples of 1-D tensors of one length.")
+    n = payload[0].numel()
+    columns = [t.contiguous().view(torch.uint8).view(n, t.element_size()) for t in payload]
+    rows = columns[0] if len(columns) == 1 else torch.cat(columns, dim=1)
+    return rows, rows.shape[1]
+
+
+def _unpack_rows(buffer: Tensor, count: int, row_bytes: int, like: Payload) -> Payload:
+    """The tensors of ``count`` rows packed by :func:`_pack_rows` (shaped and typed like ``like``'s tensors)."""
+    rows = buffer.view(count, row_bytes)
+    out, at = [], 0
+    for t in like:
+        width = t.element_size()
+        out.append(rows[:, at : at + width].contiguous().view(t.dtype).view(count))
+        at += width
+    return tuple(out)
+
+
+def _unpack_rows_per_rank(buffer: Tensor, counts: list[int], row_bytes: int, like: Payload) -> list[Payload]:
+    out, at = [], 0
+    for count in counts:
+        out.append(_unpack_rows(buffer[at : at + count * row_bytes], count, row_bytes, like))
+        at += count * row_bytes
+    return out
 
 
 _Layout = list[tuple[int, int, torch.dtype, torch.Size]]

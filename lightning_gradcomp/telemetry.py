@@ -31,6 +31,9 @@ class StepStats:
         finite: whether the step's gradients were finite on every rank; a non-finite step leaves every compressor
             state as it was (its aggregate is non-finite on every rank, for the optimizer's or AMP's skip).
         bytes_guard: the part of ``bytes_sent`` that carried the non-finite flags (and the padding they add).
+        bytes_received: bytes of other ranks' payloads this rank received: ``(n - 1)`` times the buffer of an
+            all-gather, what the other ranks' splits of an all-to-all hold, the buffer of a broadcast on every rank but
+            its source, and ``2 (n - 1) / n`` times the buffer of an all-reduce (what a ring all-reduce receives).
     """
 
     bytes_sent: int
@@ -40,6 +43,7 @@ class StepStats:
     buckets: int
     finite: bool = True
     bytes_guard: int = 0
+    bytes_received: int = 0
 
     @property
     def compression_ratio(self) -> float:
@@ -58,6 +62,7 @@ class Telemetry:
         self._lock = threading.Lock()
         self._reset_step()
         self.total_bytes_sent = 0
+        self.total_bytes_received = 0
         self.total_bytes_dense = 0
         self.total_steps = 0
         self.total_encode_ms = 0.0
@@ -67,6 +72,7 @@ class Telemetry:
 
     def _reset_step(self) -> None:
         self._sent = 0
+        self._received = 0
         self._dense = 0
         self._seconds = {"encode": 0.0, "decode": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
@@ -89,6 +95,11 @@ class Telemetry:
         """Count ``nbytes`` handed to a collective."""
         with self._lock:
             self._sent += nbytes
+
+    def add_received(self, nbytes: int) -> None:
+        """Count ``nbytes`` of other ranks' payloads received by this rank."""
+        with self._lock:
+            self._received += nbytes
 
     def add_bucket(self, dense_nbytes: int) -> None:
         """Count one bucket reduction whose plain all-reduce would have moved ``dense_nbytes``."""
@@ -130,9 +141,11 @@ class Telemetry:
                 buckets=self._buckets,
                 finite=all(bool(ok) for ok in self._verdicts),  # read when logging, never on the hook path
                 bytes_guard=self._guard,
+                bytes_received=self._received,
             )
             self.total_nonfinite_steps += not stats.finite
             self.total_bytes_sent += stats.bytes_sent
+            self.total_bytes_received += stats.bytes_received
             self.total_bytes_dense += stats.bytes_dense
             self.total_steps += 1
             self.total_encode_ms += stats.encode_ms

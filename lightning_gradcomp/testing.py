@@ -38,6 +38,7 @@ from lightning_gradcomp.compressors import (
     SignSGD,
     TernGrad,
     TopK,
+    Zen,
 )
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.hook import CompressionState
@@ -112,6 +113,13 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
         project=False,
     ),  # fmt: skip
     "lgc-allreduce-stage3": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=0),
+    "zen": lambda: Zen(),
+    "zen-always": lambda: Zen(dense_threshold=1.0),
+    "zen-bitmap": lambda: Zen(dense_threshold=1.0, index_encoding="bitmap"),
+    "topk-zen": lambda: TopK(ratio=0.01, transport="zen"),
+    "topk-auto": lambda: TopK(ratio=0.1, transport="auto"),
+    "dgc-zen": lambda: DGC(ratio=0.01, transport="zen"),
+    "adacomp-auto": lambda: AdaComp(transport="auto"),
 }
 
 
@@ -128,6 +136,7 @@ class _Pending:
     futures: list[torch.futures.Future | None]
     issued: int = 0
     src: int = 0
+    splits: list[tuple[list[int], list[int]] | None] | None = None  # all-to-all: each rank's (send, receive) splits
 
 
 class SimulatedWorld:
@@ -143,13 +152,27 @@ class SimulatedWorld:
         """The collectives as seen by ``rank``."""
         return _SimulatedBackend(self, rank)
 
-    def _issue(self, rank: int, round: int, kind: tuple, tensor: Tensor, src: int = 0) -> torch.futures.Future:
+    def _issue(
+        self,
+        rank: int,
+        round: int,
+        kind: tuple,
+        tensor: Tensor,
+        src: int = 0,
+        splits: tuple[list[int], list[int]] | None = None,
+    ) -> torch.futures.Future:
         seq = self._next.get((rank, round), 0)
         self._next[(rank, round)] = seq + 1
         self.issued.append((rank, kind))
         key = (round, seq)
-        signature = (*kind, tuple(tensor.shape), tensor.dtype)
+        # an all-to-all's sizes differ between ranks by design; its splits are checked against each other instead
+        shape = None if splits is not None else tuple(tensor.shape)
+        signature = (*kind, shape, tensor.dtype)
         entry = self._pending.setdefault(key, _Pending(signature, [None] * self.world_size, [None] * self.world_size))
+        if splits is not None:
+            if entry.splits is None:
+                entry.splits = [None] * self.world_size
+            entry.splits[rank] = splits
         if entry.signature != signature:
             raise RuntimeError(
                 f"Collective mismatch on round {round}, position {seq}: rank {rank} issued {signature}, another rank"
@@ -178,6 +201,8 @@ class SimulatedWorld:
         elif op == "all_gather":
             stacked = torch.stack(parts)
             values = [stacked.clone() for _ in parts]
+        elif op == "all_to_all":
+            values = self._all_to_all(parts, entry.splits)
         else:  # broadcast
             for part in parts:
                 part.copy_(parts[entry.src])
@@ -186,6 +211,19 @@ class SimulatedWorld:
         for future, value in zip(entry.futures, values):
             assert future is not None
             future.set_result(value)
+
+    def _all_to_all(self, parts: list[Tensor], splits: list | None) -> list[Tensor]:
+        assert splits is not None
+        n = self.world_size
+        for s in range(n):
+            for d in range(n):
+                if splits[s][0][d] != splits[d][1][s]:
+                    raise RuntimeError(
+                        f"all_to_all split mismatch: rank {s} sends {splits[s][0][d]} elements to rank {d}, which"
+                        f" expects {splits[d][1][s]}."
+                    )
+        chunks = [list(torch.split(part, list(splits[s][0]))) for s, part in enumerate(parts)]
+        return [torch.cat([chunks[s][d] for s in range(n)]).clone() for d in range(n)]
 
     def assert_quiescent(self) -> None:
         """Raise if some collective was issued by only part of the ranks (a hang in a real job)."""
@@ -207,6 +245,14 @@ class _SimulatedBackend:
 
     def broadcast(self, tensor: Tensor, src: int, round: int) -> torch.futures.Future[Tensor]:
         return self.world._issue(self.rank, round, ("broadcast", src), tensor, src=src)
+
+    def all_to_all(
+        self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], round: int
+    ) -> torch.futures.Future[Tensor]:
+        if sum(send_splits) != tensor.numel():
+            raise RuntimeError(f"all_to_all: the input has {tensor.numel()} elements, the splits {sum(send_splits)}.")
+        splits = (list(send_splits), list(recv_splits))
+        return self.world._issue(self.rank, round, ("all_to_all",), tensor, splits=splits)
 
 
 def simulate_reduce(

@@ -73,7 +73,10 @@ NO_TELESCOPING = {
     "dgc": "momentum correction accumulates u, not g: tests/test_dgc.py checks sum sent + v == sum u",
     "dgc-bitmap": "momentum correction accumulates u, not g: tests/test_dgc.py",
     "dgc-warmup-nesterov-clip": "momentum correction accumulates u, not g: tests/test_dgc.py",
+    "dgc-zen": "momentum correction accumulates u, not g: tests/test_dgc.py",
 }
+# lossless on what they send: nothing is owed
+LOSSLESS = {"identity", "topk-all", "masked", "masked-pruned", "zen", "zen-always", "zen-bitmap"}
 # the majority vote is not an average of compressed gradients: error feedback is refused
 REFUSES_ERROR_FEEDBACK = {"signsgd", "signum"}
 
@@ -253,7 +256,7 @@ def test_error_feedback_telescopes(case):
         (applied + owed)[kept], computed[kept], **EF_TOLERANCE.get(name, {"rtol": 1e-10, "atol": 1e-10})
     )
     # lossless on what they send (LGC's defaults: still in the dense stage)
-    if name not in ("identity", "topk-all", "masked", "masked-pruned", "lgc", "lgc-allreduce"):
+    if name not in LOSSLESS | {"lgc", "lgc-allreduce"}:
         assert owed.abs().sum() > 0, "a lossy compressor must leave something owed"
 
 
@@ -329,6 +332,11 @@ class _RecordingBackend:
     def broadcast(self, tensor, src, round):
         self.handed += tensor.numel() * tensor.element_size() if src == self.rank else 0
         return self.backend.broadcast(tensor, src, round)
+
+    def all_to_all(self, tensor, send_splits, recv_splits, round):
+        # what leaves this rank: the chunk it keeps for itself does not move
+        self.handed += (sum(send_splits) - send_splits[self.rank]) * tensor.element_size()
+        return self.backend.all_to_all(tensor, send_splits, recv_splits, round)
 
 
 def _bytes_counted_and_handed(compressor, xs, layers):

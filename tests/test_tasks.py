@@ -3,6 +3,7 @@
 import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
 
 from lightning_gradcomp.tasks import (
     CIFAR10DataModule,
@@ -61,6 +62,18 @@ def test_text_defaults_to_pythons_own_sources_and_predicts_the_next_byte():
     assert int(x.max()) < 256
     model = LSTMLanguageModel(hidden=32, num_layers=1, dropout=0.0)
     assert model(x[:2]).shape == (2, 16, 256)
+
+
+def test_word_tokens_and_an_untied_model_give_a_row_sparse_embedding_gradient():
+    data = TextDataModule(max_bytes=50_000, seq_len=16, tokens="words", vocab_size=500)
+    data.setup()
+    x, y = data.train_set.tensors
+    assert torch.equal(x[0, 1:], y[0, :-1])
+    assert int(x.max()) < 500
+    model = LSTMLanguageModel(vocab_size=500, hidden=16, num_layers=1, dropout=0.0, tie_weights=False)
+    nn.functional.cross_entropy(model(x[:2]).flatten(0, 1), y[:2].flatten()).backward()
+    touched = model.embedding.weight.grad.abs().sum(1) > 0
+    assert torch.equal(touched.nonzero().squeeze(1), torch.unique(x[:2]))
 
 
 def test_classifier_refuses_an_unknown_architecture():

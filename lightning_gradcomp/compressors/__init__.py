@@ -12,6 +12,7 @@ from lightning_gradcomp.compressors.quantize import QSGD, TernGrad
 from lightning_gradcomp.compressors.scalecom import ScaleCom
 from lightning_gradcomp.compressors.sign import EFSignSGD, OneBit, SignSGD
 from lightning_gradcomp.compressors.sparsify import RandomK, TopK
+from lightning_gradcomp.compressors.zen import Zen
 
 __all__ = [
     "BF16",
@@ -35,4 +36,5 @@ __all__ = [
     "SignSGD",
     "TernGrad",
     "TopK",
+    "Zen",
 ]

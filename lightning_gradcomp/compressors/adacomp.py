@@ -12,7 +12,8 @@ from lightning_gradcomp.compressors.base import BucketContext, Collective, Compr
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
-from lightning_gradcomp.validation import check_positive_int
+from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
+from lightning_gradcomp.validation import check_choice, check_positive_int
 
 _WIRE = torch.float32
 
@@ -66,26 +67,34 @@ class AdaComp(Compressor):
     Args:
         bin_size_conv: bin length for convolution weights (>= 3-D).
         bin_size_fc: bin length for fully-connected and recurrent weights (2-D).
+        transport: how the selected ``sign * scale`` values are summed: ``"allgather"`` (above), ``"zen"`` or
+            ``"auto"`` (see :class:`~lightning_gradcomp.compressors.TopK` and docs/zen.md; Zen exchanges its own
+            counts, so its four rounds replace these two). The selection and the residue are the same.
 
     Raises:
-        ValueError: If a bin length is not a positive integer.
+        ValueError: If a bin length is not a positive integer or ``transport`` is unknown.
 
     Example::
 
         >>> from lightning_gradcomp.compressors import AdaComp
         >>> AdaComp()
-        AdaComp(bin_size_conv=50, bin_size_fc=500)
+        AdaComp(bin_size_conv=50, bin_size_fc=500, transport='allgather')
     """
 
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = False
-    rounds: ClassVar[int] = 2
     exchanges_sizes: ClassVar[bool] = True  # payload sizes depend on the data; exchanged in round 0
 
-    def __init__(self, bin_size_conv: int = 50, bin_size_fc: int = 500) -> None:
+    def __init__(self, bin_size_conv: int = 50, bin_size_fc: int = 500, transport: str = "allgather") -> None:
         super().__init__()
         self.bin_size_conv = check_positive_int(bin_size_conv, "bin_size_conv")
         self.bin_size_fc = check_positive_int(bin_size_fc, "bin_size_fc")
+        self.transport = check_choice(transport, "transport", TRANSPORTS)
+
+    @property
+    def rounds(self) -> int:  # type: ignore[override]
+        """Two over the all-gather (sizes, payloads); Zen's four otherwise."""
+        return transport_rounds(self.transport, 2)
 
     def bin_size(self, layer: Layer) -> int:
         """The bin length of ``layer``: convolutions (>= 3-D) vs fully-connected and recurrent weights."""
@@ -187,6 +196,11 @@ class AdaComp(Compressor):
         selections = self.select(residue_plus_grad, soft, ctx)
         if ctx.new_residual is not None:
             self._residual(ctx.new_residual, residue_plus_grad, selections, ctx)
+        if self.transport != "allgather":
+            indices = torch.cat([s.indices + layer.offset for layer, s in zip(ctx.layers, selections)])
+            values = torch.cat([torch.where(s.positive, s.scale, -s.scale) for s in selections]).to(tensor.dtype)
+            summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, tensor)
+            return summed.div_(ctx.world_size)
         counts = torch.tensor([s.indices.numel() for s in selections], dtype=torch.int32, device=ctx.device)
         gathered_counts = yield AllGather((counts,))
         # the one host synchronisation: payload shapes (the largest count per layer) must be known here

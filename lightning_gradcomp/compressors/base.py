@@ -21,7 +21,9 @@ from torch import Tensor
 from lightning_gradcomp.comm import Payload
 from lightning_gradcomp.compressors.exchange import (
     AllGather,
+    AllGatherV,
     AllReduce,
+    AllToAll,
     Broadcast,
     Exchange,
     Request,
@@ -518,9 +520,13 @@ class _Run:
             return comm.all_gather(payload, round=round)
         if isinstance(request, Broadcast):
             return comm.broadcast(payload, src=request.src, round=round)
+        if isinstance(request, AllToAll):
+            return comm.all_to_all(payload, request.send_counts, request.recv_counts, round=round)
+        if isinstance(request, AllGatherV):
+            return comm.all_gather_v(payload, request.counts, round=round)
         raise TypeError(
-            f"{type(self.compressor).__name__}.exchange yielded {request!r}; it must yield AllReduce, AllGather or"
-            " Broadcast requests (lightning_gradcomp.compressors.exchange)."
+            f"{type(self.compressor).__name__}.exchange yielded {request!r}; it must yield AllReduce, AllGather,"
+            " Broadcast, AllToAll or AllGatherV requests (lightning_gradcomp.compressors.exchange)."
         )
 
     def _flag_like(self, payload: Payload, request: Request) -> Tensor:

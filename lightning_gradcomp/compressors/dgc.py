@@ -12,7 +12,15 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
-from lightning_gradcomp.validation import check_bool, check_int, check_momentum, check_number, check_ratio
+from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
+from lightning_gradcomp.validation import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_momentum,
+    check_number,
+    check_ratio,
+)
 
 # the reference code's threshold adaptation (synxlin/deep-gradient-compression, dgc/compression.py)
 _UPPER_BOUND = 1.3  # more than 1.3 k candidates: exact top-k among them
@@ -104,6 +112,8 @@ class DGC(Compressor):
             ``clip_norm / sqrt(world_size)`` before accumulation.
         warmup_steps: steps per warm-up stage (0: no warm-up).
         warmup_ratios: the keep-ratios of the warm-up stages, each in (0, 1].
+        transport: how the selected pairs are summed: ``"allgather"`` (the paper's), ``"zen"`` or ``"auto"`` (see
+            :class:`~lightning_gradcomp.compressors.TopK` and docs/zen.md); the selection and the masking are the same.
 
     Raises:
         ValueError: If an argument is out of range.
@@ -112,7 +122,7 @@ class DGC(Compressor):
 
         >>> from lightning_gradcomp.compressors import DGC
         >>> DGC(ratio=0.001, warmup_steps=100)  # doctest: +ELLIPSIS
-        DGC(ratio=0.001, momentum=0.9, ..., warmup_steps=100, warmup_ratios=(0.25, 0.0625, 0.015625, 0.004))
+        DGC(ratio=0.001, momentum=0.9, ..., warmup_ratios=(0.25, 0.0625, 0.015625, 0.004), transport='allgather')
     """
 
     collective: ClassVar[Collective] = "allgather"
@@ -131,6 +141,7 @@ class DGC(Compressor):
         clip_norm: float | None = None,
         warmup_steps: int = 0,
         warmup_ratios: Sequence[float] = WARMUP_RATIOS,
+        transport: str = "allgather",
     ) -> None:
         super().__init__()
         self.ratio = check_ratio(ratio)
@@ -146,8 +157,19 @@ class DGC(Compressor):
         if isinstance(warmup_ratios, str) or not isinstance(warmup_ratios, Sequence) or not warmup_ratios:
             raise ValueError(f"Expected `warmup_ratios` to be a non-empty sequence of ratios, got {warmup_ratios!r}.")
         self.warmup_ratios = tuple(check_ratio(r, "warmup_ratios") for r in warmup_ratios)
+        self.transport = check_choice(transport, "transport", TRANSPORTS)
         self._momenta = self.layer_state("momentum")  # u, per layer (checkpointed)
         self._next_momenta = LayerBuffers()  # this step's u, staged until the step is known finite
+
+    @property
+    def rounds(self) -> int:  # type: ignore[override]
+        """One over the all-gather; Zen's four otherwise."""
+        return transport_rounds(self.transport, 1)
+
+    @property
+    def exchanges_sizes(self) -> bool:  # type: ignore[override]
+        """Over Zen, sizes depend on the data and are exchanged first."""
+        return self.transport != "allgather"
 
     # ------------------------------------------------------------------------------------------------------------
     # Which layers, how sparse
@@ -273,6 +295,10 @@ class DGC(Compressor):
                 layer.flat(ctx.new_residual).index_fill_(0, idx, 0)  # v is cleared where it was sent
             if self.momentum_masking and self.momentum:
                 self._next_momenta[layer.name].index_fill_(0, idx, 0)
+        if self.transport != "allgather":
+            indices = torch.cat([idx + layer.offset for layer, idx in zip(ctx.layers, picked)])
+            summed = yield from sparse_transport_sum(self, self.transport, indices, tensor[indices], ctx, tensor)
+            return summed.div_(ctx.world_size)
         gathered = yield AllGather(payload)
         out = tensor.zero_()
         for blob, values in gathered:

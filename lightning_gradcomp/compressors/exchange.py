@@ -1,7 +1,8 @@
 """How a compressor's rounds of communication run: the requests it yields, and the driver that issues them.
 
 A compressor describes its reduction as a generator (:meth:`Compressor.exchange`) that *yields* the collectives it
-needs (:class:`AllReduce`, :class:`AllGather`, :class:`Broadcast`) and receives their results::
+needs (:class:`AllReduce`, :class:`AllGather`, :class:`Broadcast`, and for payloads whose sizes depend on the data
+:class:`AllToAll` and :class:`AllGatherV`) and receives their results::
 
     def exchange(self, tensor, ctx):
         summed = yield AllReduce((self.project(tensor),))   # round 0
@@ -35,7 +36,17 @@ from torch import Tensor
 
 from lightning_gradcomp.comm import Payload, ReduceOpName
 
-__all__ = ["AllGather", "AllReduce", "Broadcast", "Exchange", "Request", "StepUpdates", "nonfinite_flag"]
+__all__ = [
+    "AllGather",
+    "AllGatherV",
+    "AllReduce",
+    "AllToAll",
+    "Broadcast",
+    "Exchange",
+    "Request",
+    "StepUpdates",
+    "nonfinite_flag",
+]
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,33 @@ class Broadcast:
     src: int
 
 
-Request = Union[AllReduce, AllGather, Broadcast]  # noqa: UP007 (a runtime alias, also on Python 3.10)
+@dataclass(frozen=True)
+class AllToAll:
+    """Send rows of ``payload`` to every rank: ``send_counts[d]`` consecutive rows to rank ``d`` (variable splits).
+
+    ``payload`` holds 1-D tensors of ``sum(send_counts)`` elements (row ``i`` is element ``i`` of each);
+    ``recv_counts[s]`` is the number of rows rank ``s`` sends to this rank, so the sizes must have been exchanged in
+    an earlier round. The reduction receives one payload per source rank, in rank order.
+    """
+
+    payload: Payload
+    send_counts: tuple[int, ...]
+    recv_counts: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class AllGatherV:
+    """Gather every rank's rows: rank ``r`` sends ``counts[r]`` rows (1-D tensors of that length).
+
+    Every rank must know every count (exchanged in an earlier round, or fixed by the layout). The reduction receives
+    one payload per rank, in rank order.
+    """
+
+    payload: Payload
+    counts: tuple[int, ...]
+
+
+Request = Union[AllReduce, AllGather, Broadcast, AllToAll, AllGatherV]  # noqa: UP007 (a runtime alias, also on Python 3.10)
 #: What :meth:`Compressor.exchange` returns: yields requests, receives their results, returns the flat average.
 Exchange = Generator[Request, Any, Tensor]
 

@@ -15,7 +15,9 @@ from lightning_gradcomp.compressors.base import (
     Payload,
     keep_count,
 )
-from lightning_gradcomp.validation import check_bool, check_ratio
+from lightning_gradcomp.compressors.exchange import Exchange
+from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
+from lightning_gradcomp.validation import check_bool, check_choice, check_ratio
 
 
 def _zeros(ctx: BucketContext, out: Tensor | None) -> Tensor:
@@ -63,30 +65,57 @@ class TopK(Compressor):
     between ranks, so payloads are all-gathered and each rank sums them in rank order. A payload costs
     ``k * (4 + 4)`` bytes for fp32 gradients.
 
+    With ``transport="zen"`` the pairs are summed by Zen instead (:mod:`lightning_gradcomp.compressors.transport`):
+    each rank receives about its ``1 / n`` share of the pairs and the sum, not every rank's pairs, which pays when the
+    ranks' top-k supports overlap. ``"auto"`` picks per bucket the path that receives the fewest bytes (dense
+    all-reduce, all-gather of pairs or Zen; docs/zen.md). What is selected, and so the error feedback, is the same.
+
     Args:
         ratio: fraction of each layer's entries sent, in (0, 1].
+        transport: ``"allgather"`` (every rank's pairs to every rank), ``"zen"`` or ``"auto"``.
 
     Raises:
-        ValueError: If ``ratio`` is not in (0, 1].
+        ValueError: If ``ratio`` is not in (0, 1] or ``transport`` is unknown.
 
     Example::
 
         >>> from lightning_gradcomp.compressors import TopK
         >>> TopK(ratio=0.01)
-        TopK(ratio=0.01)
+        TopK(ratio=0.01, transport='allgather')
     """
 
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = False
     level_attribute: ClassVar[str] = "ratio"
 
-    def __init__(self, ratio: float = 0.01) -> None:
+    def __init__(self, ratio: float = 0.01, transport: str = "allgather") -> None:
         super().__init__()
         self.ratio = check_ratio(ratio)
+        self.transport = check_choice(transport, "transport", TRANSPORTS)
+
+    @property
+    def rounds(self) -> int:  # type: ignore[override]
+        """One over the all-gather; Zen's four otherwise."""
+        return transport_rounds(self.transport, 1)
+
+    @property
+    def exchanges_sizes(self) -> bool:  # type: ignore[override]
+        """Over Zen, sizes depend on the data and are exchanged first."""
+        return self.transport != "allgather"
 
     def check_level(self, value: Any) -> float:
         """A keep-ratio in (0, 1]."""
         return check_ratio(value)
+
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        """The all-gather of :class:`Compressor`, or the same pairs summed over ``transport``."""
+        if self.transport == "allgather":
+            return (yield from super().exchange(tensor, ctx))
+        values, indices = payload = self.compress(tensor, ctx)
+        if ctx.new_residual is not None:
+            self.update_residual(ctx.new_residual, tensor, payload, ctx)
+        summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, tensor)
+        return summed.div_(ctx.world_size)
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Values and flat indices of each layer's top-k."""

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import sysconfig
+from collections import Counter
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -15,23 +17,30 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp.optim import FusedAdaLomo, FusedSGD, NovoGrad
 from lightning_gradcomp.tasks.classification import _check_milestones
-from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number, check_positive_int
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "novograd": NovoGrad, "fused_sgd": FusedSGD, "fused_adalomo": FusedAdaLomo}
+_WORD = re.compile(rb"\w+|[^\w\s]")  # words and single punctuation marks, on bytes
 
 
 class TextDataModule(pl.LightningDataModule):
-    """Text as bytes, cut into sequences for next-byte prediction.
+    """Text as bytes (or words), cut into sequences for next-token prediction.
 
     By default the corpus is Python's own standard library (its ``.py`` files), which every installation ships: a
     real, offline text. Pass ``files`` to train on something else (e.g. WikiText-2's ``wiki.train.tokens``).
 
+    With ``tokens="words"`` the text is split into words and punctuation marks, and the ``vocab_size - 1`` most
+    frequent ones get an id (by count, then alphabetically: the same on every rank), the rest share id 0: a
+    word-level vocabulary whose embedding gradients are mostly zero rows (what Zen is for).
+
     Args:
         files: text files (glob patterns allowed); ``None`` for the standard library's sources.
         max_bytes: read at most this many bytes of text.
-        seq_len: bytes per training sequence.
+        seq_len: tokens per training sequence.
         batch_size: sequences per batch and process.
         val_fraction: the last fraction of the text is held out.
+        tokens: ``"bytes"`` (256 ids) or ``"words"``.
+        vocab_size: the number of word ids with ``tokens="words"`` (the model's ``vocab_size``).
 
     Raises:
         MisconfigurationException: If an argument is out of range or no text is found.
@@ -41,9 +50,11 @@ class TextDataModule(pl.LightningDataModule):
 
     def __init__(
         self, files: list[str] | None = None, max_bytes: int = 2_000_000, seq_len: int = 128, batch_size: int = 32,
-        val_fraction: float = 0.05,
+        val_fraction: float = 0.05, tokens: str = "bytes", vocab_size: int = 10_000,
     ) -> None:  # fmt: skip
         super().__init__()
+        check_choice(tokens, "tokens", ("bytes", "words"), error=MisconfigurationException)
+        check_int(vocab_size, "vocab_size", low=2, error=MisconfigurationException)
         check_int(seq_len, "seq_len", low=2, error=MisconfigurationException)
         check_positive_int(batch_size, "batch_size", error=MisconfigurationException)
         check_int(max_bytes, "max_bytes", low=1024, error=MisconfigurationException)
@@ -58,6 +69,9 @@ class TextDataModule(pl.LightningDataModule):
         )
         self.files, self.max_bytes, self.seq_len = files, max_bytes, seq_len
         self.batch_size, self.val_fraction = batch_size, val_fraction
+        self.tokens = tokens
+        if tokens == "words":
+            self.vocab_size = vocab_size
 
     def _paths(self) -> list[str]:
         if self.files is None:
@@ -75,10 +89,19 @@ class TextDataModule(pl.LightningDataModule):
                 data += f.read(self.max_bytes - len(data))
             if len(data) >= self.max_bytes:
                 break
-        tokens = torch.frombuffer(data, dtype=torch.uint8).long()  # a copy (long) of a writable buffer
+        if self.tokens == "words":
+            tokens = self._word_ids(bytes(data))
+        else:
+            tokens = torch.frombuffer(data, dtype=torch.uint8).long()  # a copy (long) of a writable buffer
         split = int(len(tokens) * (1 - self.val_fraction))
         self.train_set = self._sequences(tokens[:split])
         self.val_set = self._sequences(tokens[split:])
+
+    def _word_ids(self, data: bytes) -> torch.Tensor:
+        words = _WORD.findall(data)
+        ranked = sorted(Counter(words).items(), key=lambda item: (-item[1], item[0]))[: self.vocab_size - 1]
+        ids = {word: i + 1 for i, (word, _) in enumerate(ranked)}
+        return torch.tensor([ids.get(word, 0) for word in words], dtype=torch.long)
 
     def _sequences(self, tokens: torch.Tensor) -> TensorDataset:
         n = (len(tokens) - 1) // self.seq_len
@@ -98,7 +121,7 @@ class TextDataModule(pl.LightningDataModule):
 
 
 class LSTMLanguageModel(pl.LightningModule):
-    """A multi-layer LSTM language model with tied input and output embeddings (Zaremba et al.; Press & Wolf).
+    """A multi-layer LSTM language model, input and output embeddings tied by default (Zaremba et al.; Press & Wolf).
 
     The shape of the model the PowerSGD and Pufferfish papers compress (2 layers, embedding = hidden, tied weights,
     dropout, SGD with a large learning rate and gradient clipping); on bytes rather than WikiText-2's words unless
@@ -120,6 +143,9 @@ class LSTMLanguageModel(pl.LightningModule):
             refuse the Trainer's ``gradient_clip_val``, which is the clipping for ``"sgd"``: 0.25 in the papers'
             runs).
 
+        tie_weights: share the embedding with the output layer. Untied, the embedding's gradient has non-zero rows
+            only for the batch's tokens (a sparse gradient, for :class:`~lightning_gradcomp.compressors.Zen`).
+
     Raises:
         MisconfigurationException: If an argument is out of range, or ``clip_grad_norm`` is given for an optimizer
             that is not fused.
@@ -127,7 +153,7 @@ class LSTMLanguageModel(pl.LightningModule):
 
     def __init__(
         self, vocab_size: int = 256, hidden: int = 256, num_layers: int = 2, dropout: float = 0.2, lr: float = 20.0,
-        milestones: list[int] | None = None,
+        milestones: list[int] | None = None, tie_weights: bool = True,
         optimizer: Literal["sgd", "novograd", "fused_sgd", "fused_adalomo"] = "sgd", weight_decay: float = 0.0,
         clip_grad_norm: float | None = None,
     ) -> None:  # fmt: skip
@@ -147,12 +173,14 @@ class LSTMLanguageModel(pl.LightningModule):
                 f"`clip_grad_norm` is for the fused optimizers; with optimizer={optimizer!r} clip with the Trainer's"
                 f" `gradient_clip_val`, got clip_grad_norm={clip_grad_norm!r}."
             )
+        check_bool(tie_weights, "tie_weights", error=MisconfigurationException)
         self.save_hyperparameters()
         self.embedding = nn.Embedding(vocab_size, hidden)
         self.lstm = nn.LSTM(hidden, hidden, num_layers=num_layers, dropout=dropout, batch_first=True)
         self.drop = nn.Dropout(dropout)
         self.decoder = nn.Linear(hidden, vocab_size)
-        self.decoder.weight = self.embedding.weight  # tied
+        if tie_weights:
+            self.decoder.weight = self.embedding.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Next-token logits for every position."""
