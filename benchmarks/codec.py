@@ -34,12 +34,12 @@ from collections.abc import Callable
 
 import torch
 import torchvision
+from codec_profile import compressed_layers
 
 from lightning_gradcomp.compressors.base import Layer
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
-MIN_COMPRESS_NUMEL = 1024  # CompressedDDP's default
 DEFAULT_COMPRESSORS = (
     "fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom",
     "signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp",
@@ -48,16 +48,6 @@ TARGETS = {  # issue 11's CPU targets, as a share of the backward pass
     **dict.fromkeys(("fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom"), 0.10),
     **dict.fromkeys(("signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp"), 0.30),
 }
-
-
-def compressed_layers(model: torch.nn.Module) -> tuple[Layer, ...]:
-    """The layers CompressedDDP compresses by default, laid out back to back."""
-    layers, offset = [], 0
-    for index, (name, p) in enumerate(model.named_parameters()):
-        if p.dim() >= 2 and p.numel() >= MIN_COMPRESS_NUMEL:
-            layers.append(Layer(name, index, p.shape, offset))
-            offset += p.numel()
-    return tuple(layers)
 
 
 def _sync(device: torch.device) -> None:
