@@ -27,6 +27,7 @@ memory headline, which comes from freeing each gradient right after its update, 
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -36,12 +37,12 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.validation import check_bool, check_momentum, check_number
+from lightning_gradcomp.validation import check_number, sgd_defaults
 
 __all__ = ["FusedAdaLomo", "FusedOptimizer", "FusedSGD", "bind_fused_optimizer"]
 
 
-class FusedOptimizer(Optimizer):
+class FusedOptimizer(Optimizer, ABC):
     """The common part: gradient clipping, the step counter, and the per-bucket entry point the hook calls.
 
     Subclasses implement :meth:`_update` (one parameter from its averaged gradient). Clipping applies to the averaged
@@ -168,8 +169,9 @@ class FusedOptimizer(Optimizer):
                 g = g * self._coef.to(g.dtype)
             self._update(p, g, group)
 
-    def _update(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> None:  # pragma: no cover (abstract)
-        raise NotImplementedError
+    @abstractmethod
+    def _update(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
+        """Update ``p`` in place from its averaged (clipped) gradient ``grad``, a view that must not be written."""
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: per-parameter state is torch's (Lightning saves it); the step and the last norm travel with it
@@ -240,18 +242,7 @@ class FusedSGD(FusedOptimizer):
         clip_grad_value: float | None = None,
         clip_grad_norm: float | None = None,
     ) -> None:
-        check_number(lr, "lr", low=0.0)
-        check_momentum(momentum)
-        check_number(dampening, "dampening", low=0.0, high=1.0)
-        check_number(weight_decay, "weight_decay", low=0.0)
-        check_bool(nesterov, "nesterov")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError(
-                f"Expected `momentum` > 0 and `dampening` = 0 with `nesterov=True`, got momentum={momentum!r},"
-                f" dampening={dampening!r}."
-            )
-        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
-                    "nesterov": nesterov}  # fmt: skip
+        defaults = sgd_defaults(lr, momentum, dampening, weight_decay, nesterov)
         super().__init__(params, defaults, clip_grad_value, clip_grad_norm)
 
     def _update(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> None:

@@ -136,3 +136,23 @@ def check_positive_int(value: Any, name: str, *, error: ErrorType = ValueError) 
 def check_momentum(value: Any, name: str = "momentum", *, error: ErrorType = ValueError) -> float:
     """A momentum coefficient in [0, 1)."""
     return check_number(value, name, low=0.0, high=1.0, high_open=True, error=error)  # type: ignore[return-value]
+
+
+def sgd_defaults(lr: Any, momentum: Any, dampening: Any, weight_decay: Any, nesterov: Any) -> dict[str, Any]:
+    """``torch.optim.SGD``'s hyper-parameters, checked, as an optimizer's ``defaults`` dict.
+
+    Raises:
+        ValueError: naming the argument, what is accepted and what was given (as ``torch.optim.SGD`` would, earlier
+            and for every argument).
+    """
+    check_number(lr, "lr", low=0.0)
+    check_momentum(momentum)
+    check_number(dampening, "dampening", low=0.0, high=1.0)
+    check_number(weight_decay, "weight_decay", low=0.0)
+    check_bool(nesterov, "nesterov")
+    if nesterov and (momentum <= 0 or dampening != 0):
+        raise ValueError(
+            f"Expected `momentum` > 0 and `dampening` = 0 with `nesterov=True`, got momentum={momentum!r},"
+            f" dampening={dampening!r}."
+        )
+    return {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay, "nesterov": nesterov}

@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 import torch
 from torch.optim import Optimizer
 
-from lightning_gradcomp.validation import check_bool, check_momentum, check_number
+from lightning_gradcomp.validation import sgd_defaults
 
 
 class DGCSGD(Optimizer):
@@ -58,19 +58,7 @@ class DGCSGD(Optimizer):
         weight_decay: float = 0.0,
         nesterov: bool = False,
     ) -> None:
-        check_number(lr, "lr", low=0.0)
-        check_momentum(momentum)
-        check_number(dampening, "dampening", low=0.0, high=1.0)
-        check_number(weight_decay, "weight_decay", low=0.0)
-        check_bool(nesterov, "nesterov")
-        if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError(
-                f"Expected `momentum` > 0 and `dampening` = 0 with `nesterov=True`, got momentum={momentum!r},"
-                f" dampening={dampening!r}."
-            )
-        defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
-                    "nesterov": nesterov}  # fmt: skip
-        super().__init__(params, defaults)
+        super().__init__(params, sgd_defaults(lr, momentum, dampening, weight_decay, nesterov))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
