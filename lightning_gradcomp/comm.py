@@ -15,7 +15,10 @@ issued on group ``k``, and :meth:`Comm.after` issues round ``k`` of bucket ``i``
 from __future__ import annotations
 
 import atexit
+import collections
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -32,6 +35,10 @@ log = logging.getLogger(__name__)
 Payload = tuple[Tensor, ...]
 ReduceOpName = Literal["sum", "max"]
 _ALIGN = 8  # bytes; keeps every packed tensor aligned for any dtype up to 8 bytes wide
+# how long TorchCollectives.settle waits for the collectives of a failed step to end (once a peer's socket is gone they
+# end within moments; a peer that hangs instead is caught by the process group's timeout)
+SETTLE_S = 10.0
+SETTLE_GRACE_S = 0.5  # then, after a failure, for the worker threads to run and drop the futures' callbacks
 
 
 class CollectiveBackend(Protocol):
@@ -136,6 +143,8 @@ class TorchCollectives:
         self._groups = _round_groups(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
+        self._running: collections.deque[torch.futures.Future] = collections.deque()  # see settle()
+        self._running_lock = threading.Lock()  # later rounds are issued from the collectives' worker threads
 
     @property
     def num_rounds(self) -> int:
@@ -161,21 +170,22 @@ class TorchCollectives:
         """Start an in-place all-reduce of ``tensor`` on round ``round``'s group."""
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         work = dist.all_reduce(tensor, op=reduce_op, group=self._group(round), async_op=True)
-        return work.get_future().then(lambda fut: _value_then(fut, tensor))
+        return self._track(work.get_future().then(lambda fut: _value_then(fut, tensor)))
 
     def all_gather(self, tensor: Tensor, round: int) -> torch.futures.Future[Tensor]:
         """Start an all-gather of ``tensor`` on round ``round``'s group."""
         # the output is the concatenation along dim 0 (what gloo and NCCL both expect), viewed per rank afterwards
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         work = _all_gather_single(out, tensor.reshape(-1), group=self._group(round), async_op=True)
-        return work.get_future().then(lambda fut: _value_then(fut, out.view(self.world_size, *tensor.shape)))
+        result = out.view(self.world_size, *tensor.shape)
+        return self._track(work.get_future().then(lambda fut: _value_then(fut, result)))
 
     def broadcast(self, tensor: Tensor, src: int, round: int) -> torch.futures.Future[Tensor]:
         """Start an in-place broadcast of ``tensor`` from group rank ``src`` on round ``round``'s group."""
         group = self._group(round)
         global_src = dist.get_global_rank(group, src) if group is not dist.group.WORLD else src
         work = dist.broadcast(tensor, src=global_src, group=group, async_op=True)
-        return work.get_future().then(lambda fut: _value_then(fut, tensor))
+        return self._track(work.get_future().then(lambda fut: _value_then(fut, tensor)))
 
     def all_to_all(
         self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], round: int
@@ -185,7 +195,57 @@ class TorchCollectives:
         work = dist.all_to_all_single(out, tensor, output_split_sizes=list(recv_splits),
                                       input_split_sizes=list(send_splits), group=self._group(round),
                                       async_op=True)  # fmt: skip
-        return work.get_future().then(lambda fut: _value_then(fut, out))
+        return self._track(work.get_future().then(lambda fut: _value_then(fut, out)))
+
+    def _track(self, future: torch.futures.Future) -> torch.futures.Future:
+        # the collectives that have not ended yet, oldest first (ended ones are dropped as new ones start: no host
+        # synchronisation, the deque stays as long as one step's collectives)
+        with self._running_lock:
+            while self._running and self._running[0].done():
+                self._running.popleft()
+            self._running.append(future)
+        return future
+
+    def settle(self, failed: bool = False, timeout_s: float = SETTLE_S) -> None:
+        """After a failed collective: wait until the collectives' worker threads are done with this module's callbacks.
+
+        A step that failed because a rank died reaches DDP through its first failed collective while others may still
+        be queued on gloo's worker threads. Each ends with an error moments later and runs its chain of callbacks (this
+        package's Python functions) on the worker thread, which also drops its last references to them; a collective
+        marks its future done *before* that chain runs. If the chain runs during interpreter finalisation, the thread
+        cannot take the GIL, is ended inside C++ and the process aborts at exit (``terminate called after throwing an
+        instance of 'gloo::IoException'`` or ``... without an active exception``; about one run in ten with a rank
+        SIGKILLed on torch 2.15). Plain DDP's C++ hook has no Python callbacks, so this is ours to prevent.
+
+        ``CompressedDDP.teardown`` calls this on the main thread while the interpreter lives: it waits (GIL released,
+        at most ``timeout_s``) for every collective issued here to end, then, if training ``failed`` or one of them
+        did, for :data:`SETTLE_GRACE_S` more, in which the worker threads finish their chains. After successful
+        training every collective has ended without error and it returns at once.
+        """
+        with self._running_lock:
+            issued, self._running = list(self._running), collections.deque()
+        running = [f for f in issued if not f.done()]
+        deadline = time.monotonic() + timeout_s
+        while running and time.monotonic() < deadline:
+            time.sleep(0.01)
+            running = [f for f in running if not f.done()]
+        if running:
+            log.warning(
+                "gradcomp: %d collectives were still running %.0f s after training stopped; if they end during"
+                " interpreter shutdown the process may abort at exit",
+                len(running),
+                timeout_s,
+            )
+        elif failed or any(_failed(f) for f in issued):
+            time.sleep(SETTLE_GRACE_S)
+
+
+def _failed(future: torch.futures.Future) -> bool:
+    try:
+        future.value()
+    except Exception:  # noqa: BLE001 (any error of the collective or of its callback)
+        return True
+    return False
 
 
 def _value_then(fut: torch.futures.Future, result: Tensor) -> Tensor:

@@ -183,13 +183,16 @@ class CompressionState:
         self._comm = Comm(backend, self.telemetry, device)
         self.ensure_rounds()
 
-    def detach(self) -> None:
+    def detach(self, failed: bool = False) -> None:
         """Let go of the collectives, the future chains they keep between steps and the bucket plans.
 
         The configuration, the residuals and the telemetry stay (they are training state); :meth:`attach` binds
         again. ``CompressedDDP.teardown`` calls it so that nothing that gloo's worker threads may still touch
         outlives training (see :func:`lightning_gradcomp.comm.release_round_groups`).
         """
+        if self._comm is not None and isinstance(self._comm.backend, TorchCollectives):
+            # a failed step's collectives end now, not during interpreter shutdown
+            self._comm.backend.settle(failed)
         self._comm = None
         self._plans.clear()
         self._in_flight.clear()  # futures of an unfinished step (a step that failed midway)

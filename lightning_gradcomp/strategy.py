@@ -196,6 +196,7 @@ class CompressedDDP(DDPStrategy):
         super().__init__(**kwargs)
         self._monitor = monitor
         self._fused: FusedOptimizer | None = None
+        self._failed = False  # training ended with an exception (on_exception): teardown lets the collectives settle
         self._state = CompressionState(
             compressor, error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed
         )
@@ -414,7 +415,8 @@ class CompressedDDP(DDPStrategy):
         """
         super().teardown()
         self._unbind_fused()
-        self._state.detach()
+        self._state.detach(failed=self._failed)
+        self._failed = False
         if dist.is_available() and dist.is_initialized():
             release_round_groups(self._ddp_kwargs.get("process_group") or dist.group.WORLD)
 
@@ -422,6 +424,7 @@ class CompressedDDP(DDPStrategy):
     def on_exception(self, exception: BaseException) -> None:
         """DDPStrategy's message fixes, plus a note of this rank's own failure for the main process's report."""
         super().on_exception(exception)
+        self._failed = True
         if not is_collective_failure(exception):  # a failed collective is a consequence of another rank's fault
             record_failure(self.global_rank, exception)
 
