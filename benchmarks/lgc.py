@@ -16,7 +16,8 @@ or one (all-reduce) on every rank.
 The PS variant's two forms are both measured: ``ps_form="allgather"`` (every rank decodes every rank from the
 leader's code) and ``ps_form="gather"`` (the leader decodes everyone and broadcasts the averaged values with its code
 and indices; every other rank decodes only itself, for its error feedback). The table also gives, by formula, the
-bare gather form without the code (the leader's ``p(4 k) + B``; its ranks could not do exact error feedback).
+gather form without the code (the leader's ``p(4 (k + n k_u)) + B``: its other ranks could not decode themselves, so
+their error feedback could not subtract what the aggregate used for them).
 
 ``--time``: the time of one stage-3 reduction (``Compressor.reduce`` on the ResNet-18 bucket, error feedback on, the
 autoencoder's default size) on real gloo processes, one thread each, at each of ``--ranks``: the stage-3 steps after
@@ -183,15 +184,16 @@ def time_main(args: argparse.Namespace) -> None:
                 with open(path) as f:
                     rows.extend(json.load(f)["rows"])
     if not args.inside_namespace:
-        print("| link | ranks | method | stage-3 reduction, ms (median, slowest rank) | leader's bytes | other ranks'"
-              " bytes | encode+decode ms per rank (rank 0 first) |")  # fmt: skip
-        print("|---|---|---|---|---|---|---|")
+        print("| link | ranks | method | stage-3 reduction, ms (median, slowest rank) | min - max | leader's bytes |"
+              " other ranks' bytes | encode+decode ms per rank (rank 0 first) |")  # fmt: skip
+        print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             leader = max(r["bytes_per_rank"])
             other = min(r["bytes_per_rank"])
             compute = " / ".join(f"{d:.0f}" for d in r["compute_ms_per_rank"])
             print(
-                f"| {r['rate']} | {r['ranks']} | {r['method']} | {r['step_ms']:.0f} | {leader:,} | {other:,} |"
+                f"| {r['rate']} | {r['ranks']} | {r['method']} | {r['step_ms']:.0f} |"
+                f" {min(r['step_ms_all']):.0f} - {max(r['step_ms_all']):.0f} | {leader:,} | {other:,} |"
                 f" {compute} |"
             )
     if args.json:
@@ -222,11 +224,14 @@ def main() -> None:
         # stage 1 at step 0, stage 2 at steps 1-2 (step 2 trains on step 1's values), stage 3 from step 3
         lgc = {
             "ps": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=1, training_steps=2),
+            "ps-gather": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=1, training_steps=2,
+                                     ps_form="gather"),
             "allreduce": lambda: LGC(variant="allreduce", ratio=rho, dense_steps=1, training_steps=2),
-        }
+        }  # fmt: skip
         for variant, factory in lgc.items():
             runs = measure(factory, layers, n, steps=list(range(3, 3 + n)) + [0, 2])
-            for stage, picked in ((1, [0]), (2, [2]), (3, list(range(3, 3 + n)))):
+            stages = ((1, [0]), (2, [2]), (3, list(range(3, 3 + n))))
+            for stage, picked in stages[2:] if variant == "ps-gather" else stages:  # stages 1-2: those of "ps"
                 chosen = [r for r in runs if r["step"] in picked]
                 per_rank = sum(sum(r["bytes_per_rank"]) for r in chosen) / (n * len(chosen))
                 rows.append({"ranks": n, "method": f"lgc-{variant}", "stage": stage, "bytes_per_rank": per_rank,
@@ -242,14 +247,17 @@ def main() -> None:
                          "leader_bytes": max(runs[0]["bytes_per_rank"]), "other_bytes": min(runs[0]["bytes_per_rank"]),
                          "encode_decode_ms": sum(r["encode_decode_ms"] for r in runs) / len(runs),
                          "decode_ms": sum(r["decode_ms"] for r in runs) / len(runs)})  # fmt: skip
-        # the PS variant's other form, by formula: the leader broadcasts k values instead of the code and scales
+        # the gather form without the code, by formula: the leader broadcasts the averaged values (at its k indices
+        # and at every rank's k_u innovation indices) and its indices only; the other ranks could not decode
+        # themselves, so their error feedback could not subtract what the aggregate used for them
         ctx = BucketContext(index=0, step=3, rank=1, world_size=n, layers=layers)
         probe = lgc["ps"]()
         layout = probe._layout(ctx)
         innovations = probe.bytes_per_step(ctx)  # a non-leader's stage-3 bytes: its innovation (and the flag)
+        k_u = sum(probe._innovation_counts(ctx))
         leader_code = -(-4 * (probe._code_numel(ctx) + len(layers)) // 8) * 8 + index_blob_nbytes(layout)
-        leader_values = -(-4 * layout.slots // 8) * 8 + index_blob_nbytes(layout)
-        rows.append({"ranks": n, "method": "lgc-ps (gather, decode on the leader, broadcast values)", "stage": 3,
+        leader_values = -(-4 * (layout.slots + n * k_u) // 8) * 8 + index_blob_nbytes(layout)
+        rows.append({"ranks": n, "method": "lgc-ps (gather form without the code: formula)", "stage": 3,
                      "bytes_per_rank": innovations + leader_values / n, "leader_bytes": innovations + leader_values,
                      "other_bytes": innovations, "encode_decode_ms": None, "decode_ms": None,
                      "note": f"leader broadcast {leader_values} B instead of {leader_code} B"})  # fmt: skip
