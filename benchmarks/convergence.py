@@ -74,6 +74,13 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     # then the autoencoder's code (the third-party defaults, 200 and 300 steps, would leave the 440 steps at stage 2)
     "lgc-ps": (lambda: LGC(ratio=0.01, innovation_ratio=0.001, dense_steps=44, training_steps=88), 0.05, 0.9),
     "lgc-allreduce": (lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=88), 0.05, 0.9),
+    # the same with twice the autoencoder's training (stage 2: 176 steps, stage 3: the last 220)
+    "lgc-ps-train2x": (lambda: LGC(ratio=0.01, innovation_ratio=0.001, dense_steps=44, training_steps=176), 0.05, 0.9),
+    "lgc-allreduce-train2x": (
+        lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=176),
+        0.05,
+        0.9,
+    ),
     "lgc-allreduce-noproject": (
         lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=88, project=False),
         0.05,
