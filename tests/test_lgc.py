@@ -9,11 +9,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_gradcomp import CompressedDDP
-from lightning_gradcomp.comm import Comm
+from lightning_gradcomp.comm import Comm, TorchCollectives
 from lightning_gradcomp.compressors import LGC
 from lightning_gradcomp.compressors.base import BucketContext, keep_count, layers_from_shapes
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
+from tests.distributed import run_distributed
 from tests.models import TinyNet, fit
 
 LAYERS = layers_from_shapes([(40, 50), (8, 4, 3, 3), (30, 30)])
@@ -208,6 +209,32 @@ def test_the_gather_form_of_ps_gives_the_all_gather_form_s_results_bitwise(ranks
         futures.append(c.reduce(g, ctx))
     world.assert_quiescent()
     assert [kind[0] for rank, kind in world.issued if rank == 0] == ["all_gather", "broadcast"]
+
+
+def _both_forms_on_gloo(rank, world_size):
+    """Every step's aggregate and residual of both PS forms, reduced over this process group (float32)."""
+    backend = TorchCollectives()
+    backend.ensure_rounds(LGC.rounds)
+    out = {}
+    for form in ("allgather", "gather"):
+        compressor, residual, steps = _lgc("ps", ps_form=form), torch.zeros(NUMEL), []
+        for step in range(6):
+            ctx = BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=LAYERS, residual=residual,
+                                comm=Comm(backend, Telemetry(), torch.device("cpu")))  # fmt: skip
+            grad = _grads(world_size, 40 + step, torch.float32)[rank]
+            steps.append((compressor.reduce(grad, ctx).wait().clone(), residual.clone()))
+        out[form] = steps
+    return out
+
+
+def test_the_gather_form_agrees_with_the_all_gather_form_on_real_gloo_processes():
+    ranks = run_distributed(_both_forms_on_gloo, world_size=2)
+    for step in range(6):
+        for rank in range(2):
+            gathered, residual = ranks[rank]["gather"][step]
+            assert torch.equal(gathered, ranks[0]["allgather"][step][0]), (step, rank)
+            assert torch.equal(residual, ranks[rank]["allgather"][step][1]), (step, rank)
+    assert ranks[1]["gather"][-1][1].abs().sum() > 0
 
 
 @pytest.mark.parametrize(("variant", "form"), [("ps", None), ("ps", "gather"), ("allreduce", None)])
