@@ -92,6 +92,9 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "lgc-allreduce": lambda: LGC(variant="allreduce"),
     "lgc-ps-stages": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=1, training_steps=2),
     "lgc-allreduce-stages": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2),
+    "lgc-ps-gather-stages": lambda: LGC(
+        ratio=0.05, innovation_ratio=0.005, dense_steps=1, training_steps=2, leader="rotating", ps_form="gather"
+    ),
     "lgc-ps-stage2": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=100),
     "lgc-allreduce-stage2": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=100),
     "lgc-ps-stage3": lambda: LGC(
