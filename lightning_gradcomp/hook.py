@@ -50,6 +50,8 @@ class _BucketPlan:
     compressed_runs: tuple[tuple[int, int], ...]  # [start, end) ranges of the bucket buffer
     dense_runs: tuple[tuple[int, int], ...]
     numel: int
+    #: the compressor that reduces this bucket (the strategy's, or the candidate a Planned compressor hands it to)
+    compressor: Compressor | None = field(default=None, compare=False)
     buffers: dict[str, Tensor] = field(default_factory=dict, compare=False)
 
     @property
@@ -238,10 +240,11 @@ class CompressionState:
         offset = 0
         for p in params:
             index, name = self._names.get(id(p), (-1, f"unnamed{len(every)}"))
-            layer = Layer(name, index, p.shape, offset)
-            every.append(layer)
+            every.append(Layer(name, index, p.shape, offset))
+            offset += every[-1].numel
+        compressor = compressor.bucket_compressor(every)
+        for layer in every:
             (compressed if compressor.compresses(layer, self.min_compress_numel) else dense).append(layer)
-            offset += layer.numel
         if offset != numel:
             raise RuntimeError(f"Bucket layout mismatch: parameters hold {offset} elements, the buffer {numel}.")
         return _BucketPlan(
@@ -253,6 +256,7 @@ class CompressionState:
             compressed_runs=_runs(compressed),
             dense_runs=_runs(dense),
             numel=numel,
+            compressor=compressor,
         )
 
     # ------------------------------------------------------------------------------------------------------------
@@ -284,10 +288,12 @@ class CompressionState:
                              dtype=like.dtype, device=like.device, seed=self.seed, comm=comm, updates=self._updates,
                              **fields)  # fmt: skip
 
-    def _all_reduce_dense(self, index: int, tensor: Tensor, layers: tuple[Layer, ...]) -> torch.futures.Future:
+    def _all_reduce_dense(
+        self, index: int, tensor: Tensor, layers: tuple[Layer, ...], compressor: Compressor
+    ) -> torch.futures.Future:
         """Plain averaging of ``tensor``, then the compressor's dense update (DGC's momentum, signSGD's sign)."""
         averaged = self.comm.all_reduce((tensor.div_(self.comm.world_size),)).then(lambda fut: fut.value()[0])
-        if not self.compressor.has_dense_update:
+        if not compressor.has_dense_update:
             return averaged
         ctx = self._context(index, layers, tensor)
 
@@ -296,26 +302,27 @@ class CompressionState:
             # the average is the same on every rank, and a NaN anywhere reaches it: no flag needs to travel
             # the step's own updates, captured at issue time: this callback may run after the next step began
             ctx.updates.observe(torch.isfinite(torch.sum(average, dtype=torch.float64)))
-            self.compressor.finish_dense(average, ctx)
+            compressor.finish_dense(average, ctx)
             return average
 
         return averaged.then(finish)
 
     def _reduce_dense(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
         self.residuals.prepare(index, (), None, plan.every, buffer, keep=False)
-        return self._all_reduce_dense(index, buffer, plan.every)
+        return self._all_reduce_dense(index, buffer, plan.every, plan.compressor)
 
     def _reduce_split(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
         dense = plan.gather(buffer, "dense") if plan.dense else None
         tensor = plan.gather(buffer, "compressed") if plan.compressed else None
+        compressor = plan.compressor
         residual, new_residual = self.residuals.prepare(
-            index, plan.compressed, tensor, plan.dense, dense, keep=self.uses_error_feedback()
+            index, plan.compressed, tensor, plan.dense, dense, keep=self.uses_error_feedback(compressor)
         )
-        futures = [] if dense is None else [self._all_reduce_dense(index, dense, plan.dense)]
+        futures = [] if dense is None else [self._all_reduce_dense(index, dense, plan.dense, compressor)]
         if tensor is None:
             return futures[0].then(lambda fut: plan.scatter(buffer, None, fut.value()))
         ctx = self._context(index, plan.compressed, tensor, residual=residual, new_residual=new_residual)
-        reduced = self.compressor.reduce(tensor, ctx)
+        reduced = compressor.reduce(tensor, ctx)
         if plan.whole_bucket:
             return reduced
         futures.append(reduced)
