@@ -13,6 +13,7 @@ over layers.
 """
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -123,7 +124,9 @@ class CompressionState:
         "enabled",
         "step",
         "after_reduce",
+        "recorder",
         # internal
+        "layout_version",
         "telemetry",
         "residuals",
         "_comm",
@@ -151,6 +154,11 @@ class CompressionState:
         # called with (bucket, future of its average) for every bucket; its future is what DDP receives (the
         # strategy sets it to a fused optimizer's bucket_step; runtime binding, not pickled)
         self.after_reduce: Callable[[dist.GradBucket, torch.futures.Future], torch.futures.Future] | None = None
+        # a list while a measurement runs (AutoCompression's calibration): each bucket appends
+        # [host time at the hook's entry, its layer names, its numel, host time its reduction finished]; None otherwise
+        # (then the hook does nothing extra). On CUDA the times are of the host's view (issue, not kernel completion)
+        self.recorder: list[list[Any]] | None = None
+        self.layout_version = 0  # counts DDP's bucket layouts (rebuilds, resumes), for callbacks that measure them
         self.telemetry = Telemetry()
         self.residuals = ErrorFeedback()
         self._comm: Comm | None = None
@@ -226,6 +234,8 @@ class CompressionState:
         if cached is not None and cached.signature == signature and cached.compressor_key == compressor.plan_key():
             return cached
         plan = self._make_plan(signature, params, bucket.buffer().numel(), compressor)
+        if cached is None or cached.signature != signature:
+            self.layout_version += 1
         if cached is not None:
             # the layout or the compressor changed: residuals must follow their parameters, not the bucket
             self.residuals.spill()
@@ -271,11 +281,16 @@ class CompressionState:
         changes of the whole step are committed after its last bucket, only if the step was finite on every rank;
         this is also where the step counter advances (its one writer, besides :meth:`load_state_dict`).
         """
+        entered = time.perf_counter() if self.recorder is not None else 0.0
         buffer = bucket.buffer()
         self.telemetry.add_bucket(buffer.numel() * buffer.element_size())
         plan = self.plan(bucket, self.compressor)
         reduced = self._reduce_split(bucket.index(), buffer, plan) if self.enabled else self._reduce_dense(
             bucket.index(), buffer, plan)  # fmt: skip
+        if self.recorder is not None:
+            entry = [entered, tuple(layer.name for layer in plan.every), plan.numel, None]
+            self.recorder.append(entry)
+            reduced = reduced.then(lambda fut, entry=entry: _stamp(fut, entry))
         self._in_flight.append(reduced)
         if not bucket.is_last():
             return reduced
@@ -390,6 +405,11 @@ class CompressionState:
         self.__init__(**{k: v for k, v in state.items() if k != "step"})  # type: ignore[misc]
         self.step = state["step"]
         self.residuals.load_state_dict(residuals)
+
+
+def _stamp(fut: torch.futures.Future[Tensor], entry: list[Any]) -> Tensor:
+    entry[3] = time.perf_counter()
+    return fut.value()
 
 
 def _to_cpu(obj: Any) -> Any:
