@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.auto.timeline import Link
-from lightning_gradcomp.callbacks import AutoCompression
+from lightning_gradcomp.callbacks import AutoCompression, DenseWarmup
 from tests.models import TinyNet, fit
 
 SLOW = (1e-3, 1e5)  # 1 ms, 100 kB/s: compression pays on every bucket (the model's input, not a real link)
@@ -83,12 +83,13 @@ class DelayCompressed(Callback):
 
 def _run(tmp_path, auto, extra=(), **kwargs):
     dirpath = str(tmp_path)
-    fit(_strategy(), dirpath, model=TinyNet(n=256), callbacks=[auto, *extra, Record(dirpath)], **kwargs)
+    fit(_strategy(), dirpath, model=TinyNet(n=256), callbacks=[*extra, auto, Record(dirpath)], **kwargs)
     return [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)]
 
 
-def test_every_rank_applies_rank_zeros_plan(tmp_path):
-    ranks = _run(tmp_path, Disagree(link=SLOW, tolerance=10.0, **FAST), max_steps=12)
+def test_every_rank_applies_rank_zeros_plan_and_calibrates_inside_a_dense_warmup(tmp_path):
+    warmup = DenseWarmup(steps=7)
+    ranks = _run(tmp_path, Disagree(link=SLOW, tolerance=10.0, **FAST), extra=[warmup], max_steps=14)
     # the ranks' own plans differ: without the broadcast they would compress different buckets (a hang or garbage)
     assert any(name != "dense" for name in ranks[0]["local"])
     assert all(name == "dense" for name in ranks[1]["local"])
@@ -96,6 +97,10 @@ def test_every_rank_applies_rank_zeros_plan(tmp_path):
     assert ranks[0]["steps"] == ranks[1]["steps"], "the assignment in force differs between ranks at some step"
     assert any(assignment for _, assignment in ranks[0]["steps"]), "the plan never compressed anything"
     assert ranks[0]["assignment"], "kept (tolerance 10x): still compressing at the end"
+    # calibrated in the warm-up (steps 2-4), verified only on compressed steps (from step 7 on)
+    plan = next(e for e in ranks[0]["history"] if e["event"] == "plan")
+    verify = next(e for e in ranks[0]["history"] if e["event"] == "verify")
+    assert plan["step"] < 7 <= verify["step"] - FAST["verify_steps"] + 1
 
 
 def test_a_slower_link_after_the_switch_falls_back_with_the_reason(tmp_path):

@@ -22,9 +22,10 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_gradcomp.auto.candidates import DEFAULT_CANDIDATES, KNOWN_CANDIDATES
 from lightning_gradcomp.auto.timeline import DENSE, Bucket, Cost, Link, Plan, Timing, fit_link, plan_greedy, predict
 from lightning_gradcomp.auto.timeline import wire_bytes as _wire_bytes
-from lightning_gradcomp.compressors import BF16, DGC, Compressor, Identity, Planned, PowerSGD, TopK, Zen
+from lightning_gradcomp.compressors import Compressor, Identity, Planned
 from lightning_gradcomp.compressors.base import Layer
 from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.telemetry import Telemetry
@@ -33,20 +34,6 @@ from lightning_gradcomp.validation import check_int, check_number
 
 log = logging.getLogger(__name__)
 
-#: the candidates by name, from the least lossy to the most (the planner prefers earlier ones at equal speed)
-KNOWN_CANDIDATES: dict[str, Any] = {
-    "dense": lambda: Identity(),
-    "bf16": lambda: BF16(),
-    "powersgd-r8": lambda: PowerSGD(rank=8),
-    "powersgd-r4": lambda: PowerSGD(rank=4),
-    "powersgd-r2": lambda: PowerSGD(rank=2),
-    "powersgd-r1": lambda: PowerSGD(rank=1),
-    "topk-10%": lambda: TopK(ratio=0.1),
-    "topk-1%": lambda: TopK(ratio=0.01),
-    "dgc-1%": lambda: DGC(ratio=0.01),
-    "zen": lambda: Zen(),
-}
-DEFAULT_CANDIDATES = ("dense", "bf16", "powersgd-r4", "powersgd-r1", "topk-10%", "topk-1%", "zen")
 #: all-reduce sizes (bytes) timed to fit the link, each ``PROBE_REPEATS`` times
 PROBE_SIZES = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 PROBE_REPEATS = 3
