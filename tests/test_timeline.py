@@ -108,3 +108,21 @@ def test_allgather_bytes_scale_with_the_world():
     assert wire_bytes(100, "allgather", 2) == 100
     assert wire_bytes(100, "allgather", 8) == 400
     assert wire_bytes(100, "allreduce", 8) == 100
+
+
+def test_the_tail_after_the_last_reduction_is_added_to_every_candidate():
+    timing = Timing(forward=0.010, backward_end=0.100, optimizer=0.005, tail=0.002)
+    assert predict(_buckets(), [DENSE] * 3, LINK, timing).step == pytest.approx(0.219)
+
+
+def test_the_advise_report_and_plot(tmp_path):
+    from lightning_gradcomp.auto.report import advice, plot_speedup
+
+    text = advice(_buckets(), [DENSE, "c"], LINK, TIMING, measured_step=0.2)
+    assert "| dense | 0.0 | 0.0 | 0.160 | 1.0x |" in text
+    assert "| c | 6.0 | 3.0 | 0.016 | 10.0x |" in text
+    assert "recommendation at measured: c on 2 bucket(s), the rest dense; predicted 1.79x plain DDP" in text
+    assert "recommendation at 100 Gbit/s: plain DDP" in text
+    pytest.importorskip("matplotlib")
+    plot_speedup(str(tmp_path / "s.png"), _buckets(), [DENSE, "c"], LINK, TIMING)
+    assert (tmp_path / "s.png").stat().st_size > 1000

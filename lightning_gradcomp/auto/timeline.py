@@ -9,7 +9,7 @@ Times are seconds, measured from the start of the backward pass. For bucket ``b`
 The model is::
 
     finish_b = max(r_b + shift_b + enc_b, finish_{b-1}) + rounds_b * alpha + wire_b / beta + dec_b
-    step     = t_forward + max(finish_last, t_backward_end + shift_last) + t_optimizer
+    step     = t_forward + max(finish_last, t_backward_end + shift_last) + t_tail + t_optimizer
 
 where ``shift_b`` is the encode time of the buckets before ``b`` when encoding blocks the backward pass (the hook runs
 on the autograd thread: on CPU every encode delays the rest of the backward; on CUDA it only enqueues kernels and the
@@ -114,11 +114,20 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Timing:
-    """The fixed parts of a step: forward, the backward's end (compute only) and the optimizer step, in seconds."""
+    """The fixed parts of a step, in seconds.
+
+    Attributes:
+        forward: the forward pass.
+        backward_end: when the backward pass's computation ends (the last bucket's ready time), from its start.
+        optimizer: the optimizer step.
+        tail: what the backward call still takes after its last reduction finished (DDP copies the averages into the
+            gradients and finalises; measured, the same for every candidate).
+    """
 
     forward: float
     backward_end: float
     optimizer: float
+    tail: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -160,7 +169,7 @@ def predict(
         starts.append(start)
         finish.append(previous)
     backward_end = timing.backward_end + shift
-    step = timing.forward + max(previous, backward_end) + timing.optimizer
+    step = timing.forward + max(previous, backward_end) + timing.tail + timing.optimizer
     return Prediction(finish=tuple(finish), start=tuple(starts), step=step, backward_end=backward_end)
 
 

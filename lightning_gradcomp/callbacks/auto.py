@@ -245,6 +245,7 @@ class AutoCompression(Callback):
                 {
                     "forward": t["backward"] - t["start"],
                     "optimizer": end - t["optimizer"],
+                    "backward": t["optimizer"] - t["backward"],
                     "step": step_time,
                     "buckets": [(r[0] - t["backward"], r[1], r[2], (r[3] or end) - t["backward"]) for r in recorder],
                 }
@@ -371,10 +372,13 @@ class AutoCompression(Callback):
             _, names, numel, _ = records[-1]["buckets"][b]
             buckets.append(Bucket(ready=ready, numel=numel, layers=tuple(names), costs={}))
         backward_end = max(bucket.ready for bucket in buckets) if buckets else 0.0
+        # after the last reduction finished, the backward call still copies the averages into the gradients
+        tails = [r["backward"] - max([b[3] for b in r["buckets"]] + [b[0] for b in r["buckets"]]) for r in records]
         timing = Timing(
             forward=statistics.median(r["forward"] for r in records),
             backward_end=backward_end,
             optimizer=statistics.median(r["optimizer"] for r in records),
+            tail=max(0.0, statistics.median(tails)),
         )
         return buckets, timing, statistics.median(r["step"] for r in records)
 
