@@ -110,15 +110,15 @@ class Sweep(AutoCompression):
         medians = trainer.strategy.broadcast(medians, src=0)
         if not trainer.is_global_zero:
             return
-        blocking = True
         rows = []
         for label, assignment in self.segments:
-            predicted = predict(self.buckets, assignment, self.link, self.timing, blocking).step
+            predicted = predict(self.buckets, assignment, self.link, self.timing, **self.model_options).step
             measured = medians[label]
             rows.append({"config": label, "assignment": assignment, "predicted_s": predicted, "measured_s": measured,
                          "error": (predicted - measured) / measured, "steps_s": self.times[label]})  # fmt: skip
         result = {
-            "link": {"alpha_s": self.link.alpha, "beta_Bps": self.link.beta},
+            "link": {"alpha_s": self.link.alpha, "beta_Bps": self.link.beta, "cpu_s_per_byte": self.link.cpu_per_byte},
+            "model_options": self.model_options,
             "timing": vars(self.timing) if hasattr(self.timing, "__dict__") else str(self.timing),
             "buckets": [{"numel": b.numel, "ready_s": b.ready, "layers": len(b.layers),
                          "costs": {k: vars(c) for k, c in b.costs.items()}} for b in self.buckets],  # fmt: skip
@@ -173,6 +173,7 @@ def main() -> None:
     parser.add_argument("--warm", type=int, default=2)
     parser.add_argument("--measure", type=int, default=4)
     parser.add_argument("--calibration-steps", type=int, default=4)
+    parser.add_argument("--skip-steps", type=int, default=6, help="steps before calibrating (the first are slow)")
     parser.add_argument("--candidates", nargs="+", default=CANDIDATES)
     parser.add_argument("--json", required=True)
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
@@ -185,9 +186,9 @@ def main() -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = os.path.abspath(args.json)
     sweep = Sweep(out, args.warm, args.measure, candidates=args.candidates,
-                  calibration_steps=args.calibration_steps, skip_steps=2)  # fmt: skip
+                  calibration_steps=args.calibration_steps, skip_steps=args.skip_steps)  # fmt: skip
     segments = len(args.candidates) + 1
-    steps = 2 + args.calibration_steps + segments * (args.warm + args.measure) + 2
+    steps = args.skip_steps + args.calibration_steps + segments * (args.warm + args.measure) + 2
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=CompressedDDP(start_method="spawn"), max_steps=steps,
                          callbacks=[sweep], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)  # fmt: skip

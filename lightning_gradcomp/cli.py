@@ -120,12 +120,11 @@ class _AdviseReport(Callback):
         if auto.link is None or auto.timing is None or not auto.buckets:
             print("lightning-gradcomp advise: the run ended before the calibration finished", flush=True)
             return
-        blocking = trainer.strategy.root_device.type == "cpu"
-        names = list(auto.candidates)
-        print("\n" + advice(auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, blocking),
+        names, options = list(auto.candidates), auto.model_options
+        print("\n" + advice(auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, **options),
               flush=True)  # fmt: skip
         if self.png:
-            plot_speedup(self.png, auto.buckets, names, auto.link, auto.timing, blocking)
+            plot_speedup(self.png, auto.buckets, names, auto.link, auto.timing, **options)
             print(f"\npredicted speed-up against bandwidth: {self.png}", flush=True)
 
 

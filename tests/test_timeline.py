@@ -126,3 +126,16 @@ def test_the_advise_report_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     plot_speedup(str(tmp_path / "s.png"), _buckets(), [DENSE, "c"], LINK, TIMING)
     assert (tmp_path / "s.png").stat().st_size > 1000
+
+
+def test_on_a_contended_cpu_communication_and_decoding_take_from_the_backward():
+    # b0 compressed: its 9 kB less traffic gives back 0.9 ms of CPU, its decode takes 1 ms: the later buckets are
+    # ready 0.1 ms later than without contention (2 ms encode + 0.1 ms): b2 finishes at 103.1 + 101 = 204.1 ms
+    link = Link(alpha=0.001, beta=1e6, cpu_per_byte=1e-7)
+    assignment = ["c", DENSE, DENSE]
+    assert predict(_buckets(), assignment, link, TIMING).step == pytest.approx(0.219)
+    contended = predict(_buckets(), assignment, link, TIMING, contended=True)
+    assert contended.step == pytest.approx(0.2191)
+    assert contended.backward_end == pytest.approx(0.1021)
+    # the dense assignment is what was measured: contention changes nothing there
+    assert predict(_buckets(), [DENSE] * 3, link, TIMING, contended=True).step == pytest.approx(0.217)

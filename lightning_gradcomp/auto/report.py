@@ -22,11 +22,13 @@ def advice(
     measured_step: float | None = None,
     margin: float = 0.03,
     encode_blocks_backward: bool = True,
+    contended: bool = False,
 ) -> str:
     """The advise report: the measured link, backward and codec costs; predicted step times; the recommendation."""
     lines = [
         f"link (fitted on timed all-reduces): alpha {link.alpha * 1e3:.3f} ms per collective,"
-        f" beta {link.beta * 8 / 1e9:.3f} Gbit/s",
+        f" beta {link.beta * 8 / 1e9:.3f} Gbit/s, CPU {link.cpu_per_byte * 1e9:.2f} ms per MB sent"
+        + (" (counted: the CPU is contended)" if contended else ""),
         f"forward {timing.forward * 1e3:.1f} ms, backward (last bucket ready) {timing.backward_end * 1e3:.1f} ms,"
         f" optimizer {timing.optimizer * 1e3:.1f} ms"
         + (f"; measured dense step {measured_step * 1e3:.1f} ms" if measured_step else ""),
@@ -46,11 +48,12 @@ def advice(
     lines += ["", "Predicted step time (ms), the timeline model (docs/auto.md); latency as measured:", ""]
     lines.append("| candidate | " + " | ".join(columns) + " |")
     lines.append("|---|" + "---|" * len(columns))
-    plans = {label: plan_greedy(buckets, candidates, Link(link.alpha, beta), timing, margin, encode_blocks_backward)
-             for label, beta in columns.items()}  # fmt: skip
+    options = {"encode_blocks_backward": encode_blocks_backward, "contended": contended}
+    plans = {label: plan_greedy(buckets, candidates, Link(link.alpha, beta, link.cpu_per_byte), timing, margin,
+                                **options) for label, beta in columns.items()}  # fmt: skip
     for name in names:
-        cells = [predict(buckets, [name] * len(buckets), Link(link.alpha, beta), timing, encode_blocks_backward).step
-                 for beta in columns.values()]  # fmt: skip
+        cells = [predict(buckets, [name] * len(buckets), Link(link.alpha, beta, link.cpu_per_byte), timing,
+                         **options).step for beta in columns.values()]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(f"{c * 1e3:.1f}" for c in cells) + " |")
     lines.append("| **auto** | " + " | ".join(f"{p.predicted * 1e3:.1f}" for p in plans.values()) + " |")
     lines.append("")
@@ -70,6 +73,7 @@ def plot_speedup(
     link: Link,
     timing: Timing,
     encode_blocks_backward: bool = True,
+    contended: bool = False,
 ) -> None:
     """Write a PNG of every candidate's (and auto's) predicted speed-up over plain DDP against the bandwidth."""
     import matplotlib
@@ -79,7 +83,7 @@ def plot_speedup(
 
     gbits = [10 ** (k / 8) for k in range(-16, 21)]  # 10 Mbit/s .. 316 Gbit/s
     betas = [g * 1e9 / 8 for g in gbits]
-    curves = speedup_curve(buckets, candidates, link, timing, betas, encode_blocks_backward)
+    curves = speedup_curve(buckets, candidates, link, timing, betas, encode_blocks_backward, contended)
     dense = curves[DENSE]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, steps in curves.items():

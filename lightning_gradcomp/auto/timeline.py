@@ -13,7 +13,12 @@ The model is::
 
 where ``shift_b`` is the encode time of the buckets before ``b`` when encoding blocks the backward pass (the hook runs
 on the autograd thread: on CPU every encode delays the rest of the backward; on CUDA it only enqueues kernels and the
-shift is 0 when ``encode_blocks_backward`` is off), and ``wire_b`` is ``bytes_b`` scaled for the collective
+shift is 0 when ``encode_blocks_backward`` is off). When the CPU is *contended* (fewer cores than workers times
+their threads plus a communication thread each: CPU training on a small machine), communication is not free even
+when it overlaps: its CPU work (``Link.cpu_per_byte`` per byte) and the decoding take the core from the backward
+pass, so ``shift_b`` also gains ``cpu_per_byte * (bytes - dense bytes) + dec`` of every earlier bucket (the ready
+times were measured under dense communication, hence the difference). ``wire_b`` is ``bytes_b`` scaled for the
+collective
 (:func:`wire_bytes`). ``alpha`` and ``beta`` come from :func:`fit_link` on timed dense all-reduces of the real link,
 so they already include the all-reduce algorithm's own factor.
 """
@@ -33,10 +38,13 @@ class Link:
     Attributes:
         alpha: latency per collective, seconds.
         beta: bandwidth, bytes per second (of all-reduce payload per rank).
+        cpu_per_byte: host CPU seconds a rank spends per byte it all-reduces (gloo's copies and sums, the TCP stack);
+            what communication takes from the backward pass when the CPU is contended (see :func:`predict`).
     """
 
     alpha: float
     beta: float
+    cpu_per_byte: float = 0.0
 
     def time(self, nbytes: float, rounds: int = 1) -> float:
         """Seconds for ``rounds`` dependent collectives moving ``nbytes`` per rank in all."""
@@ -151,6 +159,7 @@ def predict(
     link: Link,
     timing: Timing,
     encode_blocks_backward: bool = True,
+    contended: bool = False,
 ) -> Prediction:
     """The step time of ``assignment`` (a candidate name per bucket) under the timeline model (module docstring)."""
     if len(assignment) != len(buckets):
@@ -159,16 +168,21 @@ def predict(
     starts: list[float] = []
     previous = 0.0
     shift = 0.0
+    compute_shift = 0.0  # the shift of the backward's end: every encode, the contention of all but the last bucket
     for bucket, name in zip(buckets, assignment):
         cost = bucket.costs[name]
         ready = bucket.ready + shift + cost.encode
         if encode_blocks_backward:
             shift += cost.encode
+        compute_shift = shift
         start = max(ready, previous)
         previous = start + link.time(cost.nbytes, cost.rounds) + cost.decode
         starts.append(start)
         finish.append(previous)
-    backward_end = timing.backward_end + shift
+        if contended:
+            dense = bucket.costs[DENSE].nbytes if DENSE in bucket.costs else cost.nbytes
+            shift += link.cpu_per_byte * (cost.nbytes - dense) + cost.decode
+    backward_end = timing.backward_end + compute_shift
     step = timing.forward + max(previous, backward_end) + timing.tail + timing.optimizer
     return Prediction(finish=tuple(finish), start=tuple(starts), step=step, backward_end=backward_end)
 
@@ -215,6 +229,7 @@ def plan_greedy(
     timing: Timing,
     margin: float = 0.03,
     encode_blocks_backward: bool = True,
+    contended: bool = False,
 ) -> Plan:
     """Choose a candidate per bucket: dense where communication is hidden, the least lossy one that pays elsewhere.
 
@@ -231,7 +246,7 @@ def plan_greedy(
     rank = {name: i for i, name in enumerate(names)}
 
     def step_of(assign: Sequence[str]) -> float:
-        return predict(buckets, assign, link, timing, encode_blocks_backward).step
+        return predict(buckets, assign, link, timing, encode_blocks_backward, contended).step
 
     dense = [DENSE] * len(buckets)
     dense_step = step_of(dense)
@@ -239,7 +254,7 @@ def plan_greedy(
     reasons: list[str] = []
     tried: set[int] = set()
     while True:
-        prediction = predict(buckets, assign, link, timing, encode_blocks_backward)
+        prediction = predict(buckets, assign, link, timing, encode_blocks_backward, contended)
         current = prediction.step
         tail = [b for b in range(exposed_tail(prediction, buckets, link), len(buckets)) if b not in tried]
         if not tail:
@@ -286,14 +301,17 @@ def speedup_curve(
     timing: Timing,
     bandwidths: Sequence[float],
     encode_blocks_backward: bool = True,
+    contended: bool = False,
 ) -> dict[str, list[float]]:
     """Predicted step time of every uniform candidate (and ``"auto"``) at each bandwidth (bytes/s), latency kept."""
     out: dict[str, list[float]] = {name: [] for name in [DENSE, *[c for c in candidates if c != DENSE], "auto"]}
     for beta in bandwidths:
-        at = Link(link.alpha, beta)
+        at = Link(link.alpha, beta, link.cpu_per_byte)
         for name in out:
             if name == "auto":
-                out[name].append(plan_greedy(buckets, candidates, at, timing, 0.03, encode_blocks_backward).predicted)
+                plan = plan_greedy(buckets, candidates, at, timing, 0.03, encode_blocks_backward, contended)
+                out[name].append(plan.predicted)
             elif all(name in b.costs for b in buckets):
-                out[name].append(predict(buckets, [name] * len(buckets), at, timing, encode_blocks_backward).step)
+                step = predict(buckets, [name] * len(buckets), at, timing, encode_blocks_backward, contended).step
+                out[name].append(step)
     return out

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import statistics
 import time
 from collections.abc import Mapping, Sequence
@@ -170,6 +171,7 @@ class AutoCompression(Callback):
         self._layout_version = -1
         self._trainer_step = 0
         self._fit_start = 0
+        self.model_options: dict[str, bool] = {"encode_blocks_backward": True, "contended": False}
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning hooks
@@ -190,6 +192,7 @@ class AutoCompression(Callback):
             self._planned = Planned(self.candidates, default=DENSE)
             strategy.compressor = self._planned
         self._planned.set_assignment(self.assignment)
+        self._set_model_options(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -286,7 +289,7 @@ class AutoCompression(Callback):
         local = {"link": link, "buckets": buckets, "timing": timing, "measured": measured_dense}
         local = self._local_measurements(trainer, local)
         self.local_plan = plan_greedy(local["buckets"], list(self.candidates), local["link"], local["timing"],
-                                      self.margin, self._blocking(trainer))  # fmt: skip
+                                      self.margin, **self.model_options)  # fmt: skip
         shared = trainer.strategy.broadcast(
             {**{k: (asdict(v) if k in ("link", "timing") else v) for k, v in local.items()}, "plan": self.local_plan},
             src=0,
@@ -296,7 +299,7 @@ class AutoCompression(Callback):
         self.buckets = list(shared["buckets"])
         self.plan = shared["plan"]
         self.calibrations += 1
-        dense_pred = predict(self.buckets, [DENSE] * len(self.buckets), self.link, self.timing, self._blocking(trainer))
+        dense_pred = predict(self.buckets, [DENSE] * len(self.buckets), self.link, self.timing, **self.model_options)
         self.baseline_step = shared["measured"]
         error = (dense_pred.step - self.baseline_step) / self.baseline_step
         event = {
@@ -386,21 +389,24 @@ class AutoCompression(Callback):
         """Time dense all-reduces of a few sizes on the real process group; fit ``alpha`` and ``beta``."""
         device = trainer.strategy.root_device
         group = trainer.strategy._ddp_kwargs.get("process_group")
-        samples = []
+        samples, cpu = [], []
         for nbytes in PROBE_SIZES:
             tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
-            times = []
+            times, cpu_times = [], []
             for _ in range(PROBE_REPEATS):
                 dist.barrier(group=group)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                begin = time.perf_counter()
+                begin, begin_cpu = time.perf_counter(), time.process_time()  # process time: gloo's threads too
                 dist.all_reduce(tensor, group=group)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - begin)
+                cpu_times.append(time.process_time() - begin_cpu)
             samples.append((nbytes, statistics.median(times)))
-        return fit_link(samples)
+            cpu.append((nbytes, statistics.median(cpu_times)))
+        link = fit_link(samples)
+        return Link(link.alpha, link.beta, 1.0 / fit_link(cpu).beta)
 
     def _measure_codecs(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, buckets: list[Bucket]
@@ -467,10 +473,17 @@ class AutoCompression(Callback):
         """This rank's measurements, before rank 0's are broadcast (tests override it to make ranks disagree)."""
         return measured
 
-    @staticmethod
-    def _blocking(trainer: pl.Trainer) -> bool:
-        # the hook runs on the autograd thread: on the CPU encoding delays the rest of the backward pass
-        return trainer.strategy.root_device.type == "cpu"
+    def _set_model_options(self, trainer: pl.Trainer) -> None:
+        cpu = trainer.strategy.root_device.type == "cpu"
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        workers = max(1, len(getattr(trainer.strategy, "parallel_devices", None) or [None]))
+        self.model_options = {
+            # the hook runs on the autograd thread: on the CPU encoding delays the rest of the backward pass
+            "encode_blocks_backward": cpu,
+            # fewer cores than the workers' compute threads plus a communication thread each: gloo's CPU work (and
+            # the decoding) takes its share from the backward pass even when it overlaps
+            "contended": cpu and cores < workers * (torch.get_num_threads() + 1),
+        }
 
     # ------------------------------------------------------------------------------------------------------------
     # Reporting
@@ -485,8 +498,7 @@ class AutoCompression(Callback):
         """The plan as a table: per bucket its size, ready time, candidate and predicted finish."""
         if self.plan is None or self.link is None or self.timing is None:
             return "gradcomp auto: no plan yet"
-        blocking = True
-        pred = predict(self.buckets, list(self.plan.assignment), self.link, self.timing, blocking)
+        pred = predict(self.buckets, list(self.plan.assignment), self.link, self.timing, **self.model_options)
         lines = [
             f"gradcomp auto: link alpha {self.link.alpha * 1e3:.3f} ms, beta {self.link.beta * 8 / 1e9:.3f} Gbit/s;"
             f" forward {self.timing.forward * 1e3:.1f} ms, backward {self.timing.backward_end * 1e3:.1f} ms,"
@@ -506,7 +518,7 @@ class AutoCompression(Callback):
         logger = trainer.logger
         if logger is None or self.plan is None or self.link is None or self.timing is None:
             return
-        pred = predict(self.buckets, list(self.plan.assignment), self.link, self.timing, self._blocking(trainer))
+        pred = predict(self.buckets, list(self.plan.assignment), self.link, self.timing, **self.model_options)
         names = list(self.candidates)
         metrics = {"auto/predicted_step_ms": self.plan.predicted * 1e3, "auto/dense_predicted_step_ms":
                    dense_pred.step * 1e3, "auto/dense_measured_step_ms": (self.baseline_step or 0) * 1e3,
