@@ -3,9 +3,10 @@ against dense (plain DDP's all-reduce) and every fixed candidate, side by side i
 
 One Lightning run per link: ``AutoCompression`` calibrates (dense steps, link probe, codec timing) and plans; then the
 run goes through segments, each a fixed assignment for ``--warm`` + ``--measure`` steps: dense, every candidate on
-every bucket, and auto's own plan. For each segment it reports the timeline model's prediction and the measured
-median step time. The dense segment is the hook's dense path (torch's ``allreduce_hook``, bitwise plain DDP) inside
-the same run, so that every configuration shares the process, the data and the machine's state.
+every bucket, and auto's own plan, ``--rounds`` times interleaved (the median over all measured steps). For each
+configuration it reports the timeline model's prediction and the measured median step time. The dense segment is the
+hook's dense path (torch's ``allreduce_hook``, bitwise plain DDP) inside the same run, so that every configuration
+shares the process, the data and the machine's state.
 
 Examples::
 
@@ -62,9 +63,9 @@ class ResNet18(pl.LightningModule):
 class Sweep(AutoCompression):
     """AutoCompression's calibration and plan, then fixed assignments in turn, each measured."""
 
-    def __init__(self, out: str, warm: int, measure: int, **kwargs) -> None:
+    def __init__(self, out: str, warm: int, measure: int, rounds: int = 1, **kwargs) -> None:
         super().__init__(**kwargs)
-        self.out, self.warm, self.measure = out, warm, measure
+        self.out, self.warm, self.measure, self.rounds = out, warm, measure, rounds
         self.segments: list[tuple[str, list[str]]] = []
         self.times: dict[str, list[float]] = {}
         self.segment = -1
@@ -78,7 +79,8 @@ class Sweep(AutoCompression):
         super()._calibrate_and_plan(trainer, pl_module)
         self.plan_seconds = time.perf_counter() - begin
         n = len(self.buckets)
-        self.segments = [(name, [name] * n) for name in self.candidates] + [("auto", list(self.plan.assignment))]
+        one = [(name, [name] * n) for name in self.candidates] + [("auto", list(self.plan.assignment))]
+        self.segments = one * self.rounds  # interleaved rounds: a drift of the machine hits every configuration
         self.phase = "sweep"
         self._next_segment()
 
@@ -111,7 +113,7 @@ class Sweep(AutoCompression):
         if not trainer.is_global_zero:
             return
         rows = []
-        for label, assignment in self.segments:
+        for label, assignment in self.segments[: len(self.segments) // self.rounds]:
             predicted = predict(self.buckets, assignment, self.link, self.timing, **self.model_options).step
             measured = medians[label]
             rows.append({"config": label, "assignment": assignment, "predicted_s": predicted, "measured_s": measured,
@@ -172,6 +174,7 @@ def main() -> None:
     parser.add_argument("--rate", default=None, help="shape loopback to this tc rate, e.g. 100mbit (needs root)")
     parser.add_argument("--warm", type=int, default=2)
     parser.add_argument("--measure", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds over the configurations")
     parser.add_argument("--calibration-steps", type=int, default=4)
     parser.add_argument("--skip-steps", type=int, default=6, help="steps before calibrating (the first are slow)")
     parser.add_argument("--candidates", nargs="+", default=CANDIDATES)
@@ -185,10 +188,10 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = os.path.abspath(args.json)
-    sweep = Sweep(out, args.warm, args.measure, candidates=args.candidates,
+    sweep = Sweep(out, args.warm, args.measure, args.rounds, candidates=args.candidates,
                   calibration_steps=args.calibration_steps, skip_steps=args.skip_steps)  # fmt: skip
     segments = len(args.candidates) + 1
-    steps = args.skip_steps + args.calibration_steps + segments * (args.warm + args.measure) + 2
+    steps = args.skip_steps + args.calibration_steps + args.rounds * segments * (args.warm + args.measure) + 2
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=CompressedDDP(start_method="spawn"), max_steps=steps,
                          callbacks=[sweep], logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)  # fmt: skip
