@@ -323,7 +323,8 @@ class AutoCompression(Callback):
         if new != self.previous_assignment and new:
             self._start("verify", self._trainer_step + 2, "a new plan is applied; its step time is measured")
         else:
-            self.expected_step = self.baseline_step
+            # a dense plan runs at the measured baseline; an unchanged compressed plan is measured by the drift check
+            self.expected_step = None if new else self.baseline_step
             self._start("steady", self._trainer_step + 1, "the plan is dense" if not new else "the plan is unchanged")
 
     def _verify(self, trainer: pl.Trainer) -> None:
@@ -354,7 +355,9 @@ class AutoCompression(Callback):
         mine = statistics.median(self._recent)
         self._recent = []
         now = trainer.strategy.broadcast(mine, src=0)
-        if self.expected_step and abs(now - self.expected_step) > self.drift * self.expected_step:
+        if self.expected_step is None:
+            self.expected_step = now
+        elif abs(now - self.expected_step) > self.drift * self.expected_step:
             why = f"the step time drifted from {self.expected_step * 1e3:.1f} to {now * 1e3:.1f} ms"
             self._start("calibrate", self._trainer_step + 1, why)
 
