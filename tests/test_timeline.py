@@ -139,3 +139,12 @@ def test_on_a_contended_cpu_communication_and_decoding_take_from_the_backward():
     assert contended.backward_end == pytest.approx(0.1021)
     # the dense assignment is what was measured: contention changes nothing there
     assert predict(_buckets(), [DENSE] * 3, link, TIMING, contended=True).step == pytest.approx(0.217)
+
+
+def test_fit_link_with_a_measured_latency_fits_the_slope_only():
+    # a token bucket lets the first bytes through at once: the intercept of the large sizes is negative
+    samples = [(1e6, 0.080), (4e6, 0.320)]
+    assert fit_link(samples).alpha == 0.0
+    link = fit_link(samples, alpha=0.005)
+    assert link.alpha == 0.005
+    assert link.beta == pytest.approx(1 / ((1e6 * 0.075 + 4e6 * 0.315) / (1e6**2 + 4e6**2)))

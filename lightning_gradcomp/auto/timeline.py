@@ -51,16 +51,24 @@ class Link:
         return rounds * self.alpha + nbytes / self.beta
 
 
-def fit_link(samples: Sequence[tuple[float, float]]) -> Link:
+def fit_link(samples: Sequence[tuple[float, float]], alpha: float | None = None) -> Link:
     """Least-squares fit of ``seconds = alpha + bytes / beta`` to ``(bytes, seconds)`` pairs.
 
-    ``alpha`` is clamped to >= 0 and the slope to a tiny positive number (a noisy fit of a very fast link).
+    ``alpha`` is clamped to >= 0 and the slope to a tiny positive number (a noisy fit of a very fast link). With
+    ``alpha`` given (the time of a tiny all-reduce: on a shaped link a token bucket lets the first kilobytes through at
+    line rate, so the intercept of larger sizes is not the latency), only the slope is fitted, on ``seconds - alpha``.
 
     Raises:
-        ValueError: If fewer than two distinct sizes are given.
+        ValueError: If fewer than two distinct sizes are given (one suffices with ``alpha``).
     """
     xs = [float(b) for b, _ in samples]
     ys = [float(s) for _, s in samples]
+    if alpha is not None:
+        if not any(xs):
+            raise ValueError("Expected `samples` to hold a non-zero size.")
+        alpha = max(0.0, float(alpha))
+        slope = max(sum(x * (y - alpha) for x, y in zip(xs, ys)) / sum(x * x for x in xs), 1e-15)
+        return Link(alpha=alpha, beta=1.0 / slope)
     if len(set(xs)) < 2:
         raise ValueError(f"Expected `samples` to hold at least two distinct sizes, got {sorted(set(xs))}.")
     n = len(xs)

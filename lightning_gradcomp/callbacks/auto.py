@@ -35,8 +35,9 @@ from lightning_gradcomp.validation import check_int, check_number
 
 log = logging.getLogger(__name__)
 
-#: all-reduce sizes (bytes) timed to fit the link, each ``PROBE_REPEATS`` times
-PROBE_SIZES = (64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
+#: all-reduce sizes (bytes) timed to fit the link, each ``PROBE_REPEATS`` times; the first (one element) gives the
+#: latency, the others the bandwidth
+PROBE_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 PROBE_REPEATS = 3
 
 
@@ -394,7 +395,7 @@ class AutoCompression(Callback):
         group = trainer.strategy._ddp_kwargs.get("process_group")
         samples, cpu = [], []
         for nbytes in PROBE_SIZES:
-            tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+            tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
             times, cpu_times = [], []
             for _ in range(PROBE_REPEATS):
                 dist.barrier(group=group)
@@ -408,8 +409,8 @@ class AutoCompression(Callback):
                 cpu_times.append(time.process_time() - begin_cpu)
             samples.append((nbytes, statistics.median(times)))
             cpu.append((nbytes, statistics.median(cpu_times)))
-        link = fit_link(samples)
-        return Link(link.alpha, link.beta, 1.0 / fit_link(cpu).beta)
+        link = fit_link(samples[1:], alpha=samples[0][1])
+        return Link(link.alpha, link.beta, 1.0 / fit_link(cpu[1:], alpha=cpu[0][1]).beta)
 
     def _measure_codecs(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, buckets: list[Bucket]
