@@ -104,7 +104,9 @@ def test_every_rank_applies_rank_zeros_plan_and_calibrates_inside_a_dense_warmup
 
 
 def test_a_slower_link_after_the_switch_falls_back_with_the_reason(tmp_path):
-    ranks = _run(tmp_path, AutoCompression(link=SLOW, tolerance=1.0, **FAST), extra=[DelayCompressed(0.03)],
+    # the "slow link" is the model's input: on the real loopback TinyNet's codecs cost more than they save (2-3x the
+    # dense step), hence the tolerance of 5x; 30 ms per collective (6+ per step) puts the step far beyond it
+    ranks = _run(tmp_path, AutoCompression(link=SLOW, tolerance=5.0, **FAST), extra=[DelayCompressed(0.03)],
                  max_steps=14)  # fmt: skip
     for rank in ranks:
         verdicts = [e for e in rank["history"] if e["event"] == "verify"]
@@ -118,7 +120,7 @@ def test_a_slower_link_after_the_switch_falls_back_with_the_reason(tmp_path):
 
 def test_without_the_delay_the_plan_is_kept(tmp_path):
     """The control of the test above: the same run without the injected delay keeps its plan."""
-    ranks = _run(tmp_path, AutoCompression(link=SLOW, tolerance=1.0, **FAST), max_steps=14)
+    ranks = _run(tmp_path, AutoCompression(link=SLOW, tolerance=5.0, **FAST), max_steps=14)
     for rank in ranks:
         verdicts = [e for e in rank["history"] if e["event"] == "verify"]
         assert verdicts
