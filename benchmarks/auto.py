@@ -169,7 +169,24 @@ def table(result: dict, rate: str) -> str:
     return "\n".join(lines)
 
 
+def plot_from(path: str, png: str) -> None:
+    """The advise plot (predicted speed-up against bandwidth) from a result's measurements."""
+    from lightning_gradcomp.auto.report import plot_speedup
+    from lightning_gradcomp.auto.timeline import Bucket, Cost, Link, Timing
+
+    with open(path) as f:
+        result = json.load(f)
+    link = result["link"]
+    buckets = [Bucket(b["ready_s"], b["numel"], (), {k: Cost(**c) for k, c in b["costs"].items()})
+               for b in result["buckets"]]  # fmt: skip
+    plot_speedup(png, buckets, list(buckets[0].costs), Link(link["alpha_s"], link["beta_Bps"], link["cpu_s_per_byte"]),
+                 Timing(**result["timing"]), **result["model_options"])  # fmt: skip
+
+
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--plot-from":  # python auto.py --plot-from result.json out.png
+        plot_from(sys.argv[2], sys.argv[3])
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default=None, help="shape loopback to this tc rate, e.g. 100mbit (needs root)")
     parser.add_argument("--warm", type=int, default=2)

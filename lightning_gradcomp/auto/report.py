@@ -93,6 +93,7 @@ def plot_speedup(
     ax.axhline(1.0, color="k", lw=0.8, ls="--")
     ax.axvline(link.beta * 8 / 1e9, color="grey", lw=0.8, ls=":", label="measured link")
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("bandwidth (Gbit/s), latency as measured")
     ax.set_ylabel("predicted speed-up over plain DDP")
     ax.legend(fontsize=8)
