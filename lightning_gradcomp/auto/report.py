@@ -59,8 +59,9 @@ def advice(
     lines.append("")
     for label, plan in plans.items():
         used = sorted(set(plan.assignment) - {DENSE})
+        rest = ", the rest dense" if DENSE in plan.assignment else ""
         what = "plain DDP (every bucket dense)" if not used else (
-            ", ".join(f"{n} on {plan.assignment.count(n)} bucket(s)" for n in used) + ", the rest dense")  # fmt: skip
+            ", ".join(f"{n} on {plan.assignment.count(n)} bucket(s)" for n in used) + rest)  # fmt: skip
         speedup = plan.dense_predicted / plan.predicted
         lines.append(f"recommendation at {label}: {what}; predicted {speedup:.2f}x plain DDP")
     return "\n".join(lines)
