@@ -174,3 +174,15 @@ def test_a_fast_link_stays_dense(tmp_path):
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(MisconfigurationException, match=match):
         AutoCompression(**kwargs)
+
+
+def test_periodic_replanning_calibrates_again_from_a_compressed_plan(tmp_path):
+    auto = AutoCompression(link=SLOW, tolerance=10.0, replan_every=4, **FAST)
+    ranks = _run(tmp_path, auto, max_steps=24)
+    for rank in ranks:
+        assert rank["calibrations"] >= 2, rank["history"]
+        whys = [e["why"] for e in rank["history"] if e["event"] == "phase" and e["phase"] == "calibrate"]
+        assert any("periodic" in why for why in whys)
+        # during the second calibration the buckets were dense again, then the same plan came back
+        assert rank["assignment"]
+    assert ranks[0]["steps"] == ranks[1]["steps"]
