@@ -13,10 +13,17 @@ signSGD's update is a sign, so its learning rate is the step size of every coord
 best of the sweep ``--sign-lr-sweep``; ``signsgd`` keeps SGD's 0.05 and 0.9 to show what happens otherwise.
 Everything is deterministic.
 
+``--task digits32`` is a CIFAR-shaped version of the same task (no CIFAR data can be downloaded here): every digit is
+upsampled to 32x32 (bilinear) and drawn in 3 channels, in a random colour on a random background with Gaussian noise
+(a fixed draw per image), and ``Digits32CNN`` (three 3x3 convolutions of 16, 32 and 64 channels, each followed by a
+2x2 max pool, and two linear layers; 90k parameters) classifies it. The tensors and the layers are CIFAR's shape; the
+content is still the digits.
+
 Examples::
 
     python benchmarks/convergence.py
     python benchmarks/convergence.py --epochs 5 --configs identity qsgd terngrad
+    python benchmarks/convergence.py --task digits32 --configs identity lgc-ps lgc-allreduce --seeds 0 1 2
 """
 
 from __future__ import annotations
@@ -67,6 +74,13 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     # then the autoencoder's code (the third-party defaults, 200 and 300 steps, would leave the 440 steps at stage 2)
     "lgc-ps": (lambda: LGC(ratio=0.01, innovation_ratio=0.001, dense_steps=44, training_steps=88), 0.05, 0.9),
     "lgc-allreduce": (lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=88), 0.05, 0.9),
+    # the same with twice the autoencoder's training (stage 2: 176 steps, stage 3: the last 220)
+    "lgc-ps-train2x": (lambda: LGC(ratio=0.01, innovation_ratio=0.001, dense_steps=44, training_steps=176), 0.05, 0.9),
+    "lgc-allreduce-train2x": (
+        lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=176),
+        0.05,
+        0.9,
+    ),
     "lgc-allreduce-noproject": (
         lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=88, project=False),
         0.05,
@@ -81,18 +95,56 @@ SIGN_SWEEP: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     for momentum in (0.0, 0.9)
 }
 BATCH = 32
+TASKS = ("digits", "digits32")
 
 
-def train(rank: int, world_size: int, config: str, epochs: int, seed: int = 0) -> dict:
+def digits32() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The digits, CIFAR-shaped: ``(x_train, y_train, x_test, y_test)``, images of shape (3, 32, 32).
+
+    Each 8x8 digit is upsampled to 32x32 (bilinear) and drawn as ``background + (colour - background) * digit +
+    noise``: a colour in [0.4, 1] and a background in [0, 0.3] per channel, noise of standard deviation 0.05, drawn
+    once per image from a fixed seed.
+    """
+    x, y, x_test, y_test = digits()
+    images = nn.functional.interpolate(torch.cat([x, x_test]), size=(32, 32), mode="bilinear", align_corners=False)
+    g = torch.Generator().manual_seed(32)
+    n = images.shape[0]
+    colour = 0.4 + 0.6 * torch.rand(n, 3, 1, 1, generator=g)
+    background = 0.3 * torch.rand(n, 3, 1, 1, generator=g)
+    images = background + (colour - background) * images + 0.05 * torch.randn(n, 3, 32, 32, generator=g)
+    return images[: len(y)], y, images[len(y) :], y_test
+
+
+class Digits32CNN(nn.Module):
+    """Three 3x3 convolutions (16, 32, 64 channels), each followed by a 2x2 max pool, and two linear layers, for 3x32x32
+    images (90k parameters)."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        )  # fmt: skip
+        self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits."""
+        return self.classifier(self.features(x))
+
+
+def train(rank: int, world_size: int, config: str, epochs: int, seed: int = 0, task: str = "digits") -> dict:
     """Train one configuration on this rank; return held-out accuracy and the compression ratio seen.
 
-    ``seed`` sets the initial weights and the order of the batches (the held-out split stays the same).
+    ``seed`` sets the initial weights and the order of the batches (the held-out split stays the same); ``task``
+    is ``"digits"`` (``DigitsCNN``) or ``"digits32"`` (the CIFAR-shaped digits, ``Digits32CNN``).
     """
     factory, lr, momentum = {**CONFIGS, **SIGN_SWEEP}[config]
-    x, y, x_test, y_test = digits()
+    x, y, x_test, y_test = digits() if task == "digits" else digits32()
     shard_x, shard_y = x[rank::world_size], y[rank::world_size]
     steps_per_epoch = min(len(y[r::world_size]) for r in range(world_size)) // BATCH
-    model = DigitsCNN(seed)
+    model = DigitsCNN(seed) if task == "digits" else Digits32CNN(seed)
     ddp = DDP(model)
     state = CompressionState(factory())
     state.attach(ddp)
@@ -125,22 +177,24 @@ def train(rank: int, world_size: int, config: str, epochs: int, seed: int = 0) -
     }
 
 
-def _worker(rank: int, world_size: int, port: int, configs: list[str], epochs: int, seed: int, out: str) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, configs: list[str], epochs: int, seed: int, out: str, task: str
+) -> None:
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
-    results = {config: train(rank, world_size, config, epochs, seed) for config in configs}
+    results = {config: train(rank, world_size, config, epochs, seed, task) for config in configs}
     torch.save(results, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
 
-def run(configs: list[str], epochs: int, world_size: int = 2, seed: int = 0) -> dict[str, dict]:
+def run(configs: list[str], epochs: int, world_size: int = 2, seed: int = 0, task: str = "digits") -> dict[str, dict]:
     """Every configuration on ``world_size`` spawned gloo processes; rank 0's results."""
     from tests.distributed import free_port
 
     with tempfile.TemporaryDirectory() as out:
-        mp.spawn(_worker, args=(world_size, free_port(), configs, epochs, seed, out), nprocs=world_size)
+        mp.spawn(_worker, args=(world_size, free_port(), configs, epochs, seed, out, task), nprocs=world_size)
         ranks = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in range(world_size)]
     results = copy.deepcopy(ranks[0])
     for config in configs:
@@ -148,11 +202,12 @@ def run(configs: list[str], epochs: int, world_size: int = 2, seed: int = 0) -> 
     return results
 
 
-def table(runs: list[dict[str, dict]], epochs: int, seeds: list[int]) -> str:
+def table(runs: list[dict[str, dict]], epochs: int, seeds: list[int], task: str = "digits") -> str:
     """One row per configuration: accuracy per seed, and the difference from dense (per seed, and the mean)."""
     first = runs[0]
+    what = "DigitsCNN on digits" if task == "digits" else "Digits32CNN on the CIFAR-shaped digits (3x32x32)"
     lines = [
-        f"DigitsCNN on digits, 2 workers x batch {BATCH}, {epochs} epochs ({next(iter(first.values()))['steps']}"
+        f"{what}, 2 workers x batch {BATCH}, {epochs} epochs ({next(iter(first.values()))['steps']}"
         f" steps), held-out accuracy on 360 images; seeds {', '.join(map(str, seeds))}",
         "",
         "| configuration | learning rate, momentum | accuracy (%) | vs dense (points) | mean vs dense | compression"
@@ -179,10 +234,11 @@ def main() -> None:
     parser.add_argument("--sign-lr-sweep", action="store_true", help="run dense and the sign learning-rate sweep")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="initial weights and batch order")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--task", choices=TASKS, default="digits", help="digits32: the CIFAR-shaped digits")
     args = parser.parse_args()
     configs = ["identity", *SIGN_SWEEP] if args.sign_lr_sweep else args.configs
-    runs = [run(configs, args.epochs, seed=seed) for seed in args.seeds]
-    print(table(runs, args.epochs, args.seeds))
+    runs = [run(configs, args.epochs, seed=seed, task=args.task) for seed in args.seeds]
+    print(table(runs, args.epochs, args.seeds, args.task))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": dict(zip(map(str, args.seeds), runs))}, f, indent=1)

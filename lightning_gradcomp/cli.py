@@ -4,6 +4,7 @@
 
     lightning-gradcomp fit --config recipes/cifar10_resnet18_powersgd.yaml
     lightning-gradcomp quickstart                  # offline, two CPU processes, under two minutes
+    lightning-gradcomp advise --config recipe.yaml # a few steps: the link, the codecs, what compression would pay
 
 Any component can be named by its short class name in a recipe (``class_path: PowerSGD``): importing this module
 imports lightning-gradcomp's strategy, compressors, callbacks and tasks first, as LightningCLI requires.
@@ -17,11 +18,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_gradcomp
 from lightning_gradcomp import callbacks, compressors, tasks  # noqa: F401  (registers short class names)
+from lightning_gradcomp.auto.report import advice, plot_speedup
+from lightning_gradcomp.callbacks import AutoCompression
 from lightning_gradcomp.compressors import Identity
 
 
@@ -103,6 +107,53 @@ def quickstart(argv: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
+class _AdviseReport(Callback):
+    """Print the advise report and write its plot on rank 0 at the end of the few measured steps."""
+
+    def __init__(self, auto: AutoCompression, png: str | None) -> None:
+        self.auto, self.png = auto, png
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        auto = self.auto
+        if not trainer.is_global_zero:
+            return
+        if auto.link is None or auto.timing is None or not auto.buckets:
+            print("lightning-gradcomp advise: the run ended before the calibration finished", flush=True)
+            return
+        names, options = list(auto.candidates), auto.model_options
+        print("\n" + advice(auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, **options),
+              flush=True)  # fmt: skip
+        if self.png:
+            plot_speedup(self.png, auto.buckets, names, auto.link, auto.timing, **options)
+            print(f"\npredicted speed-up against bandwidth: {self.png}", flush=True)
+
+
+def advise(argv: list[str]) -> None:
+    """Run a recipe for a few steps with :class:`AutoCompression` measuring; print what compression would pay.
+
+    Extra arguments are LightningCLI overrides, e.g. ``--trainer.devices 4``.
+    """
+    parser = argparse.ArgumentParser(
+        prog="lightning-gradcomp advise",
+        description="Measure the link, the backward pass and each candidate codec for a few steps (no training run);"
+        " print the predicted step time of each candidate at several bandwidths and the recommendation.",
+    )
+    parser.add_argument("--config", required=True, help="recipe (a LightningCLI YAML)")
+    parser.add_argument("--png", default="advise_speedup.png", help="where to write the plot ('' for none)")
+    parser.add_argument("--calibration-steps", type=int, default=5)
+    parser.add_argument("--candidates", nargs="+", default=None, help="candidate names (AutoCompression's)")
+    known, overrides = parser.parse_known_args(argv)
+    cli = GradcompCLI(args=["--config", known.config, *overrides], run=False, save_config_callback=None)
+    trainer = cli.trainer
+    auto = next((cb for cb in trainer.callbacks if isinstance(cb, AutoCompression)), None)
+    if auto is None:
+        auto = AutoCompression(candidates=known.candidates, calibration_steps=known.calibration_steps)
+        trainer.callbacks.append(auto)
+    trainer.callbacks.append(_AdviseReport(auto, known.png or None))
+    trainer.fit_loop.epoch_loop.max_steps = auto.skip_steps + auto.calibration_steps  # a few steps, not a run
+    trainer.fit(cli.model, datamodule=cli.datamodule)
+
+
 @rank_zero_only
 def _print_rank_zero(text: str) -> None:
     print(text, flush=True)
@@ -113,6 +164,9 @@ def main(args: list[str] | None = None) -> None:
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] == "quickstart":
         quickstart(argv[1:])
+        return
+    if argv and argv[0] == "advise":
+        advise(argv[1:])
         return
     GradcompCLI(args=argv, save_config_kwargs={"overwrite": True})
 

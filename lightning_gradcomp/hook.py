@@ -13,6 +13,7 @@ over layers.
 """
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,6 +51,8 @@ class _BucketPlan:
     compressed_runs: tuple[tuple[int, int], ...]  # [start, end) ranges of the bucket buffer
     dense_runs: tuple[tuple[int, int], ...]
     numel: int
+    #: the compressor that reduces this bucket (the strategy's, or the candidate a Planned compressor hands it to)
+    compressor: Compressor | None = field(default=None, compare=False)
     buffers: dict[str, Tensor] = field(default_factory=dict, compare=False)
 
     @property
@@ -121,7 +124,9 @@ class CompressionState:
         "enabled",
         "step",
         "after_reduce",
+        "recorder",
         # internal
+        "layout_version",
         "telemetry",
         "residuals",
         "_comm",
@@ -149,6 +154,11 @@ class CompressionState:
         # called with (bucket, future of its average) for every bucket; its future is what DDP receives (the
         # strategy sets it to a fused optimizer's bucket_step; runtime binding, not pickled)
         self.after_reduce: Callable[[dist.GradBucket, torch.futures.Future], torch.futures.Future] | None = None
+        # a list while a measurement runs (AutoCompression's calibration): each bucket appends
+        # [host time at the hook's entry, its layer names, its numel, host time its reduction finished]; None otherwise
+        # (then the hook does nothing extra). On CUDA the times are of the host's view (issue, not kernel completion)
+        self.recorder: list[list[Any]] | None = None
+        self.layout_version = 0  # counts DDP's bucket layouts (rebuilds, resumes), for callbacks that measure them
         self.telemetry = Telemetry()
         self.residuals = ErrorFeedback()
         self._comm: Comm | None = None
@@ -227,6 +237,8 @@ class CompressionState:
         if cached is not None and cached.signature == signature and cached.compressor_key == compressor.plan_key():
             return cached
         plan = self._make_plan(signature, params, bucket.buffer().numel(), compressor)
+        if cached is None or cached.signature != signature:
+            self.layout_version += 1
         if cached is not None:
             # the layout or the compressor changed: residuals must follow their parameters, not the bucket
             self.residuals.spill()
@@ -241,10 +253,11 @@ class CompressionState:
         offset = 0
         for p in params:
             index, name = self._names.get(id(p), (-1, f"unnamed{len(every)}"))
-            layer = Layer(name, index, p.shape, offset)
-            every.append(layer)
+            every.append(Layer(name, index, p.shape, offset))
+            offset += every[-1].numel
+        compressor = compressor.bucket_compressor(every)
+        for layer in every:
             (compressed if compressor.compresses(layer, self.min_compress_numel) else dense).append(layer)
-            offset += layer.numel
         if offset != numel:
             raise RuntimeError(f"Bucket layout mismatch: parameters hold {offset} elements, the buffer {numel}.")
         return _BucketPlan(
@@ -256,6 +269,7 @@ class CompressionState:
             compressed_runs=_runs(compressed),
             dense_runs=_runs(dense),
             numel=numel,
+            compressor=compressor,
         )
 
     # ------------------------------------------------------------------------------------------------------------
@@ -270,11 +284,16 @@ class CompressionState:
         changes of the whole step are committed after its last bucket, only if the step was finite on every rank;
         this is also where the step counter advances (its one writer, besides :meth:`load_state_dict`).
         """
+        entered = time.perf_counter() if self.recorder is not None else 0.0
         buffer = bucket.buffer()
         self.telemetry.add_bucket(buffer.numel() * buffer.element_size())
         plan = self.plan(bucket, self.compressor)
         reduced = self._reduce_split(bucket.index(), buffer, plan) if self.enabled else self._reduce_dense(
             bucket.index(), buffer, plan)  # fmt: skip
+        if self.recorder is not None:
+            entry = [entered, tuple(layer.name for layer in plan.every), plan.numel, None]
+            self.recorder.append(entry)
+            reduced = reduced.then(lambda fut, entry=entry: _stamp(fut, entry))
         self._in_flight.append(reduced)
         if not bucket.is_last():
             return reduced
@@ -287,10 +306,12 @@ class CompressionState:
                              dtype=like.dtype, device=like.device, seed=self.seed, comm=comm, updates=self._updates,
                              **fields)  # fmt: skip
 
-    def _all_reduce_dense(self, index: int, tensor: Tensor, layers: tuple[Layer, ...]) -> torch.futures.Future:
+    def _all_reduce_dense(
+        self, index: int, tensor: Tensor, layers: tuple[Layer, ...], compressor: Compressor
+    ) -> torch.futures.Future:
         """Plain averaging of ``tensor``, then the compressor's dense update (DGC's momentum, signSGD's sign)."""
         averaged = self.comm.all_reduce((tensor.div_(self.comm.world_size),)).then(lambda fut: fut.value()[0])
-        if not self.compressor.has_dense_update:
+        if not compressor.has_dense_update:
             return averaged
         ctx = self._context(index, layers, tensor)
 
@@ -299,26 +320,27 @@ class CompressionState:
             # the average is the same on every rank, and a NaN anywhere reaches it: no flag needs to travel
             # the step's own updates, captured at issue time: this callback may run after the next step began
             ctx.updates.observe(torch.isfinite(torch.sum(average, dtype=torch.float64)))
-            self.compressor.finish_dense(average, ctx)
+            compressor.finish_dense(average, ctx)
             return average
 
         return averaged.then(finish)
 
     def _reduce_dense(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
         self.residuals.prepare(index, (), None, plan.every, buffer, keep=False)
-        return self._all_reduce_dense(index, buffer, plan.every)
+        return self._all_reduce_dense(index, buffer, plan.every, plan.compressor)
 
     def _reduce_split(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
         dense = plan.gather(buffer, "dense") if plan.dense else None
         tensor = plan.gather(buffer, "compressed") if plan.compressed else None
+        compressor = plan.compressor
         residual, new_residual = self.residuals.prepare(
-            index, plan.compressed, tensor, plan.dense, dense, keep=self.uses_error_feedback()
+            index, plan.compressed, tensor, plan.dense, dense, keep=self.uses_error_feedback(compressor)
         )
-        futures = [] if dense is None else [self._all_reduce_dense(index, dense, plan.dense)]
+        futures = [] if dense is None else [self._all_reduce_dense(index, dense, plan.dense, compressor)]
         if tensor is None:
             return futures[0].then(lambda fut: plan.scatter(buffer, None, fut.value()))
         ctx = self._context(index, plan.compressed, tensor, residual=residual, new_residual=new_residual)
-        reduced = self.compressor.reduce(tensor, ctx)
+        reduced = compressor.reduce(tensor, ctx)
         if plan.whole_bucket:
             return reduced
         futures.append(reduced)
@@ -386,6 +408,11 @@ class CompressionState:
         self.__init__(**{k: v for k, v in state.items() if k != "step"})  # type: ignore[misc]
         self.step = state["step"]
         self.residuals.load_state_dict(residuals)
+
+
+def _stamp(fut: torch.futures.Future[Tensor], entry: list[Any]) -> Tensor:
+    entry[3] = time.perf_counter()
+    return fut.value()
 
 
 def _to_cpu(obj: Any) -> Any:

@@ -32,6 +32,7 @@ from lightning_gradcomp.compressors import (
     Identity,
     MaskedCompressor,
     OneBit,
+    Planned,
     PowerSGD,
     RandomK,
     ScaleCom,
@@ -66,6 +67,14 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "powersgd-r4-qr": lambda: PowerSGD(rank=4, min_compression_rate=1.0),
     "powersgd-batched": lambda: PowerSGD(rank=2, batch_same_shape=True),
     "powersgd-torch-init": lambda: PowerSGD(rank=2, init="torch"),
+    # the auto planner's dispatch: a bucket goes to the candidate of its largest assigned layer (param1: TopK;
+    # param0 only: PowerSGD, two rounds; nothing assigned: the default)
+    "planned": lambda: Planned(
+        {"dense": Identity(), "topk": TopK(ratio=0.1), "powersgd": PowerSGD(rank=2)},
+        {"param1": "topk", "param0": "powersgd"},
+    ),  # fmt: skip
+    "planned-powersgd": lambda: Planned({"dense": Identity(), "powersgd": PowerSGD(rank=2)}, {"param0": "powersgd"}),
+    "planned-default": lambda: Planned({"topk": TopK(ratio=0.1), "bf16": BF16()}),
     "masked": lambda: MaskedCompressor(Identity()),
     "masked-topk": lambda: MaskedCompressor(TopK(ratio=0.2)),
     "dgc": lambda: DGC(),
@@ -92,6 +101,9 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "lgc-allreduce": lambda: LGC(variant="allreduce"),
     "lgc-ps-stages": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=1, training_steps=2),
     "lgc-allreduce-stages": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2),
+    "lgc-ps-gather-stages": lambda: LGC(
+        ratio=0.05, innovation_ratio=0.005, dense_steps=1, training_steps=2, leader="rotating", ps_form="gather"
+    ),
     "lgc-ps-stage2": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=100),
     "lgc-allreduce-stage2": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=100),
     "lgc-ps-stage3": lambda: LGC(

@@ -57,3 +57,18 @@ def test_quickstart_table_reports_points_against_dense():
 def test_quickstart_names_the_missing_recipe(missing, tmp_path):
     result = _run("quickstart", "--config", str(tmp_path / missing), timeout=120)
     assert result.returncode != 0
+
+
+def test_advise_measures_a_few_steps_and_prints_the_prediction_and_the_recommendation(tmp_path):
+    png = tmp_path / "advise.png"
+    result = _run("advise", "--config", "recipes/quickstart.yaml", "--calibration-steps", "2", "--png", str(png),
+                  "--candidates", "dense", "bf16", "powersgd-r1", "--trainer.enable_progress_bar", "false")  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    out = result.stdout
+    assert "link (fitted on timed all-reduces): alpha" in out
+    assert re.search(r"^\| powersgd-r1 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+x \|$", out, flags=re.M), out[-3000:]
+    assert "| candidate | measured | 100 Mbit/s | 1 Gbit/s | 10 Gbit/s | 100 Gbit/s |" in out
+    assert re.search(r"^\| \*\*auto\*\* \|( [\d.]+ \|){5}$", out, flags=re.M)
+    for label in ("measured", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s", "100 Gbit/s"):
+        assert f"recommendation at {label}: " in out
+    assert png.stat().st_size > 1000

@@ -1,9 +1,10 @@
 """Callbacks that work with :class:`~lightning_gradcomp.CompressedDDP` (and, for ``TracIn``, any DDP strategy)."""
 
 from lightning_gradcomp.callbacks.accordion import Accordion
+from lightning_gradcomp.callbacks.auto import AutoCompression
 from lightning_gradcomp.callbacks.monitor import CompressionMonitor
 from lightning_gradcomp.callbacks.pactrain import PacTrain
 from lightning_gradcomp.callbacks.tracin import TracIn
 from lightning_gradcomp.callbacks.warmup import DGC_RAMP, DenseWarmup
 
-__all__ = ["DGC_RAMP", "Accordion", "CompressionMonitor", "DenseWarmup", "PacTrain", "TracIn"]
+__all__ = ["DGC_RAMP", "Accordion", "AutoCompression", "CompressionMonitor", "DenseWarmup", "PacTrain", "TracIn"]

@@ -7,6 +7,7 @@ from lightning_gradcomp.compressors.dgc import DGC
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.lgc import LGC
 from lightning_gradcomp.compressors.masked import MaskedCompressor, Masks
+from lightning_gradcomp.compressors.planned import Planned
 from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.quantize import QSGD, TernGrad
 from lightning_gradcomp.compressors.scalecom import ScaleCom
@@ -30,6 +31,7 @@ __all__ = [
     "Masks",
     "OneBit",
     "Payload",
+    "Planned",
     "PowerSGD",
     "RandomK",
     "ScaleCom",

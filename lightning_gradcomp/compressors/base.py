@@ -270,6 +270,15 @@ class Compressor(ABC):
         """
         return layer.ndim >= 2 and layer.numel >= max(min_numel, 1)
 
+    def bucket_compressor(self, layers: Sequence[Layer]) -> Compressor:
+        """The compressor that reduces a bucket of ``layers``: this one.
+
+        :class:`~lightning_gradcomp.compressors.Planned` hands each bucket to one of its candidates; the hook asks
+        this once per bucket layout and runs the answer as the bucket's compressor (its split into compressed and
+        dense layers, its error feedback, its dense update).
+        """
+        return self
+
     @property
     def default_error_feedback(self) -> bool:
         """Whether error feedback is on when the strategy is not told: on for biased compressors."""

@@ -22,6 +22,7 @@ __all__ = ["LGC"]
 _VARIANTS = ("ps", "allreduce")
 _LEADERS = ("fixed", "rotating")
 _OPTIMIZERS = ("adam", "sgd")
+_PS_FORMS = ("allgather", "gather")
 
 
 def _pad8(nbytes: int) -> int:
@@ -82,10 +83,10 @@ class LGC(Compressor):
     decodes every rank ``j``'s values at ``I_m`` with rank ``j``'s decoder, from the leader's code and ``j``'s
     innovation in ``I_m``'s slots; rank ``j``'s contribution is those values at ``I_m``, with its innovation, exact,
     at its own indices; the aggregate is the average of the contributions, computed alike on every rank. The
-    all-gather form is chosen over gather-to-the-leader-then-broadcast because it moves fewer bytes (the leader
-    broadcasts ``~k/4`` code numbers instead of ``k`` decoded values) in the same number of rounds, and every rank's
-    ``n`` decoder passes run in parallel where the other form makes everyone wait for the leader's ``n``
-    (docs/lgc.md has the measured figures).
+    all-gather form (``ps_form="allgather"``, the default) moves fewer bytes than the gather-to-the-leader form
+    (``ps_form="gather"``: only the leader decodes every rank, and it broadcasts the ``k`` averaged values with its
+    code and indices, so that each other rank decodes only itself, for its error feedback); the two give bitwise
+    the same aggregate and residuals. docs/lgc.md has their measured bytes and times.
 
     **Variant ``"allreduce"``** (the paper's ring-all-reduce instance). The leader's top-k indices are broadcast to
     every rank (round 0, as :class:`~lightning_gradcomp.compressors.ScaleCom`), with its scale in stage 3. Stage 2
@@ -142,6 +143,11 @@ class LGC(Compressor):
             fit to the true average, clamped to [0, 1], from one more all-reduce of one number per layer (a third
             round). This package's design: without it the all-reduce variant diverged on the digits task
             (docs/lgc.md).
+        ps_form: ``"ps"`` only (``None``: ``"allgather"``): ``"allgather"``, every rank decodes every rank from the
+            leader's broadcast code; ``"gather"``, the innovations go to every rank as before (an all-gather: they
+            are a few hundred bytes, and the exchange has no gather), the leader alone decodes every rank and
+            broadcasts the averaged values with its code and indices, and every other rank decodes only its own
+            values (for its error feedback). Both give bitwise the same results; they differ in bytes and time.
         seed: the autoencoder's seed (its initialisation and the random rank of each training step).
 
     Raises:
@@ -177,6 +183,7 @@ class LGC(Compressor):
         normalize: bool = True,
         project: bool | None = None,
         seed: int = 0,
+        ps_form: str | None = None,
     ) -> None:
         super().__init__()
         self.variant = check_choice(variant, "variant", _VARIANTS)
@@ -209,6 +216,9 @@ class LGC(Compressor):
         if variant == "ps" and project is not None:
             raise ValueError(f"Expected `project` to be None with variant='ps' (all-reduce only), got {project!r}.")
         self.project = check_bool(project, "project", allow_none=True)
+        if variant == "allreduce" and ps_form is not None:
+            raise ValueError(f"Expected `ps_form` to be None with variant='allreduce' (PS only), got {ps_form!r}.")
+        self.ps_form = check_choice(ps_form, "ps_form", (None, *_PS_FORMS))
         self.seed = check_int(seed, "seed", low=0)
         self._reset_autoencoder()
 
@@ -546,6 +556,8 @@ class LGC(Compressor):
         if stage == 2:
             return (yield from self._ps_topk(tensor, ctx) if self.variant == "ps" else self._shared_topk(tensor, ctx))
         if self.variant == "ps":
+            if self.ps_form == "gather":
+                return (yield from self._ps_code_gathered(tensor, ctx, model))
             return (yield from self._ps_code(tensor, ctx, model))
         return (yield from self._allreduce_code(tensor, ctx, model))
 
@@ -608,6 +620,38 @@ class LGC(Compressor):
             out.index_add_(0, indices, decoded).index_add_(0, idx.long(), correction)
         return out.div_(ctx.world_size)
 
+    def _ps_code_gathered(self, tensor: Tensor, ctx: BucketContext, model: LGCAutoencoder) -> Exchange:
+        """``ps_form="gather"``: the leader decodes every rank and broadcasts the average at the indices it touched."""
+        layout, leader = self._layout(ctx), self.leader_of(ctx)
+        own = self._top(tensor, ctx, self._innovation_counts(ctx))
+        gathered = yield AllGather((tensor[own], own.to(self._index_dtype(ctx))))
+        touched = torch.cat([idx.long() for _, idx in gathered])  # every rank's innovation indices, in rank order
+        k, mine = layout.slots, None
+        if ctx.rank == leader:
+            blob = top_k_blob(tensor, layout, sort=True)
+            indices = torch.cat(decode_sparse(layout, blob))
+            code = self._ps_leader_code(model, tensor, indices, ctx)
+            # the all-gather form's sum, in the same order, so that both forms agree bitwise
+            total = torch.zeros_like(tensor)
+            for j, (values, idx) in enumerate(gathered):
+                decoded, correction = self._ps_contribution(model, j, code, indices, values, idx.long(), ctx)
+                total.index_add_(0, indices, decoded).index_add_(0, idx.long(), correction)
+                mine = decoded if j == ctx.rank else mine
+            total.div_(ctx.world_size)
+            averaged = torch.cat([total[indices], total[touched]])
+        else:
+            blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
+            code = torch.zeros(self._code_numel(ctx) + len(ctx.layers), dtype=torch.float32, device=ctx.device)
+            averaged = torch.zeros(k + touched.numel(), dtype=ctx.dtype, device=ctx.device)
+        code, shared, averaged = yield Broadcast((code, blob, averaged), src=leader)
+        indices = torch.cat(decode_sparse(layout, shared))
+        if ctx.new_residual is not None:
+            if mine is None:  # this rank's own decoder only: what the aggregate used for it
+                mine = self._ps_contribution(model, ctx.rank, code, indices, tensor[own], own, ctx)[0]
+            ctx.new_residual.copy_(tensor).index_add_(0, indices, mine, alpha=-1).index_fill_(0, own, 0)
+        out = tensor.zero_().index_copy_(0, indices, averaged[:k])
+        return out.index_copy_(0, touched, averaged[k:])
+
     def _allreduce_code(self, tensor: Tensor, ctx: BucketContext, model: LGCAutoencoder) -> Exchange:
         layout, leader = self._layout(ctx), self.leader_of(ctx)
         if ctx.rank == leader:
@@ -666,7 +710,8 @@ class LGC(Compressor):
 
         * stage 1: ``b d + b`` (the all-reduce, the flag in its dtype);
         * stage 2 ``"ps"``: ``p(b k) + p(4 k) + 8`` (the all-gather of values and int32 indices, packed with the flag);
-        * stage 3 ``"ps"``: ``p(b k_u) + p(4 k_u) + 8``, plus ``p(4 (c + L)) + B`` on the leader;
+        * stage 3 ``"ps"``: ``p(b k_u) + p(4 k_u) + 8``, plus ``p(4 (c + L)) + B`` on the leader, and with
+          ``ps_form="gather"`` also ``p(b (k + n k_u))`` on the leader (the averaged values);
         * stage 2 ``"allreduce"``: ``p(b k) + 8``, plus ``B`` on the leader;
         * stage 3 ``"allreduce"``: ``4 c + 4``, plus ``B + p(4 L)`` on the leader (its blob and scales), plus ``4 L``
           with ``project`` (one dot product per layer).
@@ -683,7 +728,10 @@ class LGC(Compressor):
                 return _pad8(b * k) + _pad8(index * k) + 8
             k_u = sum(self._innovation_counts(ctx))
             sent = _pad8(b * k_u) + _pad8(index * k_u) + 8
-            return sent + (_pad8(4 * (self._code_numel(ctx) + len(ctx.layers))) + blob if lead else 0)
+            if not lead:
+                return sent
+            sent += _pad8(4 * (self._code_numel(ctx) + len(ctx.layers))) + blob
+            return sent + (_pad8(b * (k + ctx.world_size * k_u)) if self.ps_form == "gather" else 0)
         if stage == 2:
             return _pad8(b * k) + 8 + (blob if lead else 0)
         projection = 4 * len(ctx.layers) if self._projects else 0

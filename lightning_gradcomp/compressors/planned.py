@@ -1,0 +1,154 @@
+"""``Planned``: a compressor that hands each bucket to one of several named candidates (the auto planner's output)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from torch import Tensor
+
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.exchange import Exchange
+
+
+class Planned(Compressor):
+    """Reduce each bucket with the candidate its layers are assigned to; the assignment can change between steps.
+
+    The assignment maps parameter names (stable across DDP's bucket rebuild and across a resume) to candidate
+    names. A bucket goes to the candidate of its largest assigned layer (the planner assigns every layer of a bucket
+    alike; after a rebuild mixes them, the largest layer decides); layers not in the assignment use ``default``.
+    The communication hook asks :meth:`bucket_compressor` for the bucket's candidate and runs it as if it were the
+    strategy's compressor: its own split into compressed and dense layers, its error feedback default, its rounds.
+
+    Changing the assignment (:meth:`set_assignment`) changes :meth:`plan_key`, so the hook re-plans its buckets and
+    moves every error-feedback residual back to its parameter; a layer whose new candidate keeps no residual pays
+    it into its next gradient (never lost, never paid twice).
+
+    Args:
+        candidates: name to compressor; every rank must hold the same names and configurations.
+        assignment: parameter name to candidate name.
+        default: the candidate of unassigned layers (default: the first candidate).
+
+    Raises:
+        ValueError: If ``candidates`` is empty, a value is not a compressor, or an assigned or default name is not a
+            candidate.
+
+    Example::
+
+        >>> from lightning_gradcomp.compressors import BF16, Identity, Planned
+        >>> Planned({"dense": Identity(), "bf16": BF16()}, {"fc.weight": "bf16"})
+        Planned(candidates={'dense': Identity(), 'bf16': BF16()}, assignment={'fc.weight': 'bf16'}, default='dense')
+    """
+
+    unbiased: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        candidates: Mapping[str, Compressor],
+        assignment: Mapping[str, str] | None = None,
+        default: str | None = None,
+    ) -> None:
+        super().__init__()
+        if not candidates:
+            raise ValueError("Expected `candidates` to name at least one compressor, got none.")
+        for name, candidate in candidates.items():
+            if not isinstance(candidate, Compressor) or isinstance(candidate, Planned):
+                raise ValueError(
+                    f"Expected `candidates` to map names to compressors (not Planned), got {name!r}: {candidate!r}."
+                )
+        self.candidates = dict(candidates)
+        self.default = next(iter(self.candidates)) if default is None else self._check_name(default, "default")
+        self.assignment: dict[str, str] = {}
+        self._version = 0
+        self.set_assignment(assignment or {})
+
+    def _check_name(self, name: str, argument: str) -> str:
+        if name not in self.candidates:
+            raise ValueError(f"Expected `{argument}` to name one of {sorted(self.candidates)}, got {name!r}.")
+        return name
+
+    def set_assignment(self, assignment: Mapping[str, str]) -> None:
+        """Assign parameters to candidates (the others to ``default``); call on every rank alike, between steps."""
+        checked = {str(layer): self._check_name(name, "assignment") for layer, name in assignment.items()}
+        if checked != self.assignment:
+            self.assignment = checked
+            self._version += 1
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Dispatch
+    # ----------------------------------------------------------------------------------------------------------
+    def candidate_name(self, layers: Sequence[Layer]) -> str:
+        """The candidate a bucket of ``layers`` goes to: that of its largest assigned layer, else ``default``."""
+        assigned = [layer for layer in layers if layer.name in self.assignment]
+        if not assigned:
+            return self.default
+        return self.assignment[max(assigned, key=lambda layer: (layer.numel, -layer.index)).name]
+
+    def bucket_compressor(self, layers: Sequence[Layer]) -> Compressor:
+        """The candidate that reduces a bucket of ``layers`` (see :meth:`candidate_name`)."""
+        return self.candidates[self.candidate_name(layers)]
+
+    @property
+    def collective(self) -> str:  # type: ignore[override]
+        """``"allreduce"`` if every candidate sums its payloads, else ``"allgather"`` (the hook asks per bucket)."""
+        return "allreduce" if all(c.collective == "allreduce" for c in self.candidates.values()) else "allgather"
+
+    @property
+    def rounds(self) -> int:  # type: ignore[override]
+        """The most rounds any candidate needs (process groups are made for all of them)."""
+        return max(candidate.rounds for candidate in self.candidates.values())
+
+    def compresses(self, layer: Layer, min_numel: int) -> bool:
+        """What ``layer``'s own candidate decides."""
+        return self.bucket_compressor([layer]).compresses(layer, min_numel)
+
+    @property
+    def default_error_feedback(self) -> bool:
+        """Used only when the hook is not told per bucket: on if any candidate wants it."""
+        return any(candidate.default_error_feedback for candidate in self.candidates.values())
+
+    def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
+        """The bucket's candidate's payload."""
+        return self.bucket_compressor(ctx.layers).compress(tensor, ctx)
+
+    def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """The bucket's candidate's decompression."""
+        return self.bucket_compressor(ctx.layers).decompress(payload, ctx, out)
+
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+        """The bucket's candidate's accumulation (error feedback, momentum correction)."""
+        self.bucket_compressor(ctx.layers).accumulate(tensor, ctx)
+
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        """The bucket's candidate's reduction (its rounds; fewer than :attr:`rounds` is allowed)."""
+        return (yield from self.bucket_compressor(ctx.layers).exchange(tensor, ctx))
+
+    def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
+        """The bucket's candidate's dense update."""
+        self.bucket_compressor(ctx.layers).finish_dense(average, ctx)
+
+    @property
+    def has_dense_update(self) -> bool:
+        """Whether any candidate has a dense update."""
+        return any(candidate.has_dense_update for candidate in self.candidates.values())
+
+    def plan_key(self) -> tuple:
+        """Changes with the assignment and with any candidate's own key (its levels)."""
+        return (id(self), self._version, tuple(c.plan_key() for c in self.candidates.values()))
+
+    # ----------------------------------------------------------------------------------------------------------
+    # State
+    # ----------------------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The assignment and every candidate's own state."""
+        return {
+            "assignment": dict(self.assignment),
+            "candidates": {name: candidate.state_dict() for name, candidate in self.candidates.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (candidates missing from it keep their state)."""
+        self.set_assignment(state_dict.get("assignment", {}))
+        for name, state in state_dict.get("candidates", {}).items():
+            if name in self.candidates:
+                self.candidates[name].load_state_dict(state)
