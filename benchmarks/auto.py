@@ -77,12 +77,21 @@ class Sweep(AutoCompression):
         self.calibration_steps_times = [r["step"] for r in self._records]
         begin = time.perf_counter()
         super()._calibrate_and_plan(trainer, pl_module)
-        self.plan_seconds = time.perf_counter() - begin
+        self.plan_seconds = time.perf_counter() - begin  # what auto costs: the default measures the exposed tail only
+        # every candidate on every bucket, for the report's uniform rows (not part of auto's cost)
+        self.buckets, _ = self._measure_codecs_all(trainer, pl_module)
         n = len(self.buckets)
         one = [(name, [name] * n) for name in self.candidates] + [("auto", list(self.plan.assignment))]
         self.segments = one * self.rounds  # interleaved rounds: a drift of the machine hits every configuration
         self.phase = "sweep"
         self._next_segment()
+
+    def _measure_codecs_all(self, trainer, pl_module):
+        measure, self.measure = self.measure, "all"
+        try:
+            return self._measure_codecs(trainer, pl_module, self.buckets, self.link, self.timing)
+        finally:
+            self.measure = measure
 
     def _next_segment(self):
         self.segment += 1
@@ -110,6 +119,7 @@ class Sweep(AutoCompression):
     def _report(self, trainer):
         medians = {k: statistics.median(v) for k, v in self.times.items()}
         medians = trainer.strategy.broadcast(medians, src=0)
+        plan_event = [e for e in self.history if e["event"] == "plan"][-1]
         if not trainer.is_global_zero:
             return
         rows = []
@@ -119,7 +129,7 @@ class Sweep(AutoCompression):
             rows.append({"config": label, "assignment": assignment, "predicted_s": predicted, "measured_s": measured,
                          "error": (predicted - measured) / measured, "steps_s": self.times[label]})  # fmt: skip
         result = {
-            "link": {"alpha_s": self.link.alpha, "beta_Bps": self.link.beta, "cpu_s_per_byte": self.link.cpu_per_byte},
+            "link": {"alpha_s": self.link.alpha, "beta_Bps": self.link.beta},
             "model_options": self.model_options,
             "timing": vars(self.timing) if hasattr(self.timing, "__dict__") else str(self.timing),
             "buckets": [{"numel": b.numel, "ready_s": b.ready, "layers": len(b.layers),
@@ -127,7 +137,8 @@ class Sweep(AutoCompression):
             "plan": {"assignment": list(self.plan.assignment), "predicted_s": self.plan.predicted,
                      "reasons": list(self.plan.reasons)},  # fmt: skip
             "calibration": {"dense_step_s": self.calibration_steps_times, "plan_seconds": self.plan_seconds,
-                            "calibration_steps": self.calibration_steps},  # fmt: skip
+                            "calibration_steps": self.calibration_steps,
+                            "timed_buckets": plan_event["timed_buckets"]},  # fmt: skip
             "rows": rows,
         }
         with open(self.out, "w") as f:
@@ -179,7 +190,7 @@ def plot_from(path: str, png: str) -> None:
     link = result["link"]
     buckets = [Bucket(b["ready_s"], b["numel"], (), {k: Cost(**c) for k, c in b["costs"].items()})
                for b in result["buckets"]]  # fmt: skip
-    plot_speedup(png, buckets, list(buckets[0].costs), Link(link["alpha_s"], link["beta_Bps"], link["cpu_s_per_byte"]),
+    plot_speedup(png, buckets, list(buckets[0].costs), Link(link["alpha_s"], link["beta_Bps"]),
                  Timing(**result["timing"]), **result["model_options"])  # fmt: skip
 
 

@@ -149,6 +149,7 @@ def advise(argv: list[str]) -> None:
     if auto is None:
         auto = AutoCompression(candidates=known.candidates, calibration_steps=known.calibration_steps)
         trainer.callbacks.append(auto)
+    auto.measure = "all"  # the report predicts every candidate at other bandwidths: time them on every bucket
     trainer.callbacks.append(_AdviseReport(auto, known.png or None))
     trainer.fit_loop.epoch_loop.max_steps = auto.skip_steps + auto.calibration_steps  # a few steps, not a run
     trainer.fit(cli.model, datamodule=cli.datamodule)

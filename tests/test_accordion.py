@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import Accordion
 from lightning_gradcomp.callbacks.accordion import LocalGradientSum, relative_changes
-from lightning_gradcomp.compressors import Identity, PowerSGD, RandomK, TopK
+from lightning_gradcomp.compressors import BF16, Identity, Planned, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import keep_count
 from lightning_gradcomp.demo.digits import DigitsMLP, digits, fit
 from tests.distributed import run_distributed
@@ -274,7 +274,8 @@ def test_reference_default_levels_are_applied_per_layer(compressor, levels):
         ({"batch_size_factor": 4}, "does not switch the batch size"),
         ({"mode": "both", "batch_size_factor": 1}, "`batch_size_factor`"),
         ({"lr_drop": 1.5}, "`lr_drop`"),
-        ({"low_compression_level": "high"}, "`low_compression_level`"),
+        ({"low_compression_level": [2]}, "`low_compression_level`"),
+        ({"high_compression_level": float("nan")}, "`high_compression_level`"),
     ],
 )
 def test_bad_arguments_fail_at_construction(kwargs, match):
@@ -296,6 +297,15 @@ def test_setup_checks_the_strategy_and_the_levels():
     with pytest.raises(MisconfigurationException, match="invalid"):
         Accordion(low_compression_level=1.5, high_compression_level=0.1).setup(
             _stub(CompressedDDP(TopK(0.1)), module), module, "fit"
+        )
+    with pytest.raises(MisconfigurationException, match="invalid"):  # a candidate's name, but no candidates
+        Accordion(low_compression_level="high").setup(_stub(CompressedDDP(PowerSGD(rank=1)), module), module, "fit")
+    planned = Planned({"dense": Identity(), "bf16": BF16(), "topk": TopK(0.1)})
+    with pytest.raises(MisconfigurationException, match="name one of \\['dense', 'bf16', 'topk'\\]"):
+        Accordion(low_compression_level="fp8").setup(_stub(CompressedDDP(planned), module), module, "fit")
+    with pytest.raises(MisconfigurationException, match="less lossy candidate"):
+        Accordion(low_compression_level="topk", high_compression_level="bf16").setup(
+            _stub(CompressedDDP(planned), module), module, "fit"
         )
     stub = _stub(CompressedDDP(TopK(0.1)), module, [GradientAccumulationScheduler({0: 2})])
     with pytest.raises(MisconfigurationException, match="GradientAccumulationScheduler"):

@@ -128,14 +128,19 @@ def test_without_the_delay_the_plan_is_kept(tmp_path):
         assert rank["assignment"]
 
 
-def test_a_resumed_run_keeps_its_plan_and_measurements(tmp_path):
+def _first_run_with_a_checkpoint(tmp_path):
+    """12 steps compressing on 0.01 MB buckets; every rank's record and the checkpoint's directory."""
     ckpt = str(tmp_path / "ckpt")
     dirpath = str(tmp_path / "first")
     os.makedirs(dirpath, exist_ok=True)
     fit(_strategy(), dirpath, model=TinyNet(n=256), max_steps=12, enable_checkpointing=True,
         callbacks=[AutoCompression(link=SLOW, tolerance=10.0, **FAST), Record(dirpath),
                    ModelCheckpoint(dirpath=ckpt, filename="last")])  # fmt: skip
-    before = [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)]
+    return [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)], ckpt
+
+
+def test_a_resumed_run_keeps_its_plan_and_measurements(tmp_path):
+    before, ckpt = _first_run_with_a_checkpoint(tmp_path)
     assert before[0]["assignment"], "the first run compresses"
     saved = torch.load(os.path.join(ckpt, "last.ckpt"), weights_only=False)
     assert any(v.get("assignment") == before[0]["assignment"] for v in saved["callbacks"].values())
@@ -186,3 +191,102 @@ def test_periodic_replanning_calibrates_again_from_a_compressed_plan(tmp_path):
         # during the second calibration the buckets were dense again, then the same plan came back
         assert rank["assignment"]
     assert ranks[0]["steps"] == ranks[1]["steps"]
+
+
+class SlowSteps(Callback):
+    """From step ``start`` on, every step sleeps ``seconds`` before the optimizer step (the machine got slower)."""
+
+    def __init__(self, start, seconds):
+        self.start, self.seconds = start, seconds
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        if trainer.global_step >= self.start:
+            time.sleep(self.seconds)
+
+
+def test_a_step_time_that_drifts_calibrates_again(tmp_path):
+    # calibrate steps 2-4, verify 6-8, steady from 9; drift checks every 3 steps against the verified time; from step
+    # 12 every step is 0.5 s longer (TinyNet's step is tens of ms): the check of steps 12-14 re-plans from step 15
+    auto = AutoCompression(link=SLOW, tolerance=10.0, check_every=3, drift=2.0, **FAST)
+    ranks = _run(tmp_path, auto, extra=[SlowSteps(12, 0.5)], max_steps=17)
+    for rank in ranks:
+        calibrations = [e for e in rank["history"] if e["event"] == "phase" and e["phase"] == "calibrate"]
+        drifted = [e for e in calibrations if "drifted" in e["why"]]
+        assert [e["step"] for e in drifted] == [15], rank["history"]
+        assert rank["phase"] == "calibrate"
+    assert ranks[0]["history"] == ranks[1]["history"]
+
+
+def test_a_resume_on_other_buckets_calibrates_again(tmp_path):
+    """The checkpoint's plan was measured on 0.01 MB buckets; resumed with one bucket, DDP's layout differs."""
+    before, ckpt = _first_run_with_a_checkpoint(tmp_path)
+    buckets_before = len(next(e for e in before[0]["history"] if e["event"] == "plan")["assignment"])
+    assert buckets_before > 1
+    strategy = CompressedDDP(min_compress_numel=64, bucket_cap_mb=25, start_method="spawn")
+    dirpath = str(tmp_path / "resumed")
+    fit(strategy, dirpath, model=TinyNet(n=256), max_steps=22, ckpt_path=os.path.join(ckpt, "last.ckpt"),
+        callbacks=[AutoCompression(link=SLOW, tolerance=10.0, **FAST), Record(dirpath)])  # fmt: skip
+    after = [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)]
+    for rank in after:
+        assert rank["calibrations"] == 2, rank["history"]
+        whys = [e["why"] for e in rank["history"] if e["event"] == "phase" and e["phase"] == "calibrate"]
+        assert whys[-1] == "DDP's buckets changed"
+        plans = [e for e in rank["history"] if e["event"] == "plan"]
+        assert len(plans[-1]["assignment"]) == 1 < buckets_before
+    assert after[0]["steps"] == after[1]["steps"]
+
+
+def test_a_hidden_link_times_no_codec_and_the_plan_is_logged(tmp_path):
+    from lightning.pytorch.loggers import CSVLogger
+
+    # a link that hides every bucket: no candidate is worth timing (measure="tail"), the plan is dense
+    auto = AutoCompression(link=(1e-7, 1e13), **FAST)
+    ranks = _run(tmp_path, auto, max_steps=8, logger=CSVLogger(str(tmp_path), name="log"), log_every_n_steps=1)
+    for rank in ranks:
+        plan = next(e for e in rank["history"] if e["event"] == "plan")
+        assert plan["timed_buckets"] == []
+        assert set(plan["assignment"]) == {"dense"}
+    metrics = (tmp_path / "log" / "version_0" / "metrics.csv").read_text()
+    for column in ("auto/predicted_step_ms", "auto/dense_measured_step_ms", "auto/bucket0/method",
+                   "auto/bucket0/predicted_finish_ms", "auto/compressed"):  # fmt: skip
+        assert column in metrics.splitlines()[0], column
+
+
+def test_a_slow_link_times_every_bucket(tmp_path):
+    auto = AutoCompression(link=SLOW, tolerance=10.0, **FAST)
+    ranks = _run(tmp_path, auto, max_steps=6)
+    plan = next(e for e in ranks[0]["history"] if e["event"] == "plan")
+    assert plan["timed_buckets"] == list(range(len(plan["assignment"])))
+
+
+class RecordLimits(Record):
+    """Also record the limits (Accordion's levels on ``Planned``) in force at every step."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        planned = trainer.strategy.compressor
+        self.steps.append((trainer.global_step, dict(planned.assignment), planned.layer_levels))
+
+
+def test_accordion_limits_what_auto_may_choose(tmp_path):
+    """Accordion's first epochs are critical (limit: dense); once they are not, auto plans compression within the
+    new limit, from the measurements it already has (no second calibration)."""
+    from lightning_gradcomp.callbacks import Accordion
+
+    dirpath = str(tmp_path)
+    auto = AutoCompression(link=SLOW, tolerance=10.0, **FAST)
+    accordion = Accordion(interval=1, eta=100.0, high_compression_level="powersgd-r1")
+    fit(_strategy(), dirpath, model=TinyNet(n=256), max_epochs=4, max_steps=-1, limit_train_batches=4,
+        callbacks=[auto, accordion, RecordLimits(dirpath)])  # fmt: skip
+    ranks = [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)]
+    assert ranks[0]["steps"] == ranks[1]["steps"]
+    assert ranks[0]["history"] == ranks[1]["history"]
+    steps = ranks[0]["steps"]
+    # epochs 0 and 1 (steps 0-7): critical, every tracked layer limited to dense, and nothing compressed
+    assert all(set(levels.values()) == {"dense"} and not assignment for step, assignment, levels in steps[:8])
+    # from step 8 on: limited to powersgd-r1, which auto now uses; nothing lossier (topk-10%) is ever assigned
+    assert all(set(levels.values()) == {"powersgd-r1"} for _, _, levels in steps[8:])
+    assert any(assignment for _, assignment, _ in steps[8:])
+    assert all(set(assignment.values()) <= {"bf16", "powersgd-r1"} for _, assignment, _ in steps)
+    plans = [e for e in ranks[0]["history"] if e["event"] == "plan"]
+    assert [e.get("why") for e in plans] == [None, "limits changed (3 bucket(s) limited)"], plans
+    assert ranks[0]["calibrations"] == 1

@@ -99,3 +99,33 @@ def test_switching_to_dense_pays_every_residual():
         state.compressor.set_assignment({})
     hook.step([torch.zeros(numel, dtype=torch.float64) for _ in states])
     assert all(t.abs().sum() == 0 for t in states[0].residuals.state_dict().values())
+
+
+def test_a_limit_caps_the_bucket_at_its_strictest_layer():
+    planned = _planned()  # from the least lossy: dense, topk, psgd, bf16
+    planned.set_assignment({"a.weight": "psgd", "b.weight": "psgd"})
+    assert planned.limit == "bf16"  # the last candidate: no limit
+    assert planned.allowed(["a.weight"]) == ["dense", "topk", "psgd", "bf16"]
+    key = planned.plan_key()
+    planned.set_levels({"b.weight": "topk"})
+    assert planned.plan_key() != key, "a limit changes which candidate reduces a bucket: the hook must re-plan"
+    assert planned.candidate_name(LAYERS) == "topk"  # b.weight's limit holds for the whole bucket
+    assert planned.candidate_name(LAYERS[:1]) == "psgd"  # a.weight alone is not limited
+    planned.set_levels({"b.weight": "dense"})
+    assert planned.bucket_compressor(LAYERS) is planned.candidates["dense"]
+    planned.set_assignment({})
+    assert planned.candidate_name(LAYERS[:1]) == "dense"
+    assert planned.may_compress(LAYERS[0], 0)  # a.weight may still use any candidate
+    assert not planned.may_compress(LAYERS[2], 0)  # b.weight may only be dense
+    with pytest.raises(ValueError, match="`limit` to name one of"):
+        planned.set_levels({"a.weight": "fp8"})
+
+
+def test_state_keeps_the_limits():
+    planned = _planned()
+    planned.set_levels({"a.weight": "topk"})
+    restored = _planned()
+    restored.load_state_dict(planned.state_dict())
+    assert restored.layer_levels == {"a.weight": "topk"}
+    restored.load_state_dict(_planned().state_dict())
+    assert restored.layer_levels == {}

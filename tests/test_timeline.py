@@ -128,17 +128,18 @@ def test_the_advise_report_and_plot(tmp_path):
     assert (tmp_path / "s.png").stat().st_size > 1000
 
 
-def test_on_a_contended_cpu_communication_and_decoding_take_from_the_backward():
-    # b0 compressed: its 9 kB less traffic gives back 0.9 ms of CPU, its decode takes 1 ms: the later buckets are
-    # ready 0.1 ms later than without contention (2 ms encode + 0.1 ms): b2 finishes at 103.1 + 101 = 204.1 ms
-    link = Link(alpha=0.001, beta=1e6, cpu_per_byte=1e-7)
+def test_on_a_contended_cpu_decoding_takes_from_the_backward():
+    # b0 compressed ends at 20 + 2 + (1 + 1) + 1 = 25 ms; its 2 ms encode delays the later buckets and, contended,
+    # its 1 ms decode does too: b1 is ready at 53 ms and ends at 53 + 51 = 104, b2 starts at max(93, 104) and ends
+    # at 205 ms
     assignment = ["c", DENSE, DENSE]
-    assert predict(_buckets(), assignment, link, TIMING).step == pytest.approx(0.219)
-    contended = predict(_buckets(), assignment, link, TIMING, contended=True)
-    assert contended.step == pytest.approx(0.2191)
-    assert contended.backward_end == pytest.approx(0.1021)
+    assert predict(_buckets(), assignment, LINK, TIMING).step == pytest.approx(0.219)
+    contended = predict(_buckets(), assignment, LINK, TIMING, contended=True)
+    assert contended.finish == pytest.approx((0.025, 0.104, 0.205))
+    assert contended.step == pytest.approx(0.220)
+    assert contended.backward_end == pytest.approx(0.103)
     # the dense assignment is what was measured: contention changes nothing there
-    assert predict(_buckets(), [DENSE] * 3, link, TIMING, contended=True).step == pytest.approx(0.217)
+    assert predict(_buckets(), [DENSE] * 3, LINK, TIMING, contended=True).step == pytest.approx(0.217)
 
 
 def test_fit_link_with_a_measured_latency_fits_the_slope_only():

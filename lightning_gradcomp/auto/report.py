@@ -27,8 +27,8 @@ def advice(
     """The advise report: the measured link, backward and codec costs; predicted step times; the recommendation."""
     lines = [
         f"link (fitted on timed all-reduces): alpha {link.alpha * 1e3:.3f} ms per collective,"
-        f" beta {link.beta * 8 / 1e9:.3f} Gbit/s, CPU {link.cpu_per_byte * 1e9:.2f} ms per MB sent"
-        + (" (counted: the CPU is contended)" if contended else ""),
+        f" beta {link.beta * 8 / 1e9:.3f} Gbit/s"
+        + ("; the CPU is contended: decoding counts against the backward pass" if contended else ""),
         f"forward {timing.forward * 1e3:.1f} ms, backward (last bucket ready) {timing.backward_end * 1e3:.1f} ms,"
         f" optimizer {timing.optimizer * 1e3:.1f} ms"
         + (f"; measured dense step {measured_step * 1e3:.1f} ms" if measured_step else ""),
@@ -49,10 +49,10 @@ def advice(
     lines.append("| candidate | " + " | ".join(columns) + " |")
     lines.append("|---|" + "---|" * len(columns))
     options = {"encode_blocks_backward": encode_blocks_backward, "contended": contended}
-    plans = {label: plan_greedy(buckets, candidates, Link(link.alpha, beta, link.cpu_per_byte), timing, margin,
+    plans = {label: plan_greedy(buckets, candidates, Link(link.alpha, beta), timing, margin,
                                 **options) for label, beta in columns.items()}  # fmt: skip
     for name in names:
-        cells = [predict(buckets, [name] * len(buckets), Link(link.alpha, beta, link.cpu_per_byte), timing,
+        cells = [predict(buckets, [name] * len(buckets), Link(link.alpha, beta), timing,
                          **options).step for beta in columns.values()]  # fmt: skip
         lines.append(f"| {name} | " + " | ".join(f"{c * 1e3:.1f}" for c in cells) + " |")
     lines.append("| **auto** | " + " | ".join(f"{p.predicted * 1e3:.1f}" for p in plans.values()) + " |")

@@ -13,14 +13,16 @@ The model is::
 
 where ``shift_b`` is the encode time of the buckets before ``b`` when encoding blocks the backward pass (the hook runs
 on the autograd thread: on CPU every encode delays the rest of the backward; on CUDA it only enqueues kernels and the
-shift is 0 when ``encode_blocks_backward`` is off). When the CPU is *contended* (fewer cores than workers times
-their threads plus a communication thread each: CPU training on a small machine), communication is not free even
-when it overlaps: its CPU work (``Link.cpu_per_byte`` per byte) and the decoding take the core from the backward
-pass, so ``shift_b`` also gains ``cpu_per_byte * (bytes - dense bytes) + dec`` of every earlier bucket (the ready
-times were measured under dense communication, hence the difference). ``wire_b`` is ``bytes_b`` scaled for the
-collective
-(:func:`wire_bytes`). ``alpha`` and ``beta`` come from :func:`fit_link` on timed dense all-reduces of the real link,
-so they already include the all-reduce algorithm's own factor.
+shift is 0 when ``encode_blocks_backward`` is off). When the CPU is *contended* (fewer cores than workers times their
+threads plus a communication thread each: CPU training on a small machine), the decoding of every earlier bucket runs
+on a communication thread that takes its core from the backward pass, so ``shift_b`` gains it too. ``wire_b`` is
+``bytes_b`` scaled for the collective (:func:`wire_bytes`). ``alpha`` and ``beta`` come from :func:`fit_link` on timed
+dense all-reduces of the real link, so they already include the all-reduce algorithm's own factor.
+
+What is *not* modelled, by measurement: gloo's own CPU work per byte. An earlier version of this model gave a
+compressed bucket back the host CPU time its saved bytes would have cost (fitted from ``time.process_time()`` around
+the probes); on ResNet-18 with 2 CPU workers that predicted PowerSGD up to 32 % too fast at 100 Mbit/s, and dropping
+the term brought every candidate but one within 11 % at three links (docs/auto.md).
 """
 
 from __future__ import annotations
@@ -38,13 +40,10 @@ class Link:
     Attributes:
         alpha: latency per collective, seconds.
         beta: bandwidth, bytes per second (of all-reduce payload per rank).
-        cpu_per_byte: host CPU seconds a rank spends per byte it all-reduces (gloo's copies and sums, the TCP stack);
-            what communication takes from the backward pass when the CPU is contended (see :func:`predict`).
     """
 
     alpha: float
     beta: float
-    cpu_per_byte: float = 0.0
 
     def time(self, nbytes: float, rounds: int = 1) -> float:
         """Seconds for ``rounds`` dependent collectives moving ``nbytes`` per rank in all."""
@@ -188,8 +187,7 @@ def predict(
         starts.append(start)
         finish.append(previous)
         if contended:
-            dense = bucket.costs[DENSE].nbytes if DENSE in bucket.costs else cost.nbytes
-            shift += link.cpu_per_byte * (cost.nbytes - dense) + cost.decode
+            shift += cost.decode
     backward_end = timing.backward_end + compute_shift
     step = timing.forward + max(previous, backward_end) + timing.tail + timing.optimizer
     return Prediction(finish=tuple(finish), start=tuple(starts), step=step, backward_end=backward_end)
@@ -314,7 +312,7 @@ def speedup_curve(
     """Predicted step time of every uniform candidate (and ``"auto"``) at each bandwidth (bytes/s), latency kept."""
     out: dict[str, list[float]] = {name: [] for name in [DENSE, *[c for c in candidates if c != DENSE], "auto"]}
     for beta in bandwidths:
-        at = Link(link.alpha, beta, link.cpu_per_byte)
+        at = Link(link.alpha, beta)
         for name in out:
             if name == "auto":
                 plan = plan_greedy(buckets, candidates, at, timing, 0.03, encode_blocks_backward, contended)

@@ -20,6 +20,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor, Layer
+from lightning_gradcomp.compressors.planned import Planned
 from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
 
@@ -136,8 +137,9 @@ class Accordion(Callback):
             WikiText-2 LSTM).
         eta: threshold on the relative change of a layer's accumulated-gradient norm (the reference's 0.5).
         low_compression_level: the level in critical regimes (compresses less). ``None``: the reference's, PowerSGD
-            rank 2 or keep-ratio 0.99.
-        high_compression_level: the level otherwise. ``None``: PowerSGD rank 1 or keep-ratio 0.1.
+            rank 2 or keep-ratio 0.99; with AutoCompression, its first candidate (``"dense"``).
+        high_compression_level: the level otherwise. ``None``: PowerSGD rank 1 or keep-ratio 0.1; with
+            AutoCompression, its last candidate (no limit).
         mode: ``"levels"`` switches compression levels per layer (needs a compressor with a level),
             ``"batch_size"`` switches the batch size (any compressor, ``Identity`` included), ``"both"`` does both.
         batch_size_factor: how many times larger the effective batch is outside critical regimes (batch-size
@@ -160,14 +162,22 @@ class Accordion(Callback):
         >>> from lightning_gradcomp.compressors import PowerSGD
         >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=CompressedDDP(PowerSGD(rank=1)),
         ...                   callbacks=[Accordion(interval=10, low_compression_level=2, high_compression_level=1)])
+
+    With :class:`~lightning_gradcomp.callbacks.AutoCompression` (listed before Accordion), a level is a *limit*: the
+    most lossy candidate a layer may use (:class:`~lightning_gradcomp.compressors.Planned`). Accordion decides how
+    much compression is safe, AutoCompression what is fastest within it; the defaults are the first candidate
+    (``"dense"``) in critical regimes and no limit otherwise::
+
+        >>> from lightning_gradcomp.callbacks import AutoCompression
+        >>> callbacks = [AutoCompression(), Accordion(low_compression_level="bf16", high_compression_level="topk-1%")]
     """
 
     def __init__(
         self,
         interval: int = 10,
         eta: float = 0.5,
-        low_compression_level: int | float | None = None,
-        high_compression_level: int | float | None = None,
+        low_compression_level: int | float | str | None = None,
+        high_compression_level: int | float | str | None = None,
         mode: Mode = "levels",
         batch_size_factor: int | None = None,
         lr_drop: float = 1.0,
@@ -180,11 +190,12 @@ class Accordion(Callback):
                 "`low_compression_level` and `high_compression_level` are set but `mode='batch_size'` does not switch"
                 " compression levels (use mode='both')."
             )
-        # NaN would compare false with everything and silently pass the order check in setup
-        check_number(low_compression_level, "low_compression_level", low=0, low_open=True, allow_none=True,
-                     error=_MiscError)  # fmt: skip
-        check_number(high_compression_level, "high_compression_level", low=0, low_open=True, allow_none=True,
-                     error=_MiscError)  # fmt: skip
+        # NaN would compare false with everything and silently pass the order check in setup; a string is a
+        # candidate's name (AutoCompression's limits), checked against the candidates in setup
+        for name, level in (("low_compression_level", low_compression_level),
+                            ("high_compression_level", high_compression_level)):  # fmt: skip
+            if not isinstance(level, str):
+                check_number(level, name, low=0, low_open=True, allow_none=True, error=_MiscError)
         if batch_size_factor is not None:
             if mode == "levels":
                 raise MisconfigurationException(
@@ -201,6 +212,7 @@ class Accordion(Callback):
         self.lr_drop = float(lr_drop)
         # resolved in setup
         self._levels: tuple[Any, Any] | None = None
+        self._candidate_names: list[str] = []
         self._layers: list[str] = []
         self._base_accumulation = 1
         # state (saved in checkpoints; identical on every rank: rank 0's numbers are broadcast)
@@ -241,6 +253,7 @@ class Accordion(Callback):
         min_numel = strategy.compression_state.min_compress_numel
         if self.switches_levels:
             self._levels = self._resolve_levels(compressor)
+            self._candidate_names = list(compressor.candidates) if isinstance(compressor, Planned) else []
         if self.switches_batch_size:
             if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
                 raise MisconfigurationException(
@@ -270,9 +283,13 @@ class Accordion(Callback):
         if attribute is None:
             raise MisconfigurationException(
                 f"`Accordion(mode={self.mode!r})` switches compression levels, but {compressor!r} has no level to"
-                " switch (use PowerSGD, TopK or RandomK, or mode='batch_size')."
+                " switch (use PowerSGD, TopK or RandomK, or mode='batch_size'; with AutoCompression, list it before"
+                " Accordion in `callbacks`)."
             )
-        default_low, default_high = DEFAULT_LEVELS.get(attribute, (None, None))
+        if isinstance(compressor, Planned):  # AutoCompression's: critical regimes plan without compression
+            default_low, default_high = next(iter(compressor.candidates)), compressor.limit
+        else:
+            default_low, default_high = DEFAULT_LEVELS.get(attribute, (None, None))
         low = self.low_compression_level if self.low_compression_level is not None else default_low
         high = self.high_compression_level if self.high_compression_level is not None else default_high
         if low is None or high is None:
@@ -284,6 +301,12 @@ class Accordion(Callback):
             low, high = compressor.check_level(low), compressor.check_level(high)
         except ValueError as err:
             raise MisconfigurationException(f"`Accordion`: a level is invalid for {compressor!r}: {err}") from err
+        if isinstance(compressor, Planned) and not compressor.lossiness(low) < compressor.lossiness(high):
+            raise MisconfigurationException(
+                f"`low_compression_level` is the limit of critical regimes and must name a less lossy candidate than"
+                f" `high_compression_level` (candidates from the least lossy: {list(compressor.candidates)}), got"
+                f" low_compression_level={low!r} and high_compression_level={high!r}."
+            )
         if attribute in GENTLER_WHEN_LARGER and not low > high:
             raise MisconfigurationException(
                 f"`low_compression_level` is the level of critical regimes and must compress less than"
@@ -298,7 +321,8 @@ class Accordion(Callback):
             return _monitored_by_reference(layer, min_numel)
         for level in self._levels:
             probe.set_levels({layer.name: level})
-            if probe.compresses(layer, min_numel):
+            compresses = probe.may_compress if isinstance(probe, Planned) else probe.compresses
+            if compresses(layer, min_numel):
                 return True
         return False
 
@@ -410,7 +434,10 @@ class Accordion(Callback):
         for name in self._layers:
             pl_module.log(f"accordion/critical/{name}", float(critical.get(name, True)), **log)
             if name in levels:
-                pl_module.log(f"accordion/level/{name}", float(levels[name]), **log)
+                level = levels[name]
+                # a limit (AutoCompression's candidates) is logged as its position from the least lossy
+                value = float(self._candidate_names.index(level)) if isinstance(level, str) else float(level)
+                pl_module.log(f"accordion/level/{name}", value, **log)
             if changes is not None and changes.get(name, float("inf")) != float("inf"):
                 pl_module.log(f"accordion/norm_change/{name}", changes[name], **log)
         if self.switches_batch_size:

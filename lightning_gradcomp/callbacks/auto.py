@@ -24,7 +24,18 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gradcomp.auto.candidates import DEFAULT_CANDIDATES, KNOWN_CANDIDATES
-from lightning_gradcomp.auto.timeline import DENSE, Bucket, Cost, Link, Plan, Timing, fit_link, plan_greedy, predict
+from lightning_gradcomp.auto.timeline import (
+    DENSE,
+    Bucket,
+    Cost,
+    Link,
+    Plan,
+    Timing,
+    exposed_tail,
+    fit_link,
+    plan_greedy,
+    predict,
+)
 from lightning_gradcomp.auto.timeline import wire_bytes as _wire_bytes
 from lightning_gradcomp.compressors import Compressor, Identity, Planned
 from lightning_gradcomp.compressors.base import Layer
@@ -39,6 +50,9 @@ log = logging.getLogger(__name__)
 #: latency, the others the bandwidth
 PROBE_SIZES = (4, 64 * 1024, 1024 * 1024, 4 * 1024 * 1024)
 PROBE_REPEATS = 3
+#: timed runs of each candidate on each bucket after one warm-up run; the fastest counts (a run on a loaded machine
+#: can be an outlier: a single timed run once read TopK-10 % 3.7x slower than the next calibration did)
+CODEC_TIMED_RUNS = 2
 
 
 def _check_candidates(candidates: Any) -> dict[str, Compressor]:
@@ -108,6 +122,9 @@ class AutoCompression(Callback):
         check_every: steps between drift checks.
         link: ``(alpha seconds, beta bytes/s)`` to plan for instead of probing the link (to plan for a link you
             know, or for tests).
+        measure: ``"tail"`` times the candidates only on the buckets whose dense communication is exposed (the only
+            ones the planner may compress; cheap on a fast link), ``"all"`` on every bucket (what
+            ``lightning-gradcomp advise`` uses, to predict every candidate at other bandwidths).
 
     Raises:
         MisconfigurationException: If an argument is out of range or names an unknown candidate, or (in ``setup``)
@@ -133,6 +150,7 @@ class AutoCompression(Callback):
         drift: float = 0.25,
         check_every: int = 50,
         link: tuple[float, float] | None = None,
+        measure: str = "tail",
     ) -> None:
         error = MisconfigurationException
         self.candidates = _check_candidates(candidates)
@@ -150,6 +168,9 @@ class AutoCompression(Callback):
             check_number(link[0], "link[0] (alpha)", low=0, error=error)
             check_number(link[1], "link[1] (beta)", low=0, low_open=True, error=error)
         self.fixed_link = None if link is None else Link(float(link[0]), float(link[1]))
+        if measure not in ("tail", "all"):
+            raise error(f"Expected `measure` to be 'tail' or 'all', got {measure!r}.")
+        self.measure = measure
         # state (checkpointed; identical on every rank: rank 0's measurements and decisions are broadcast)
         self.phase = "calibrate"
         self.phase_start = self.skip_steps
@@ -170,6 +191,7 @@ class AutoCompression(Callback):
         self._recent: list[float] = []
         self._t: dict[str, float] = {}
         self._layout_version = -1
+        self._limits: dict[str, Any] = {}  # the limits (Planned's levels) the plan in force was made within
         self._trainer_step = 0
         self._fit_start = 0
         self.model_options: dict[str, bool] = {"encode_blocks_backward": True, "contended": False}
@@ -214,6 +236,8 @@ class AutoCompression(Callback):
             self._layout_version = state.layout_version
             if self.buckets and self._layout_changed(state):
                 self._start("calibrate", step, "DDP's buckets changed")
+        if self.phase == "steady" and self.buckets and self._planned.layer_levels != self._limits:
+            self._plan_within_new_limits(step)
         recording = (self.phase == "calibrate" and step >= self.phase_start) or (
             self.phase == "verify" and step >= self.phase_start and trainer.strategy.compression_enabled
         )
@@ -285,12 +309,15 @@ class AutoCompression(Callback):
     def _calibrate_and_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         records = self._last_layout(self._records)
         buckets, timing, measured_dense = self._summarise(records)
+        begin = time.perf_counter()
         link = self.fixed_link or self._probe_link(trainer)
-        buckets = self._measure_codecs(trainer, pl_module, buckets)
-        local = {"link": link, "buckets": buckets, "timing": timing, "measured": measured_dense}
+        buckets, timed = self._measure_codecs(trainer, pl_module, buckets, link, timing)
+        local = {"link": link, "buckets": buckets, "timing": timing, "measured": measured_dense, "timed": timed,
+                 "measuring_s": time.perf_counter() - begin}  # fmt: skip
         local = self._local_measurements(trainer, local)
-        self.local_plan = plan_greedy(local["buckets"], list(self.candidates), local["link"], local["timing"],
-                                      self.margin, **self.model_options)  # fmt: skip
+        self._limits = self._planned.layer_levels
+        self.local_plan = plan_greedy(self._within_limits(local["buckets"]), list(self.candidates), local["link"],
+                                      local["timing"], self.margin, **self.model_options)  # fmt: skip
         shared = trainer.strategy.broadcast(
             {**{k: (asdict(v) if k in ("link", "timing") else v) for k, v in local.items()}, "plan": self.local_plan},
             src=0,
@@ -313,6 +340,8 @@ class AutoCompression(Callback):
             "predicted": self.plan.predicted,
             "assignment": list(self.plan.assignment),
             "reasons": list(self.plan.reasons),
+            "timed_buckets": shared["timed"],
+            "measuring_s": shared["measuring_s"],
         }
         self.history.append(event)
         rank_zero_info(self.describe())
@@ -327,6 +356,40 @@ class AutoCompression(Callback):
             # a dense plan runs at the measured baseline; an unchanged compressed plan is measured by the drift check
             self.expected_step = None if new else self.baseline_step
             self._start("steady", self._trainer_step + 1, "the plan is dense" if not new else "the plan is unchanged")
+
+    def _within_limits(self, buckets: list[Bucket]) -> list[Bucket]:
+        """``buckets`` with only the candidates their layers' limits allow (Accordion's, through ``Planned``)."""
+        out = []
+        for bucket in buckets:
+            allowed = set(self._planned.allowed(bucket.layers))
+            out.append(Bucket(bucket.ready, bucket.numel, bucket.layers,
+                              {name: cost for name, cost in bucket.costs.items() if name in allowed}))  # fmt: skip
+        return out
+
+    def _plan_within_new_limits(self, step: int) -> None:
+        """The limits changed (Accordion's regime): plan again from the stored measurements, no new calibration.
+
+        The limits and the measurements are the same on every rank, so is the plan: nothing is broadcast.
+        """
+        assert self.link is not None
+        assert self.timing is not None
+        self._limits = self._planned.layer_levels
+        self.plan = plan_greedy(self._within_limits(self.buckets), list(self.candidates), self.link, self.timing,
+                                self.margin, **self.model_options)  # fmt: skip
+        limited = sum(len(self._planned.allowed(b.layers)) < len(self.candidates) for b in self.buckets)
+        self.history.append({"step": step, "event": "plan", "why": f"limits changed ({limited} bucket(s) limited)",
+                             "predicted": self.plan.predicted, "assignment": list(self.plan.assignment),
+                             "reasons": list(self.plan.reasons)})  # fmt: skip
+        rank_zero_info(self.describe())
+        self.previous_assignment = dict(self.assignment)
+        new = {name: cand for name, cand in self.plan.layer_assignment(self.buckets).items() if cand != DENSE}
+        self.assignment = new
+        self._planned.set_assignment(new)
+        if new != self.previous_assignment and new:
+            self._start("verify", step + 1, "the limits changed; the new plan's step time is measured")
+        elif new != self.previous_assignment:
+            self.expected_step = self.baseline_step
+            self._start("steady", step, "the limits changed; the plan is dense")
 
     def _verify(self, trainer: pl.Trainer) -> None:
         mine = statistics.median(r["step"] for r in self._records)
@@ -393,36 +456,53 @@ class AutoCompression(Callback):
         """Time dense all-reduces of a few sizes on the real process group; fit ``alpha`` and ``beta``."""
         device = trainer.strategy.root_device
         group = trainer.strategy._ddp_kwargs.get("process_group")
-        samples, cpu = [], []
+        samples = []
         for nbytes in PROBE_SIZES:
             tensor = torch.zeros(max(1, nbytes // 4), dtype=torch.float32, device=device)
-            times, cpu_times = [], []
+            times = []
             for _ in range(PROBE_REPEATS):
                 dist.barrier(group=group)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                begin, begin_cpu = time.perf_counter(), time.process_time()  # process time: gloo's threads too
+                begin = time.perf_counter()
                 dist.all_reduce(tensor, group=group)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 times.append(time.perf_counter() - begin)
-                cpu_times.append(time.process_time() - begin_cpu)
             samples.append((nbytes, statistics.median(times)))
-            cpu.append((nbytes, statistics.median(cpu_times)))
-        link = fit_link(samples[1:], alpha=samples[0][1])
-        return Link(link.alpha, link.beta, 1.0 / fit_link(cpu[1:], alpha=cpu[0][1]).beta)
+        return fit_link(samples[1:], alpha=samples[0][1])
 
     def _measure_codecs(
-        self, trainer: pl.Trainer, pl_module: pl.LightningModule, buckets: list[Bucket]
-    ) -> list[Bucket]:
-        """Each candidate's encode and decode time and payload bytes on every bucket's real gradients."""
-        strategy = trainer.strategy
-        state = strategy.compression_state
-        world = strategy.world_size
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, buckets: list[Bucket], link: Link, timing: Timing
+    ) -> tuple[list[Bucket], list[int]]:
+        """Each candidate's encode and decode time and payload bytes on the real gradients of the buckets that pay.
+
+        With ``measure="tail"`` only the buckets of the dense timeline's exposed tail are timed
+        (:func:`~lightning_gradcomp.auto.timeline.exposed_tail`): the planner never compresses a bucket before it,
+        since one that finishes before an idle gap cannot shorten the step, and compressing a later bucket does not
+        change that. None is timed when the exposed time is at most ``margin`` of the step: compression cannot
+        end a step before the backward pass does, so it could not gain the margin. On a fast link this is the last
+        bucket or none, which keeps the calibration cheap.
+
+        Returns:
+            The buckets with their costs, and the indices of the buckets whose candidates were timed.
+        """
+        dense = [Bucket(b.ready, b.numel, b.layers, {DENSE: Cost(0.0, 0.0, float(b.numel * 4), 1)}) for b in buckets]
+        if self.measure == "all":
+            timed = list(range(len(dense)))
+        else:
+            prediction = predict(dense, [DENSE] * len(dense), link, timing, **self.model_options)
+            if prediction.exposed <= self.margin * prediction.step:
+                timed = []  # compression can at most remove the exposed time: it cannot gain the margin
+            else:
+                timed = list(range(exposed_tail(prediction, dense, link), len(dense)))
+        state = trainer.strategy.compression_state
+        world = trainer.strategy.world_size
         params = dict(pl_module.named_parameters())
         index = {name: i for i, name in enumerate(params)}
-        out = []
-        for bucket in buckets:
+        out = list(dense)
+        for b in timed:
+            bucket = dense[b]
             layers, offset, grads = [], 0, []
             for name in bucket.layers:
                 p = params.get(name)
@@ -432,14 +512,12 @@ class AutoCompression(Callback):
                 offset += p.numel()
                 grads.append((p.grad if p.grad is not None else torch.randn_like(p)).detach().reshape(-1))
             flat = torch.cat(grads).float() if grads else torch.zeros(0)
-            nbytes = flat.numel() * 4
-            costs = {DENSE: Cost(0.0, 0.0, float(nbytes), 1)}
+            costs = dict(bucket.costs)
             for name, candidate in self.candidates.items():
-                if name == DENSE:
-                    continue
-                costs[name] = self._codec_cost(candidate, state, tuple(layers), flat, world)
-            out.append(Bucket(bucket.ready, bucket.numel, bucket.layers, costs))
-        return out
+                if name != DENSE:
+                    costs[name] = self._codec_cost(candidate, state, tuple(layers), flat, world)
+            out[b] = Bucket(bucket.ready, bucket.numel, bucket.layers, costs)
+        return out, timed
 
     @staticmethod
     def _codec_cost(
@@ -462,7 +540,7 @@ class AutoCompression(Callback):
         relaid = tuple(relaid)
         keep = state.uses_error_feedback(candidate)
         best = None
-        for attempt in range(2):  # the first run allocates and warms up (PowerSGD's query): the second is timed
+        for attempt in range(1 + CODEC_TIMED_RUNS):  # the first run allocates and warms up (PowerSGD's query)
             copies = [copy.deepcopy(candidate) for _ in range(world)]
             telemetry = [Telemetry() for _ in range(world)]
             residuals = [torch.zeros_like(sub) for _ in range(world)] if keep else None
@@ -559,6 +637,7 @@ class AutoCompression(Callback):
             "expected_step": self.expected_step,
             "history": list(self.history),
             "calibrations": self.calibrations,
+            "limits": dict(self._limits),
         }
 
     @override
@@ -567,7 +646,8 @@ class AutoCompression(Callback):
         self.phase_start = state_dict["phase_start"]
         self.assignment = dict(state_dict["assignment"])
         self.previous_assignment = dict(state_dict["previous_assignment"])
-        self.link = None if state_dict["link"] is None else Link(**state_dict["link"])
+        link = state_dict["link"]  # older checkpoints also hold "cpu_per_byte", no longer modelled
+        self.link = None if link is None else Link(alpha=link["alpha"], beta=link["beta"])
         self.timing = None if state_dict["timing"] is None else Timing(**state_dict["timing"])
         self.buckets = [
             Bucket(b["ready"], b["numel"], tuple(b["layers"]), {k: Cost(**c) for k, c in b["costs"].items()})
@@ -580,6 +660,7 @@ class AutoCompression(Callback):
         self.expected_step = state_dict["expected_step"]
         self.history = list(state_dict["history"])
         self.calibrations = state_dict["calibrations"]
+        self._limits = dict(state_dict.get("limits", {}))
         if self.phase in ("calibrate", "verify"):
             self._records = []  # a window cut by the checkpoint starts again
         if self._planned is not None:

@@ -9,6 +9,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload
 from lightning_gradcomp.compressors.exchange import Exchange
+from lightning_gradcomp.compressors.identity import Identity
 
 
 class Planned(Compressor):
@@ -23,6 +24,12 @@ class Planned(Compressor):
     Changing the assignment (:meth:`set_assignment`) changes :meth:`plan_key`, so the hook re-plans its buckets and
     moves every error-feedback residual back to its parameter; a layer whose new candidate keeps no residual pays
     it into its next gradient (never lost, never paid twice).
+
+    **Limits.** Candidates are ordered from the least lossy to the most. A layer's level (``level_attribute`` is
+    ``"limit"``, set with :meth:`set_levels`, what :class:`~lightning_gradcomp.callbacks.Accordion` switches) is the
+    most lossy candidate it may use; by default the last one. A bucket whose assigned candidate is lossier than the
+    strictest limit of its layers goes to that limit's candidate instead, so an accuracy limit holds from the step it
+    is set, whatever the plan (:class:`~lightning_gradcomp.callbacks.AutoCompression` then re-plans within it).
 
     Args:
         candidates: name to compressor; every rank must hold the same names and configurations.
@@ -41,6 +48,7 @@ class Planned(Compressor):
     """
 
     unbiased: ClassVar[bool] = False
+    level_attribute: ClassVar[str | None] = "limit"
 
     def __init__(
         self,
@@ -67,6 +75,35 @@ class Planned(Compressor):
             raise ValueError(f"Expected `{argument}` to name one of {sorted(self.candidates)}, got {name!r}.")
         return name
 
+    @property
+    def limit(self) -> str:
+        """The default limit of every layer: the most lossy candidate (no limit)."""
+        return next(reversed(self.candidates))
+
+    def check_level(self, value: Any) -> str:
+        """A limit must name a candidate."""
+        if not isinstance(value, str) or value not in self.candidates:
+            raise ValueError(f"Expected a `limit` to name one of {list(self.candidates)} (least lossy first), got"
+                             f" {value!r}.")  # fmt: skip
+        return value
+
+    def lossiness(self, name: str) -> int:
+        """The position of candidate ``name`` from the least lossy (0) to the most."""
+        return list(self.candidates).index(name)
+
+    def allowed(self, layers: Sequence[str]) -> list[str]:
+        """The candidates the strictest limit of ``layers`` (parameter names) allows, least lossy first."""
+        names = list(self.candidates)
+        cap = min((names.index(self._layer_levels.get(layer, self.limit)) for layer in layers), default=len(names) - 1)
+        return names[: cap + 1]
+
+    def may_compress(self, layer: Layer, min_numel: int) -> bool:
+        """Whether a candidate within ``layer``'s limit, other than plain averaging, compresses it (Accordion's)."""
+        return any(
+            not isinstance(self.candidates[name], Identity) and self.candidates[name].compresses(layer, min_numel)
+            for name in self.allowed([layer.name])
+        )
+
     def set_assignment(self, assignment: Mapping[str, str]) -> None:
         """Assign parameters to candidates (the others to ``default``); call on every rank alike, between steps."""
         checked = {str(layer): self._check_name(name, "assignment") for layer, name in assignment.items()}
@@ -78,11 +115,21 @@ class Planned(Compressor):
     # Dispatch
     # ----------------------------------------------------------------------------------------------------------
     def candidate_name(self, layers: Sequence[Layer]) -> str:
-        """The candidate a bucket of ``layers`` goes to: that of its largest assigned layer, else ``default``."""
+        """The candidate a bucket of ``layers`` goes to.
+
+        That of its largest assigned layer, else ``default``; if that is lossier than the strictest limit of the
+        bucket's layers, the limit's candidate.
+        """
         assigned = [layer for layer in layers if layer.name in self.assignment]
         if not assigned:
-            return self.default
-        return self.assignment[max(assigned, key=lambda layer: (layer.numel, -layer.index)).name]
+            name = self.default
+        else:
+            name = self.assignment[max(assigned, key=lambda layer: (layer.numel, -layer.index)).name]
+        if self._layer_levels:
+            allowed = self.allowed([layer.name for layer in layers])
+            if name not in allowed:
+                return allowed[-1]
+        return name
 
     def bucket_compressor(self, layers: Sequence[Layer]) -> Compressor:
         """The candidate that reduces a bucket of ``layers`` (see :meth:`candidate_name`)."""
@@ -133,22 +180,25 @@ class Planned(Compressor):
         return any(candidate.has_dense_update for candidate in self.candidates.values())
 
     def plan_key(self) -> tuple:
-        """Changes with the assignment and with any candidate's own key (its levels)."""
-        return (id(self), self._version, tuple(c.plan_key() for c in self.candidates.values()))
+        """Changes with the assignment, the limits and any candidate's own key (its levels)."""
+        return (id(self), self._version, self._levels_version, tuple(c.plan_key() for c in self.candidates.values()))
 
     # ----------------------------------------------------------------------------------------------------------
     # State
     # ----------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The assignment and every candidate's own state."""
+        """The assignment, the limits and every candidate's own state."""
         return {
             "assignment": dict(self.assignment),
+            "layer_levels": self.layer_levels,
             "candidates": {name: candidate.state_dict() for name, candidate in self.candidates.items()},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (candidates missing from it keep their state)."""
         self.set_assignment(state_dict.get("assignment", {}))
+        if state_dict.get("layer_levels") or self.layer_levels:
+            self.set_levels(state_dict.get("layer_levels", {}))
         for name, state in state_dict.get("candidates", {}).items():
             if name in self.candidates:
                 self.candidates[name].load_state_dict(state)
