@@ -1,4 +1,4 @@
-"""Comm: packing, byte accounting and the ordering of later rounds (single process)."""
+"""Comm: packing, byte accounting, the ordering of later rounds (single process) and settling at teardown."""
 
 import pytest
 import torch
@@ -86,3 +86,42 @@ def test_all_reduce_packs_same_dtype_tensors_and_keeps_shapes():
     assert c.dtype == torch.float16
     assert torch.equal(c, torch.full((2,), 2.0, dtype=torch.float16))
     assert len(world.issued) == 4  # one collective per dtype per rank
+
+
+def _settle_on_one_rank(rank, world_size):
+    """On a real one-rank gloo group: ``settle`` waits for a tracked collective that ends later on another thread,
+    and returns (with a warning) when one never ends."""
+    import logging
+    import threading
+
+    from lightning_gradcomp import comm
+
+    collectives = comm.TorchCollectives()
+    later = torch.futures.Future()
+    collectives._track(later)
+    timer = threading.Timer(0.2, later.set_result, args=(None,))
+    timer.start()
+    collectives.settle()
+    ended_on_return = later.done()
+    timer.join()
+    never = torch.futures.Future()
+    collectives._track(never)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    comm.log.addHandler(handler)
+    collectives.settle(timeout_s=0.1)
+    comm.log.removeHandler(handler)
+    never.set_result(None)
+    return {"ended_on_return": ended_on_return, "warnings": [r.getMessage() for r in records],
+            "left": len(collectives._running)}  # fmt: skip
+
+
+def test_settle_waits_for_the_collectives_still_running():
+    from tests.distributed import run_distributed
+
+    (result,) = run_distributed(_settle_on_one_rank, world_size=1)
+    assert result["ended_on_return"], "settle returned before the tracked collective ended"
+    assert len(result["warnings"]) == 1
+    assert "still running" in result["warnings"][0]
+    assert result["left"] == 0
