@@ -21,8 +21,8 @@ dense all-reduces of the real link, so they already include the all-reduce algor
 
 What is *not* modelled, by measurement: gloo's own CPU work per byte. An earlier version of this model gave a
 compressed bucket back the host CPU time its saved bytes would have cost (fitted from ``time.process_time()`` around
-the probes); on ResNet-18 with 2 CPU workers that predicted PowerSGD up to 32 % too fast at 100 Mbit/s, and dropping
-the term brought every candidate but one within 11 % at three links (docs/auto.md).
+the probes); on ResNet-18 with 2 CPU workers that predicted PowerSGD up to 32 % too fast at 100 Mbit/s. Without
+the term (and with the candidates timed through the real hook) the worst error at three links is 9 % (docs/auto.md).
 """
 
 from __future__ import annotations

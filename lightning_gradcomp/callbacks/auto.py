@@ -93,7 +93,8 @@ class AutoCompression(Callback):
        bucket is averaged densely while every rank records when each bucket reaches the hook (its ready time), the
        forward and optimizer times and the step time. Then every rank times dense all-reduces of a few sizes (the
        link's latency ``alpha`` and bandwidth ``beta`` by least squares) and each candidate's encode and decode on the
-       step's real bucket gradients, on simulated ranks in this process (no communication; bytes from the payloads).
+       step's real bucket gradients, through the real hook on simulated ranks in this process (no communication;
+       bytes from the payloads), on the buckets where compression could pay (``measure``).
     2. **Plan** on rank 0 with the timeline model (:func:`~lightning_gradcomp.auto.timeline.plan_greedy`): buckets
        whose communication is hidden by the backward pass stay dense, the exposed tail is compressed with the least
        lossy candidate that pays, and a switch must gain more than ``margin``. The plan (and rank 0's measurements)
@@ -104,6 +105,9 @@ class AutoCompression(Callback):
     4. **Re-plan** when DDP's buckets change (their layers, not only their order), every ``replan_every`` steps if
        set, and when the step time drifts from what was verified by more than ``drift`` (checked every
        ``check_every`` steps: one small broadcast).
+    5. **Limits**: a layer's level on ``Planned`` (set by :class:`~lightning_gradcomp.callbacks.Accordion`, listed
+       after this callback) is the most lossy candidate it may use; plans stay within the limits, and a change of
+       limits re-plans from the stored measurements (then verifies).
 
     The callback replaces the strategy's compressor by a :class:`~lightning_gradcomp.compressors.Planned` holding the
     candidates (or uses the strategy's own, when it is already one). Its state (the plan, the link, the measurements,
