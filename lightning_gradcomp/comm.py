@@ -17,8 +17,10 @@ from __future__ import annotations
 import atexit
 import collections
 import logging
+import pickle
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -28,7 +30,7 @@ from torch import Tensor
 
 from lightning_gradcomp.telemetry import Telemetry
 
-__all__ = ["CollectiveBackend", "Comm", "TorchCollectives", "release_round_groups"]
+__all__ = ["CollectiveBackend", "Comm", "TorchCollectives", "gather_objects", "gather_rows", "release_round_groups"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ _ALIGN = 8  # bytes; keeps every packed tensor aligned for any dtype up to 8 byt
 # end within moments; a peer that hangs instead is caught by the process group's timeout)
 SETTLE_S = 10.0
 SETTLE_GRACE_S = 0.5  # then, after a failure, for the worker threads to run and drop the futures' callbacks
+RELEASE_S = 5.0  # how long gather_rows waits for the process group's thread to let go of its tensors
 
 
 class CollectiveBackend(Protocol):
@@ -128,6 +131,67 @@ def release_round_groups(base: dist.ProcessGroup | None = None) -> None:
         if base is None or old_base is base:
             del _ROUND_GROUPS[key]
             _release(groups)
+
+
+def gather_rows(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:
+    """All-gather ``tensor`` into a ``(world_size, *tensor.shape)`` tensor, and return once torch has let go of it.
+
+    For the collectives a run issues last (the end-of-training summary, the replica checks). A process group's thread
+    (gloo's worker, NCCL's watchdog) keeps its own reference to a collective's tensors until a moment after the
+    collective completed, and dropping the reference to a tensor that Python has seen takes the GIL. If the main
+    thread has reached interpreter finalisation by then, the thread cannot take the GIL, is ended inside a C++
+    destructor and the process aborts after a successful run (``terminate called without an active exception``: a
+    core dump shows ``~AsyncAllgatherWork`` on gloo's ``runLoop`` thread, stopped in ``take_gil``; about one run in
+    ten on a loaded 2-core machine, after the summary's gather). Here the collective works on private tensors and
+    this function waits, with the GIL released, until their Python objects are gone: the thread has released them.
+    A plain ``all_gather`` cannot do that, since its caller holds the tensors.
+
+    Args:
+        tensor: this rank's part (any device the group's backend accepts); the same shape on every rank.
+        group: the process group (default: the world). Without an initialised process group, ``tensor[None]``.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return tensor.detach().clone().unsqueeze(0)
+    group = group if group is not None else dist.group.WORLD
+    world_size = dist.get_world_size(group)
+    mine = tensor.detach().reshape(-1).clone()
+    out = torch.empty(world_size * mine.numel(), dtype=mine.dtype, device=mine.device)
+    _all_gather_single(out, mine, group=group)
+    rows = out.view(world_size, *tensor.shape).clone()
+    held = [weakref.ref(mine), weakref.ref(out)]
+    del mine, out  # from now on only the collective's own references keep them
+    _wait_released(held)
+    return rows
+
+
+def gather_objects(obj: Any, device: torch.device | None = None) -> list[Any] | None:
+    """``torch.distributed.gather_object`` to rank 0, safe as a run's last collective as :func:`gather_rows` is.
+
+    Returns every rank's ``obj`` on rank 0 and ``None`` elsewhere. For the compressor state a checkpoint gathers from
+    every rank, which may be the last thing a run does when no summary follows (``CompressedDDP(monitor=False)``).
+    Pickled like ``gather_object``; only rank 0 receives the states. ``device``: where the bytes travel (the
+    strategy's device: NCCL gathers no CPU tensor).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return [obj]
+    device = device if device is not None else torch.device("cpu")
+    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = gather_rows(torch.tensor([data.numel()], dtype=torch.int64, device=device))[:, 0].tolist()
+    mine = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
+    mine[: data.numel()].copy_(data)
+    rows = [torch.empty_like(mine) for _ in sizes] if dist.get_rank() == 0 else None
+    dist.gather(mine, rows, dst=0)
+    held = [weakref.ref(t) for t in [mine, *(rows or [])]]
+    found = None if rows is None else [pickle.loads(row[:n].cpu().numpy().tobytes()) for row, n in zip(rows, sizes)]
+    del mine, rows
+    _wait_released(held)
+    return found
+
+
+def _wait_released(held: list[weakref.ref]) -> None:
+    deadline = time.monotonic() + RELEASE_S
+    while any(ref() is not None for ref in held) and time.monotonic() < deadline:
+        time.sleep(0.001)  # releases the GIL, which the thread needs to drop its references
 
 
 class TorchCollectives:

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_gradcomp.comm import gather_rows
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.validation import check_bool
 
@@ -82,8 +83,9 @@ class CompressionMonitor(Callback):
             dtype=torch.float64,
         )  # fmt: skip
         # every rank's own numbers, for the table (a collective: every rank reaches on_train_end; on the strategy's
-        # device, since NCCL gathers no CPU tensor)
-        gathered = trainer.strategy.all_gather(totals.to(trainer.strategy.root_device))
+        # device, since NCCL gathers no CPU tensor). Often the run's last collective: gather_rows returns only once
+        # torch's threads let go of it, so that the process cannot abort at exit (see its docstring)
+        gathered = gather_rows(totals.to(trainer.strategy.root_device))
         per_rank = gathered.cpu().reshape(-1, totals.numel())
         # in the callback metrics too, so that a launcher that returns only those (spawn) still reports them
         names = ("total_steps", "total_bytes_sent", "total_bytes_dense", "total_encode_ms", "total_decode_ms")

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gradcomp.comm import release_round_groups
+from lightning_gradcomp.comm import gather_objects, gather_rows, release_round_groups
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
@@ -334,15 +334,16 @@ class CompressedDDP(DDPStrategy):
     def identical_on_all_ranks(self, tensors: Sequence[torch.Tensor]) -> bool:
         """Whether ``tensors`` are bitwise equal on every rank (call on every rank: a collective).
 
-        Each rank reduces every tensor to a CRC32 of its bytes and the checksums are all-gathered through the
-        strategy (one small collective, whatever the tensors' size). For the transforms that rebuild or mask the
-        model on every rank from equal replicas and must check that they came out equal.
+        Each rank reduces every tensor to a CRC32 of its bytes and the checksums are all-gathered (one small
+        collective, whatever the tensors' size, safe as a run's last: :func:`~lightning_gradcomp.comm.gather_rows`).
+        For the transforms that rebuild or mask the model on every rank from equal replicas and must check that they
+        came out equal.
         """
         if self.world_size == 1:
             return True
         crcs = [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for t in tensors]
         local = torch.tensor([len(crcs), *crcs], dtype=torch.int64, device=self.root_device)
-        gathered = self.all_gather(local).reshape(self.world_size, -1)
+        gathered = gather_rows(local)
         return bool((gathered == gathered[0]).all())
 
     # ------------------------------------------------------------------------------------------------------------
@@ -440,9 +441,8 @@ class CompressedDDP(DDPStrategy):
         if any(state is not None for state in structures.values()):
             checkpoint[_TRANSFORMS_KEY] = structures  # also in weights-only checkpoints: they need the structure too
         if "loops" in checkpoint and dist.is_available() and dist.is_initialized():
-            mine = self._state.state_dict()
-            gathered: list[Any] | None = [None] * self.world_size if self.is_global_zero else None
-            dist.gather_object(mine, gathered, dst=0)
+            # the checkpoint of the last step can be the run's last collective: gathered so that exit cannot abort
+            gathered = gather_objects(self._state.state_dict(), self.root_device)
             if self.is_global_zero:
                 checkpoint[_CHECKPOINT_KEY] = {"format": 1, "world_size": self.world_size, "ranks": gathered}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
