@@ -8,6 +8,7 @@ from lightning_gradcomp.compressors.packing import (
     encode_indices,
     field_width,
     fields_per_word,
+    flat_nonzero,
     index_nbytes,
     pack_bits,
     pack_fields,
@@ -107,3 +108,20 @@ def test_list_padding_repeats_the_first_index():
 def test_misaligned_lists_decode():
     blob = torch.cat([torch.zeros(2, dtype=torch.uint8), encode_indices(torch.tensor([5, 6]), 10, 2, False)])
     assert decode_indices(blob[2:], 10, 2, bitmap=False).tolist() == [5, 6]
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32,
+                                   torch.float64, torch.bfloat16])  # fmt: skip
+@pytest.mark.parametrize("density", [0.0, 0.001, 0.25, 1.0])
+def test_flat_nonzero_is_torch_nonzero(dtype, density):
+    generator = torch.Generator().manual_seed(3)
+    values = (torch.rand(10_007, generator=generator) < density).to(dtype)
+    if dtype.is_floating_point:  # non-zero values of every kind, and a negative zero that counts as zero
+        values = values * torch.randn(10_007, generator=generator).to(dtype)
+        values[:4] = torch.tensor([float("nan"), float("inf"), -0.0, -1e-30], dtype=torch.float64).to(dtype)
+    expected = torch.nonzero(values).squeeze(1)
+    found = flat_nonzero(values)
+    assert found.dtype == torch.int64
+    assert torch.equal(found, expected)
+    strided = values[1::3]  # a non-contiguous view
+    assert torch.equal(flat_nonzero(strided), torch.nonzero(strided).squeeze(1))

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
-from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
+from lightning_gradcomp.compressors.packing import flat_nonzero, pack_bits, unpack_bits
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import check_choice, check_positive_int
@@ -22,6 +22,15 @@ def _abs_max(rows: Tensor) -> Tensor:
     """``max |x|`` of every row."""
     low, high = torch.aminmax(rows, dim=1)
     return torch.maximum(high, low.neg_())
+
+
+def _signed(positive: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``scale`` where ``positive``, ``-scale`` elsewhere, in ``dtype``.
+
+    The values of ``torch.where(positive, scale, -scale)``, from a two-entry table: ``index_select`` is about 7x
+    faster than ``where`` on 0-d tensors on the CPU.
+    """
+    return torch.stack([-scale, scale]).to(dtype).index_select(0, positive.view(torch.uint8).int())
 
 
 class _Selection:
@@ -123,7 +132,7 @@ class AdaComp(Compressor):
                          out=chosen[:full].view(-1, size))  # fmt: skip
             if full < layer.numel:
                 torch.ge(h[full:].abs(), threshold[-1], out=chosen[full:])
-            indices = torch.nonzero(chosen).squeeze(1)
+            indices = flat_nonzero(chosen)
             out.append(_Selection(indices, g[indices] > 0, gmax.mean().to(_WIRE)))
         return out
 
@@ -146,16 +155,14 @@ class AdaComp(Compressor):
         signs = unpack_bits(bits, layout.slots)
         for i, (segment, idx) in enumerate(zip(layout.segments, indices)):
             positive = signs[segment.value_at : segment.value_at + idx.numel()]
-            scale = scales[i].to(out.dtype)
-            out.index_add_(0, idx, torch.where(positive, scale, -scale))  # distinct indices: deterministic
+            out.index_add_(0, idx, _signed(positive, scales[i], out.dtype))  # distinct indices: deterministic
 
     def _residual(self, residual: Tensor, residue_plus_grad: Tensor, selections: Sequence[_Selection],
                   ctx: BucketContext) -> None:  # fmt: skip
         """``R <- G - sent``."""
         residual.copy_(residue_plus_grad)
         for layer, chosen in zip(ctx.layers, selections):
-            scale = chosen.scale.to(residual.dtype)
-            layer.flat(residual).index_add_(0, chosen.indices, torch.where(chosen.positive, -scale, scale))
+            layer.flat(residual).index_add_(0, chosen.indices, _signed(chosen.positive, -chosen.scale, residual.dtype))
 
     # ------------------------------------------------------------------------------------------------------------
     # The contract (one rank on its own: slots = its own counts)
@@ -198,7 +205,7 @@ class AdaComp(Compressor):
             self._residual(ctx.new_residual, residue_plus_grad, selections, ctx)
         if self.transport != "allgather":
             indices = torch.cat([s.indices + layer.offset for layer, s in zip(ctx.layers, selections)])
-            values = torch.cat([torch.where(s.positive, s.scale, -s.scale) for s in selections]).to(tensor.dtype)
+            values = torch.cat([_signed(s.positive, s.scale, tensor.dtype) for s in selections])
             summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, tensor)
             return summed.div_(ctx.world_size)
         counts = torch.tensor([s.indices.numel() for s in selections], dtype=torch.int32, device=ctx.device)

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
+from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import (
@@ -207,7 +208,7 @@ class DGC(Compressor):
             picks = torch.randint(0, numel, (num_samples,), generator=generator).to(values.device)
             samples = importance[picks]
         threshold = torch.topk(samples, min(top_k_samples, samples.numel()), sorted=False).values.min()
-        indices = torch.nonzero(importance >= threshold).squeeze(1)
+        indices = flat_nonzero(importance >= threshold)
         if numel > num_samples:
             for _ in range(_MAX_ADAPTATION_ITERS):
                 count = indices.numel()
@@ -218,7 +219,7 @@ class DGC(Compressor):
                 if count >= _LOWER_BOUND * k:
                     break
                 threshold = threshold * _LOWER_BOUND
-                indices = torch.nonzero(importance >= threshold).squeeze(1)
+                indices = flat_nonzero(importance >= threshold)
         return indices[:k]
 
     # ------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from torch.nn import functional as F  # noqa: N812 (the usual alias)
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload, derive_seed, keep_count
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Broadcast, Exchange
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder, latent_numel, optimizer_state, optimizer_step
+from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes, top_k_blob
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import topk_indices
@@ -49,7 +50,7 @@ def _top_k(magnitudes: Tensor, k: int) -> Tensor:
         return torch.topk(magnitudes, k, sorted=False).indices
     sample = magnitudes[torch.randint(0, n, (8192,), generator=torch.Generator().manual_seed(n))]
     threshold = torch.topk(sample, 82, sorted=False).values.min()
-    candidates = torch.nonzero(magnitudes > threshold).squeeze(1)  # on the CPU: no device to wait for
+    candidates = flat_nonzero(magnitudes > threshold)  # on the CPU: no device to wait for
     if candidates.numel() < k:
         return torch.topk(magnitudes, k, sorted=False).indices
     return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]

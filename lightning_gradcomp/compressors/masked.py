@@ -27,6 +27,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
 from lightning_gradcomp.compressors.exchange import Exchange
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.validation import check_number
 
 
@@ -251,7 +252,7 @@ class MaskedCompressor(Compressor):
             rows = mask.reshape(mask.shape[0], -1)[:, 0].nonzero().squeeze(1)
             shape = torch.Size((rows.numel(), *layer.shape[1:]))
             return _Entry("rows", layer, Layer(layer.name, layer.index, shape, offset), index=rows)
-        index = mask.reshape(-1).nonzero().squeeze(1)
+        index = flat_nonzero(mask.reshape(-1))
         return _Entry("elements", layer, Layer(layer.name, layer.index, torch.Size((index.numel(),)), offset),
                       index=index)  # fmt: skip
 

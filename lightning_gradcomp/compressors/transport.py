@@ -39,7 +39,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, derive_seed
 from lightning_gradcomp.compressors.exchange import AllGather, AllGatherV, AllReduce, AllToAll
-from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
+from lightning_gradcomp.compressors.packing import flat_nonzero, pack_bits, unpack_bits
 
 __all__ = [
     "TRANSPORTS",
@@ -213,7 +213,7 @@ def tensor_input(tensor: Tensor, ctx: BucketContext) -> SparseInput:
 
     def rows() -> tuple[Tensor, Tensor]:
         # nonzero() sizes its output on the host: this runs after the counts' host read, off the autograd thread
-        indices = torch.nonzero(tensor).squeeze(1)
+        indices = flat_nonzero(tensor)
         order = torch.sort(omap.owners[indices], stable=True).indices
         indices = indices[order]
         return indices.to(_index_dtype(ctx.numel)), tensor[indices]
@@ -343,7 +343,7 @@ def _decode_pull(
     index_nbytes = _index_nbytes(union, bitmap, owner, ctx, index_dtype, device)
     if bitmap:
         theirs = owner_map(ctx.numel, ctx.world_size, zen_seed(ctx), device).indices_of(owner)
-        indices = theirs[torch.nonzero(unpack_bits(blob[:index_nbytes], theirs.numel())).squeeze(1)]
+        indices = theirs[flat_nonzero(unpack_bits(blob[:index_nbytes], theirs.numel()))]
     else:
         indices = blob[:index_nbytes].clone().view(index_dtype).long()  # clone: a fresh, aligned buffer to view
     at = _value_offset(index_nbytes, ctx)

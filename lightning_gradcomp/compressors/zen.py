@@ -6,11 +6,11 @@ import fnmatch
 from collections.abc import Sequence
 from typing import ClassVar, Literal
 
-import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
 from lightning_gradcomp.compressors.exchange import Exchange
+from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.compressors.transport import ZEN_ROUNDS, Path, sparse_sum, tensor_input
 from lightning_gradcomp.validation import check_choice, check_number
 
@@ -90,7 +90,7 @@ class Zen(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """The non-zeros of ``tensor`` and their flat indices (sizes depend on the data: exchanged first)."""
-        indices = torch.nonzero(tensor).squeeze(1)
+        indices = flat_nonzero(tensor)
         return tensor[indices], indices
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
