@@ -122,12 +122,15 @@ def measure(name: str, layers: tuple[Layer, ...], args: argparse.Namespace, devi
         if compressors[0].default_error_feedback
         else None
     )
+    # the updated residual's buffers persist between steps, as the hook's twin buffers do in training
+    twins = None if residuals is None else [torch.empty_like(r) for r in residuals]
     telemetry = [Telemetry() for _ in range(args.ranks)]
     step = 0
 
     def run() -> None:
         nonlocal step
-        simulate_reduce(compressors, grads, layers, step=step, residuals=residuals, telemetry=telemetry)
+        simulate_reduce(compressors, grads, layers, step=step, residuals=residuals, telemetry=telemetry,
+                        new_residuals=twins)  # fmt: skip
         step += 1
 
     per_step = []

@@ -277,6 +277,7 @@ def simulate_reduce(
     residuals: Sequence[Tensor | None] | None = None,
     index: int = 0,
     telemetry: Sequence[Telemetry] | None = None,
+    new_residuals: Sequence[Tensor] | None = None,
 ) -> list[Tensor]:
     """Average ``tensors`` (one per rank) through ``compressors`` (one instance per rank, as in training).
 
@@ -289,6 +290,9 @@ def simulate_reduce(
         residuals: each rank's error-feedback memory (updated in place), or ``None`` for no error feedback.
         index: the bucket index.
         telemetry: each rank's counters (fresh ones if ``None``).
+        new_residuals: with ``residuals``, each rank's buffer for the updated residual, kept between calls as the
+            hook keeps its twin buffers (fresh ones if ``None``: on the CPU a fresh buffer's first write costs its
+            page faults, several memory passes, inside the timed encode; ``benchmarks/codec.py`` passes its own).
 
     Returns:
         Every rank's averaged tensor.
@@ -307,6 +311,7 @@ def simulate_reduce(
             device=tensor.device,
             seed=seed,
             residual=None if residuals is None else residuals[rank],
+            new_residual=None if residuals is None or new_residuals is None else new_residuals[rank],
             comm=comm,
         )
         futures.append(compressor.reduce(tensor.clone(), ctx))
