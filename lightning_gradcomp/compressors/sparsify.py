@@ -249,11 +249,18 @@ def _uniform_subset(n: int, k: int, generator: torch.Generator) -> Tensor:
     if k >= n:
         return torch.arange(n)
     if 2 * k > n:
-        return torch.randperm(n, generator=generator)[:k].sort().values
+        return _in_order(torch.randperm(n, generator=generator)[:k], n)
     m = k + 16 + int(2 * k * k / n)  # covers the expected k^2 / (2n) collisions
     while True:
         distinct = torch.unique(torch.randint(0, n, (m,), generator=generator))
         if distinct.numel() >= k:
             chosen = torch.randperm(distinct.numel(), generator=generator)[:k]
-            return distinct[chosen].sort().values
+            return distinct[_in_order(chosen, distinct.numel())]
         m *= 2
+
+
+def _in_order(positions: Tensor, n: int) -> Tensor:
+    """``positions`` (distinct, in ``range(n)``) sorted, through a mask: ``sort`` costs 8x more for a 1 % subset."""
+    keep = torch.zeros(n, dtype=torch.bool)
+    keep[positions] = True
+    return flat_nonzero(keep)
