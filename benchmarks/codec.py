@@ -9,7 +9,9 @@ telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
 * a share of the backward pass of the same model (forward excluded), measured in the same run;
 * *passes*: the time divided by the time of one memory pass over the compressed gradient (``dst.copy_(src)``: one
   read and one write of every element), the unit every elementwise stage costs at least. A codec that reads the
-  gradient, writes a residual and writes the output is three passes at best, whatever the device.
+  gradient, writes a residual and writes the output is three passes at best, whatever the device;
+* on a line of its own, the end-of-step commit of the error-feedback residual (outside encode+decode): a storage
+  swap on the CPU, ``torch.where`` on CUDA, next to what a copy would cost.
 
 On CUDA it also counts kernel launches per step and rank (``torch.profiler``) and runs one step with
 ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation on the codec path raises, and the table says
@@ -37,6 +39,7 @@ import torchvision
 from codec_profile import compressed_layers
 
 from lightning_gradcomp.compressors.base import Layer
+from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
@@ -111,6 +114,24 @@ def has_host_sync(run: Callable[[], None]) -> bool:
     return False
 
 
+def commit_ms(numel: int, device: torch.device, swap: bool, repeats: int = 20) -> float:
+    """The end of step commit of one gradient-sized residual: a storage swap (what the hook does on the CPU) or a copy.
+
+    Outside encode+decode (``StepUpdates.commit`` runs once per step after the last bucket), but on the step's path.
+    """
+    residual, twin = torch.zeros(numel, device=device), torch.randn(numel, device=device)
+    ok = torch.ones((), dtype=torch.bool, device=device)
+
+    def run() -> None:
+        updates = StepUpdates()
+        updates.stage(residual, twin, swap=swap)
+        updates.observe(ok)
+        updates.commit()
+
+    run()
+    return _median_ms(run, device, repeats)
+
+
 def measure(name: str, layers: tuple[Layer, ...], args: argparse.Namespace, device: torch.device) -> dict:
     """One compressor: encode+decode per step and rank (telemetry medians), launches and syncs on CUDA."""
     numel = layers[-1].offset + layers[-1].numel
@@ -171,6 +192,7 @@ def main() -> None:
     src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
     one_pass = _median_ms(lambda: dst.copy_(src), device, 20)
     rows = [measure(name, layers, args, device) for name in args.compressors]
+    commit = {"swap": commit_ms(numel, device, swap=True), "copy": commit_ms(numel, device, swap=False)}
     header = (
         f"{args.model} ({numel:,} compressed elements in {len(layers)} layers), batch {args.batch_size}x"
         f"{args.image_size}x{args.image_size}, {device}, {args.ranks} simulated ranks"
@@ -178,6 +200,8 @@ def main() -> None:
         + f": backward {backward:.1f} ms, one memory pass {one_pass:.2f} ms"
     )
     print(header)
+    print(f"commit of the error-feedback residual per step (not in the codec times): {commit['swap']:.3f} ms"
+          f" ({'a storage swap' if device.type == 'cpu' else 'torch.where'}; a copy would be {commit['copy']:.2f} ms)")
     cuda = device.type == "cuda"
     print(f"{'compressor':<11} {'codec ms':>9} {'% backward':>10} {'passes':>7}" + ("  launches  sync" if cuda else ""))
     for row in rows:
@@ -192,7 +216,8 @@ def main() -> None:
         print(line)
     if args.out:
         meta = {k: v for k, v in vars(args).items() if k != "out"}
-        meta.update(torch=torch.__version__, backward_ms=backward, one_pass_ms=one_pass, numel=numel)
+        meta.update(torch=torch.__version__, backward_ms=backward, one_pass_ms=one_pass, numel=numel,
+                    commit_ms=commit)  # fmt: skip
         if cuda:
             meta["gpu"] = torch.cuda.get_device_name(device)
         with open(args.out, "w") as f:

@@ -235,15 +235,45 @@ def test_kept_residual_buffers_change_nothing(case):
     for keep in (False, True):
         compressors = _fresh(compressor, 2)
         residuals = [torch.zeros(numel, dtype=torch.float64, device=DEVICE) for _ in range(2)]
-        twins = [torch.full_like(r, float("nan")) for r in residuals] if keep else None  # stale contents never leak
-        outs = [simulate_reduce(compressors, _data(layers, 2, seed=200 + step), layers, step=step,
-                                residuals=residuals, new_residuals=twins)  # fmt: skip
-                for step in range(3)]
+        twins = [torch.empty_like(r) for r in residuals] if keep else None
+        outs = []
+        for step in range(3):
+            for twin in twins or ():  # stale contents never leak (a commit may hand back the old residual)
+                twin.fill_(float("nan"))
+            outs.append(simulate_reduce(compressors, _data(layers, 2, seed=200 + step), layers, step=step,
+                                        residuals=residuals, new_residuals=twins))  # fmt: skip
         runs.append((outs, residuals))
     (fresh_outs, fresh_res), (kept_outs, kept_res) = runs
     for a, b in zip(fresh_outs, kept_outs):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(x, y) for x, y in zip(fresh_res, kept_res))
+
+
+@pytest.mark.parametrize("finite", [True, False])
+def test_a_swapped_commit_moves_no_data(finite):
+    """State staged with ``swap=True`` takes its new value's storage on a finite CPU step (no pass over the data),
+    and stays as it was, storage and all, on a non-finite one; views are copied, never swapped."""
+    target, value = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64)
+    base = torch.zeros(2000, dtype=torch.float64)
+    view_target, view_value = base[1000:], torch.randn(1000, dtype=torch.float64)
+    before = {"target": target.clone(), "value": value.clone(), "view": view_target.clone()}
+    pointers = (target.data_ptr(), value.data_ptr(), view_target.data_ptr())
+    updates = StepUpdates()
+    updates.stage(target, value, swap=True)
+    updates.stage(view_target, view_value, swap=True)
+    updates.observe(torch.tensor(finite))
+    updates.commit()
+    if finite:
+        assert torch.equal(target, before["value"])
+        assert torch.equal(value, before["target"])
+        assert (target.data_ptr(), value.data_ptr()) == (pointers[1], pointers[0])
+        assert torch.equal(view_target, view_value)
+        assert view_target.data_ptr() == pointers[2]
+        assert torch.equal(base[1000:], view_value)  # the view still belongs to its base
+    else:
+        assert torch.equal(target, before["target"])
+        assert torch.equal(view_target, before["view"])
+        assert (target.data_ptr(), value.data_ptr(), view_target.data_ptr()) == pointers
 
 
 def test_error_feedback_telescopes(case):

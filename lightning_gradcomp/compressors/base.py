@@ -569,7 +569,7 @@ class _Run:
             if _needs_guard(self.compressor, ctx):
                 self.flag = nonfinite_flag(self.tensor)
             if ctx.residual is not None and ctx.new_residual is not None:
-                ctx.updates.stage(ctx.residual, ctx.new_residual)
+                ctx.updates.stage(ctx.residual, ctx.new_residual, swap=True)
             self.generator = self.compressor.exchange(self.tensor, ctx)
             try:
                 request = next(self.generator)

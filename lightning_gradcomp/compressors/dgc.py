@@ -273,7 +273,7 @@ class DGC(Compressor):
         else:
             torch.add(g, u, alpha=self.momentum, out=new_u)
             g.copy_(new_u)
-        ctx.updates.stage(u, new_u)
+        ctx.updates.stage(u, new_u, swap=True)  # the next buffer is rewritten whole
 
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
         """Local clipping, then ``u <- momentum u + g`` per layer, then ``v <- v + u`` (``v`` is the residual)."""

@@ -121,21 +121,30 @@ class StepUpdates:
     hook every reduction commits its own.
 
     The decision needs no host synchronisation: on CUDA the commit is ``torch.where(ok, value, target)``; on the
-    CPU, where reading a flag costs nothing, it is a plain copy when the step is finite.
+    CPU, where reading a flag costs nothing, it is a plain copy when the step is finite, or no copy at all for
+    values staged with ``swap=True`` (the two tensors exchange their storage).
     """
 
     def __init__(self) -> None:
-        self._staged: list[tuple[Tensor, Tensor]] = []
+        self._staged: list[tuple[Tensor, Tensor, bool]] = []
         self._ok: Tensor | None = None
         self._lock = threading.Lock()  # buckets finish on the collectives' threads
 
-    def stage(self, target: Tensor, value: Tensor) -> None:
+    def stage(self, target: Tensor, value: Tensor, *, swap: bool = False) -> None:
         """Write ``value`` into ``target`` at commit if the step is finite on every rank.
 
         ``value`` must not change afterwards: stage a buffer of its own, not a view of the gradient.
+
+        Args:
+            target: the state to update.
+            value: its new value.
+            swap: ``value`` is scratch the caller keeps for the next step's write and may get back holding anything
+                (the error-feedback twin, a momentum's next buffer). Where the commit needs no condition (the CPU,
+                or no check) the two tensors then exchange their storage instead of copying: a pass over the data
+                saved per step. Views, and tensors that differ in shape, dtype, layout or device, are copied.
         """
         with self._lock:
-            self._staged.append((target, value))
+            self._staged.append((target, value, swap))
 
     def observe(self, ok: Tensor) -> None:
         """Record one reduction's verdict (a 0-dim bool tensor, identical on every rank)."""
@@ -152,17 +161,39 @@ class StepUpdates:
         with self._lock:
             staged, ok = self._staged, self._ok
             self._staged, self._ok = [], None
-        if ok is None:
-            for target, value in staged:
-                target.copy_(value)
-        elif ok.device.type == "cpu":
-            if bool(ok):  # a CPU tensor: no device to wait for
-                for target, value in staged:
+        if ok is None or (ok.device.type == "cpu" and bool(ok)):  # a CPU flag: no device to wait for
+            for target, value, swap in staged:
+                if swap and _swappable(target, value):
+                    _swap_storage(target, value)
+                else:
                     target.copy_(value)
-        else:
-            for target, value in staged:
+        elif ok.device.type != "cpu":
+            for target, value, _ in staged:
                 torch.where(ok, value, target, out=target)
         return ok
+
+
+def _swappable(a: Tensor, b: Tensor) -> bool:
+    """Whether ``a`` and ``b`` can exchange storage: whole, dense, alike, and not sharing memory."""
+    return (
+        a._base is None
+        and b._base is None
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.device == b.device
+        and a.is_contiguous()
+        and b.is_contiguous()
+        and a.storage_offset() == 0
+        and b.storage_offset() == 0
+        and a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    )
+
+
+def _swap_storage(a: Tensor, b: Tensor) -> None:
+    """Exchange the storage of two tensors in place: every reference to ``a`` now reads what ``b`` held."""
+    storage = a.untyped_storage()
+    a.set_(b.untyped_storage(), 0, b.shape, b.stride())
+    b.set_(storage, 0, a.shape, a.stride())
 
 
 def nonfinite_flag(tensor: Tensor) -> Tensor:

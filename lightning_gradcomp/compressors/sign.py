@@ -152,7 +152,7 @@ class SignSGD(Compressor):
             new_m = self._next_momenta.get(layer, g)  # reused every step: no allocation on the hook path
             torch.mul(g, 1.0 - self.momentum, out=new_m).add_(m, alpha=self.momentum)
             g.copy_(new_m)  # the new m is what is signed
-            ctx.updates.stage(m, new_m)
+            ctx.updates.stage(m, new_m, swap=True)  # new_m is rewritten whole next step
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Signs all-gathered; every rank takes the majority vote."""
