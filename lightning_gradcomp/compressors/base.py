@@ -299,14 +299,21 @@ class Compressor(ABC):
             total.add_(self.decompress(payload, ctx, out=scratch))
         return total
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
         """Turn the gradient into what is compressed, in place: error feedback's ``tensor += residual``.
 
         ``ctx.residual`` is this rank's residual from the last finite step (read-only here). Override to accumulate
         something else first (DGC's momentum correction); stage any state it changes with ``ctx.updates.stage``.
+
+        Returns:
+            ``None``: what is compressed is in ``tensor``. An override may write it elsewhere and return that tensor
+            instead, for its own :meth:`exchange` to read; the non-finite guard then checks it there. PowerSGD
+            writes ``g + e`` straight into ``ctx.new_residual``, where its residual ``M - P Q^T`` is then computed in
+            place (a copy of ``M`` saved), and leaves ``tensor`` as the output buffer.
         """
         if ctx.residual is not None:
             tensor.add_(ctx.residual)
+        return None
 
     def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
         """Write what compression lost into ``residual``: ``tensor - decompress(payload)`` (local reconstruction).
@@ -565,9 +572,9 @@ class _Run:
     def start(self) -> torch.futures.Future:
         ctx, comm = self.ctx, self.comm
         with comm.timed("encode"):
-            self.compressor.accumulate(self.tensor, ctx)
+            accumulated = self.compressor.accumulate(self.tensor, ctx)
             if _needs_guard(self.compressor, ctx):
-                self.flag = nonfinite_flag(self.tensor)
+                self.flag = nonfinite_flag(self.tensor if accumulated is None else accumulated)
             if ctx.residual is not None and ctx.new_residual is not None:
                 ctx.updates.stage(ctx.residual, ctx.new_residual, swap=True)
             self.generator = self.compressor.exchange(self.tensor, ctx)

@@ -327,10 +327,11 @@ class MaskedCompressor(Compressor):
         out = ctx.output(out)
         return self._scatter(compact, layout, out)
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
         """Nothing here when a layer is compacted: the inner compressor accumulates the compact buffer."""
         if not self._layout(ctx).partial:  # nothing pruned here: exactly the inner compressor
-            self.inner.accumulate(tensor, ctx)
+            return self.inner.accumulate(tensor, ctx)
+        return None
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Compact, let ``inner`` reduce the compact buffer (its collectives, its rounds), scatter back."""

@@ -162,9 +162,9 @@ class Planned(Compressor):
         """The bucket's candidate's decompression."""
         return self.bucket_compressor(ctx.layers).decompress(payload, ctx, out)
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
         """The bucket's candidate's accumulation (error feedback, momentum correction)."""
-        self.bucket_compressor(ctx.layers).accumulate(tensor, ctx)
+        return self.bucket_compressor(ctx.layers).accumulate(tensor, ctx)
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """The bucket's candidate's reduction (its rounds; fewer than :attr:`rounds` is allowed)."""

@@ -15,7 +15,7 @@ from lightning_gradcomp.compressors.base import (
     Payload,
     keep_count,
 )
-from lightning_gradcomp.compressors.exchange import Exchange
+from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import check_bool, check_choice, check_ratio
@@ -108,13 +108,28 @@ class TopK(Compressor):
         """A keep-ratio in (0, 1]."""
         return check_ratio(value)
 
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
+        """Error feedback's ``x = g + e``, written straight into the updated residual's buffer.
+
+        The residual is then ``x`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
+        ``x``: one memory pass less per step. ``tensor`` keeps ``g`` and receives the average.
+        """
+        if ctx.residual is None or ctx.new_residual is None:
+            return super().accumulate(tensor, ctx)
+        return torch.add(tensor, ctx.residual, out=ctx.new_residual)
+
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
-        """The all-gather of :class:`Compressor`, or the same pairs summed over ``transport``."""
-        if self.transport == "allgather":
-            return (yield from super().exchange(tensor, ctx))
-        values, indices = payload = self.compress(tensor, ctx)
-        if ctx.new_residual is not None:
+        """All-gather every rank's pairs, or sum them over ``transport``."""
+        # x: in the updated residual's buffer with error feedback (see accumulate), else the gradient itself
+        in_residual = ctx.residual is not None and ctx.new_residual is not None
+        values, indices = payload = self.compress(ctx.new_residual if in_residual else tensor, ctx)
+        if in_residual:
+            ctx.new_residual.index_fill_(0, indices.long(), 0)  # what was sent is not owed (values are a copy)
+        elif ctx.new_residual is not None:
             self.update_residual(ctx.new_residual, tensor, payload, ctx)
+        if self.transport == "allgather":
+            gathered = yield AllGather(payload)
+            return self.aggregate(gathered, ctx, out=tensor).div_(ctx.world_size)
         summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, tensor)
         return summed.div_(ctx.world_size)
 
