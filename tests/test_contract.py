@@ -563,6 +563,28 @@ def test_a_nonfinite_step_leaves_every_state_as_it_was(case, bad):
     torch.testing.assert_close(after[0], expected[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", ["powersgd", "topk", "randomk", "efsignsgd"])
+def test_an_overflowing_error_feedback_sum_is_caught(name):
+    """A finite gradient plus a finite residual can overflow: the guard checks the sum where ``accumulate`` put it
+    (PowerSGD, TopK and RandomK write it into the updated residual's buffer), so the step is non-finite on every
+    rank and no residual changes."""
+    compressor = EXAMPLES[name]()
+    layers = _layers(compressor)
+    numel = sum(layer.numel for layer in layers)
+    compressors = _fresh(compressor, 2)
+    residuals = [torch.zeros(numel, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+    simulate_reduce(compressors, _data(layers, 2, seed=500), layers, step=0, residuals=residuals)
+    residuals[1][layers[0].offset] = 1.5e308
+    before = [r.clone() for r in residuals]
+    grads = _data(layers, 2, seed=501)
+    grads[1][layers[0].offset] = 1.5e308  # finite, and so is the residual; their sum is not
+    assert torch.isfinite(grads[1]).all()
+    outs = simulate_reduce(compressors, grads, layers, step=1, residuals=residuals)
+    assert all(not torch.isfinite(out).all() for out in outs)
+    for r, b in zip(residuals, before):
+        assert torch.equal(r, b)
+
+
 def _walkthrough_compressors():
     """The example compressors of docs/concepts.md#writing-a-compressor, executed from the page itself."""
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "concepts.md")

@@ -488,6 +488,26 @@ class LayerBuffers:
         self._tensors = {name: t.clone() for name, t in state_dict.items()}
 
 
+def sum_into_new_residual(tensor: Tensor, ctx: BucketContext) -> Tensor | None:
+    """Error feedback's ``g + e``, written into ``ctx.new_residual`` and returned (an :meth:`Compressor.accumulate`).
+
+    For compressors whose new residual is ``g + e`` with something taken off in place (the sent entries, ``P Q^T``).
+    That saves the copy of ``g + e`` into the residual's buffer (one memory pass per step); ``tensor`` keeps ``g`` and
+    becomes the output buffer. Without both residuals (no error feedback, or a call outside a reduction) it is the
+    default accumulation and returns ``None``; :func:`summed_in_new_residual` tells which happened.
+    """
+    if not summed_in_new_residual(ctx):
+        if ctx.residual is not None:
+            tensor.add_(ctx.residual)
+        return None
+    return torch.add(tensor, ctx.residual, out=ctx.new_residual)
+
+
+def summed_in_new_residual(ctx: BucketContext) -> bool:
+    """Whether :func:`sum_into_new_residual` put ``g + e`` into ``ctx.new_residual`` for this reduction."""
+    return ctx.residual is not None and ctx.new_residual is not None
+
+
 def keep_count(numel: int, ratio: float) -> int:
     """How many of ``numel`` elements a keep-ratio selects: ``max(1, int(numel * ratio))`` (GRACE's rule)."""
     return max(1, min(numel, int(numel * ratio)))

@@ -7,7 +7,15 @@ from typing import Any, ClassVar, Literal
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.base import (
+    BucketContext,
+    Collective,
+    Compressor,
+    Layer,
+    Payload,
+    sum_into_new_residual,
+    summed_in_new_residual,
+)
 from lightning_gradcomp.compressors.exchange import AllReduce, Exchange
 from lightning_gradcomp.validation import check_bool, check_choice, check_number, check_positive_int
 
@@ -290,15 +298,13 @@ batch_same_shape=None, init='layer')
         The residual ``M - P Q^T`` is then computed there in place, where it would otherwise start as a copy of
         ``M``: one memory pass less per step. ``tensor`` keeps ``g`` and receives the reconstruction.
         """
-        if ctx.residual is None or ctx.new_residual is None:
-            return super().accumulate(tensor, ctx)
-        return torch.add(tensor, ctx.residual, out=ctx.new_residual)
+        return sum_into_new_residual(tensor, ctx)
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Round 0: all-reduce the ``P`` of all layers. Round 1: all-reduce their ``Q``. Then ``P Q^T``."""
         queries = self._queries(ctx)
         # M: in the updated residual's buffer with error feedback (see accumulate), else the gradient itself
-        in_residual = ctx.residual is not None and ctx.new_residual is not None
+        in_residual = summed_in_new_residual(ctx)
         matrix = ctx.new_residual if in_residual else tensor
         blocks, p_buffer, q_buffer = self._blocks(matrix, ctx, queries)
         for _, batch, pt, qt in blocks:

@@ -14,8 +14,10 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     Payload,
     keep_count,
+    sum_into_new_residual,
+    summed_in_new_residual,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, Exchange
+from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
 from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import check_bool, check_choice, check_ratio
@@ -114,14 +116,12 @@ class TopK(Compressor):
         The residual is then ``x`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
         ``x``: one memory pass less per step. ``tensor`` keeps ``g`` and receives the average.
         """
-        if ctx.residual is None or ctx.new_residual is None:
-            return super().accumulate(tensor, ctx)
-        return torch.add(tensor, ctx.residual, out=ctx.new_residual)
+        return sum_into_new_residual(tensor, ctx)
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """All-gather every rank's pairs, or sum them over ``transport``."""
         # x: in the updated residual's buffer with error feedback (see accumulate), else the gradient itself
-        in_residual = ctx.residual is not None and ctx.new_residual is not None
+        in_residual = summed_in_new_residual(ctx)
         values, indices = payload = self.compress(ctx.new_residual if in_residual else tensor, ctx)
         if in_residual:
             ctx.new_residual.index_fill_(0, indices.long(), 0)  # what was sent is not owed (values are a copy)
@@ -229,6 +229,26 @@ class RandomK(Compressor):
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """The values at the shared indices."""
         return (tensor[self.indices(ctx)],)
+
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
+        """Unscaled: error feedback's ``x = g + e``, written straight into the updated residual's buffer.
+
+        The residual is then ``x`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
+        ``x``: one memory pass less per step. ``tensor`` keeps ``g`` and receives the average. Rescaled: the default.
+        """
+        if self.rescale:
+            return super().accumulate(tensor, ctx)
+        return sum_into_new_residual(tensor, ctx)
+
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        """The default all-reduce of the values, read from the updated residual's buffer when ``x`` is there."""
+        if self.rescale or not summed_in_new_residual(ctx):
+            return (yield from super().exchange(tensor, ctx))
+        indices = self.indices(ctx)
+        values = ctx.new_residual[indices]  # a copy: the residual's sent entries can be zeroed now
+        ctx.new_residual.index_fill_(0, indices, 0)
+        (summed,) = yield AllReduce((values.div_(ctx.world_size),))
+        return self.decompress((summed,), ctx, out=tensor)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Scatter the values into zeros (scaled by ``numel / k`` per layer when ``rescale``)."""
