@@ -9,7 +9,16 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
+from lightning_gradcomp.compressors.base import (
+    BucketContext,
+    Collective,
+    Compressor,
+    Layer,
+    LayerBuffers,
+    Payload,
+    sum_into_new_residual,
+    summed_in_new_residual,
+)
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
@@ -275,30 +284,38 @@ class DGC(Compressor):
             g.copy_(new_u)
         ctx.updates.stage(u, new_u, swap=True)  # the next buffer is rewritten whole
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
-        """Local clipping, then ``u <- momentum u + g`` per layer, then ``v <- v + u`` (``v`` is the residual)."""
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
+        """Local clipping, then ``u <- momentum u + g`` per layer, then ``v <- v + u`` (``v`` is the residual).
+
+        The new ``v`` is written straight into the updated residual's buffer, where :meth:`exchange` then clears the
+        sent entries in place (no copy of ``v``); ``tensor`` keeps ``u`` and receives the average.
+        """
         for layer in ctx.layers:
             g = layer.flat(tensor)
             if self.clip_norm is not None:
                 _clip_norm_(g, self.clip_norm / math.sqrt(ctx.world_size))
             self._correct(layer, g, ctx)
-        if ctx.residual is not None:
-            tensor.add_(ctx.residual)
+        return sum_into_new_residual(tensor, ctx)
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Select, clear ``v`` (and ``u``) where sent, all-gather; the average is the sum over ranks ``/ n``."""
         layout = self._layout(ctx)
-        payload, picked = self._encode(tensor, ctx, layout)
-        if ctx.new_residual is not None:
+        in_residual = summed_in_new_residual(ctx)
+        v = ctx.new_residual if in_residual else tensor
+        payload, picked = self._encode(v, ctx, layout)
+        pairs = None
+        if self.transport != "allgather":  # read before v is cleared where sent
+            indices = torch.cat([idx + layer.offset for layer, idx in zip(ctx.layers, picked)])
+            pairs = (indices, v[indices])
+        if ctx.new_residual is not None and not in_residual:
             ctx.new_residual.copy_(tensor)
         for layer, idx in zip(ctx.layers, picked):
             if ctx.new_residual is not None:
                 layer.flat(ctx.new_residual).index_fill_(0, idx, 0)  # v is cleared where it was sent
             if self.momentum_masking and self.momentum:
                 self._next_momenta[layer.name].index_fill_(0, idx, 0)
-        if self.transport != "allgather":
-            indices = torch.cat([idx + layer.offset for layer, idx in zip(ctx.layers, picked)])
-            summed = yield from sparse_transport_sum(self, self.transport, indices, tensor[indices], ctx, tensor)
+        if pairs is not None:
+            summed = yield from sparse_transport_sum(self, self.transport, *pairs, ctx, tensor)
             return summed.div_(ctx.world_size)
         gathered = yield AllGather(payload)
         out = tensor.zero_()
