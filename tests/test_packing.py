@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors.packing import (
+    above,
     decode_indices,
     encode_indices,
     field_width,
@@ -125,3 +126,23 @@ def test_flat_nonzero_is_torch_nonzero(dtype, density):
     assert torch.equal(found, expected)
     strided = values[1::3]  # a non-contiguous view
     assert torch.equal(flat_nonzero(strided), torch.nonzero(strided).squeeze(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("inclusive", [False, True])
+def test_above_is_torch_comparison(dtype, inclusive):
+    """The same mask as torch's ``>`` / ``>=``: signed zeros, NaN, infinities, ties at the bound, bounds given as
+    Python numbers or 0-d tensors of another dtype (compared in the values' dtype), strided views."""
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randn(10_007, generator=generator, dtype=torch.float64).to(dtype)
+    values[:6] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, 1e-30]).to(dtype)
+    bound = values[100].clone()  # ties: the bound itself is in the values
+    values[200:210] = bound
+    bounds = [0, 0.0, -0.0, float(bound), bound, bound.to(torch.float64) + 1e-9, torch.tensor(0.1, dtype=torch.float64)]
+    for b in bounds:
+        for v in (values, values[1::3]):
+            expected = v >= b if inclusive else v > b
+            found = above(v, b, inclusive=inclusive)
+            assert found.dtype == torch.bool
+            assert torch.equal(found, expected), (b, v.is_contiguous())
+    assert above(values, bound, inclusive=inclusive)[200:210].all() == inclusive

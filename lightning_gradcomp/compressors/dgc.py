@@ -20,7 +20,7 @@ from lightning_gradcomp.compressors.base import (
     summed_in_new_residual,
 )
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
-from lightning_gradcomp.compressors.packing import flat_nonzero
+from lightning_gradcomp.compressors.packing import above, flat_nonzero
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import (
@@ -217,7 +217,7 @@ class DGC(Compressor):
             picks = torch.randint(0, numel, (num_samples,), generator=generator).to(values.device)
             samples = importance[picks]
         threshold = torch.topk(samples, min(top_k_samples, samples.numel()), sorted=False).values.min()
-        indices = flat_nonzero(importance >= threshold)
+        indices = flat_nonzero(above(importance, threshold, inclusive=True))
         if numel > num_samples:
             for _ in range(_MAX_ADAPTATION_ITERS):
                 count = indices.numel()
@@ -228,7 +228,7 @@ class DGC(Compressor):
                 if count >= _LOWER_BOUND * k:
                     break
                 threshold = threshold * _LOWER_BOUND
-                indices = flat_nonzero(importance >= threshold)
+                indices = flat_nonzero(above(importance, threshold, inclusive=True))
         return indices[:k]
 
     # ------------------------------------------------------------------------------------------------------------

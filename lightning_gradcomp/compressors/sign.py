@@ -9,7 +9,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
-from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
+from lightning_gradcomp.compressors.packing import above, pack_bits, unpack_bits
 from lightning_gradcomp.validation import check_momentum
 
 _WIRE_SCALE = torch.float32  # per-layer scales travel as fp32, whatever the gradient's dtype
@@ -115,7 +115,7 @@ class SignSGD(Compressor):
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """The signs of ``tensor``, packed 8 per byte (a zero counts as positive)."""
-        return (pack_bits(tensor >= 0),)
+        return (pack_bits(above(tensor, 0, inclusive=True)),)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """±1 per element."""
@@ -194,7 +194,7 @@ class EFSignSGD(Compressor):
         scales = torch.stack([torch.linalg.vector_norm(layer.flat(tensor), 1, dtype=acc) / layer.numel
                               for layer in ctx.layers])  # fmt: skip
         scales = scales.to(_WIRE_SCALE)
-        return pack_bits(tensor >= 0), scales
+        return pack_bits(above(tensor, 0, inclusive=True)), scales
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """``scale * sign`` per layer."""
@@ -230,7 +230,7 @@ class OneBit(Compressor):
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Packed signs and, per layer, the mean of its non-negative and of its negative entries (fp32)."""
-        positive = tensor >= 0
+        positive = above(tensor, 0, inclusive=True)
         acc = _accumulator(ctx.dtype)
         means = []
         for layer in ctx.layers:

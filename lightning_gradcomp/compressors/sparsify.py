@@ -18,7 +18,7 @@ from lightning_gradcomp.compressors.base import (
     summed_in_new_residual,
 )
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
-from lightning_gradcomp.compressors.packing import flat_nonzero
+from lightning_gradcomp.compressors.packing import above, flat_nonzero
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import check_bool, check_choice, check_ratio
 
@@ -53,7 +53,7 @@ def topk_indices(magnitudes: Tensor, k: int) -> Tensor:
     # ask the sample for ~1.5x the expected share (plus slack), so the candidates cover k with high probability
     want = min(size, int(math.ceil(1.5 * k * size / n)) + 8)
     threshold = torch.topk(sample, want, sorted=False).values.min()
-    candidates = flat_nonzero(magnitudes > threshold)  # strict: ties at a zero bound stay out
+    candidates = flat_nonzero(above(magnitudes, threshold))  # strict: ties at a zero bound stay out
     if candidates.numel() < k:
         return torch.topk(magnitudes, k, sorted=False).indices
     return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
