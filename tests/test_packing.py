@@ -50,6 +50,21 @@ def test_bits_are_one_per_element():
     assert torch.equal(unpack_bits(packed, 1001), mask)
 
 
+def test_numpy_bit_packing_is_the_int64_gather():
+    """pack_bits / unpack_bits (NumPy on the CPU) give the bytes and bits of pack_uint / unpack_uint with one bit, for
+    every length and for strided inputs."""
+    g = torch.Generator().manual_seed(1)
+    for n in SIZES:
+        mask = torch.rand(2 * n, generator=g) > 0.5
+        for m in (mask[:n], mask[::2]):
+            packed = pack_bits(m)
+            assert torch.equal(packed, pack_uint(m.to(torch.uint8), 1))
+            assert torch.equal(unpack_bits(packed, n), unpack_uint(packed, 1, n).bool())
+        noise = torch.randint(0, 256, (2 * packed_nbytes(n, 1) + 2,), generator=g, dtype=torch.uint8)
+        for blob in (noise[: packed_nbytes(n, 1)], noise[::2]):  # any byte pattern, contiguous or strided
+            assert torch.equal(unpack_bits(blob, n), unpack_uint(blob.contiguous(), 1, n).bool())
+
+
 def test_out_of_range_bits_are_refused():
     with pytest.raises(ValueError, match="`bits`"):
         pack_uint(torch.zeros(3, dtype=torch.int64), 9)

@@ -142,12 +142,22 @@ def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
 
 
 def pack_bits(mask: Tensor) -> Tensor:
-    """One bit per element of the boolean ``mask`` (``ceil(n / 8)`` bytes)."""
-    return pack_uint(mask.reshape(-1), 1)
+    """One bit per element of the boolean ``mask`` (``ceil(n / 8)`` bytes): :func:`pack_uint` with one bit.
+
+    On the CPU NumPy's ``packbits`` writes the same bytes in one pass (``bitorder="little"`` is this module's order:
+    element ``8 i + j`` is bit ``j`` of byte ``i``), where the int64 gather of :func:`pack_uint` takes several.
+    """
+    flat = mask.reshape(-1)
+    if flat.device.type == "cpu" and flat.dtype == torch.bool:
+        return torch.from_numpy(np.packbits(flat.detach().numpy(), bitorder="little"))
+    return pack_uint(flat, 1)
 
 
 def unpack_bits(packed: Tensor, n: int) -> Tensor:
-    """The first ``n`` bits of ``packed`` as a bool tensor."""
+    """The first ``n`` bits of ``packed`` as a bool tensor (NumPy's ``unpackbits`` on the CPU, the same bits)."""
+    if packed.device.type == "cpu" and packed.dtype == torch.uint8 and n <= 8 * packed.numel():
+        bits = np.unpackbits(packed.detach().numpy(), count=n, bitorder="little")
+        return torch.from_numpy(bits.view(np.bool_))
     return unpack_uint(packed, 1, n).view(torch.bool)
 
 
