@@ -307,10 +307,8 @@ class DGC(Compressor):
         if self.transport != "allgather":  # read before v is cleared where sent
             indices = torch.cat([idx + layer.offset for layer, idx in zip(ctx.layers, picked)])
             pairs = (indices, v[indices])
-        if ctx.new_residual is not None and not in_residual:
-            ctx.new_residual.copy_(tensor)
         for layer, idx in zip(ctx.layers, picked):
-            if ctx.new_residual is not None:
+            if in_residual:
                 layer.flat(ctx.new_residual).index_fill_(0, idx, 0)  # v is cleared where it was sent
             if self.momentum_masking and self.momentum:
                 self._next_momenta[layer.name].index_fill_(0, idx, 0)

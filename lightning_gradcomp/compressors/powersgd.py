@@ -316,15 +316,13 @@ batch_same_shape=None, init='layer')
             _bmm_into(pt, batch, qt)  # Q^T = P^T M
         (q_summed,) = yield AllReduce((q_buffer,))
         _into(q_buffer, q_summed).div_(ctx.world_size)
-        if ctx.new_residual is not None and not in_residual:  # a caller's own accumulation left M in the tensor
-            ctx.new_residual.copy_(tensor)
-        # the tensor is spent (it holds g, or M now copied): reconstruct into it instead of allocating
+        # the tensor is spent (it holds g, or M without error feedback): reconstruct into it instead of allocating
         for group, _, pt, qt in blocks:
             _reconstruct_into(group, pt, qt, tensor)
             if self.warm_start:
                 for i, layer in enumerate(group):
                     self._stage_query(layer, qt[i].t(), queries[layer.name], ctx)
-        if ctx.new_residual is not None:
+        if in_residual:
             ctx.new_residual.sub_(tensor)  # M - P Q^T
         return tensor
 

@@ -125,8 +125,6 @@ class TopK(Compressor):
         values, indices = payload = self.compress(ctx.new_residual if in_residual else tensor, ctx)
         if in_residual:
             ctx.new_residual.index_fill_(0, indices.long(), 0)  # what was sent is not owed (values are a copy)
-        elif ctx.new_residual is not None:
-            self.update_residual(ctx.new_residual, tensor, payload, ctx)
         if self.transport == "allgather":
             gathered = yield AllGather(payload)
             return self.aggregate(gathered, ctx, out=tensor).div_(ctx.world_size)
@@ -158,10 +156,6 @@ class TopK(Compressor):
         for values, indices in payloads:
             out.index_add_(0, indices.long(), values.to(ctx.dtype))
         return out
-
-    def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
-        """What was not sent: the tensor with the sent entries zeroed (they were sent exactly)."""
-        residual.copy_(tensor).index_fill_(0, payload[1].long(), 0)
 
 
 class RandomK(Compressor):
@@ -258,13 +252,6 @@ class RandomK(Compressor):
             for layer in ctx.layers:
                 layer.flat(out).mul_(layer.numel / keep_count(layer.numel, self.level(layer)))
         return out
-
-    def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
-        """Unscaled: the tensor with the sent entries zeroed; rescaled: the generic ``tensor - decompress``."""
-        if self.rescale:
-            super().update_residual(residual, tensor, payload, ctx)
-        else:
-            residual.copy_(tensor).index_fill_(0, self.indices(ctx), 0)
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_cache"}  # cached index tensors are not state
