@@ -10,6 +10,8 @@ telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
 * *passes*: the time divided by the time of one memory pass over the compressed gradient (``dst.copy_(src)``: one
   read and one write of every element), the unit every elementwise stage costs at least. A codec that reads the
   gradient, writes a residual and writes the output is three passes at best, whatever the device;
+* next to them, one fp32 uniform draw per element (``torch.rand``), the floor of the stochastic quantisers (QSGD and
+  TernGrad draw one per element: stochastic rounding needs independent draws);
 * on a line of its own, the end-of-step commit of the error-feedback residual (outside encode+decode): a storage
   swap on the CPU, ``torch.where`` on CUDA, next to what a copy would cost.
 
@@ -191,13 +193,18 @@ def main() -> None:
     backward = backward_ms(model, args, device)
     src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
     one_pass = _median_ms(lambda: dst.copy_(src), device, 20)
+    # the stochastic quantisers' floor: QSGD and TernGrad draw one fp32 uniform per element (from a CPU generator,
+    # as ``BucketContext.generator`` makes them, except on CUDA)
+    generator = torch.Generator(device=device).manual_seed(0)
+    draw = _median_ms(lambda: torch.rand(numel, generator=generator, device=device, out=dst), device, 20)
     rows = [measure(name, layers, args, device) for name in args.compressors]
     commit = {"swap": commit_ms(numel, device, swap=True), "copy": commit_ms(numel, device, swap=False)}
     header = (
         f"{args.model} ({numel:,} compressed elements in {len(layers)} layers), batch {args.batch_size}x"
         f"{args.image_size}x{args.image_size}, {device}, {args.ranks} simulated ranks"
         + (f", {args.threads} thread(s)" if device.type == "cpu" else "")
-        + f": backward {backward:.1f} ms, one memory pass {one_pass:.2f} ms"
+        + f": backward {backward:.1f} ms, one memory pass {one_pass:.2f} ms,"
+        f" one uniform draw per element {draw:.2f} ms"
     )
     print(header)
     print(f"commit of the error-feedback residual per step (not in the codec times): {commit['swap']:.3f} ms"
@@ -216,7 +223,7 @@ def main() -> None:
         print(line)
     if args.out:
         meta = {k: v for k, v in vars(args).items() if k != "out"}
-        meta.update(torch=torch.__version__, backward_ms=backward, one_pass_ms=one_pass, numel=numel,
+        meta.update(torch=torch.__version__, backward_ms=backward, one_pass_ms=one_pass, draw_ms=draw, numel=numel,
                     commit_ms=commit)  # fmt: skip
         if cuda:
             meta["gpu"] = torch.cuda.get_device_name(device)

@@ -7,14 +7,17 @@ from lightning_gradcomp.compressors.packing import (
     above,
     decode_indices,
     encode_indices,
+    field_planes,
     field_width,
     fields_per_word,
     flat_nonzero,
     index_nbytes,
+    lookup_uint,
     pack_bits,
     pack_fields,
     pack_uint,
     packed_nbytes,
+    signbit,
     unpack_bits,
     unpack_fields,
     unpack_uint,
@@ -161,3 +164,53 @@ def test_above_is_torch_comparison(dtype, inclusive):
             assert found.dtype == torch.bool
             assert torch.equal(found, expected), (b, v.is_contiguous())
     assert above(values, bound, inclusive=inclusive)[200:210].all() == inclusive
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_signbit_is_torch_signbit(dtype):
+    """The sign bit itself: ``-0.0`` and NaNs with the sign bit set count as negative, as in torch."""
+    values = torch.randn(10_007, generator=torch.Generator().manual_seed(6), dtype=torch.float64).to(dtype)
+    values[:6] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, -1e-30]).to(dtype)
+    values[6] = -values[0]  # a NaN with the sign bit set
+    for v in (values, values[1::3]):
+        found = signbit(v)
+        assert found.dtype == torch.bool
+        assert torch.equal(found, torch.signbit(v))
+    found = signbit(values)
+    assert found[1:6].tolist() == [False, True, True, False, True]
+    assert found[0] != found[6]  # NaNs of both signs
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.int64])
+def test_lookup_is_unpack_then_index(bits, dtype):
+    """Decoding by a byte table equals unpacking then looking up, bit for bit, for every length (partly used last
+    bytes), every table element size (rows of 1 to 16 bytes) and outputs at offsets the byte rows cannot view."""
+    g = torch.Generator().manual_seed(bits)
+    table = torch.randn(1 << bits, generator=g).to(dtype)
+    table[0] = -0.0 if dtype.is_floating_point else table[0]  # signed zeros survive the lookup
+    for n in SIZES:
+        packed = pack_uint(torch.randint(0, 1 << bits, (n,), generator=g), bits)
+        expected = torch.index_select(table, 0, unpack_uint(packed, bits, n).int())
+        for offset in (0, 1, 3):
+            out = torch.full((n + offset,), 7, dtype=dtype)
+            found = lookup_uint(packed, bits, n, table, out[offset:])
+            assert torch.equal(found.view(torch.uint8), expected.view(torch.uint8)), (n, offset)
+            assert torch.equal(out[:offset], torch.full((offset,), 7, dtype=dtype))
+
+
+@pytest.mark.parametrize("width", [1, 3, 4, 7, 21, 63])
+def test_field_planes_are_unpack_fields(width):
+    """Plane by plane, the same values in the same order as the whole unpacking, and no more than ``n``."""
+    g = torch.Generator().manual_seed(width)
+    for n in SIZES:
+        values = torch.randint(0, 1 << min(width, 62), (n,), generator=g)
+        words = pack_fields(values, width)
+        pieces, at = [], 0
+        for start, plane in field_planes(words, width, n):
+            assert start == at
+            pieces.append(plane.clone())  # the buffer is reused for the next plane
+            at += plane.numel()
+        assert at == n
+        found = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
+        assert torch.equal(found, unpack_fields(words, width, n)), n

@@ -183,6 +183,30 @@ def test_terngrad_is_unbiased_for_the_clipped_gradient():
     assert ((raw - mean)[moved] * direction).mean() > 0.2  # the raw gradient is clearly elsewhere
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_terngrad_ternaries_follow_the_formula_at_special_values(dtype):
+    """``t + 1`` is 2 where ``u s < |g|`` and ``g > 0``, 0 where ``u s < |g|`` and ``g <= 0``, else 1: at signed
+    zeros, NaN, infinities, values equal to their draw, and a layer whose scaler is 0 (fp32 and fp64 take the NumPy
+    comparisons, fp16 torch's)."""
+    ctx = _ctx(step=2, dtype=dtype)
+    x = torch.cat(_grads(1, seed=7, dtype=dtype))
+    special = torch.tensor([float("nan"), float("inf"), float("-inf"), 0.0, -0.0, 1e-3, -1e-3], dtype=dtype)
+    x[: special.numel()] = special
+    scales = torch.tensor([1.0, 0.0, 2.0], dtype=torch.float32)
+    compute = torch.promote_types(dtype, torch.float32)
+    first = LAYERS[0]
+    draws = torch.rand(first.numel, generator=ctx.generator(first, per_rank=True), dtype=compute)
+    first.flat(x)[10:20] = (draws[10:20] * scales[0]).to(dtype)  # ties with the draw: not kept
+    found = TernGrad()._ternarize(x, scales, ctx)
+    for i, layer in enumerate(LAYERS):
+        v = layer.flat(x)
+        u = torch.rand(layer.numel, generator=ctx.generator(layer, per_rank=True), dtype=compute)
+        keep = u * scales[i].to(compute) < v.abs()
+        expected = torch.where(keep, torch.where(v > 0, 2, 0), 1).to(torch.uint8)
+        assert torch.equal(layer.flat(found), expected), layer.name
+    assert found[:3].tolist() == [1, 2, 0]  # NaN never kept; +-inf always, with their signs
+
+
 def test_terngrad_arguments_are_validated():
     with pytest.raises(ValueError, match="`clip`"):
         TernGrad(clip=0)

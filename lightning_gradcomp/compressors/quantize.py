@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
 from lightning_gradcomp.compressors.packing import (
+    field_planes,
     field_width,
+    lookup_uint,
+    numpy_floats,
     pack_fields,
     pack_uint,
     packed_nbytes,
+    signbit,
     unpack_fields,
     unpack_uint,
     words_needed,
@@ -41,6 +46,17 @@ def _uniform(ctx: BucketContext, layer: Layer, n: int, dtype: torch.dtype) -> Te
     device = ctx.device if ctx.device.type == "cuda" else "cpu"
     generator = ctx.generator(layer, per_rank=True, device=device)
     return torch.rand(n, generator=generator, dtype=dtype, device=device).to(ctx.device)
+
+
+def _clamp_(x: Tensor, bound: Tensor) -> None:
+    """``x.clamp_(-bound, bound)`` in ``x``'s dtype (NumPy's ``clip`` on the CPU: the same values, NaN kept)."""
+    bound = bound.to(x.dtype)
+    if numpy_floats(x):
+        array = x.detach().numpy()
+        limit = array.dtype.type(bound.item())
+        np.clip(array, -limit, limit, out=array)
+    else:
+        x.clamp_(-bound, bound)
 
 
 def _check_levels(levels: Any) -> int:
@@ -125,7 +141,7 @@ class QSGD(Compressor):
             ratio = self._per_bucket_(x.abs().to(dtype), scale)
             ratio += _uniform(ctx, layer, layer.numel, dtype)
             level = ratio.to(torch.uint8).clamp_(max=s)  # truncation is floor here; the clamp guards rounding
-            fields = (torch.signbit(x).view(torch.uint8) << bits).bitwise_or_(level)  # the sign is the top bit
+            fields = (signbit(x).view(torch.uint8) << bits).bitwise_or_(level)  # the sign is the top bit
             norms.append(wire)
             packed.append(pack_uint(fields, bits + 1))
         return torch.cat(norms), torch.cat(packed)
@@ -140,12 +156,11 @@ class QSGD(Compressor):
             s = self.level(layer)
             bits = s.bit_length()
             nbytes = packed_nbytes(layer.numel, bits + 1)
-            fields = unpack_uint(packed[byte_at : byte_at + nbytes], bits + 1, layer.numel)
             # field -> signed level (the sign is the top bit), by table lookup
             levels = torch.arange(1 << bits, dtype=dtype, device=ctx.device)
             table = torch.cat([levels, -levels])
             target = layer.flat(out) if out.dtype == dtype else torch.empty(layer.numel, dtype=dtype, device=out.device)
-            torch.index_select(table, 0, fields.int(), out=target)
+            lookup_uint(packed[byte_at : byte_at + nbytes], bits + 1, layer.numel, table, target)
             nb = self._buckets(layer)
             self._per_bucket_(target, norms[norm_at : norm_at + nb].to(dtype) / s)
             if target is not layer.flat(out):
@@ -235,7 +250,7 @@ class TernGrad(Compressor):
                 scalers.append(torch.linalg.vector_norm(x, float("inf"), dtype=dtype))
                 continue
             bound = self.clip * torch.std(x.to(dtype), correction=0)  # the population standard deviation
-            x.clamp_(-bound.to(x.dtype), bound.to(x.dtype))
+            _clamp_(x, bound)
             scalers.append(bound)
         scales = _round_up_to_wire(torch.stack(scalers)) if scalers else torch.zeros(0, dtype=_WIRE)
         return tensor, scales
@@ -247,6 +262,13 @@ class TernGrad(Compressor):
         for i, layer in enumerate(ctx.layers):
             x = layer.flat(tensor)
             draws = _uniform(ctx, layer, layer.numel, dtype).mul_(scales[i].to(dtype))
+            if numpy_floats(x, draws):
+                # with d = u s >= 0 (or NaN): kept and positive is x > d, kept and negative is x < -d, so
+                # t + 1 = 1 + [x > d] - [x < -d]: two NumPy comparisons and two byte passes, no |x|
+                values, bound, offset = x.detach().numpy(), draws.numpy(), layer.flat(out).numpy()
+                np.add(np.greater(values, bound).view(np.uint8), 1, out=offset)
+                np.subtract(offset, np.less(values, np.negative(bound, out=bound)).view(np.uint8), out=offset)
+                continue
             keep = draws < x.abs()  # probability |g| / s (never where s = 0)
             # kept and positive: 2 (t = +1); kept and negative: 0 (t = -1); not kept: 1 (t = 0). Bit operations on
             # bytes: several times faster than nested `where` on the CPU
@@ -277,6 +299,30 @@ class TernGrad(Compressor):
                 torch.index_select(table, 0, layer.flat(index), out=layer.flat(out))
             else:
                 layer.flat(out).copy_(table[layer.flat(index)])
+        return out
+
+    def _scaled_words(self, summed: Tensor, scales: Tensor, ctx: BucketContext, out: Tensor) -> Tensor:
+        """:meth:`_scaled` of the average of all ranks, read plane by plane from the summed words.
+
+        Each plane of the words holds consecutive elements (:func:`~lightning_gradcomp.compressors.packing.
+        field_planes`); each is looked up in the tables of the layers it covers as it is unpacked, so no
+        element-sized integer array is ever written.
+        """
+        dtype = _compute_dtype(ctx.dtype)
+        count = ctx.world_size
+        ternary_sums = torch.arange(-count, count + 1, dtype=dtype, device=out.device) / count
+        tables = [ternary_sums * scales[i].to(dtype) for i in range(len(ctx.layers))]
+        for start, plane in field_planes(summed, field_width(2 * count), ctx.numel):
+            end = start + plane.numel()
+            for i, layer in enumerate(ctx.layers):
+                a, b = max(start, layer.offset), min(end, layer.offset + layer.numel)
+                if a >= b:
+                    continue
+                index = plane[a - start : b - start]
+                if out.dtype == dtype:
+                    torch.index_select(tables[i], 0, index, out=out[a:b])
+                else:
+                    out[a:b].copy_(tables[i][index])
         return out
 
     def _pad_scales(self, scales: Tensor) -> Tensor:
@@ -312,12 +358,11 @@ class TernGrad(Compressor):
         wire = self._wire(offset, ctx.world_size)
         if self.aggregation == "allreduce":
             (summed,) = yield AllReduce((wire,))
-            total = self._offset_sum(summed, ctx)
-        else:  # integer sums: exact in any order
-            gathered = yield AllGather((wire,))
-            total = torch.zeros(ctx.numel, dtype=torch.int32, device=ctx.device)
-            for (rank_wire,) in gathered:
-                total += self._offset_sum(rank_wire, ctx)
+            return self._scaled_words(summed, shared, ctx, tensor)
+        gathered = yield AllGather((wire,))
+        total = torch.zeros(ctx.numel, dtype=torch.int32, device=ctx.device)  # integer sums: exact in any order
+        for (rank_wire,) in gathered:
+            total += self._offset_sum(rank_wire, ctx)
         return self._scaled(total, shared, ctx, ctx.world_size, tensor)
 
     def words(self, numel: int, world_size: int) -> int:
