@@ -563,11 +563,11 @@ def test_a_nonfinite_step_leaves_every_state_as_it_was(case, bad):
     torch.testing.assert_close(after[0], expected[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["powersgd", "topk", "randomk", "efsignsgd"])
+@pytest.mark.parametrize("name", ["powersgd", "topk", "randomk", "efsignsgd", "adacomp"])
 def test_an_overflowing_error_feedback_sum_is_caught(name):
     """A finite gradient plus a finite residual can overflow: the guard checks the sum where ``accumulate`` put it
-    (PowerSGD, TopK and RandomK write it into the updated residual's buffer), so the step is non-finite on every
-    rank and no residual changes."""
+    (PowerSGD, TopK, RandomK and AdaComp write it into the updated residual's buffer), so the step is non-finite on
+    every rank and no residual changes."""
     compressor = EXAMPLES[name]()
     layers = _layers(compressor)
     numel = sum(layer.numel for layer in layers)
