@@ -1,9 +1,12 @@
 """Encode+decode time of every compressor, next to the backward pass and to one memory pass (a benchmark, not a test).
 
-One process. Lays out the model's layers that ``CompressedDDP`` compresses by default (>= 2-D, >= 1024 elements) as
-one bucket, runs each compressor for ``--ranks`` simulated ranks through ``lightning_gradcomp.testing.
-simulate_reduce`` (the training code path: error feedback, compress, packing, aggregation and decode; the collectives
-are simulated in memory and not counted) and reports, per compressor and rank, the encode+decode time the hook's
+One process. Lays out the model's layers that ``CompressedDDP`` compresses by default (>= 2-D, >= 1024 elements) in
+buckets of ``--bucket-mb`` MiB, as DDP does (default 25 MiB, DDP's ``bucket_cap_mb``; ``0``: one bucket, the layout
+of this benchmark's runs before 2026-11-23: on the CPU every fresh temporary of a 44 MiB bucket is above glibc's
+32 MiB mmap threshold and pays its page faults on every step, which temporaries of DDP's buckets do not), runs
+each compressor for ``--ranks`` simulated ranks through ``lightning_gradcomp.testing.simulate_reduce`` (the training
+code path: error feedback, compress, packing, aggregation and decode; the collectives are simulated in memory and not
+counted) and reports, per compressor and rank, the encode+decode time the hook's
 telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
 
 * a share of the backward pass of the same model (forward excluded), measured in the same run;
@@ -134,26 +137,50 @@ def commit_ms(numel: int, device: torch.device, swap: bool, repeats: int = 20) -
     return _median_ms(run, device, repeats)
 
 
-def measure(name: str, layers: tuple[Layer, ...], args: argparse.Namespace, device: torch.device) -> dict:
-    """One compressor: encode+decode per step and rank (telemetry medians), launches and syncs on CUDA."""
-    numel = layers[-1].offset + layers[-1].numel
+def buckets(layers: tuple[Layer, ...], cap_mb: float) -> list[tuple[Layer, ...]]:
+    """``layers`` in buckets of at most ``cap_mb`` MiB of fp32 (a layer larger than that alone), offsets per bucket.
+
+    Filled in reverse order, as DDP fills its buckets (DDP's smaller first bucket is not modelled); ``cap_mb <= 0``
+    puts every layer in one bucket.
+    """
+    if cap_mb <= 0:
+        return [layers]
+    cap, groups, current, size = cap_mb * 2**20, [], [], 0
+    for layer in reversed(layers):
+        if current and size + 4 * layer.numel > cap:
+            groups.append(current)
+            current, size = [], 0
+        current.append(layer)
+        size += 4 * layer.numel
+    groups.append(current)
+    out = []
+    for group in groups:
+        offset, relaid = 0, []
+        for layer in reversed(group):  # model order inside a bucket
+            relaid.append(Layer(layer.name, layer.index, layer.shape, offset))
+            offset += layer.numel
+        out.append(tuple(relaid))
+    return out
+
+
+def measure(name: str, layout: list[tuple[Layer, ...]], args: argparse.Namespace, device: torch.device) -> dict:
+    """One compressor: encode+decode per step and rank (telemetry medians, every bucket), launches and syncs on CUDA."""
+    sizes = [bucket[-1].offset + bucket[-1].numel for bucket in layout]
     torch.manual_seed(0)
-    grads = [(torch.randn(numel) * 1e-3).to(device) for _ in range(args.ranks)]
+    grads = [[(torch.randn(n) * 1e-3).to(device) for _ in range(args.ranks)] for n in sizes]
     compressors = [EXAMPLES[name]() for _ in range(args.ranks)]
-    residuals = (
-        [torch.zeros(numel, device=device) for _ in range(args.ranks)]
-        if compressors[0].default_error_feedback
-        else None
-    )
+    feedback = compressors[0].default_error_feedback
+    residuals = [[torch.zeros(n, device=device) for _ in range(args.ranks)] if feedback else None for n in sizes]
     # the updated residual's buffers persist between steps, as the hook's twin buffers do in training
-    twins = None if residuals is None else [torch.empty_like(r) for r in residuals]
+    twins = [None if r is None else [torch.empty_like(x) for x in r] for r in residuals]
     telemetry = [Telemetry() for _ in range(args.ranks)]
     step = 0
 
     def run() -> None:
         nonlocal step
-        simulate_reduce(compressors, grads, layers, step=step, residuals=residuals, telemetry=telemetry,
-                        new_residuals=twins)  # fmt: skip
+        for index, bucket in enumerate(layout):
+            simulate_reduce(compressors, grads[index], bucket, step=step, residuals=residuals[index], index=index,
+                            telemetry=telemetry, new_residuals=twins[index])  # fmt: skip
         step += 1
 
     per_step = []
@@ -161,7 +188,8 @@ def measure(name: str, layers: tuple[Layer, ...], args: argparse.Namespace, devi
         run()
         _sync(device)
         for t in telemetry:
-            t.add_bucket(numel * 4)  # what the hook counts per bucket; pop_step reports nothing without one
+            for n in sizes:
+                t.add_bucket(n * 4)  # what the hook counts per bucket; pop_step reports nothing without one
         stats = [t.pop_step() for t in telemetry]
         if i >= 2:
             per_step.append(statistics.fmean(s.encode_ms + s.decode_ms for s in stats if s is not None))
@@ -182,6 +210,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     parser.add_argument("--compressors", nargs="+", default=list(DEFAULT_COMPRESSORS), choices=sorted(EXAMPLES))
+    parser.add_argument("--bucket-mb", type=float, default=25.0,
+                        help="bucket size in MiB, as DDP's bucket_cap_mb (default 25, DDP's); 0: one bucket")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -197,10 +227,12 @@ def main() -> None:
     # as ``BucketContext.generator`` makes them, except on CUDA)
     generator = torch.Generator(device=device).manual_seed(0)
     draw = _median_ms(lambda: torch.rand(numel, generator=generator, device=device, out=dst), device, 20)
-    rows = [measure(name, layers, args, device) for name in args.compressors]
+    layout = buckets(layers, args.bucket_mb)
+    rows = [measure(name, layout, args, device) for name in args.compressors]
     commit = {"swap": commit_ms(numel, device, swap=True), "copy": commit_ms(numel, device, swap=False)}
     header = (
-        f"{args.model} ({numel:,} compressed elements in {len(layers)} layers), batch {args.batch_size}x"
+        f"{args.model} ({numel:,} compressed elements in {len(layers)} layers, {len(layout)} bucket(s)),"
+        f" batch {args.batch_size}x"
         f"{args.image_size}x{args.image_size}, {device}, {args.ranks} simulated ranks"
         + (f", {args.threads} thread(s)" if device.type == "cpu" else "")
         + f": backward {backward:.1f} ms, one memory pass {one_pass:.2f} ms,"
