@@ -3,7 +3,7 @@
 One process. Lays out the model's layers that ``CompressedDDP`` compresses by default (>= 2-D, >= 1024 elements) in
 buckets of ``--bucket-mb`` MiB, as DDP does (default 25 MiB, DDP's ``bucket_cap_mb``; ``0``: one bucket, the layout
 of this benchmark's runs before 2026-11-23: on the CPU every fresh temporary of a 44 MiB bucket is above glibc's
-32 MiB mmap threshold and pays its page faults on every step, which temporaries of DDP's buckets do not), runs
+32 MiB mmap threshold and pays all its page faults on every step, which those of DDP's buckets do not), runs
 each compressor for ``--ranks`` simulated ranks through ``lightning_gradcomp.testing.simulate_reduce`` (the training
 code path: error feedback, compress, packing, aggregation and decode; the collectives are simulated in memory and not
 counted) and reports, per compressor and rank, the encode+decode time the hook's
