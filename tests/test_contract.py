@@ -139,6 +139,43 @@ def test_decompressing_into_a_spent_buffer_gives_the_same_result(case):
     torch.testing.assert_close(compressor.aggregate(payloads, ctx, out=buffer), expected_sum, rtol=0, atol=0)
 
 
+def test_the_aggregate_is_the_rank_order_sum_from_zeros_bit_for_bit(case):
+    """``aggregate`` equals adding every decoded payload, in rank order, into zeros, bit for bit (signed zeros too),
+    into a buffer full of NaN, and leaves the payloads as they were (the base class's ``aggregate``; overrides sum
+    sparse payloads their own way, checked by their own tests)."""
+    _, compressor = case
+    if type(compressor).aggregate is not Compressor.aggregate:
+        pytest.skip(f"{type(compressor).__name__} overrides aggregate")
+    layers = _layers(compressor)
+    xs = _data(layers, 3, seed=11)
+    ctx = _ctx(layers)
+    payloads = [compressor.compress(x.clone(), ctx) for x in xs]
+    sent = [tuple(t.clone() for t in payload) for payload in payloads]
+    expected = torch.zeros_like(xs[0])
+    for payload in payloads:
+        expected += compressor.decompress(payload, ctx).clone()
+    found = compressor.aggregate(payloads, ctx, out=torch.full_like(xs[0], float("nan")))
+    assert found.dtype == expected.dtype
+    assert torch.equal(found.view(torch.uint8), expected.view(torch.uint8))
+    for payload, before in zip(payloads, sent):
+        assert all(torch.equal(a, b) for a, b in zip(payload, before))
+
+
+def test_an_aggregate_of_negative_zeros_is_positive_zero():
+    """As from zeros: ``0 + (-0.0)`` is ``+0.0``, also when the first payload is decoded straight into the result (and
+    a payload that decodes to itself is copied, never written)."""
+    layers = layers_from_shapes([(4, 4)])
+    ctx = _ctx(layers)
+    minus_zero = torch.full((16,), -0.0, dtype=torch.float64, device=DEVICE)
+    payloads = [(minus_zero.clone(),), (minus_zero.clone(),)]
+    found = Identity().aggregate(payloads, ctx)
+    assert not torch.signbit(found).any()
+    assert all(torch.signbit(p).all() for (p,) in payloads)
+    single = Identity().aggregate(payloads[:1], ctx)
+    assert not torch.signbit(single).any()
+    assert torch.signbit(payloads[0][0]).all()
+
+
 def test_payload_shapes_depend_only_on_the_layout(case):
     """Ranks hold different gradients but must hand collectives tensors of the same shapes.
 

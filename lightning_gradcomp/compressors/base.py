@@ -290,12 +290,20 @@ class Compressor(ABC):
         Override when the sum can be formed without one dense tensor per rank (sparse payloads). ``out`` is as in
         :meth:`decompress`.
         """
-        # accumulate into zeros: a decompressed payload may be the payload itself, which must not change; every
-        # rank's payload is decoded into one scratch buffer (a fresh gradient-sized tensor per rank costs its page
-        # faults on the CPU: as much as the decoding itself)
-        total = ctx.output(out, zeros=True)
+        # the first payload is decoded straight into the result, then ``+ 0.0``: the bits of accumulating into zeros
+        # (``0 + x`` is ``x`` but for ``-0.0``, which becomes ``+0.0``) for one pass where zeroing and adding took
+        # two; every other rank's payload is decoded into one scratch buffer (a fresh gradient-sized tensor per rank
+        # may cost its page faults on the CPU: as much as the decoding itself). A decompressed payload may be the
+        # payload itself, which must not change: it is copied, never written.
+        total = ctx.output(out)
+        if not payloads:
+            return total.zero_()
+        first = self.decompress(payloads[0], ctx, out=total)
+        if first is not total:
+            total.copy_(first)
+        total.add_(0.0)
         scratch = torch.empty_like(total) if len(payloads) > 1 else None
-        for payload in payloads:
+        for payload in payloads[1:]:
             total.add_(self.decompress(payload, ctx, out=scratch))
         return total
 
