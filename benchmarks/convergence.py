@@ -81,6 +81,12 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
         0.05,
         0.9,
     ),
+    # the all-reduce variant with the linear encoder (the average of the codes is the code of the average)
+    "lgc-allreduce-linear-train2x": (
+        lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=176, linear_encoder=True),
+        0.05,
+        0.9,
+    ),
     "lgc-allreduce-noproject": (
         lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=88, project=False),
         0.05,
