@@ -61,7 +61,7 @@ def above(values: Tensor, bound: Tensor | float, *, inclusive: bool = False) -> 
     gradient), NumPy's about 0.3 ns. Signs (``x >= 0``: ``-0.0`` counts as non-negative, NaN as neither) and sampled
     top-k thresholds go through here. On other devices it is torch's comparison, which reads no tensor on the host.
     """
-    if values.device.type == "cpu" and values.dtype in _NUMPY_FLOATS:
+    if numpy_floats(values):
         array = values.detach().numpy()
         # the bound in the values' dtype, as torch compares with a 0-d tensor or a Python number
         scalar = array.dtype.type(bound.item() if isinstance(bound, Tensor) else bound)
@@ -75,7 +75,7 @@ def signbit(values: Tensor) -> Tensor:
     The same mask, faster on the CPU, where torch's ``signbit`` costs about 1.6 ns per element on one thread (four
     memory passes over an fp32 gradient) and NumPy's about 0.2 ns. Both read the sign bit itself.
     """
-    if values.device.type == "cpu" and values.dtype in _NUMPY_FLOATS:
+    if numpy_floats(values):
         return torch.from_numpy(np.signbit(values.detach().numpy()))
     return torch.signbit(values)
 

@@ -291,15 +291,19 @@ class TernGrad(Compressor):
     def _scaled(self, offset_sum: Tensor, scales: Tensor, ctx: BucketContext, count: int, out: Tensor) -> Tensor:
         """``s (offset_sum - count) / count`` per layer (the average of ``count`` ranks' ``s t``), by table lookup."""
         dtype = _compute_dtype(ctx.dtype)
-        ternary_sums = torch.arange(-count, count + 1, dtype=dtype, device=out.device) / count
         index = offset_sum.int()
-        for i, layer in enumerate(ctx.layers):
-            table = ternary_sums * scales[i].to(dtype)
+        for layer, table in zip(ctx.layers, self._tables(scales, ctx, count, out.device)):
             if out.dtype == dtype:
                 torch.index_select(table, 0, layer.flat(index), out=layer.flat(out))
             else:
                 layer.flat(out).copy_(table[layer.flat(index)])
         return out
+
+    def _tables(self, scales: Tensor, ctx: BucketContext, count: int, device: torch.device) -> list[Tensor]:
+        """Per layer, the ``2 count + 1`` values ``s (k - count) / count``: the average of ``count`` ranks' ``s t``."""
+        dtype = _compute_dtype(ctx.dtype)
+        ternary_sums = torch.arange(-count, count + 1, dtype=dtype, device=device) / count
+        return [ternary_sums * scales[i].to(dtype) for i in range(len(ctx.layers))]
 
     def _scaled_words(self, summed: Tensor, scales: Tensor, ctx: BucketContext, out: Tensor) -> Tensor:
         """:meth:`_scaled` of the average of all ranks, read plane by plane from the summed words.
@@ -310,8 +314,7 @@ class TernGrad(Compressor):
         """
         dtype = _compute_dtype(ctx.dtype)
         count = ctx.world_size
-        ternary_sums = torch.arange(-count, count + 1, dtype=dtype, device=out.device) / count
-        tables = [ternary_sums * scales[i].to(dtype) for i in range(len(ctx.layers))]
+        tables = self._tables(scales, ctx, count, out.device)
         for start, plane in field_planes(summed, field_width(2 * count), ctx.numel):
             end = start + plane.numel()
             for i, layer in enumerate(ctx.layers):
