@@ -50,6 +50,12 @@ from lightning_gradcomp.compressors import (
 from lightning_gradcomp.demo.workloads import DigitsCNN, digits
 from lightning_gradcomp.testing import EXAMPLES
 
+
+def _lgc_allreduce(training_steps: int = 176, **options: object) -> Callable[[], Compressor]:
+    """LGC's all-reduce variant at 1%, 44 dense steps, then ``training_steps`` of stage 2."""
+    return lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=training_steps, **options)
+
+
 # name -> (compressor factory, learning rate, optimizer momentum)
 # (compressor, learning rate, momentum); the compressors are the methods' default configurations of the package's
 # one table of examples (DGC applies momentum itself, hence momentum 0 for its optimizer)
@@ -73,25 +79,20 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     # LGC at TopK's and ScaleCom's 1%: dense for 2 epochs (44 steps), top-k while the autoencoder trains for 4 (88),
     # then the autoencoder's code (the third-party defaults, 200 and 300 steps, would leave the 440 steps at stage 2)
     "lgc-ps": (lambda: LGC(ratio=0.01, innovation_ratio=0.001, dense_steps=44, training_steps=88), 0.05, 0.9),
-    "lgc-allreduce": (lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=88), 0.05, 0.9),
+    "lgc-allreduce": (_lgc_allreduce(training_steps=88), 0.05, 0.9),
     # the same with twice the autoencoder's training (stage 2: 176 steps, stage 3: the last 220)
     "lgc-ps-train2x": (lambda: LGC(ratio=0.01, innovation_ratio=0.001, dense_steps=44, training_steps=176), 0.05, 0.9),
-    "lgc-allreduce-train2x": (
-        lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=176),
-        0.05,
-        0.9,
-    ),
+    "lgc-allreduce-train2x": (_lgc_allreduce(), 0.05, 0.9),
     # the all-reduce variant with the linear encoder (the average of the codes is the code of the average)
-    "lgc-allreduce-linear-train2x": (
-        lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=176, linear_encoder=True),
-        0.05,
-        0.9,
-    ),
-    "lgc-allreduce-noproject": (
-        lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=88, project=False),
-        0.05,
-        0.9,
-    ),
+    "lgc-allreduce-linear-train2x": (_lgc_allreduce(linear_encoder=True), 0.05, 0.9),
+    "lgc-allreduce-noproject": (_lgc_allreduce(training_steps=88, project=False), 0.05, 0.9),
+    # stage 2 for the rest of the run: CLT-k (ScaleCom, beta = 1) after 44 dense steps, the autoencoder never used
+    "lgc-allreduce-stage2-only": (_lgc_allreduce(training_steps=396), 0.05, 0.9),
+    # two changes tried on the all-reduce variant, one at a time and together: no code-similarity term and ScaleCom's
+    # low-pass memory (beta = 0.5); neither is a default (docs/lgc.md)
+    "lgc-allreduce-sim0-train2x": (_lgc_allreduce(similarity_weight=0.0), 0.05, 0.9),
+    "lgc-allreduce-beta05-train2x": (_lgc_allreduce(beta=0.5), 0.05, 0.9),
+    "lgc-allreduce-sim0-beta05-train2x": (_lgc_allreduce(similarity_weight=0.0, beta=0.5), 0.05, 0.9),
 }
 # sign steps: a learning rate for signs, chosen from this sweep (run it with --sign-lr-sweep)
 SIGN_SWEEP: dict[str, tuple[Callable[[], Compressor], float, float]] = {
@@ -140,11 +141,21 @@ class Digits32CNN(nn.Module):
         return self.classifier(self.features(x))
 
 
-def train(rank: int, world_size: int, config: str, epochs: int, seed: int = 0, task: str = "digits") -> dict:
-    """Train one configuration on this rank; return held-out accuracy and the compression ratio seen.
+def train(
+    rank: int,
+    world_size: int,
+    config: str,
+    epochs: int,
+    seed: int = 0,
+    task: str = "digits",
+    compressor: Compressor | None = None,
+) -> dict:
+    """Train one configuration on this rank; return held-out accuracy (at the end and after every epoch) and the
+    compression ratio seen.
 
     ``seed`` sets the initial weights and the order of the batches (the held-out split stays the same); ``task``
-    is ``"digits"`` (``DigitsCNN``) or ``"digits32"`` (the CIFAR-shaped digits, ``Digits32CNN``).
+    is ``"digits"`` (``DigitsCNN``) or ``"digits32"`` (the CIFAR-shaped digits, ``Digits32CNN``); ``compressor``
+    replaces the configuration's (its learning rate and momentum stay), e.g. an instrumented copy of it.
     """
     factory, lr, momentum = {**CONFIGS, **SIGN_SWEEP}[config]
     x, y, x_test, y_test = digits() if task == "digits" else digits32()
@@ -152,11 +163,12 @@ def train(rank: int, world_size: int, config: str, epochs: int, seed: int = 0, t
     steps_per_epoch = min(len(y[r::world_size]) for r in range(world_size)) // BATCH
     model = DigitsCNN(seed) if task == "digits" else Digits32CNN(seed)
     ddp = DDP(model)
-    state = CompressionState(factory())
+    state = CompressionState(factory() if compressor is None else compressor)
     state.attach(ddp)
     ddp.register_comm_hook(state, compression_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     sent = dense = 0
+    epoch_accuracy = []
     for epoch in range(epochs):
         generator = torch.Generator().manual_seed(1000 * epoch + rank + 10**6 * seed)
         order = torch.randperm(len(shard_y), generator=generator)
@@ -169,14 +181,15 @@ def train(rank: int, world_size: int, config: str, epochs: int, seed: int = 0, t
             stats = state.telemetry.pop_step()
             sent += stats.bytes_sent
             dense += stats.bytes_dense
-    model.eval()
-    with torch.no_grad():
-        accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+        with torch.no_grad():  # neither model has dropout or batch norm: no mode to switch
+            epoch_accuracy.append((model(x_test).argmax(1) == y_test).float().mean().item())
+    accuracy = epoch_accuracy[-1]
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(everyone, flat)
     return {
         "accuracy": accuracy,
+        "epoch_accuracy": epoch_accuracy,
         "ratio": dense / sent,
         "replicas_identical": all(torch.equal(everyone[0], e) for e in everyone),
         "steps": epochs * steps_per_epoch,

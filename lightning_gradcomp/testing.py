@@ -104,6 +104,10 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "lgc-ps-gather-stages": lambda: LGC(
         ratio=0.05, innovation_ratio=0.005, dense_steps=1, training_steps=2, leader="rotating", ps_form="gather"
     ),
+    # ScaleCom's low-pass memory (the all-reduce variant's option)
+    "lgc-allreduce-lowpass-stages": lambda: LGC(
+        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, beta=0.5
+    ),
     "lgc-ps-stage2": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=100),
     "lgc-allreduce-stage2": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=100),
     "lgc-ps-stage3": lambda: LGC(

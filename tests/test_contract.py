@@ -337,7 +337,8 @@ def test_error_feedback_telescopes(case):
         applied += simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)[0]
         computed += (grads[0] + grads[1]) / 2
     # a low-pass filtered memory (ScaleCom's beta) moves by beta (g - sent) per step: what is owed is m / beta
-    owed = (residuals[0] + residuals[1]) / 2 / getattr(compressor, "beta", 1.0)
+    beta = getattr(compressor, "beta", None)  # None: plain error feedback (LGC's default)
+    owed = (residuals[0] + residuals[1]) / 2 / (1.0 if beta is None else beta)
     kept = _kept(compressor, layers)
     # pruned entries are discarded, not owed: nothing is applied and nothing is kept there
     assert torch.all(owed[~kept] == 0)

@@ -100,7 +100,8 @@ class LGC(Compressor):
     **Error feedback** subtracts what the aggregate used for this rank: stage 2, the sent entries; stage 3 ``"ps"``,
     the decoded values at the leader's indices and the innovation at its own (not the stale stage-2 mask of the
     third-party code); stage 3 ``"allreduce"``, the decoded average at the shared indices (every rank's share of
-    the aggregate is the aggregate itself, so ``sum of updates + mean residual`` still telescopes).
+    the aggregate is the aggregate itself, so ``sum of updates + mean residual`` still telescopes; with ``beta < 1``,
+    ``sum of updates + mean residual / beta``).
 
     **What follows what.** From the paper's abstract: the two instances, the autoencoder trained during the first
     stages of training, inter-node redundancy, a lightweight network. From the third-party implementation (a
@@ -111,8 +112,8 @@ class LGC(Compressor):
     chosen rank's indices (the third-party code compares each rank's values in its own order, which assumes the
     supports coincide), normalisation by the leader's root mean square, Adam (the third-party code uses SGD with
     ``lr=1e-3``: ``optimizer="sgd"``), smaller default channels, the mapping onto collectives, and the whole
-    all-reduce variant: its objective (``D(mean_i E(x_i)) ~ mean_i x_i``), the rotating leader, the linear encoder
-    and the projection are not from the paper's text, which could not be read.
+    all-reduce variant: its objective (``D(mean_i E(x_i)) ~ mean_i x_i``), the rotating leader, the linear encoder,
+    the projection and ScaleCom's low-pass memory (``beta``) are not from the paper's text, which could not be read.
 
     **When the autoencoder trains.** The values of step ``t`` are staged (kept only if the step is finite on every
     rank) and trained on at the start of step ``t + 1``, on the main thread, in bucket order: training inside a
@@ -150,6 +151,12 @@ class LGC(Compressor):
             broadcasts the averaged values with its code and indices, and every other rank decodes only its own
             values (for its error feedback). Both give bitwise the same results; they differ in bytes and time.
         seed: the autoencoder's seed (its initialisation and the random rank of each training step).
+        beta: ``"allreduce"`` only (``None``: 1, plain error feedback): ScaleCom's low-pass filtered memory,
+            ``m <- (1 - beta) m + beta r`` with ``r`` what the aggregate did not use, in (0, 1]; ``m / beta`` is
+            then what is owed. Stage 2 of the all-reduce variant is ScaleCom's CLT-k (the leader's indices for
+            every rank), which ScaleCom's paper pairs with this filter. On the CIFAR-shaped digits ``beta=0.5``
+            rescued the seed on which plain error feedback stalled at chance in stage 2, and cost accuracy on
+            others (docs/lgc.md): not the default.
 
     Raises:
         ValueError: If an argument is out of range or of the wrong type.
@@ -185,6 +192,7 @@ class LGC(Compressor):
         project: bool | None = None,
         seed: int = 0,
         ps_form: str | None = None,
+        beta: float | None = None,
     ) -> None:
         super().__init__()
         self.variant = check_choice(variant, "variant", _VARIANTS)
@@ -220,6 +228,9 @@ class LGC(Compressor):
         if variant == "allreduce" and ps_form is not None:
             raise ValueError(f"Expected `ps_form` to be None with variant='allreduce' (PS only), got {ps_form!r}.")
         self.ps_form = check_choice(ps_form, "ps_form", (None, *_PS_FORMS))
+        if variant == "ps" and beta is not None:
+            raise ValueError(f"Expected `beta` to be None with variant='ps' (all-reduce only), got {beta!r}.")
+        self.beta = check_number(beta, "beta", low=0.0, high=1.0, low_open=True, allow_none=True)
         self.seed = check_int(seed, "seed", low=0)
         self._reset_autoencoder()
 
@@ -229,6 +240,11 @@ class LGC(Compressor):
         self._pending: dict[str, dict[str, Tensor]] = {}  # stage-2 data not trained on yet, per bucket
         self._model: LGCAutoencoder | None = None  # the working copy this step encodes and decodes with
         self._prepared_step: int | None = None
+
+    @property
+    def memory_beta(self) -> float:
+        """The error-feedback memory's low-pass coefficient in use: ``beta``, or 1 (plain error feedback)."""
+        return 1.0 if self.beta is None else self.beta
 
     @property
     def collective(self) -> str:  # type: ignore[override]
@@ -587,7 +603,7 @@ class LGC(Compressor):
         indices = torch.cat(decode_sparse(layout, shared))
         values = tensor[indices]
         if ctx.new_residual is not None:
-            ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0)
+            self._low_pass(ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0), ctx)
         gathered = yield AllGather((values,))
         total = gathered[0][0].to(ctx.dtype).clone()
         for (vals,) in gathered[1:]:
@@ -676,8 +692,14 @@ class LGC(Compressor):
         decoded = decoded.to(ctx.dtype)
         if ctx.new_residual is not None:
             # every rank's share of the aggregate is the aggregate: sum of updates + mean residual telescopes
-            ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1)
+            self._low_pass(ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1), ctx)
         return tensor.zero_().index_copy_(0, indices, decoded)
+
+    def _low_pass(self, lost: Tensor, ctx: BucketContext) -> None:
+        """ScaleCom's low-pass filtered memory, in place: ``m <- (1 - beta) m + beta lost`` (nothing when beta = 1)."""
+        beta = self.memory_beta
+        if beta != 1.0 and ctx.residual is not None:
+            lost.mul_(beta).add_(ctx.residual, alpha=1.0 - beta)
 
     @property
     def _projects(self) -> bool:
