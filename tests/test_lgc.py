@@ -306,7 +306,7 @@ def test_allreduce_stage_2_is_scalecom_with_its_memory(beta, leader):
     """Stage 2 of the all-reduce variant sends what ScaleCom (CLT-k) sends, with ScaleCom's memory: the same
     aggregate and the same residuals step after step, for ``beta`` 1 and 0.5 (to rounding: ScaleCom divides before
     its all-reduce, LGC after its all-gather). The seed-3 failure on the CIFAR-shaped digits is in this stage
-    (docs/lgc.md), so it is ScaleCom's behaviour, and ScaleCom's low-pass filter is the remedy."""
+    (docs/lgc.md), so it is CLT-k's behaviour; ScaleCom's low-pass filter rescued that seed and stalled another."""
     n = 3
     lgc = [_lgc("allreduce", dense_steps=0, training_steps=100, beta=beta, leader=leader) for _ in range(n)]
 
