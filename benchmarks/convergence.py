@@ -93,6 +93,21 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     "lgc-allreduce-sim0-train2x": (_lgc_allreduce(similarity_weight=0.0), 0.05, 0.9),
     "lgc-allreduce-beta05-train2x": (_lgc_allreduce(beta=0.5), 0.05, 0.9),
     "lgc-allreduce-sim0-beta05-train2x": (_lgc_allreduce(similarity_weight=0.0, beta=0.5), 0.05, 0.9),
+    # the all-reduce variant repaired (docs/lgc.md): the leader's slots in value order, no code-similarity term, and
+    # each rank's memory keeps what the aggregate left of its own values (ScaleCom's accounting), alone and together
+    "lgc-allreduce-own-train2x": (_lgc_allreduce(residual="own"), 0.05, 0.9),
+    "lgc-allreduce-value-sim0-own-train2x": (
+        _lgc_allreduce(order="value", similarity_weight=0.0, residual="own"),
+        0.05,
+        0.9,
+    ),
+    "lgc-allreduce-value-sim0-own-beta05-train2x": (
+        _lgc_allreduce(order="value", similarity_weight=0.0, residual="own", beta=0.5),
+        0.05,
+        0.9,
+    ),
+    "lgc-allreduce-sim0-own-train2x": (_lgc_allreduce(similarity_weight=0.0, residual="own"), 0.05, 0.9),
+    "lgc-allreduce-value-own-train2x": (_lgc_allreduce(order="value", residual="own"), 0.05, 0.9),
 }
 # sign steps: a learning rate for signs, chosen from this sweep (run it with --sign-lr-sweep)
 SIGN_SWEEP: dict[str, tuple[Callable[[], Compressor], float, float]] = {

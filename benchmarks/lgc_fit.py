@@ -42,12 +42,12 @@ class RecordingLGC(LGC):
         super().__init__(**hparams)  # type: ignore[arg-type]
         self.fits: list[tuple[int, float]] = []  # (step, raw factor), in layer order
 
-    def _projected(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> Tensor:
+    def _factors(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> list[Tensor]:
         for i, (_, at, k) in enumerate(self._segments(ctx)):
             part = decoded[at : at + k]
             norm = float(torch.dot(part, part))
             self.fits.append((ctx.step, float(dots[i]) / norm if norm > 0 else 0.0))
-        return super()._projected(decoded, dots, ctx)
+        return super()._factors(decoded, dots, ctx)
 
 
 def _worker(rank: int, world_size: int, port: int, configs: list[str], epochs: int, seed: int, out: str) -> None:

@@ -108,6 +108,13 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "lgc-allreduce-lowpass-stages": lambda: LGC(
         variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, beta=0.5
     ),
+    # the leader's slots in value order, and each rank's own unsent share as its memory (docs/lgc.md)
+    "lgc-allreduce-value-stages": lambda: LGC(
+        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, order="value"
+    ),
+    "lgc-allreduce-own-stages": lambda: LGC(
+        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, order="value", residual="own"
+    ),
     "lgc-ps-stage2": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=100),
     "lgc-allreduce-stage2": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=100),
     "lgc-ps-stage3": lambda: LGC(

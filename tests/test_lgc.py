@@ -293,6 +293,11 @@ def test_the_code_is_about_a_quarter_of_the_values():
         ({"variant": "allreduce", "beta": 0.0}, "beta"),
         ({"variant": "allreduce", "beta": 1.5}, "beta"),
         ({"variant": "allreduce", "similarity_weight": float("nan")}, "similarity_weight"),
+        ({"order": "value"}, "order"),  # the all-reduce variant's
+        ({"variant": "allreduce", "order": "magnitude"}, "order"),
+        ({"residual": "own"}, "residual"),  # the all-reduce variant's
+        ({"variant": "allreduce", "residual": "rank"}, "residual"),
+        ({"variant": "allreduce", "residual": "own", "project": False}, "project"),  # own needs the factor
     ],
 )
 def test_bad_arguments_are_refused_with_the_argument_named(kwargs, match):
@@ -349,6 +354,85 @@ def test_the_low_pass_memory_moves_by_beta_times_what_was_owed(stage):
     for m, r, f in zip(memory, r_plain, r_filtered):
         torch.testing.assert_close(f, 0.5 * m + 0.5 * r, rtol=1e-12, atol=1e-12)
         assert not torch.allclose(f, r)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_value_order_sends_the_leader_s_slots_largest_value_first(stage):
+    """``order="value"`` changes the order of the leader's slots, not what is summed: the aggregate and the residuals
+    equal the index order's bitwise (every slot is summed over the ranks alike); the training data staged in stage 2
+    are the leader's values, largest first, in every layer; every layer's indices go as an int32 list."""
+    n = 2
+    steps = {"dense_steps": 0, "training_steps": 100 if stage == 2 else 0, "leader": "fixed", "project": False}
+    if stage == 3:
+        steps["linear_encoder"] = True  # the code of the sum is the sum of the codes: the order cannot change it
+    by_index = [_lgc("allreduce", **steps) for _ in range(n)]
+    by_value = [_lgc("allreduce", order="value", **steps) for _ in range(n)]
+    r_index = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
+    r_value = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
+    grads = _grads(n, 31)
+    ours = simulate_reduce(by_value, grads, LAYERS, step=0, residuals=r_value)
+    theirs = simulate_reduce(by_index, grads, LAYERS, step=0, residuals=r_index)
+    if stage == 2:
+        assert torch.equal(ours[0], theirs[0])
+        for a, b in zip(r_value, r_index):
+            assert torch.equal(a, b)
+        for layer in LAYERS:
+            staged = by_value[0]._pending[layer.name]["values"]  # [ranks, k], the leader (rank 0) first
+            assert torch.equal(staged[0], staged[0].sort(descending=True).values), layer.name
+            assert not torch.equal(staged[0], staged[0].sort(descending=True).values[torch.randperm(staged.shape[1])])
+            in_index_order = by_index[0]._pending[layer.name]["values"][0]
+            assert torch.equal(staged[0].sort().values, in_index_order.sort().values), "the same values"
+    else:
+        assert (ours[0] != 0).sum() == (theirs[0] != 0).sum(), "the same slots"
+        kept = ours[0] != 0
+        assert torch.equal(kept, theirs[0] != 0)
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=n, layers=LAYERS)
+    assert by_value[0]._layout(ctx).nbytes == sum(4 * keep_count(layer.numel, 0.05) for layer in LAYERS)
+
+
+@pytest.mark.parametrize("leader", ["fixed", "rotating"])
+def test_own_residual_keeps_what_the_aggregate_left_of_each_rank_s_values(leader):
+    """``residual="own"``, stage 3: the aggregate is the ``"average"`` accounting's, bitwise (it sets only the memory),
+    and is ``f`` times the decoded average ``d`` (the same step without the projection), ``f = clamp(<mean p, d> /
+    |d|^2, 0, 1)`` per layer; every rank keeps ``(1 - f) p_i`` at the leader's slots and all of ``p_i`` elsewhere
+    (ScaleCom's accounting when ``f = 1``). So over the ranks the decoder's error ``f (d - mean p)`` is dropped, not
+    owed, where the ``"average"`` accounting owes it."""
+    n = 3
+    steps = {"dense_steps": 0, "training_steps": 2, "leader": leader, "seed": 1}
+    own = [_lgc("allreduce", residual="own", **steps) for _ in range(n)]
+    memory = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
+    _run(own, range(2), memory)
+    factors = []
+    for step in (2, 3):
+        average = [copy.deepcopy(c) for c in own]
+        for c in average:
+            c.residual = None
+        unprojected = [copy.deepcopy(c) for c in average]
+        for c in unprojected:
+            c.project = False
+        grads = _grads(n, 60 + step)
+        p = [g + m for g, m in zip(grads, memory)]
+        r_average = [m.clone() for m in memory]
+        decoded = simulate_reduce(unprojected, grads, LAYERS, step=step, residuals=[m.clone() for m in memory])[0]
+        theirs = simulate_reduce(average, grads, LAYERS, step=step, residuals=r_average)
+        ours = simulate_reduce(own, grads, LAYERS, step=step, residuals=memory)
+        assert torch.equal(ours[0], theirs[0])
+        mean_p, leader_rank = sum(p) / n, 0 if leader == "fixed" else step % n
+        for layer in LAYERS:
+            slots = torch.topk(layer.flat(p[leader_rank]).abs(), keep_count(layer.numel, 0.05)).indices
+            off = torch.ones(layer.numel, dtype=torch.bool)
+            off[slots] = False
+            d, target = layer.flat(decoded)[slots], layer.flat(mean_p)[slots]
+            f = (torch.dot(target, d) / torch.dot(d, d)).clamp(0.0, 1.0)
+            factors.append(float(f))
+            torch.testing.assert_close(layer.flat(ours[0])[slots], f * d, rtol=1e-6, atol=1e-9)
+            assert torch.all(layer.flat(ours[0])[off] == 0)
+            for rank in range(n):
+                r, pr = layer.flat(memory[rank]), layer.flat(p[rank])
+                torch.testing.assert_close(r[slots], (1 - f) * pr[slots], rtol=1e-6, atol=1e-9)
+                assert torch.equal(r[off], pr[off]), "unsent entries are owed whole"
+        assert not torch.allclose(r_average[0], memory[0]), "the average accounting owes the decoder's error"
+    assert any(0.01 < f < 0.99 for f in factors), f"{factors}: a factor strictly inside (0, 1) is tested"
 
 
 def test_a_ps_autoencoder_refuses_another_number_of_ranks():

@@ -14,7 +14,7 @@ from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Broadc
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder, latent_numel, optimizer_state, optimizer_step
 from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes, top_k_blob
-from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, sparse_layout
+from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import topk_indices
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number, check_ratio
 
@@ -24,6 +24,8 @@ _VARIANTS = ("ps", "allreduce")
 _LEADERS = ("fixed", "rotating")
 _OPTIMIZERS = ("adam", "sgd")
 _PS_FORMS = ("allgather", "gather")
+_ORDERS = ("index", "value")
+_RESIDUALS = ("average", "own")
 
 
 def _pad8(nbytes: int) -> int:
@@ -157,6 +159,20 @@ class LGC(Compressor):
             every rank), which ScaleCom's paper pairs with this filter. On the CIFAR-shaped digits ``beta=0.5``
             rescued the seed on which plain error feedback stalled at chance in stage 2, and cost accuracy on
             others (docs/lgc.md): not the default.
+        order: ``"allreduce"`` only (``None``: ``"index"``): the order of the leader's top-k slots, which is the
+            sequence the autoencoder sees. ``"index"``, increasing index (the indices may go as a bitmap);
+            ``"value"``, the leader's values largest (signed) first, sent as int32 lists (the same bytes wherever a
+            list is smaller than a bitmap, below a density of 1/32). In index order the values have no structure a
+            convolutional autoencoder can use; in value order the leader's values are a decreasing curve and every
+            rank's follow it as far as they agree. This package's design (docs/lgc.md).
+        residual: ``"allreduce"`` only (``None``: ``"average"``): what a rank's error feedback counts as sent in
+            stage 3. ``"average"``, the aggregate itself: ``sum of updates + mean residual`` telescopes exactly,
+            but each rank's memory also keeps its deviation from the average at the leader's slots, which no code
+            of the average can carry, step after step. ``"own"``, ScaleCom's accounting: the aggregate carried a
+            share ``f`` of the average (the projection's factor, per layer), and every rank counts that share of
+            its own values there as sent (``m_i = (1 - f) p_i`` at the slots; with ``f = 1``, ScaleCom's
+            ``m_i = 0``); the deviations and the decoder's error ``f (decoded - mean p)`` are dropped, not owed.
+            Needs ``project``. This package's design (docs/lgc.md has the measurement that motivated it).
 
     Raises:
         ValueError: If an argument is out of range or of the wrong type.
@@ -193,6 +209,8 @@ class LGC(Compressor):
         seed: int = 0,
         ps_form: str | None = None,
         beta: float | None = None,
+        order: str | None = None,
+        residual: str | None = None,
     ) -> None:
         super().__init__()
         self.variant = check_choice(variant, "variant", _VARIANTS)
@@ -231,6 +249,17 @@ class LGC(Compressor):
         if variant == "ps" and beta is not None:
             raise ValueError(f"Expected `beta` to be None with variant='ps' (all-reduce only), got {beta!r}.")
         self.beta = check_number(beta, "beta", low=0.0, high=1.0, low_open=True, allow_none=True)
+        if variant == "ps" and order is not None:
+            raise ValueError(f"Expected `order` to be None with variant='ps' (all-reduce only), got {order!r}.")
+        self.order = check_choice(order, "order", (None, *_ORDERS))
+        if variant == "ps" and residual is not None:
+            raise ValueError(f"Expected `residual` to be None with variant='ps' (all-reduce only), got {residual!r}.")
+        self.residual = check_choice(residual, "residual", (None, *_RESIDUALS))
+        if residual == "own" and project is False:
+            raise ValueError(
+                "Expected `project` to be None or True with residual='own' (the share each rank counts as sent is the"
+                " projection's factor), got False."
+            )
         self.seed = check_int(seed, "seed", low=0)
         self._reset_autoencoder()
 
@@ -266,7 +295,25 @@ class LGC(Compressor):
         return 0 if leader == "fixed" else ctx.step % ctx.world_size
 
     def _layout(self, ctx: BucketContext) -> SparseLayout:
-        return sparse_layout(ctx.layers, [keep_count(layer.numel, self.ratio) for layer in ctx.layers])
+        slots = [keep_count(layer.numel, self.ratio) for layer in ctx.layers]
+        return sparse_layout(ctx.layers, slots, bitmaps=self.order != "value")
+
+    def _leader_blob(self, tensor: Tensor, layout: SparseLayout) -> Tensor:
+        """The leader's top-k indices of every layer, in increasing index order or (``order="value"``) by value.
+
+        In value order (largest signed value first) the leader's own values form a decreasing curve and every rank's
+        values in those slots follow it as far as they agree with the leader: a sequence a convolutional
+        autoencoder can learn, where the index order is one it cannot (docs/lgc.md).
+        """
+        if self.order != "value":
+            return top_k_blob(tensor, layout, sort=True)
+        picked = []
+        for segment in layout.segments:
+            flat = segment.layer.flat(tensor)
+            idx = topk_indices(flat.abs(), segment.slots)
+            picked.append(idx[torch.argsort(flat[idx], descending=True, stable=True)])
+        blob = encode_sparse(layout, picked, None, tensor, ordered_=True)[0]
+        return F.pad(blob, (0, index_blob_nbytes(layout) - blob.numel()))
 
     def _innovation_counts(self, ctx: BucketContext) -> list[int]:
         assert self.innovation_ratio is not None
@@ -513,10 +560,10 @@ class LGC(Compressor):
             if self.variant == "ps":
                 indices = self._top(tensor, ctx, [s.slots for s in layout.segments])
                 return tensor[indices], indices.to(self._index_dtype(ctx))
-            blob = top_k_blob(tensor, layout, sort=True)
+            blob = self._leader_blob(tensor, layout)
             return blob, tensor[torch.cat(decode_sparse(layout, blob))]
         model = self._autoencoder(ctx)
-        blob = top_k_blob(tensor, layout, sort=True)
+        blob = self._leader_blob(tensor, layout)
         indices = torch.cat(decode_sparse(layout, blob))
         if self.variant == "ps":
             own = self._top(tensor, ctx, self._innovation_counts(ctx))
@@ -553,7 +600,7 @@ class LGC(Compressor):
         indices = torch.cat(decode_sparse(layout, blob))
         decoded = self._decode(model, 0, z, scales, ctx)
         if self._projects:
-            decoded = self._projected(decoded, payload[3], ctx)
+            decoded = self._projected(decoded, self._factors(decoded, payload[3], ctx), ctx)
         decoded = decoded.to(ctx.dtype)
         return ctx.output(out, zeros=True).index_copy_(0, indices, decoded)
 
@@ -596,7 +643,7 @@ class LGC(Compressor):
     def _shared_topk(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         layout, leader = self._layout(ctx), self.leader_of(ctx)
         if ctx.rank == leader:
-            blob = top_k_blob(tensor, layout, sort=True)
+            blob = self._leader_blob(tensor, layout)
         else:  # filled by the broadcast; the size depends only on the layout
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
         (shared,) = yield Broadcast((blob,), src=leader)
@@ -615,7 +662,7 @@ class LGC(Compressor):
         layout, leader = self._layout(ctx), self.leader_of(ctx)
         own = self._top(tensor, ctx, self._innovation_counts(ctx))
         if ctx.rank == leader:
-            blob = top_k_blob(tensor, layout, sort=True)
+            blob = self._leader_blob(tensor, layout)
             code = self._ps_leader_code(model, tensor, torch.cat(decode_sparse(layout, blob)), ctx)
         else:
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
@@ -645,7 +692,7 @@ class LGC(Compressor):
         touched = torch.cat([idx.long() for _, idx in gathered])  # every rank's innovation indices, in rank order
         k, mine = layout.slots, None
         if ctx.rank == leader:
-            blob = top_k_blob(tensor, layout, sort=True)
+            blob = self._leader_blob(tensor, layout)
             indices = torch.cat(decode_sparse(layout, blob))
             code = self._ps_leader_code(model, tensor, indices, ctx)
             # the all-gather form's sum, in the same order, so that both forms agree bitwise
@@ -672,7 +719,7 @@ class LGC(Compressor):
     def _allreduce_code(self, tensor: Tensor, ctx: BucketContext, model: LGCAutoencoder) -> Exchange:
         layout, leader = self._layout(ctx), self.leader_of(ctx)
         if ctx.rank == leader:
-            blob = top_k_blob(tensor, layout, sort=True)
+            blob = self._leader_blob(tensor, layout)
             scales = self._scales(tensor[torch.cat(decode_sparse(layout, blob))].float(), ctx)
         else:
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
@@ -688,11 +735,20 @@ class LGC(Compressor):
             # contractive however poorly the autoencoder decodes
             dots = self._dots(tensor[indices].float(), decoded, ctx).div_(ctx.world_size)
             (dots,) = yield AllReduce((dots,))
-            decoded = self._projected(decoded, dots, ctx)
+            factors = self._factors(decoded, dots, ctx)
+            decoded = self._projected(decoded, factors, ctx)
         decoded = decoded.to(ctx.dtype)
         if ctx.new_residual is not None:
-            # every rank's share of the aggregate is the aggregate: sum of updates + mean residual telescopes
-            self._low_pass(ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1), ctx)
+            if self.residual == "own":
+                # ScaleCom's accounting: the aggregate carried a share `factor` of the average, so every rank counts
+                # that share of its own values as sent and keeps the rest; its deviation from the average, which no
+                # code of the average can carry, is not owed (see the class docstring)
+                kept = torch.cat([(1.0 - f).expand(k) for f, (_, _, k) in zip(factors, self._segments(ctx))])
+                lost = ctx.new_residual.copy_(tensor).index_copy_(0, indices, tensor[indices] * kept.to(ctx.dtype))
+            else:
+                # every rank's share of the aggregate is the aggregate: sum of updates + mean residual telescopes
+                lost = ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1)
+            self._low_pass(lost, ctx)
         return tensor.zero_().index_copy_(0, indices, decoded)
 
     def _low_pass(self, lost: Tensor, ctx: BucketContext) -> None:
@@ -711,14 +767,18 @@ class LGC(Compressor):
             return x.new_zeros(0)
         return torch.stack([torch.dot(x[at : at + k], decoded[at : at + k]) for _, at, k in self._segments(ctx)])
 
-    def _projected(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> Tensor:
-        """``decoded`` scaled per layer by ``clamp(dots / |decoded|^2, 0, 1)`` (0 where it is all zeros)."""
+    def _factors(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> list[Tensor]:
+        """Per layer ``clamp(dots / |decoded|^2, 0, 1)`` (0 where ``decoded`` is all zeros), 0-dim tensors."""
         out = []
         for i, (_, at, k) in enumerate(self._segments(ctx)):
             part = decoded[at : at + k]
             norm = torch.dot(part, part)
-            alpha = torch.where(norm > 0, dots[i] / torch.where(norm > 0, norm, 1.0), 0.0).clamp(0.0, 1.0)
-            out.append(part * alpha)
+            out.append(torch.where(norm > 0, dots[i] / torch.where(norm > 0, norm, 1.0), 0.0).clamp(0.0, 1.0))
+        return out
+
+    def _projected(self, decoded: Tensor, factors: Sequence[Tensor], ctx: BucketContext) -> Tensor:
+        """``decoded`` scaled per layer by its factor (:meth:`_factors`)."""
+        out = [decoded[at : at + k] * f for f, (_, at, k) in zip(factors, self._segments(ctx))]
         return torch.cat(out) if out else decoded
 
     # ------------------------------------------------------------------------------------------------------------

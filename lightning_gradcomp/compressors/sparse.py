@@ -40,11 +40,15 @@ class SparseLayout:
     slots: int  # values
 
 
-def sparse_layout(layers: Sequence[Layer], slots: Sequence[int]) -> SparseLayout:
-    """Lay out ``slots[i]`` values of ``layers[i]`` (an int32 list or a bitmap each, whichever is smaller)."""
+def sparse_layout(layers: Sequence[Layer], slots: Sequence[int], *, bitmaps: bool = True) -> SparseLayout:
+    """Lay out ``slots[i]`` values of ``layers[i]`` (an int32 list or a bitmap each, whichever is smaller).
+
+    ``bitmaps=False`` sends every layer as an int32 list, for senders whose slot order carries meaning (a bitmap
+    decodes in increasing index order).
+    """
     segments, blob_at, value_at = [], 0, 0
     for layer, n in zip(layers, slots):
-        bitmap, nbytes = index_nbytes(n, layer.numel)
+        bitmap, nbytes = index_nbytes(n, layer.numel) if bitmaps else (False, 4 * n)
         segments.append(Segment(layer, n, bitmap, blob_at, nbytes, value_at))
         blob_at += nbytes
         value_at += n
