@@ -58,6 +58,16 @@ def _top_k(magnitudes: Tensor, k: int) -> Tensor:
     return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
 
 
+def _dot(a: Tensor, b: Tensor) -> Tensor:
+    """``<a, b>`` as a product and a sum, whose rounding does not depend on where the slices lie in memory.
+
+    ``torch.dot`` on the CPU calls BLAS, which sums in an order set by the pointer's alignment: a layer's dot product
+    then changed with its place in DDP's bucket, which changes across a resume (DDP's first step puts every layer in
+    one bucket), and the resumed run was no longer bitwise the uninterrupted one.
+    """
+    return (a * b).sum()
+
+
 def _scale(values: Tensor) -> Tensor:
     """The root mean square of the last dimension (1 where it is 0), shaped for broadcasting: ``[..., 1]``."""
     rms = values.pow(2).mean(-1, keepdim=True).sqrt()
@@ -765,14 +775,14 @@ class LGC(Compressor):
         """Per layer ``<x, decoded>`` over the slots (float32)."""
         if not ctx.layers:
             return x.new_zeros(0)
-        return torch.stack([torch.dot(x[at : at + k], decoded[at : at + k]) for _, at, k in self._segments(ctx)])
+        return torch.stack([_dot(x[at : at + k], decoded[at : at + k]) for _, at, k in self._segments(ctx)])
 
     def _factors(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> list[Tensor]:
         """Per layer ``clamp(dots / |decoded|^2, 0, 1)`` (0 where ``decoded`` is all zeros), 0-dim tensors."""
         out = []
         for i, (_, at, k) in enumerate(self._segments(ctx)):
             part = decoded[at : at + k]
-            norm = torch.dot(part, part)
+            norm = _dot(part, part)
             out.append(torch.where(norm > 0, dots[i] / torch.where(norm > 0, norm, 1.0), 0.0).clamp(0.0, 1.0))
         return out
 
