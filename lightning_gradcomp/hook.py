@@ -145,6 +145,7 @@ class CompressionState:
         seed: int = 0,
         enabled: bool = True,
     ) -> None:
+        compressor.check_error_feedback(error_feedback)  # a setting that needs the memory is never ignored
         self.compressor = compressor
         self.error_feedback = error_feedback
         self.min_compress_numel = min_compress_numel
@@ -222,9 +223,7 @@ class CompressionState:
 
     def uses_error_feedback(self, compressor: Compressor | None = None) -> bool:
         """Whether error feedback is on for ``compressor`` (default: the current one)."""
-        if self.error_feedback is not None:
-            return self.error_feedback
-        return (compressor or self.compressor).default_error_feedback
+        return (compressor or self.compressor).resolve_error_feedback(self.error_feedback)
 
     # ------------------------------------------------------------------------------------------------------------
     # Bucket plans

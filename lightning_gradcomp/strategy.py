@@ -112,6 +112,14 @@ def _check_compressor(compressor: Any) -> Compressor:
     return compressor
 
 
+def _check_error_feedback(compressor: Compressor, error_feedback: bool | None) -> None:
+    """The compressor's own check of the strategy's ``error_feedback``, raised as the strategy's exception type."""
+    try:
+        compressor.check_error_feedback(error_feedback)
+    except ValueError as err:
+        raise MisconfigurationException(f"{compressor!r} with `error_feedback={error_feedback!r}`: {err}") from err
+
+
 def _warn_if_optimizer_momentum(compressor: Compressor, optimizers: Any) -> None:
     message = optimizer_momentum_warning(compressor, optimizers)
     if message is not None:
@@ -189,6 +197,7 @@ class CompressedDDP(DDPStrategy):
                 raise MisconfigurationException(f"CompressedDDP does not accept `{name}`: {_REFUSED[name]}.")
         compressor = _check_compressor(Identity() if compressor is None else compressor)
         check_bool(error_feedback, "error_feedback", allow_none=True, error=_MiscError)
+        _check_error_feedback(compressor, error_feedback)
         check_int(min_compress_numel, "min_compress_numel", low=0, error=_MiscError)
         check_int(seed, "seed", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
@@ -211,7 +220,8 @@ class CompressedDDP(DDPStrategy):
 
     @compressor.setter
     def compressor(self, compressor: Compressor) -> None:
-        self._state.compressor = _check_compressor(compressor)
+        _check_error_feedback(_check_compressor(compressor), self._state.error_feedback)
+        self._state.compressor = compressor
         _warn_if_optimizer_momentum(compressor, self.optimizers)
 
     @property

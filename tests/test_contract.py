@@ -8,6 +8,7 @@ import re
 import pytest
 import torch
 
+from lightning_gradcomp import CompressionState
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import (
     DGC,
@@ -361,6 +362,17 @@ def _kept(compressor, layers):
         if masks is not None and layer.name in masks:
             layer.flat(kept).copy_(masks[layer.name].reshape(-1))
     return kept
+
+
+def test_error_feedback_as_set_is_checked_when_the_hook_s_state_is_made(case):
+    """Every compressor runs with its default error feedback; a method that cannot carry a memory refuses it when the
+    state is made (before training), not at its first reduction."""
+    name, compressor = case
+    assert CompressionState(compressor).uses_error_feedback() == compressor.default_error_feedback
+    if name in REFUSES_ERROR_FEEDBACK:
+        assert not compressor.default_error_feedback
+        with pytest.raises(ValueError, match="error feedback"):
+            CompressionState(compressor, error_feedback=True)
 
 
 def test_compressors_pickle(case):

@@ -7,8 +7,9 @@ import pickle
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp import CompressedDDP, CompressionState
 from lightning_gradcomp.comm import Comm, TorchCollectives
 from lightning_gradcomp.compressors import LGC, ScaleCom
 from lightning_gradcomp.compressors.base import BucketContext, keep_count, layers_from_shapes
@@ -305,6 +306,22 @@ def test_bad_arguments_are_refused_with_the_argument_named(kwargs, match):
         LGC(**kwargs)
 
 
+@pytest.mark.parametrize("name", ["beta", "residual"])
+def test_memory_settings_without_error_feedback_are_refused_before_training(name):
+    """``beta`` and ``residual`` act only on the error-feedback memory: set without it, the hook's state and the
+    strategy refuse them, naming the setting (they would be silently ignored); left unset, the variant runs."""
+    given = {"beta": 0.5, "residual": "own"}[name]
+    with pytest.raises(ValueError, match=f"`{name}`"):
+        CompressionState(LGC(variant="allreduce", **{name: given}), error_feedback=False)
+    with pytest.raises(MisconfigurationException, match=f"`{name}`.*error feedback"):
+        CompressedDDP(LGC(variant="allreduce", **{name: given}), error_feedback=False)
+    strategy = CompressedDDP(LGC(variant="allreduce"), error_feedback=False)
+    with pytest.raises(MisconfigurationException, match=f"`error_feedback=False`.*`{name}`"):
+        strategy.compressor = LGC(variant="allreduce", **{name: given})
+    assert CompressionState(LGC(variant="allreduce", **{name: given})).uses_error_feedback()
+    assert not CompressionState(LGC(variant="allreduce"), error_feedback=False).uses_error_feedback()
+
+
 @pytest.mark.parametrize("beta", [None, 0.5])
 @pytest.mark.parametrize("leader", ["fixed", "rotating"])
 def test_allreduce_stage_2_is_scalecom_with_its_memory(beta, leader):
@@ -365,7 +382,7 @@ def test_value_order_sends_the_leader_s_slots_largest_value_first(stage):
     steps = {"dense_steps": 0, "training_steps": 100 if stage == 2 else 0, "leader": "fixed", "project": False}
     if stage == 3:
         steps["linear_encoder"] = True  # the code of the sum is the sum of the codes: the order cannot change it
-    by_index = [_lgc("allreduce", **steps) for _ in range(n)]
+    by_index = [_lgc("allreduce", order="index", **steps) for _ in range(n)]
     by_value = [_lgc("allreduce", order="value", **steps) for _ in range(n)]
     r_index = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
     r_value = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
@@ -406,7 +423,7 @@ def test_own_residual_keeps_what_the_aggregate_left_of_each_rank_s_values(leader
     for step in (2, 3):
         average = [copy.deepcopy(c) for c in own]
         for c in average:
-            c.residual = None
+            c.residual = "average"
         unprojected = [copy.deepcopy(c) for c in average]
         for c in unprojected:
             c.project = False

@@ -5,7 +5,7 @@ import pickle
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import BF16, Identity, Planned, PowerSGD, TopK
+from lightning_gradcomp.compressors import BF16, Identity, Planned, PowerSGD, ScaleCom, SignSGD, TopK
 from lightning_gradcomp.compressors.base import layers_from_shapes
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.testing import SimulatedHook
@@ -48,6 +48,18 @@ def test_the_plan_key_changes_with_the_assignment_only():
 def test_bad_arguments_name_the_argument(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Planned(**kwargs)
+
+
+def test_every_candidate_checks_the_error_feedback_setting():
+    """The hook resolves error feedback per bucket, for the bucket's candidate: with it forced on, a candidate that
+    cannot carry a memory (the majority vote) refuses when the state is made; by default each keeps its own."""
+    planned = Planned({"dense": Identity(), "sign": SignSGD()})
+    with pytest.raises(ValueError, match="error feedback"):
+        CompressionState(planned, error_feedback=True)
+    state = CompressionState(planned)
+    assert not state.uses_error_feedback(planned.candidates["sign"])
+    with pytest.raises(ValueError, match="`beta`"):
+        CompressionState(Planned({"dense": Identity(), "scalecom": ScaleCom(beta=0.5)}), error_feedback=False)
 
 
 def test_state_and_pickle_keep_the_assignment():

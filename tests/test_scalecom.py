@@ -140,3 +140,11 @@ def test_bad_arguments():
         ScaleCom(ratio=0)
     with pytest.raises(ValueError, match="`beta`"):
         ScaleCom(beta=1.5)
+
+
+def test_a_low_pass_memory_without_error_feedback_is_refused_before_training():
+    """``beta`` acts only on the error-feedback memory: below 1 without it, it would be silently ignored."""
+    with pytest.raises(ValueError, match="`beta`.*error feedback"):
+        CompressionState(ScaleCom(beta=0.5), error_feedback=False)
+    assert not CompressionState(ScaleCom(), error_feedback=False).uses_error_feedback()
+    assert CompressionState(ScaleCom(beta=0.5)).uses_error_feedback()

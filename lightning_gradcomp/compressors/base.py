@@ -284,6 +284,26 @@ class Compressor(ABC):
         """Whether error feedback is on when the strategy is not told: on for biased compressors."""
         return not self.unbiased
 
+    def check_error_feedback(self, enabled: bool | None) -> None:
+        """Refuse, with a clear error, a configuration that cannot run with error feedback as set.
+
+        Called before training (by the hook's state when it is made, and by the strategy when its compressor is
+        replaced), so that a setting that acts only on the
+        error-feedback memory is never silently ignored, and a method that cannot carry a memory says so at once.
+        The default accepts both.
+
+        Args:
+            enabled: the strategy's ``error_feedback``: ``True``, ``False``, or ``None`` for
+                :attr:`default_error_feedback`.
+
+        Raises:
+            ValueError: If the configuration cannot run with error feedback as set.
+        """
+
+    def resolve_error_feedback(self, enabled: bool | None) -> bool:
+        """Whether error feedback is on under the strategy's ``error_feedback`` (``None``: the default)."""
+        return self.default_error_feedback if enabled is None else enabled
+
     def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Sum the decompressed payloads of all ranks, in rank order (``"allgather"`` compressors only).
 

@@ -168,7 +168,7 @@ class LGC(Compressor):
             then what is owed. Stage 2 of the all-reduce variant is ScaleCom's CLT-k (the leader's indices for
             every rank), which ScaleCom's paper pairs with this filter. On the CIFAR-shaped digits ``beta=0.5``
             rescued the seed on which plain error feedback stalled at chance in stage 2, and cost accuracy on
-            others (docs/lgc.md): not the default.
+            others (docs/lgc.md): not the default. Needs error feedback.
         order: ``"allreduce"`` only (``None``: ``"index"``): the order of the leader's top-k slots, which is the
             sequence the autoencoder sees. ``"index"``, increasing index (the indices may go as a bitmap);
             ``"value"``, the leader's values largest (signed) first, sent as int32 lists (the same bytes wherever a
@@ -182,7 +182,8 @@ class LGC(Compressor):
             share ``f`` of the average (the projection's factor, per layer), and every rank counts that share of
             its own values there as sent (``m_i = (1 - f) p_i`` at the slots; with ``f = 1``, ScaleCom's
             ``m_i = 0``); the deviations and the decoder's error ``f (decoded - mean p)`` are dropped, not owed.
-            Needs ``project``. This package's design (docs/lgc.md has the measurement that motivated it).
+            Needs ``project`` and error feedback. This package's design (docs/lgc.md has the measurement that
+            motivated it).
 
     Raises:
         ValueError: If an argument is out of range or of the wrong type.
@@ -284,6 +285,18 @@ class LGC(Compressor):
     def memory_beta(self) -> float:
         """The error-feedback memory's low-pass coefficient in use: ``beta``, or 1 (plain error feedback)."""
         return 1.0 if self.beta is None else self.beta
+
+    def check_error_feedback(self, enabled: bool | None) -> None:
+        """Refuse ``beta`` or ``residual`` without error feedback: both only change what the memory keeps."""
+        if self.resolve_error_feedback(enabled):
+            return
+        for name in ("beta", "residual"):
+            if getattr(self, name) is not None:
+                raise ValueError(
+                    f"Expected `{name}` to be None without error feedback (it sets what the error-feedback memory"
+                    f" keeps), got {getattr(self, name)!r}; turn error feedback on (`error_feedback=None` or `True`)"
+                    " or leave it unset."
+                )
 
     @property
     def collective(self) -> str:  # type: ignore[override]

@@ -154,6 +154,11 @@ class Planned(Compressor):
         """Used only when the hook is not told per bucket: on if any candidate wants it."""
         return any(candidate.default_error_feedback for candidate in self.candidates.values())
 
+    def check_error_feedback(self, enabled: bool | None) -> None:
+        """Every candidate's check (the hook resolves error feedback per bucket, for the bucket's candidate)."""
+        for candidate in self.candidates.values():
+            candidate.check_error_feedback(enabled)
+
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """The bucket's candidate's payload."""
         return self.bucket_compressor(ctx.layers).compress(tensor, ctx)

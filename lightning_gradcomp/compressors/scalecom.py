@@ -43,7 +43,8 @@ class ScaleCom(Compressor):
 
     Args:
         ratio: fraction of each layer sent, in (0, 1] (0.01: about 65x fewer bytes with 2 ranks, 80x with many).
-        beta: the memory's low-pass coefficient, in (0, 1].
+        beta: the memory's low-pass coefficient, in (0, 1]; below 1, needs error feedback (the hook's state
+            refuses it without).
 
     Raises:
         ValueError: If ``ratio`` or ``beta`` is out of range.
@@ -64,6 +65,14 @@ class ScaleCom(Compressor):
         super().__init__()
         self.ratio = check_ratio(ratio)
         self.beta = check_ratio(beta, "beta")
+
+    def check_error_feedback(self, enabled: bool | None) -> None:
+        """Refuse ``beta`` below 1 without error feedback: the low-pass filter acts on the memory only."""
+        if not self.resolve_error_feedback(enabled) and self.beta != 1.0:
+            raise ValueError(
+                f"Expected `beta` to be 1 without error feedback (the low-pass filter acts on the error-feedback"
+                f" memory only), got {self.beta!r}; turn error feedback on (`error_feedback=None` or `True`)."
+            )
 
     def check_level(self, value: Any) -> float:
         """A keep-ratio in (0, 1]."""

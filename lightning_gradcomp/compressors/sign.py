@@ -13,6 +13,10 @@ from lightning_gradcomp.compressors.packing import above, pack_bits, unpack_bits
 from lightning_gradcomp.validation import check_momentum
 
 _WIRE_SCALE = torch.float32  # per-layer scales travel as fp32, whatever the gradient's dtype
+_NO_ERROR_FEEDBACK = (
+    "SignSGD's majority vote is not an average of compressed gradients, so error feedback has nothing to carry; pass"
+    " `error_feedback=None` or `False` to CompressedDDP, or use EFSignSGD (scaled signs with error feedback)."
+)
 
 
 def _out(ctx: BucketContext, out: Tensor | None) -> Tensor:
@@ -109,6 +113,11 @@ class SignSGD(Compressor):
         """Off: the majority vote has no error to feed back."""
         return False
 
+    def check_error_feedback(self, enabled: bool | None) -> None:
+        """Refuse error feedback: the majority vote is not an average of compressed gradients."""
+        if self.resolve_error_feedback(enabled):
+            raise ValueError(_NO_ERROR_FEEDBACK)
+
     def compresses(self, layer: Layer, min_numel: int) -> bool:
         """Every layer: each coordinate takes a sign step."""
         return True
@@ -136,11 +145,7 @@ class SignSGD(Compressor):
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
         """Signum: ``m <- momentum m + (1 - momentum) g`` per layer, and ``m`` is what is signed."""
         if ctx.residual is not None:
-            raise ValueError(
-                "SignSGD's majority vote is not an average of compressed gradients, so error feedback has nothing to"
-                " carry; pass `error_feedback=None` or `False` to CompressedDDP, or use EFSignSGD (scaled signs with"
-                " error feedback)."
-            )
+            raise ValueError(_NO_ERROR_FEEDBACK)
         self._momentum_step(tensor, ctx)
 
     def _momentum_step(self, tensor: Tensor, ctx: BucketContext) -> None:
