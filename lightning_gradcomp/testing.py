@@ -104,17 +104,23 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "lgc-ps-gather-stages": lambda: LGC(
         ratio=0.05, innovation_ratio=0.005, dense_steps=1, training_steps=2, leader="rotating", ps_form="gather"
     ),
-    # ScaleCom's low-pass memory (the all-reduce variant's option)
+    # the all-reduce variant's accounting that telescopes (its default, "own", drops the ranks' deviations), with
+    # ScaleCom's low-pass memory, and with the variant's first defaults (index order, the code-similarity term)
+    "lgc-allreduce-average-stages": lambda: LGC(
+        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, residual="average"
+    ),
     "lgc-allreduce-lowpass-stages": lambda: LGC(
-        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, beta=0.5
+        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, beta=0.5, residual="average"
     ),
-    # the leader's slots in value order, and each rank's own unsent share as its memory (docs/lgc.md)
-    "lgc-allreduce-value-stages": lambda: LGC(
-        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, order="value"
-    ),
-    "lgc-allreduce-own-stages": lambda: LGC(
-        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, order="value", residual="own"
-    ),
+    "lgc-allreduce-index-stages": lambda: LGC(
+        variant="allreduce",
+        ratio=0.05,
+        dense_steps=1,
+        training_steps=2,
+        order="index",
+        similarity_weight=0.5,
+        residual="average",
+    ),  # fmt: skip
     "lgc-ps-stage2": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=100),
     "lgc-allreduce-stage2": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=100),
     "lgc-ps-stage3": lambda: LGC(

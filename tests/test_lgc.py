@@ -89,9 +89,11 @@ def test_every_rank_holds_the_same_aggregate_in_every_stage(variant, leader):
 def test_error_feedback_subtracts_what_the_aggregate_used_for_this_rank(variant):
     """Stage 3, per step: n * aggregate == sum_i (p_i - new residual_i), so every rank's residual is exactly what its
     share of the aggregate left out. PS: a rank owes nothing at its innovation (sent exactly) and all of p_i off the
-    leader's indices and its innovation; all-reduce: every rank's share is the aggregate itself."""
+    leader's indices and its innovation; all-reduce with ``residual="average"``: every rank's share is the aggregate
+    itself (the default, ``"own"``, has its own test below)."""
     n = 2
-    compressors = [_lgc(variant, dense_steps=0, training_steps=2) for _ in range(n)]
+    accounting = {"residual": "average"} if variant == "allreduce" else {}
+    compressors = [_lgc(variant, dense_steps=0, training_steps=2, **accounting) for _ in range(n)]
     residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
     _run(compressors, range(2), residuals)
     for step in (2, 3):
@@ -320,6 +322,24 @@ def test_memory_settings_without_error_feedback_are_refused_before_training(name
         strategy.compressor = LGC(variant="allreduce", **{name: given})
     assert CompressionState(LGC(variant="allreduce", **{name: given})).uses_error_feedback()
     assert not CompressionState(LGC(variant="allreduce"), error_feedback=False).uses_error_feedback()
+
+
+def test_the_all_reduce_variant_s_defaults_resolve_per_variant():
+    """``None`` resolves per variant: the all-reduce variant's repaired stage 3 (value order, no code-similarity term,
+    ScaleCom's accounting; ``"average"`` without the projection), the PS variant's third-party ``lambda2`` and index
+    order; the constructor keeps what was given (``repr`` shows the user's arguments)."""
+    allreduce, ps = LGC(variant="allreduce"), LGC()
+    explicit = LGC(variant="allreduce", order="index", similarity_weight=0.5, residual="average")
+
+    def resolved(lgc):
+        return lgc.slot_order, lgc.code_similarity_weight, lgc.residual_accounting
+
+    assert resolved(allreduce) == ("value", 0.0, "own")
+    assert resolved(ps) == ("index", 0.5, None)
+    assert resolved(explicit) == ("index", 0.5, "average")
+    assert LGC(variant="allreduce", project=False).residual_accounting == "average"
+    assert "order=None" in repr(allreduce)
+    assert "order='index'" in repr(explicit)
 
 
 @pytest.mark.parametrize("beta", [None, 0.5])
