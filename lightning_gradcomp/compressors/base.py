@@ -288,9 +288,8 @@ class Compressor(ABC):
         """Refuse, with a clear error, a configuration that cannot run with error feedback as set.
 
         Called before training (by the hook's state when it is made, and by the strategy when its compressor is
-        replaced), so that a setting that acts only on the
-        error-feedback memory is never silently ignored, and a method that cannot carry a memory says so at once.
-        The default accepts both.
+        replaced), so that a setting that acts only on the error-feedback memory is never silently ignored, and a
+        method that cannot carry a memory says so at once. The default accepts both.
 
         Args:
             enabled: the strategy's ``error_feedback``: ``True``, ``False``, or ``None`` for
