@@ -14,7 +14,7 @@ from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Broadc
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder, latent_numel, optimizer_state, optimizer_step
 from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes, top_k_blob
-from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
+from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import topk_indices
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number, check_ratio
 
@@ -366,15 +366,7 @@ class LGC(Compressor):
         values in those slots follow it as far as they agree with the leader: a sequence a convolutional
         autoencoder can learn, where the index order is one it cannot (docs/lgc.md).
         """
-        if self.slot_order != "value":
-            return top_k_blob(tensor, layout, sort=True)
-        picked = []
-        for segment in layout.segments:
-            flat = segment.layer.flat(tensor)
-            idx = topk_indices(flat.abs(), segment.slots)
-            picked.append(idx[torch.argsort(flat[idx], descending=True, stable=True)])
-        blob = encode_sparse(layout, picked, None, tensor, ordered_=True)[0]
-        return F.pad(blob, (0, index_blob_nbytes(layout) - blob.numel()))
+        return top_k_blob(tensor, layout, order=self.slot_order)
 
     def _innovation_counts(self, ctx: BucketContext) -> list[int]:
         assert self.innovation_ratio is not None

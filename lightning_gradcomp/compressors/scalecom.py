@@ -139,17 +139,24 @@ class ScaleCom(Compressor):
         return index_blob_nbytes(layout), 4 * layout.slots
 
 
-def top_k_blob(tensor: Tensor, layout: SparseLayout, *, sort: bool = False) -> Tensor:
+def top_k_blob(tensor: Tensor, layout: SparseLayout, *, order: str | None = None) -> Tensor:
     """The top-k indices of ``|tensor|`` in every layer of ``layout``, as an index blob padded to whole 8-byte words.
 
     The leader's half of CLT-k (also LGC's). The broadcast sends whole words anyway (payloads are packed at 8-byte
-    offsets); padding here makes the payload exactly what moves. With ``sort`` each layer's int32 list is in
-    increasing order (a bitmap always decodes in order), so the decoded indices are sorted.
+    offsets); padding here makes the payload exactly what moves. ``order`` of each layer's int32 list: ``None``, as
+    the selection returns them; ``"index"``, increasing (a bitmap always decodes in that order), so the decoded
+    indices are sorted; ``"value"``, largest signed value first (LGC's value order; the layout must send lists).
     """
-    picked = [topk_indices(s.layer.flat(tensor).abs(), s.slots) for s in layout.segments]
-    if sort:
-        picked = [idx.sort().values for idx in picked]
-    blob = encode_sparse(layout, picked, None, tensor)[0]
+    picked = []
+    for segment in layout.segments:
+        flat = segment.layer.flat(tensor)
+        idx = topk_indices(flat.abs(), segment.slots)
+        if order == "index":
+            idx = idx.sort().values
+        elif order == "value":
+            idx = idx[torch.argsort(flat[idx], descending=True, stable=True)]
+        picked.append(idx)
+    blob = encode_sparse(layout, picked, None, tensor, ordered_=order == "value")[0]
     return torch.nn.functional.pad(blob, (0, index_blob_nbytes(layout) - blob.numel()))
 
 
