@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gradcomp.comm import gather_objects, gather_rows, release_round_groups
+from lightning_gradcomp.comm import gather_objects, gather_rows, hand_off_gil, release_round_groups
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
@@ -422,7 +422,8 @@ class CompressedDDP(DDPStrategy):
         """DDPStrategy's teardown, then release the hook's collectives and the extra process groups of its rounds.
 
         Released here, on the main thread while the interpreter is alive: left to interpreter finalisation, a gloo
-        worker thread touching a Python object then aborts the process at exit (see ``comm.release_round_groups``).
+        worker thread touching a Python object then aborts the process at exit (see ``comm.release_round_groups`` and
+        ``comm.hand_off_gil``).
         """
         super().teardown()
         self._unbind_fused()
@@ -430,6 +431,7 @@ class CompressedDDP(DDPStrategy):
         self._failed = False
         if dist.is_available() and dist.is_initialized():
             release_round_groups(self._ddp_kwargs.get("process_group") or dist.group.WORLD)
+            hand_off_gil()  # the collectives' threads finish with their Python objects now, not at exit
 
     @override
     def on_exception(self, exception: BaseException) -> None:

@@ -9,6 +9,8 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from lightning_gradcomp.comm import hand_off_gil
+
 
 def synthetic_classification(n: int = 128, seed: int = 0) -> TensorDataset:
     """8x8 one-channel images labelled by a fixed random teacher network: learnable, offline, deterministic."""
@@ -90,6 +92,8 @@ class RecordRanks(Callback):
             },
             os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
         )
+        # after the run's last collective: plain DDPStrategy control runs have no CompressedDDP.teardown to do this
+        hand_off_gil()
 
 
 def fit(strategy: Any, dirpath: str, model: pl.LightningModule | None = None, callbacks=(), **trainer_kwargs) -> tuple:
