@@ -11,6 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import PowerSGD
+from lightning_gradcomp.compressors.base import layers_from_shapes
+from lightning_gradcomp.compressors.powersgd import _reconstruct_into
 from tests.distributed import run_distributed
 
 CASES = [(1, True), (2, True), (2, False), (4, True)]  # (rank, warm_start); rank 4 takes the QR path
@@ -165,3 +167,33 @@ def test_powersgd_survives_exactly_zero_gradients():
         assert result[1e-8] == [True, True, True]
         # the control: torch's epsilon 0 turns the zero columns into 0 / 0 at the first step
         assert result[0.0][0] is False
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_reconstruction_is_p_q_transposed_wherever_the_layers_sit(r, dtype):
+    """``P Q^T`` into a flat bucket: the product to within rounding, and the same bits at any offset in the bucket.
+
+    On the CPU in fp32 at ranks 1 and 2 it is computed as elementwise outer products, elsewhere by one batched
+    product; either way DDP's bucket layout (where a layer starts) must not change a bit.
+    """
+    shapes = [(17, 31), (17, 31), (64, 27), (300, 40)]
+    results = []
+    for pad in (0, 1, 5):
+        layers = layers_from_shapes([(pad,), *shapes])[1:] if pad else layers_from_shapes(shapes)
+        g = torch.Generator().manual_seed(3)
+        out = torch.full((pad + sum(a * b for a, b in shapes),), float("nan"), dtype=dtype)
+        got, reference = [], []
+        for same_shape in ([layers[0], layers[1]], [layers[2]], [layers[3]]):
+            n, m = same_shape[0].shape
+            pt = torch.randn(len(same_shape), r, n, generator=g, dtype=dtype)
+            qt = torch.randn(len(same_shape), r, m, generator=g, dtype=dtype)
+            _reconstruct_into(same_shape, pt, qt, out)
+            for i, layer in enumerate(same_shape):
+                got.append(layer.matrix(out).clone())
+                exact = pt[i].double().t() @ qt[i].double()
+                bound = (pt[i].double().abs().t() @ qt[i].double().abs()) * (r * torch.finfo(dtype).eps)
+                assert ((got[-1].double() - exact).abs() <= bound).all()
+        results.append(got)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], other))

@@ -62,8 +62,29 @@ def _into(buffer: Tensor, received: Tensor) -> Tensor:
     return buffer
 
 
+def _outer_products_into(pt: Tensor, qt: Tensor, out: Tensor) -> None:
+    """``out = P Q^T`` for one ``r x n`` ``P^T`` and ``r x m`` ``Q^T`` at rank 1 or 2, as elementwise products.
+
+    ``p_0 q_0^T``, then ``out += p_1 q_1^T`` with torch's ``addcmul_`` (a fused multiply-add where the CPU has
+    one). MKL's GEMM with an inner dimension of 2 runs at about a fifth of memory speed once the output leaves the
+    cache (ResNet-18's 512 x 4608 layers: 1.0 ms, against 0.2 ms for these two passes; ``benchmarks/codec.py``).
+    Every output row is computed alike whatever its address, so results do not depend on DDP's bucket layout.
+    """
+    torch.mul(pt[0].unsqueeze(1), qt[0].unsqueeze(0), out=out)
+    if pt.shape[0] == 2:
+        out.addcmul_(pt[1].unsqueeze(1), qt[1].unsqueeze(0))
+
+
 def _reconstruct_into(group: list[Layer], pt: Tensor, qt: Tensor, out: Tensor) -> None:
-    """Write ``P Q^T`` of every layer of ``group`` into its place in the flat ``out``."""
+    """Write ``P Q^T`` of every layer of ``group`` into its place in the flat ``out``.
+
+    On the CPU, in fp32, at rank 1 or 2: as :func:`_outer_products_into`, layer by layer; otherwise one batched
+    product.
+    """
+    if out.device.type == "cpu" and out.dtype == torch.float32 and pt.shape[1] <= 2:
+        for i, layer in enumerate(group):
+            _outer_products_into(pt[i], qt[i], layer.matrix(out))
+        return
     if len(group) == 1:
         torch.bmm(pt.transpose(1, 2), qt, out=group[0].matrix(out).unsqueeze(0))
         return
