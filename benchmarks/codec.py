@@ -21,7 +21,9 @@ telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
 On CUDA it also counts kernel launches per step and rank (``torch.profiler``) and runs one step with
 ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation on the codec path raises, and the table says
 ``sync`` instead of ``0``. Timings are medians over ``--steps`` steps after two warm-up steps; on CPU one torch thread,
-as each worker of ``step_time.py`` has. Gradients are random normal scaled to 1e-3.
+as each worker of ``step_time.py`` has. Gradients are random normal scaled to 1e-3; with ``--row-density D`` each
+rank keeps a random fraction ``D`` of every layer's rows and zeroes the others, as an embedding's gradient is
+non-zero only in the rows of the batch's tokens (the input Zen is for; a dense gradient takes its dense fallback).
 
 Examples::
 
@@ -29,6 +31,7 @@ Examples::
     python benchmarks/codec.py --device cuda --batch-size 128      # GPU, ResNet-18, batch 128
     python benchmarks/codec.py --device cuda --model resnet50 --image-size 224 --batch-size 64
     python benchmarks/codec.py --compressors topk qsgd --out benchmarks/results/codec_cpu.json
+    python benchmarks/codec.py --compressors zen zen-always --row-density 0.05
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 import torchvision
 from codec_profile import compressed_layers
 
+from lightning_gradcomp.compressors import LGC
 from lightning_gradcomp.compressors.base import Layer
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.telemetry import Telemetry
@@ -52,6 +56,15 @@ DEFAULT_COMPRESSORS = (
     "fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom",
     "signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp",
 )  # fmt: skip
+# LGC's stages at its default ratios (the contract suite's examples use 50x larger ones, to reach every path on
+# small tensors): stage 1 is the plain all-reduce (`lgc`), these start in stage 2 or stage 3
+LGC_STAGES = {
+    "lgc-ps-default-stage2": lambda: LGC(dense_steps=0, training_steps=10**9),
+    "lgc-ps-default-stage3": lambda: LGC(dense_steps=0, training_steps=0),
+    "lgc-allreduce-default-stage2": lambda: LGC(variant="allreduce", dense_steps=0, training_steps=10**9),
+    "lgc-allreduce-default-stage3": lambda: LGC(variant="allreduce", dense_steps=0, training_steps=0),
+}
+CONFIGS = {**EXAMPLES, **LGC_STAGES}
 TARGETS = {  # issue 11's CPU targets, as a share of the backward pass
     **dict.fromkeys(("fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom"), 0.10),
     **dict.fromkeys(("signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp"), 0.30),
@@ -168,7 +181,13 @@ def measure(name: str, layout: list[tuple[Layer, ...]], args: argparse.Namespace
     sizes = [bucket[-1].offset + bucket[-1].numel for bucket in layout]
     torch.manual_seed(0)
     grads = [[(torch.randn(n) * 1e-3).to(device) for _ in range(args.ranks)] for n in sizes]
-    compressors = [EXAMPLES[name]() for _ in range(args.ranks)]
+    if args.row_density < 1:
+        for bucket, ranks in zip(layout, grads):
+            for grad in ranks:
+                for layer in bucket:
+                    rows = layer.matrix(grad)
+                    rows[torch.rand(rows.shape[0], device=device) >= args.row_density] = 0
+    compressors = [CONFIGS[name]() for _ in range(args.ranks)]
     feedback = compressors[0].default_error_feedback
     residuals = [[torch.zeros(n, device=device) for _ in range(args.ranks)] if feedback else None for n in sizes]
     # the updated residual's buffers persist between steps, as the hook's twin buffers do in training
@@ -209,9 +228,11 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2, help="simulated ranks (each one's codec time is averaged)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
-    parser.add_argument("--compressors", nargs="+", default=list(DEFAULT_COMPRESSORS), choices=sorted(EXAMPLES))
+    parser.add_argument("--compressors", nargs="+", default=list(DEFAULT_COMPRESSORS), choices=sorted(CONFIGS))
     parser.add_argument("--bucket-mb", type=float, default=25.0,
                         help="bucket size in MiB, as DDP's bucket_cap_mb (default 25, DDP's); 0: one bucket")
+    parser.add_argument("--row-density", type=float, default=1.0,
+                        help="fraction of every layer's rows left non-zero on each rank (default 1: dense)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -235,6 +256,7 @@ def main() -> None:
         f" batch {args.batch_size}x"
         f"{args.image_size}x{args.image_size}, {device}, {args.ranks} simulated ranks"
         + (f", {args.threads} thread(s)" if device.type == "cpu" else "")
+        + (f", row density {args.row_density:g}" if args.row_density < 1 else "")
         + f": backward {backward:.1f} ms, one memory pass {one_pass:.2f} ms,"
         f" one uniform draw per element {draw:.2f} ms"
     )
@@ -242,12 +264,12 @@ def main() -> None:
     print(f"commit of the error-feedback residual per step (not in the codec times): {commit['swap']:.3f} ms"
           f" ({'a storage swap' if device.type == 'cpu' else 'torch.where'}; a copy would be {commit['copy']:.2f} ms)")
     cuda = device.type == "cuda"
-    print(f"{'compressor':<11} {'codec ms':>9} {'% backward':>10} {'passes':>7}" + ("  launches  sync" if cuda else ""))
+    print(f"{'compressor':<28} {'codec ms':>9} {'% backward':>10} {'passes':>7}" + ("  launches  sync" if cuda else ""))
     for row in rows:
         row["share_of_backward"] = row["codec_ms"] / backward
         row["passes"] = row["codec_ms"] / one_pass
         share = 100 * row["share_of_backward"]
-        line = f"{row['compressor']:<11} {row['codec_ms']:9.2f} {share:9.1f}% {row['passes']:7.1f}"
+        line = f"{row['compressor']:<28} {row['codec_ms']:9.2f} {share:9.1f}% {row['passes']:7.1f}"
         if cuda:
             line += f"  {row['launches']:8.0f}  {'sync' if row['host_sync'] else 'none'}"
         elif row["compressor"] in TARGETS:

@@ -13,6 +13,7 @@ from lightning_gradcomp.compressors.packing import (
     flat_nonzero,
     index_nbytes,
     lookup_uint,
+    nonzero_mask,
     pack_bits,
     pack_fields,
     pack_uint,
@@ -139,6 +140,8 @@ def test_flat_nonzero_is_torch_nonzero(dtype, density):
         values = values * torch.randn(10_007, generator=generator).to(dtype)
         values[:4] = torch.tensor([float("nan"), float("inf"), -0.0, -1e-30], dtype=torch.float64).to(dtype)
     expected = torch.nonzero(values).squeeze(1)
+    if dtype.is_floating_point:
+        assert torch.equal(nonzero_mask(values), values != 0)
     found = flat_nonzero(values)
     assert found.dtype == torch.int64
     assert torch.equal(found, expected)

@@ -183,7 +183,7 @@ def test_reconstruction_is_p_q_transposed_wherever_the_layers_sit(r, dtype):
         layers = layers_from_shapes([(pad,), *shapes])[1:] if pad else layers_from_shapes(shapes)
         g = torch.Generator().manual_seed(3)
         out = torch.full((pad + sum(a * b for a, b in shapes),), float("nan"), dtype=dtype)
-        got, reference = [], []
+        got = []
         for same_shape in ([layers[0], layers[1]], [layers[2]], [layers[3]]):
             n, m = same_shape[0].shape
             pt = torch.randn(len(same_shape), r, n, generator=g, dtype=dtype)

@@ -12,12 +12,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import DGC, AdaComp, TopK, Zen
-from lightning_gradcomp.compressors.base import layers_from_shapes
+from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
 from lightning_gradcomp.compressors.transport import (
     choose,
     costs,
     owner_map,
     owner_of,
+    tensor_input,
+    zen_seed,
 )
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
@@ -92,6 +94,8 @@ def test_the_partition_is_balanced_deterministic_and_complete():
         mine = omap.indices_of(p)
         assert torch.all(omap.owners[mine] == p)
         assert torch.all(mine[1:] > mine[:-1])
+        # the bit that stands for each index in its owner's bitmap: its place in P_p
+        assert torch.equal(omap.positions[mine], torch.arange(mine.numel()))
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])
@@ -323,3 +327,29 @@ def test_zen_on_gloo_ddp_equals_plain_ddp_bitwise():
         assert torch.equal(result["plain"]["params"], result["zen"]["params"])
         dense_embedding = 500 * 16 * 4
         assert all(0 < r < dense_embedding / 4 for r in result["zen"]["received"])
+
+
+def test_counts_on_the_cpu_are_the_split_by_owner_and_a_dense_rank_skips_it():
+    """The counts round's input: every owner's non-zeros (NaN included, -0.0 not), or, for a rank above the dense
+    fallback's bound, its total under owner 0; the result is the dense mean bitwise either way."""
+    n, numel = 3, 442
+    layers = layers_from_shapes([(37, 11), (5, 7)])
+    xs = _sparse_ints(n, numel, 30, seed=5)
+    xs[1][7], xs[1][8] = float("nan"), -0.0
+    ctx = BucketContext(index=0, step=0, rank=1, world_size=n, layers=layers)
+    owners = owner_map(numel, n, zen_seed(ctx), torch.device("cpu")).owners
+    nonzero = xs[1] != 0
+    split = tensor_input(xs[1], ctx, dense_above=float(numel))
+    assert torch.equal(split.counts, torch.bincount(owners[nonzero], minlength=n).to(torch.int32))
+    indices, values = split.rows()
+    assert sorted(indices.tolist()) == torch.nonzero(nonzero).squeeze(1).tolist()
+    assert torch.all(owners[indices.long()][1:] >= owners[indices.long()][:-1])  # grouped by owner
+    unsplit = tensor_input(xs[1], ctx, dense_above=10.0)
+    assert unsplit.counts.tolist() == [int(nonzero.sum()), 0, 0]
+    with pytest.raises(RuntimeError, match="not split"):
+        unsplit.rows()
+    # one dense rank among sparse ones: every rank takes the dense path, as with the true split
+    xs = _sparse_ints(n, numel, 30, seed=6)
+    xs[2] = torch.arange(1, numel + 1, dtype=torch.float32)
+    outs = simulate_reduce([Zen(dense_threshold=0.5) for _ in range(n)], xs, layers)
+    assert all(torch.equal(out, sum(xs) / n) for out in outs)

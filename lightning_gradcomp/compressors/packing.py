@@ -35,6 +35,9 @@ def flat_nonzero(values: Tensor) -> Tensor:
     Top-k candidates, AdaComp's and DGC's selections and every bitmap decode go through here. On other devices it is
     ``torch.nonzero`` (which synchronises with the host on CUDA: its output size is data-dependent).
     """
+    if numpy_floats(values):
+        # NumPy's flatnonzero of a float array runs at about a quarter of its speed on the mask it is equal to
+        values = nonzero_mask(values)
     if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES:
         return torch.from_numpy(np.flatnonzero(values.detach().numpy())).to(torch.int64)
     return torch.nonzero(values).squeeze(1)
@@ -67,6 +70,17 @@ def above(values: Tensor, bound: Tensor | float, *, inclusive: bool = False) -> 
         scalar = array.dtype.type(bound.item() if isinstance(bound, Tensor) else bound)
         return torch.from_numpy(np.greater_equal(array, scalar) if inclusive else np.greater(array, scalar))
     return values >= bound if inclusive else values > bound
+
+
+def nonzero_mask(values: Tensor) -> Tensor:
+    """The bool mask ``values != 0``: ``-0.0`` is zero, NaN is non-zero (as ``torch.nonzero`` counts them).
+
+    The same mask, faster on the CPU (NumPy's comparison, as :func:`above`).
+    """
+    if numpy_floats(values):
+        array = values.detach().numpy()
+        return torch.from_numpy(np.not_equal(array, array.dtype.type(0)))
+    return values != 0
 
 
 def signbit(values: Tensor) -> Tensor:

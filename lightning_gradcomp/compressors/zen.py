@@ -112,7 +112,7 @@ class Zen(Compressor):
         """Counts, then push, sizes, pull (or one dense all-reduce); the average is the sum over ranks ``/ n``."""
         if ctx.new_residual is not None:
             ctx.new_residual.zero_()  # lossless: nothing is owed (error feedback is off by default)
-        local = tensor_input(tensor, ctx)
+        local = tensor_input(tensor, ctx, dense_above=self.dense_threshold * ctx.numel)
         path_for = lambda counts: self.path(counts, ctx.numel)  # noqa: E731
         summed = yield from sparse_sum(local, ctx, tensor, path_for, self.index_encoding)
         return summed.div_(ctx.world_size)
