@@ -19,6 +19,7 @@ from lightning_gradcomp.compressors.packing import (
     pack_uint,
     packed_nbytes,
     signbit,
+    sorted_distinct,
     unpack_bits,
     unpack_fields,
     unpack_uint,
@@ -217,3 +218,13 @@ def test_field_planes_are_unpack_fields(width):
         assert at == n
         found = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64)
         assert torch.equal(found, unpack_fields(words, width, n)), n
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("size", [0, 1, 2, 1000, 24_080])
+def test_sorted_distinct_is_torch_unique(dtype, size):
+    draws = torch.randint(-50, 5000, (size,), generator=torch.Generator().manual_seed(size), dtype=dtype)
+    found = sorted_distinct(draws)
+    assert found.dtype == dtype
+    assert torch.equal(found, torch.unique(draws))
+    assert torch.equal(sorted_distinct(draws[::2]), torch.unique(draws[::2]))  # a strided view

@@ -18,7 +18,7 @@ from lightning_gradcomp.compressors.base import (
     summed_in_new_residual,
 )
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
-from lightning_gradcomp.compressors.packing import above, flat_nonzero
+from lightning_gradcomp.compressors.packing import above, flat_nonzero, sorted_distinct
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import check_bool, check_choice, check_ratio
 
@@ -274,7 +274,7 @@ def _uniform_subset(n: int, k: int, generator: torch.Generator) -> Tensor:
         return _in_order(torch.randperm(n, generator=generator)[:k], n)
     m = k + 16 + int(2 * k * k / n)  # covers the expected k^2 / (2n) collisions
     while True:
-        distinct = torch.unique(torch.randint(0, n, (m,), generator=generator))
+        distinct = sorted_distinct(torch.randint(0, n, (m,), generator=generator))
         if distinct.numel() >= k:
             chosen = torch.randperm(distinct.numel(), generator=generator)[:k]
             return distinct[_in_order(chosen, distinct.numel())]
