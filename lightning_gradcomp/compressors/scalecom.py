@@ -7,7 +7,15 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Payload, keep_count
+from lightning_gradcomp.compressors.base import (
+    BucketContext,
+    Collective,
+    Compressor,
+    Payload,
+    keep_count,
+    sum_into_new_residual,
+    summed_in_new_residual,
+)
 from lightning_gradcomp.compressors.exchange import AllReduce, Broadcast, Exchange
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import topk_indices
@@ -112,18 +120,34 @@ class ScaleCom(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: broadcast of the leader's indices, all-reduce of everyone's values at them
     # ------------------------------------------------------------------------------------------------------------
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
+        """With ``beta`` 1: ``p = m + g`` written straight into the updated memory's buffer, as TopK does.
+
+        The memory is then ``p`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
+        ``p``: one memory pass less per step. ``tensor`` keeps ``g`` and receives the average. With ``beta`` below 1
+        the new memory also needs the old one: the default accumulation.
+        """
+        if self.beta != 1.0:
+            return super().accumulate(tensor, ctx)
+        return sum_into_new_residual(tensor, ctx)
+
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Round 0: the leader broadcasts its indices. Round 1: all-reduce of the values there. Then the memory."""
         layout = self._layout(ctx)
         leader = self.leader(ctx)
+        # p = m + g: in the updated memory's buffer with beta 1 (see accumulate), else added into tensor
+        in_residual = self.beta == 1.0 and summed_in_new_residual(ctx)
+        summed = ctx.new_residual if in_residual else tensor
         if ctx.rank == leader:
-            blob = self._indices(tensor, layout)  # tensor is p = m + g: the residual was added by accumulate()
+            blob = self._indices(summed, layout)
         else:  # filled by the broadcast; the size depends only on the layout
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
         (shared,) = yield Broadcast((blob,), src=leader)
         indices = torch.cat(decode_sparse(layout, shared)) if layout.segments else shared.long()
-        values = tensor[indices].div_(ctx.world_size)  # dividing first keeps half-precision sums in range
-        if ctx.new_residual is not None:
+        values = summed[indices].div_(ctx.world_size)  # dividing first keeps half-precision sums in range
+        if in_residual:
+            ctx.new_residual.index_fill_(0, indices, 0)  # what was sent is not owed (values are a copy)
+        elif ctx.new_residual is not None:
             # m <- (1 - beta) m + beta r, with r = p where nothing was sent and 0 where it was
             if self.beta == 1.0:
                 ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0)
