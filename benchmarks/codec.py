@@ -46,7 +46,7 @@ import torch
 import torchvision
 from codec_profile import compressed_layers
 
-from lightning_gradcomp.compressors import LGC
+from lightning_gradcomp.compressors import LGC, Identity, MaskedCompressor, Masks, TopK
 from lightning_gradcomp.compressors.base import Layer
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.telemetry import Telemetry
@@ -64,7 +64,17 @@ LGC_STAGES = {
     "lgc-allreduce-default-stage2": lambda: LGC(variant="allreduce", dense_steps=0, training_steps=10**9),
     "lgc-allreduce-default-stage3": lambda: LGC(variant="allreduce", dense_steps=0, training_steps=0),
 }
-CONFIGS = {**EXAMPLES, **LGC_STAGES}
+# PacTrain's MaskedCompressor with half of every compressed layer's entries pruned (the same random masks on every
+# rank, as PacTrain keeps them), around Identity and TopK(0.2); the contract suite's `masked` examples have no masks
+MASKED = {"masked-half": lambda: Identity(), "masked-half-topk": lambda: TopK(ratio=0.2)}
+CONFIGS = {**EXAMPLES, **LGC_STAGES, **MASKED}
+
+
+def half_masks(layout: list[tuple[Layer, ...]], device: torch.device) -> dict[str, torch.Tensor]:
+    """A random mask keeping half of the entries of every layer of ``layout`` (fixed seed)."""
+    generator = torch.Generator().manual_seed(1)
+    return {layer.name: (torch.rand(layer.shape, generator=generator) < 0.5).to(device)
+            for bucket in layout for layer in bucket}  # fmt: skip
 TARGETS = {  # issue 11's CPU targets, as a share of the backward pass
     **dict.fromkeys(("fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom"), 0.10),
     **dict.fromkeys(("signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp"), 0.30),
@@ -187,7 +197,11 @@ def measure(name: str, layout: list[tuple[Layer, ...]], args: argparse.Namespace
                 for layer in bucket:
                     rows = layer.matrix(grad)
                     rows[torch.rand(rows.shape[0], device=device) >= args.row_density] = 0
-    compressors = [CONFIGS[name]() for _ in range(args.ranks)]
+    if name in MASKED:
+        masks = Masks(half_masks(layout, device))
+        compressors = [MaskedCompressor(MASKED[name](), masks=masks) for _ in range(args.ranks)]
+    else:
+        compressors = [CONFIGS[name]() for _ in range(args.ranks)]
     feedback = compressors[0].default_error_feedback
     residuals = [[torch.zeros(n, device=device) for _ in range(args.ranks)] if feedback else None for n in sizes]
     # the updated residual's buffers persist between steps, as the hook's twin buffers do in training
