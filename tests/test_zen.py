@@ -14,6 +14,7 @@ from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import DGC, AdaComp, TopK, Zen
 from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
 from lightning_gradcomp.compressors.transport import (
+    by_owner,
     choose,
     costs,
     owner_map,
@@ -353,3 +354,12 @@ def test_counts_on_the_cpu_are_the_split_by_owner_and_a_dense_rank_skips_it():
     xs[2] = torch.arange(1, numel + 1, dtype=torch.float32)
     outs = simulate_reduce([Zen(dense_threshold=0.5) for _ in range(n)], xs, layers)
     assert all(torch.equal(out, sum(xs) / n) for out in outs)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 300])
+@pytest.mark.parametrize("size", [0, 1, 5000])
+def test_by_owner_is_torch_stable_sort(n, size):
+    owners = torch.randint(0, n, (size,), generator=torch.Generator().manual_seed(size + n))
+    order = by_owner(owners, n)
+    assert order.dtype == torch.int64
+    assert torch.equal(order, torch.sort(owners, stable=True).indices)
