@@ -252,9 +252,7 @@ def tensor_input(tensor: Tensor, ctx: BucketContext, dense_above: float | None =
     def rows() -> tuple[Tensor, Tensor]:
         # nonzero() sizes its output on the host: this runs after the counts' host read, off the autograd thread
         indices = flat_nonzero(tensor)
-        order = by_owner(omap.owners[indices], ctx.world_size)
-        indices = indices[order]
-        return indices.to(_index_dtype(ctx.numel)), tensor[indices]
+        return _rows_by_owner(tensor, indices, omap.owners[indices], ctx)
 
     return SparseInput(counts, rows, lambda: tensor)
 
@@ -275,11 +273,13 @@ def _cpu_tensor_input(tensor: Tensor, ctx: BucketContext, dense_above: float | N
     owners = owner_map(ctx.numel, ctx.world_size, zen_seed(ctx), tensor.device).owners[indices]
     counts = torch.bincount(owners, minlength=ctx.world_size).to(torch.int32)
 
-    def rows() -> tuple[Tensor, Tensor]:
-        ordered = indices[by_owner(owners, ctx.world_size)]
-        return ordered.to(_index_dtype(ctx.numel)), tensor[ordered]
+    return SparseInput(counts, lambda: _rows_by_owner(tensor, indices, owners, ctx), lambda: tensor)
 
-    return SparseInput(counts, rows, lambda: tensor)
+
+def _rows_by_owner(tensor: Tensor, indices: Tensor, owners: Tensor, ctx: BucketContext) -> tuple[Tensor, Tensor]:
+    """The non-zeros at ``indices`` (whose owners are ``owners``) as ``(indices, values)`` grouped by owner, stably."""
+    ordered = indices[by_owner(owners, ctx.world_size)]
+    return ordered.to(_index_dtype(ctx.numel)), tensor[ordered]
 
 
 def sparse_sum(  # noqa: C901 (the four rounds read best in one place)
