@@ -13,6 +13,7 @@ from lightning_gradcomp.compressors.packing import (
     flat_nonzero,
     index_nbytes,
     lookup_uint,
+    magnitude_above,
     nonzero_mask,
     pack_bits,
     pack_fields,
@@ -168,6 +169,27 @@ def test_above_is_torch_comparison(dtype, inclusive):
             assert found.dtype == torch.bool
             assert torch.equal(found, expected), (b, v.is_contiguous())
     assert above(values, bound, inclusive=inclusive)[200:210].all() == inclusive
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("inclusive", [False, True])
+def test_magnitude_above_is_torch_abs_then_comparison(dtype, inclusive):
+    """The same mask as ``values.abs() > bound`` (``>=``): both signs tie at the bound, NaN is never above, ``-0.0``
+    is ``0``, infinities, negative and NaN bounds (every non-NaN value is above a negative one), strided views."""
+    generator = torch.Generator().manual_seed(7)
+    values = torch.randn(10_007, generator=generator, dtype=torch.float64).to(dtype)
+    values[:6] = torch.tensor([float("nan"), float("inf"), float("-inf"), -0.0, 0.0, -1e-30]).to(dtype)
+    bound = values[100].abs()
+    values[200:205], values[205:210] = bound, -bound  # ties on both sides
+    bounds = [0, -0.0, float(bound), bound, -bound, float("nan"), float("inf"), torch.tensor(0.1, dtype=torch.float64)]
+    for b in bounds:
+        for v in (values, values[1::3]):
+            expected = v.abs() >= b if inclusive else v.abs() > b
+            found = magnitude_above(v, b, inclusive=inclusive)
+            assert found.dtype == torch.bool
+            assert torch.equal(found, expected), (b, v.is_contiguous())
+    assert magnitude_above(values, bound, inclusive=inclusive)[200:210].all() == inclusive
+    assert not magnitude_above(values, -1.0, inclusive=inclusive)[0]  # NaN
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -20,7 +20,7 @@ from lightning_gradcomp.compressors.base import (
     summed_in_new_residual,
 )
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
-from lightning_gradcomp.compressors.packing import above, flat_nonzero
+from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import (
@@ -206,29 +206,30 @@ class DGC(Compressor):
         """Layer-local indices of at most ``ceil(ratio d)`` large entries of ``values`` (the reference's rules)."""
         numel = values.numel()
         k = math.ceil(numel * ratio)
-        importance = values.abs()
+        # the importance |values| is formed only where it is read (the sample, the candidates): the masks compare the
+        # values with both signs of the threshold, the same elements without a gradient-sized |values|
         num_samples, top_k_samples, stride = sample_plan(numel, ratio, self.sample_ratio)
         if num_samples == numel:
-            samples = importance
+            samples = values.abs()
         elif self.strided_sample:
             start = int(torch.randint(0, stride, (1,), generator=generator))
-            samples = importance[start::stride]
+            samples = values[start::stride].abs()
         else:
             picks = torch.randint(0, numel, (num_samples,), generator=generator).to(values.device)
-            samples = importance[picks]
+            samples = values.index_select(0, picks).abs()
         threshold = torch.topk(samples, min(top_k_samples, samples.numel()), sorted=False).values.min()
-        indices = flat_nonzero(above(importance, threshold, inclusive=True))
+        indices = flat_nonzero(magnitude_above(values, threshold, inclusive=True))
         if numel > num_samples:
             for _ in range(_MAX_ADAPTATION_ITERS):
                 count = indices.numel()
                 if count > k:
                     if count > _UPPER_BOUND * k:  # the reference's `resample`: exact top-k among the candidates
-                        indices = indices[torch.topk(importance[indices], k, sorted=False).indices]
+                        indices = indices[torch.topk(values.index_select(0, indices).abs(), k, sorted=False).indices]
                     break
                 if count >= _LOWER_BOUND * k:
                     break
                 threshold = threshold * _LOWER_BOUND
-                indices = flat_nonzero(above(importance, threshold, inclusive=True))
+                indices = flat_nonzero(magnitude_above(values, threshold, inclusive=True))
         return indices[:k]
 
     # ------------------------------------------------------------------------------------------------------------
@@ -239,7 +240,7 @@ class DGC(Compressor):
             self.select(layer.flat(tensor), self.ratio_at(layer, ctx.step), ctx.generator(layer, per_rank=True))
             for layer in ctx.layers
         ]
-        values = [layer.flat(tensor)[idx] for layer, idx in zip(ctx.layers, picked)]
+        values = [layer.flat(tensor).index_select(0, idx) for layer, idx in zip(ctx.layers, picked)]
         return encode_sparse(layout, picked, values, tensor), picked
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
@@ -306,7 +307,7 @@ class DGC(Compressor):
         pairs = None
         if self.transport != "allgather":  # read before v is cleared where sent
             indices = torch.cat([idx + layer.offset for layer, idx in zip(ctx.layers, picked)])
-            pairs = (indices, v[indices])
+            pairs = (indices, v.index_select(0, indices))
         for layer, idx in zip(ctx.layers, picked):
             if in_residual:
                 layer.flat(ctx.new_residual).index_fill_(0, idx, 0)  # v is cleared where it was sent

@@ -12,7 +12,7 @@ from torch.nn import functional as F  # noqa: N812 (the usual alias)
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload, derive_seed, keep_count
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Broadcast, Exchange
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder, latent_numel, optimizer_state, optimizer_step
-from lightning_gradcomp.compressors.packing import flat_nonzero
+from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes, top_k_blob
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import topk_indices
@@ -38,24 +38,24 @@ def _channels(value: Any, name: str) -> tuple[int, ...]:
     return tuple(check_int(c, name, low=1) for c in value)  # type: ignore[misc]
 
 
-def _top_k(magnitudes: Tensor, k: int) -> Tensor:
-    """Indices of the ``k`` largest ``magnitudes`` (unsorted): ``topk_indices``, except for a few indices on the CPU.
+def _top_k(values: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest ``|values|`` (unsorted): ``topk_indices``, except for a few indices on the CPU.
 
     ``topk_indices`` samples about ``64 n / k`` elements to bracket the k-th largest; for the innovation's handful
     (1e-5 of a layer) that sample is the whole layer. Here a fixed sample of 8192 brackets the top 1% instead, and
     the exact top-k is taken among the elements above it (falling back to a full ``topk`` if fewer than ``k`` are).
     """
-    n = magnitudes.numel()
+    n = values.numel()
     if k > 128:
-        return topk_indices(magnitudes, k)
-    if magnitudes.device.type != "cpu" or n < (1 << 16):
-        return torch.topk(magnitudes, k, sorted=False).indices
-    sample = magnitudes[torch.randint(0, n, (8192,), generator=torch.Generator().manual_seed(n))]
+        return topk_indices(values, k)
+    if values.device.type != "cpu" or n < (1 << 16):
+        return torch.topk(values.abs(), k, sorted=False).indices
+    sample = values.index_select(0, torch.randint(0, n, (8192,), generator=torch.Generator().manual_seed(n))).abs()
     threshold = torch.topk(sample, 82, sorted=False).values.min()
-    candidates = flat_nonzero(magnitudes > threshold)  # on the CPU: no device to wait for
+    candidates = flat_nonzero(magnitude_above(values, threshold))  # on the CPU: no device to wait for
     if candidates.numel() < k:
-        return torch.topk(magnitudes, k, sorted=False).indices
-    return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+        return torch.topk(values.abs(), k, sorted=False).indices
+    return candidates[torch.topk(values.index_select(0, candidates).abs(), k, sorted=False).indices]
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:
@@ -375,7 +375,7 @@ class LGC(Compressor):
     def _top(self, tensor: Tensor, ctx: BucketContext, counts: Sequence[int]) -> Tensor:
         """Each layer's top-``counts`` indices of ``|tensor|``, global and sorted (int64)."""
         picked = [
-            _top_k(layer.flat(tensor).abs(), k).sort().values + layer.offset for layer, k in zip(ctx.layers, counts)
+            _top_k(layer.flat(tensor), k).sort().values + layer.offset for layer, k in zip(ctx.layers, counts)
         ]
         return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long, device=tensor.device)
 

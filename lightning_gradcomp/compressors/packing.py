@@ -87,6 +87,24 @@ def above(values: Tensor, bound: Tensor | float, *, inclusive: bool = False) -> 
     return values >= bound if inclusive else values > bound
 
 
+def magnitude_above(values: Tensor, bound: Tensor | float, *, inclusive: bool = False) -> Tensor:
+    """The bool mask ``values.abs() > bound`` (``>=`` when ``inclusive``), without writing ``|values|``.
+
+    ``|x| > t`` exactly when ``x > t`` or ``x < -t``, for every ``t`` (NaN: neither side holds; ``-0.0`` compares as
+    ``0``), so the mask is the same. On the CPU the two comparisons read the values twice where ``abs`` then
+    :func:`above` wrote a gradient-sized ``|values|`` and read it back: the sampled top-k thresholds of TopK, DGC,
+    ScaleCom and LGC go through here. On other devices it is torch's ``abs`` and comparison.
+    """
+    if numpy_floats(values):
+        array = values.detach().numpy()
+        scalar = array.dtype.type(bound.item() if isinstance(bound, Tensor) else bound)
+        upper, lower = (np.greater_equal, np.less_equal) if inclusive else (np.greater, np.less)
+        mask = upper(array, scalar)
+        return torch.from_numpy(np.logical_or(mask, lower(array, -scalar), out=mask))
+    magnitudes = values.abs()
+    return magnitudes >= bound if inclusive else magnitudes > bound
+
+
 def nonzero_mask(values: Tensor) -> Tensor:
     """The bool mask ``values != 0``: ``-0.0`` is zero, NaN is non-zero (as ``torch.nonzero`` counts them).
 

@@ -105,7 +105,7 @@ class ScaleCom(Compressor):
         layout = self._layout(ctx)
         blob = self._indices(tensor, layout)
         indices = decode_sparse(layout, blob)
-        return blob, torch.cat([tensor[idx] for idx in indices]) if indices else tensor.new_empty(0)
+        return blob, torch.cat([tensor.index_select(0, idx) for idx in indices]) if indices else tensor.new_empty(0)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """The values scattered into zeros at the payload's indices."""
@@ -144,7 +144,7 @@ class ScaleCom(Compressor):
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
         (shared,) = yield Broadcast((blob,), src=leader)
         indices = torch.cat(decode_sparse(layout, shared)) if layout.segments else shared.long()
-        values = summed[indices].div_(ctx.world_size)  # dividing first keeps half-precision sums in range
+        values = summed.index_select(0, indices).div_(ctx.world_size)  # dividing first: half sums stay in range
         if in_residual:
             ctx.new_residual.index_fill_(0, indices, 0)  # what was sent is not owed (values are a copy)
         elif ctx.new_residual is not None:
@@ -174,7 +174,7 @@ def top_k_blob(tensor: Tensor, layout: SparseLayout, *, order: str | None = None
     picked = []
     for segment in layout.segments:
         flat = segment.layer.flat(tensor)
-        idx = topk_indices(flat.abs(), segment.slots)
+        idx = topk_indices(flat, segment.slots)
         if order == "index":
             idx = idx.sort().values
         elif order == "value":

@@ -18,7 +18,7 @@ from lightning_gradcomp.compressors.base import (
     summed_in_new_residual,
 )
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
-from lightning_gradcomp.compressors.packing import above, flat_nonzero, sorted_distinct
+from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above, sorted_distinct
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import check_bool, check_choice, check_ratio
 
@@ -31,32 +31,34 @@ def _index_dtype(numel: int) -> torch.dtype:
     return torch.int32 if numel < 2**31 else torch.int64
 
 
-def topk_indices(magnitudes: Tensor, k: int) -> Tensor:
-    """Indices of the ``k`` largest entries of the 1-D ``magnitudes`` (unsorted).
+def topk_indices(values: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest magnitudes ``|values|`` of the 1-D ``values`` (unsorted).
 
     On the CPU a full ``torch.topk`` over millions of elements costs tens of milliseconds per layer. Instead, the k-th
-    largest value is bracketed from below with a random sample (the sampled threshold of DGC, Lin et al., 2018),
-    every element strictly above that bound is a candidate, and the exact top-k is taken among the candidates.
-    Whenever at least ``k`` elements exceed the bound, the k-th largest does too, so every element of the true top-k
-    is a candidate and the result is exact; otherwise it falls back to the full ``topk``. The sample is random
-    (from a fixed seed, so runs are reproducible) because a strided one aliases with the structure of convolution
-    gradients (a stride that is a multiple of 9 sees one tap of every 3x3 kernel). On CUDA ``torch.topk`` is used
+    largest magnitude is bracketed from below with a random sample (the sampled threshold of DGC, Lin et al., 2018),
+    every element whose magnitude is strictly above that bound is a candidate, and the exact top-k is taken among the
+    candidates. Whenever at least ``k`` elements exceed the bound, the k-th largest does too, so every element of the
+    true top-k is a candidate and the result is exact; otherwise it falls back to the full ``topk``. The sample is
+    random (from a fixed seed, so runs are reproducible) because a strided one aliases with the structure of
+    convolution gradients (a stride that is a multiple of 9 sees one tap of every 3x3 kernel). Only the sample and the
+    candidates are made absolute: the candidates' mask compares the values with both signs of the bound
+    (:func:`magnitude_above`), the same elements without a gradient-sized ``|values|``. On CUDA ``torch.topk`` is used
     directly: the candidate count is a host sync there.
     """
-    n = magnitudes.numel()
-    if magnitudes.device.type != "cpu" or n < (1 << 16) or k * 16 > n:
-        return torch.topk(magnitudes, k, sorted=False).indices
+    n = values.numel()
+    if values.device.type != "cpu" or n < (1 << 16) or k * 16 > n:
+        return torch.topk(values.abs(), k, sorted=False).indices
     # a sample holding ~64 elements of the top-k estimates its boundary well enough
     size = min(n, max(8192, 64 * n // k))
     generator = torch.Generator().manual_seed(n)
-    sample = magnitudes[torch.randint(0, n, (size,), generator=generator)]
+    sample = values.index_select(0, torch.randint(0, n, (size,), generator=generator)).abs()
     # ask the sample for ~1.5x the expected share (plus slack), so the candidates cover k with high probability
     want = min(size, int(math.ceil(1.5 * k * size / n)) + 8)
     threshold = torch.topk(sample, want, sorted=False).values.min()
-    candidates = flat_nonzero(above(magnitudes, threshold))  # strict: ties at a zero bound stay out
+    candidates = flat_nonzero(magnitude_above(values, threshold))  # strict: ties at a zero bound stay out
     if candidates.numel() < k:
-        return torch.topk(magnitudes, k, sorted=False).indices
-    return candidates[torch.topk(magnitudes[candidates], k, sorted=False).indices]
+        return torch.topk(values.abs(), k, sorted=False).indices
+    return candidates[torch.topk(values.index_select(0, candidates).abs(), k, sorted=False).indices]
 
 
 class TopK(Compressor):
@@ -136,9 +138,9 @@ class TopK(Compressor):
         picked = []
         for layer in ctx.layers:
             k = keep_count(layer.numel, self.level(layer))
-            picked.append(topk_indices(layer.flat(tensor).abs(), k) + layer.offset)
+            picked.append(topk_indices(layer.flat(tensor), k) + layer.offset)
         indices = torch.cat(picked)
-        return tensor[indices], indices.to(_index_dtype(ctx.numel))
+        return tensor.index_select(0, indices), indices.to(_index_dtype(ctx.numel))
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Scatter the values into zeros."""
@@ -222,7 +224,7 @@ class RandomK(Compressor):
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """The values at the shared indices."""
-        return (tensor[self.indices(ctx)],)
+        return (tensor.index_select(0, self.indices(ctx)),)
 
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
         """Unscaled: error feedback's ``x = g + e``, written straight into the updated residual's buffer.
@@ -239,7 +241,7 @@ class RandomK(Compressor):
         if self.rescale or not summed_in_new_residual(ctx):
             return (yield from super().exchange(tensor, ctx))
         indices = self.indices(ctx)
-        values = ctx.new_residual[indices]  # a copy: the residual's sent entries can be zeroed now
+        values = ctx.new_residual.index_select(0, indices)  # a copy: the residual's sent entries can be zeroed now
         ctx.new_residual.index_fill_(0, indices, 0)
         (summed,) = yield AllReduce((values.div_(ctx.world_size),))
         return self.decompress((summed,), ctx, out=tensor)

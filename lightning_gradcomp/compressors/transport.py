@@ -252,7 +252,7 @@ def tensor_input(tensor: Tensor, ctx: BucketContext, dense_above: float | None =
     def rows() -> tuple[Tensor, Tensor]:
         # nonzero() sizes its output on the host: this runs after the counts' host read, off the autograd thread
         indices = flat_nonzero(tensor)
-        return _rows_by_owner(tensor, indices, omap.owners[indices], ctx)
+        return _rows_by_owner(tensor, indices, omap.owners.index_select(0, indices), ctx)
 
     return SparseInput(counts, rows, lambda: tensor)
 
@@ -270,7 +270,7 @@ def _cpu_tensor_input(tensor: Tensor, ctx: BucketContext, dense_above: float | N
 
         return SparseInput(counts, unsplit, lambda: tensor)
     indices = flat_nonzero(mask)
-    owners = owner_map(ctx.numel, ctx.world_size, zen_seed(ctx), tensor.device).owners[indices]
+    owners = owner_map(ctx.numel, ctx.world_size, zen_seed(ctx), tensor.device).owners.index_select(0, indices)
     counts = torch.bincount(owners, minlength=ctx.world_size).to(torch.int32)
 
     return SparseInput(counts, lambda: _rows_by_owner(tensor, indices, owners, ctx), lambda: tensor)

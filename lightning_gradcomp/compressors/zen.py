@@ -91,7 +91,7 @@ class Zen(Compressor):
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """The non-zeros of ``tensor`` and their flat indices (sizes depend on the data: exchanged first)."""
         indices = flat_nonzero(tensor)
-        return tensor[indices], indices
+        return tensor.index_select(0, indices), indices
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """The non-zeros scattered into zeros."""
