@@ -275,28 +275,44 @@ class DGC(Compressor):
         """
         if not self.momentum:
             return
+        new_u = self._next_momentum(layer, g, ctx)
+        if self.nesterov:
+            g.add_(new_u)
+        else:
+            g.copy_(new_u)
+
+    def _next_momentum(self, layer: Layer, g: Tensor, ctx: BucketContext) -> Tensor:
+        """The new ``u`` (``momentum u + g``; ``momentum (u + g)`` for Nesterov) in a buffer of its own, staged."""
         u = self._momenta.get(layer, g)
         new_u = self._next_momenta.get(layer, g)
         if self.nesterov:
             torch.add(u, g, out=new_u).mul_(self.momentum)
-            g.add_(new_u)
         else:
             torch.add(g, u, alpha=self.momentum, out=new_u)
-            g.copy_(new_u)
         ctx.updates.stage(u, new_u, swap=True)  # the next buffer is rewritten whole
+        return new_u
 
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
         """Local clipping, then ``u <- momentum u + g`` per layer, then ``v <- v + u`` (``v`` is the residual).
 
         The new ``v`` is written straight into the updated residual's buffer, where :meth:`exchange` then clears the
-        sent entries in place (no copy of ``v``); ``tensor`` keeps ``u`` and receives the average.
+        sent entries in place (no copy of ``v``); ``tensor`` only receives the average after this. With plain momentum
+        ``v + u`` is summed from ``u``'s own buffer, so ``u`` is not copied into ``tensor`` first (one memory pass per
+        step; the same sums); otherwise ``tensor`` takes what is accumulated and ``v + tensor`` is summed.
         """
+        direct = (
+            summed_in_new_residual(ctx) and bool(self.momentum) and not self.nesterov and tensor.numel() == ctx.numel
+        )
         for layer in ctx.layers:
             g = layer.flat(tensor)
             if self.clip_norm is not None:
                 _clip_norm_(g, self.clip_norm / math.sqrt(ctx.world_size))
-            self._correct(layer, g, ctx)
-        return sum_into_new_residual(tensor, ctx)
+            if direct:
+                new_u = self._next_momentum(layer, g, ctx)
+                torch.add(new_u, layer.flat(ctx.residual), out=layer.flat(ctx.new_residual))
+            else:
+                self._correct(layer, g, ctx)
+        return ctx.new_residual if direct else sum_into_new_residual(tensor, ctx)
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Select, clear ``v`` (and ``u``) where sent, all-gather; the average is the sum over ranks ``/ n``."""
