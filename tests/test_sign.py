@@ -137,3 +137,33 @@ def test_payload_is_one_bit_per_element_plus_fp32_scales(compressor, scales):
     aligned = lambda n: -(-n // 8) * 8  # noqa: E731 (all-gather packs the two tensors at 8-byte offsets)
     flag = 8  # the non-finite flag: one more aligned word
     assert telemetry[0].pop_step().bytes_sent == aligned((NUMEL + 7) // 8) + aligned(4 * scales * len(LAYERS)) + flag
+
+
+@pytest.mark.parametrize("compressor", [EFSignSGD(), OneBit()], ids=["efsignsgd", "onebit"])
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 8, 9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_table_aggregate_is_decoding_and_adding_bit_for_bit(compressor, ranks, dtype):
+    """The lookup over every rank's bits gives the bits of Compressor.aggregate (decode each payload, add in rank
+    order from ``+0.0``): layers that start and end inside a lookup's group of elements, signed zeros (a zero scale,
+    ``-0.0`` values), NaN and infinite scales, and more ranks than one lookup takes (9: the default path)."""
+    layers = layers_from_shapes([(5, 3), (1,), (2, 4, 3), (6,), (37,)])  # offsets 0, 15, 16, 40, 46
+    numel = sum(layer.numel for layer in layers)
+    g = torch.Generator().manual_seed(ranks)
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=ranks, layers=layers, dtype=dtype)
+    payloads = []
+    for r in range(ranks):
+        x = torch.randn(numel, generator=g, dtype=torch.float64).to(dtype)
+        x[layers[0].offset : layers[0].offset + layers[0].numel] = 0.0  # a zero scale / mean
+        x[layers[3].offset] = -0.0
+        payloads.append(compressor.compress(x, ctx))
+    for packed, values in payloads:  # -0.0 on the wire: -0.0 where a bit is set, +0.0 where clear; -0.0 + 0.0 is +0.0
+        values[0] = -0.0
+    if ranks > 1:  # a NaN and an infinity on the wire, in different layers
+        payloads[1][1][2] = float("nan")
+        payloads[-1][1][-1] = float("inf")
+    expected = super(type(compressor), compressor).aggregate(payloads, ctx)
+    found = compressor.aggregate(payloads, ctx, out=torch.full((numel,), 7.0, dtype=dtype))
+    assert found.dtype == dtype
+    nan = expected.isnan()  # NaN's sign bit differs between torch's bfloat16 kernels: a NaN is all that counts
+    assert torch.equal(found.isnan(), nan)
+    assert torch.equal(found[~nan].view(torch.uint8), expected[~nan].view(torch.uint8))
