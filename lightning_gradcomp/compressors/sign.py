@@ -97,15 +97,13 @@ def _sum_of_signs(
     bit, in the output's dtype. What :meth:`Compressor.aggregate` forms by decoding every rank's payload and adding
     (``(v_0 + 0.0) + v_1 + ...``, ``+ 0.0`` turning a ``-0.0`` into ``+0.0``), with the same bits: an element's sum
     depends only on its bits on every rank, so each layer's table holds that sum, computed in the same order, for
-    every combination of the bits of ``width`` consecutive elements on the ``n`` ranks (``width``: the largest power
-    of two with ``n width <= 8``; 4 elements at 2 ranks, 256 rows). One lookup then writes ``width`` elements of the
+    every combination of the bits of ``width = 8 // n`` consecutive elements on the ``n`` ranks (a power of two for
+    ``n <= 8``; 4 elements at 2 ranks, 256 rows). One lookup then writes ``width`` elements of the
     average's numerator, where decoding and adding wrote and read the output about ``3 n - 1`` times. For at most 8
     ranks.
     """
     n = len(payloads)
-    width = 8  # elements per lookup: a power of two with every rank's bits of them in one byte
-    while width * n > 8:
-        width //= 2
+    width = _group_width(n)
     out = ctx.output(out)
     device = out.device
     combos = torch.arange(1 << (n * width), device=device)
@@ -119,15 +117,24 @@ def _sum_of_signs(
         tables = tables + values[:, :, r]  # [layer, combination, element], summed in rank order
     rows = _rank_codes([packed for packed, _, _ in payloads], width).int()
     for i, layer in enumerate(ctx.layers):
-        first, last = layer.offset // width, -(-(layer.offset + layer.numel) // width)
-        target = layer.flat(out)
-        if layer.offset % width == 0 and layer.numel % width == 0:  # group-aligned: straight into the output
-            torch.index_select(tables[i], 0, rows[first:last], out=target.view(-1, width))
-        else:  # the groups that cover the layer, then its elements among them
-            covering = torch.index_select(tables[i], 0, rows[first:last]).view(-1)
-            start = layer.offset - width * first
-            target.copy_(covering[start : start + layer.numel])
+        _look_up(tables[i], rows, layer.offset, layer.numel, layer.flat(out))
     return out
+
+
+def _group_width(ranks: int) -> int:
+    """Elements per lookup over 1 to 8 ranks' bits, all of them in one byte: ``8 // ranks`` (1, 2, 4 or 8)."""
+    return 8 // ranks
+
+
+def _look_up(table: Tensor, rows: Tensor, start: int, numel: int, target: Tensor) -> None:
+    """Elements ``[start, start + numel)`` of ``table[rows]`` (rows of ``width`` values, flattened) into ``target``."""
+    width = table.shape[1]
+    first, last = start // width, -(-(start + numel) // width)
+    if start % width == 0 and numel % width == 0:  # whole groups: straight into the target
+        torch.index_select(table, 0, rows[first:last], out=target.view(-1, width))
+    else:  # the groups that cover the range, then its elements among them
+        covering = torch.index_select(table, 0, rows[first:last]).view(-1)
+        target.copy_(covering[start - width * first :][:numel])
 
 
 class SignSGD(Compressor):
@@ -200,8 +207,22 @@ class SignSGD(Compressor):
         return _signs_into(payload[0], ctx, ones, -ones, _out(ctx, out))
 
     def vote(self, payloads: list[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
-        """The majority sign, in {-1, 0, +1}, over every rank's packed signs."""
+        """The majority sign, in {-1, 0, +1}, over every rank's packed signs.
+
+        Up to 8 ranks, by one lookup per group of elements: the vote of an element depends only on its bits on every
+        rank, so a table holds it for every combination of the ranks' bits of ``width`` consecutive elements (see
+        :func:`_sum_of_signs`), and the output is written once; no per-element counts are formed.
+        """
         n = len(payloads)
+        if 0 < n <= 8:
+            width = _group_width(n)
+            combos = torch.arange(1 << (n * width), device=ctx.device)
+            shifts = torch.arange(n * width, device=ctx.device).view(n, width)
+            counts = ((combos.view(-1, 1, 1) >> shifts) & 1).sum(dim=1)  # [combination, element]: set bits
+            table = (counts.to(ctx.dtype) * 2 - n).sign_()
+            out = _out(ctx, out)
+            _look_up(table, _rank_codes([bits for (bits,) in payloads], width).int(), 0, ctx.numel, out)
+            return out
         positives = torch.zeros(ctx.numel, dtype=torch.uint8 if n < 256 else torch.int32, device=ctx.device)
         for (bits,) in payloads:  # integer counts: exact in any order
             positives += unpack_bits(bits, ctx.numel)
