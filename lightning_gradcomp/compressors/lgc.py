@@ -592,7 +592,7 @@ class LGC(Compressor):
         return decoded, correction
 
     def _ps_leader_code(self, model: LGCAutoencoder, tensor: Tensor, indices: Tensor, ctx: BucketContext) -> Tensor:
-        x = tensor[indices].float()
+        x = tensor.index_select(0, indices).float()
         scales = self._scales(x, ctx)
         return torch.cat([self._encode(model, x, scales, ctx), scales])
 
@@ -612,17 +612,17 @@ class LGC(Compressor):
         if stage == 2:
             if self.variant == "ps":
                 indices = self._top(tensor, ctx, [s.slots for s in layout.segments])
-                return tensor[indices], indices.to(self._index_dtype(ctx))
+                return tensor.index_select(0, indices), indices.to(self._index_dtype(ctx))
             blob = self._leader_blob(tensor, layout)
-            return blob, tensor[torch.cat(decode_sparse(layout, blob))]
+            return blob, tensor.index_select(0, torch.cat(decode_sparse(layout, blob)))
         model = self._autoencoder(ctx)
         blob = self._leader_blob(tensor, layout)
         indices = torch.cat(decode_sparse(layout, blob))
         if self.variant == "ps":
             own = self._top(tensor, ctx, self._innovation_counts(ctx))
             code = self._ps_leader_code(model, tensor, indices, ctx)
-            return code, blob, tensor[own], own.to(self._index_dtype(ctx))
-        x = tensor[indices].float()
+            return code, blob, tensor.index_select(0, own), own.to(self._index_dtype(ctx))
+        x = tensor.index_select(0, indices).float()
         scales = self._scales(x, ctx)
         z = self._encode(model, x, scales, ctx)
         if not self._projects:
@@ -681,7 +681,7 @@ class LGC(Compressor):
     def _ps_topk(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         layout = self._layout(ctx)
         indices = self._top(tensor, ctx, [s.slots for s in layout.segments])
-        values = tensor[indices]
+        values = tensor.index_select(0, indices)
         if ctx.new_residual is not None:
             ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0)
         gathered = yield AllGather((values, indices.to(self._index_dtype(ctx))))
@@ -701,7 +701,7 @@ class LGC(Compressor):
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
         (shared,) = yield Broadcast((blob,), src=leader)
         indices = torch.cat(decode_sparse(layout, shared))
-        values = tensor[indices]
+        values = tensor.index_select(0, indices)
         if ctx.new_residual is not None:
             self._low_pass(ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0), ctx)
         gathered = yield AllGather((values,))
@@ -720,7 +720,7 @@ class LGC(Compressor):
         else:
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
             code = torch.zeros(self._code_numel(ctx) + len(ctx.layers), dtype=torch.float32, device=ctx.device)
-        gathered = yield AllGather((tensor[own], own.to(self._index_dtype(ctx))))
+        gathered = yield AllGather((tensor.index_select(0, own), own.to(self._index_dtype(ctx))))
         code, shared = yield Broadcast((code, blob), src=leader)
         indices = torch.cat(decode_sparse(layout, shared))
         parts = [
@@ -741,7 +741,7 @@ class LGC(Compressor):
         """``ps_form="gather"``: the leader decodes every rank and broadcasts the average at the indices it touched."""
         layout, leader = self._layout(ctx), self.leader_of(ctx)
         own = self._top(tensor, ctx, self._innovation_counts(ctx))
-        gathered = yield AllGather((tensor[own], own.to(self._index_dtype(ctx))))
+        gathered = yield AllGather((tensor.index_select(0, own), own.to(self._index_dtype(ctx))))
         touched = torch.cat([idx.long() for _, idx in gathered])  # every rank's innovation indices, in rank order
         k, mine = layout.slots, None
         if ctx.rank == leader:
@@ -755,7 +755,7 @@ class LGC(Compressor):
                 total.index_add_(0, indices, decoded).index_add_(0, idx.long(), correction)
                 mine = decoded if j == ctx.rank else mine
             total.div_(ctx.world_size)
-            averaged = torch.cat([total[indices], total[touched]])
+            averaged = torch.cat([total.index_select(0, indices), total.index_select(0, touched)])
         else:
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
             code = torch.zeros(self._code_numel(ctx) + len(ctx.layers), dtype=torch.float32, device=ctx.device)
@@ -764,7 +764,7 @@ class LGC(Compressor):
         indices = torch.cat(decode_sparse(layout, shared))
         if ctx.new_residual is not None:
             if mine is None:  # this rank's own decoder only: what the aggregate used for it
-                mine = self._ps_contribution(model, ctx.rank, code, indices, tensor[own], own, ctx)[0]
+                mine = self._ps_contribution(model, ctx.rank, code, indices, tensor.index_select(0, own), own, ctx)[0]
             ctx.new_residual.copy_(tensor).index_add_(0, indices, mine, alpha=-1).index_fill_(0, own, 0)
         out = tensor.zero_().index_copy_(0, indices, averaged[:k])
         return out.index_copy_(0, touched, averaged[k:])
@@ -773,20 +773,20 @@ class LGC(Compressor):
         layout, leader = self._layout(ctx), self.leader_of(ctx)
         if ctx.rank == leader:
             blob = self._leader_blob(tensor, layout)
-            scales = self._scales(tensor[torch.cat(decode_sparse(layout, blob))].float(), ctx)
+            scales = self._scales(tensor.index_select(0, torch.cat(decode_sparse(layout, blob))).float(), ctx)
         else:
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
             scales = torch.zeros(len(ctx.layers), dtype=torch.float32, device=ctx.device)
         shared, scales = yield Broadcast((blob, scales), src=leader)
         indices = torch.cat(decode_sparse(layout, shared))
-        z = self._encode(model, tensor[indices], scales, ctx)
+        z = self._encode(model, tensor.index_select(0, indices), scales, ctx)
         (summed,) = yield AllReduce((z.div_(ctx.world_size),))
         decoded = self._decode(model, 0, summed, scales, ctx)
         if self._projects:
             # the decoded average scaled, per layer, to its least-squares fit to the true average (clamped to
             # [0, 1]): the update never moves further from the average than no update would, so error feedback stays
             # contractive however poorly the autoencoder decodes
-            dots = self._dots(tensor[indices].float(), decoded, ctx).div_(ctx.world_size)
+            dots = self._dots(tensor.index_select(0, indices).float(), decoded, ctx).div_(ctx.world_size)
             (dots,) = yield AllReduce((dots,))
             factors = self._factors(decoded, dots, ctx)
             decoded = self._projected(decoded, factors, ctx)
@@ -797,7 +797,8 @@ class LGC(Compressor):
                 # that share of its own values as sent and keeps the rest; its deviation from the average, which no
                 # code of the average can carry, is not owed (see the class docstring)
                 kept = torch.cat([(1.0 - f).expand(k) for f, (_, _, k) in zip(factors, self._segments(ctx))])
-                lost = ctx.new_residual.copy_(tensor).index_copy_(0, indices, tensor[indices] * kept.to(ctx.dtype))
+                kept_values = tensor.index_select(0, indices) * kept.to(ctx.dtype)
+                lost = ctx.new_residual.copy_(tensor).index_copy_(0, indices, kept_values)
             else:
                 # every rank's share of the aggregate is the aggregate: sum of updates + mean residual telescopes
                 lost = ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1)
