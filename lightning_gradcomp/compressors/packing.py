@@ -211,7 +211,7 @@ def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
 
 
 # the integer dtype of each size, for reading a row of a byte table as one element
-_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def lookup_uint(packed: Tensor, bits: int, n: int, table: Tensor, out: Tensor) -> Tensor:
@@ -233,7 +233,7 @@ def lookup_uint(packed: Tensor, bits: int, n: int, table: Tensor, out: Tensor) -
     _check_bits(bits)
     per = 8 // bits
     full = n // per  # bytes whose values all belong to the output
-    row = _INT_OF_SIZE.get(per * table.element_size()) if 8 % bits == 0 else None
+    row = INT_OF_SIZE.get(per * table.element_size()) if 8 % bits == 0 else None
     if row is None or full == 0 or out.storage_offset() % per or not out.is_contiguous():
         return torch.index_select(table, 0, unpack_uint(packed, bits, n).int(), out=out)
     # the values of every byte: value j of byte b is field j (least significant first) of b

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
-from lightning_gradcomp.compressors.packing import above, pack_bits, unpack_bits
+from lightning_gradcomp.compressors.packing import INT_OF_SIZE, above, pack_bits, unpack_bits
 from lightning_gradcomp.validation import check_momentum
 
 _WIRE_SCALE = torch.float32  # per-layer scales travel as fp32, whatever the gradient's dtype
@@ -36,9 +36,15 @@ def _byte_bits(device: torch.device) -> Tensor:
     """The 256 x 8 table of the bits of every byte value (bit ``j`` of byte ``b`` at ``[b, j]``), as bools."""
     table = _BYTE_BITS.get(device)
     if table is None:
-        byte = torch.arange(256, device=device).unsqueeze(1)
-        table = _BYTE_BITS[device] = ((byte >> torch.arange(8, device=device)) & 1).bool()
+        table = _BYTE_BITS[device] = _combination_bits(1, 8, device)[:, 0]
     return table
+
+
+def _combination_bits(ranks: int, width: int, device: torch.device) -> Tensor:
+    """The bits of every code of ``ranks * width`` bits as ``[code, rank, element]`` bools (bit ``r width + j``)."""
+    codes = torch.arange(1 << (ranks * width), device=device)
+    shifts = torch.arange(ranks * width, device=device).view(ranks, width)
+    return ((codes.view(-1, 1, 1) >> shifts) & 1).bool()
 
 
 def _signs_into(packed: Tensor, ctx: BucketContext, positive: Tensor, negative: Tensor, out: Tensor) -> Tensor:
@@ -52,19 +58,8 @@ def _signs_into(packed: Tensor, ctx: BucketContext, positive: Tensor, negative: 
     tables = torch.where(_byte_bits(packed.device), positive.view(-1, 1, 1), negative.view(-1, 1, 1))
     rows = packed.int()
     for i, layer in enumerate(ctx.layers):
-        first, last = layer.offset // 8, -(-(layer.offset + layer.numel) // 8)
-        target = layer.flat(out)
-        if layer.offset % 8 == 0 and layer.numel % 8 == 0:  # byte-aligned: straight into the output
-            torch.index_select(tables[i], 0, rows[first:last], out=target.view(-1, 8))
-        else:  # the bytes that cover the layer, then its bits among them
-            covering = torch.index_select(tables[i], 0, rows[first:last]).view(-1)
-            start = layer.offset - 8 * first
-            target.copy_(covering[start : start + layer.numel])
+        _look_up(tables[i], rows, layer.offset, layer.numel, layer.flat(out))
     return out
-
-
-# the integer dtype of each size: a row of 1, 2, 4 or 8 bytes read as one element
-_ROW_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _rank_codes(packed: Sequence[Tensor], width: int) -> Tensor:
@@ -82,7 +77,7 @@ def _rank_codes(packed: Sequence[Tensor], width: int) -> Tensor:
     codes = None
     for r, bits in enumerate(packed):
         spread = (((byte >> groups) & ((1 << width) - 1)) << (r * width)).to(torch.uint8)  # [byte, group]
-        looked = torch.index_select(spread.view(_ROW_OF_SIZE[per]).view(-1), 0, bits.int())
+        looked = torch.index_select(spread.view(INT_OF_SIZE[per]).view(-1), 0, bits.int())
         codes = looked if codes is None else codes.bitwise_or_(looked)
     assert codes is not None
     return codes.view(torch.uint8)
@@ -105,10 +100,7 @@ def _sum_of_signs(
     n = len(payloads)
     width = _group_width(n)
     out = ctx.output(out)
-    device = out.device
-    combos = torch.arange(1 << (n * width), device=device)
-    shifts = torch.arange(n * width, device=device).view(n, width)
-    is_set = ((combos.view(-1, 1, 1) >> shifts) & 1).bool()  # [combination, rank, element]
+    is_set = _combination_bits(n, width, out.device)  # [combination, rank, element]
     positive = torch.stack([p for _, p, _ in payloads], dim=1)  # [layer, rank]
     negative = torch.stack([q for _, _, q in payloads], dim=1)
     values = torch.where(is_set, positive.view(-1, 1, n, 1), negative.view(-1, 1, n, 1))
@@ -216,9 +208,7 @@ class SignSGD(Compressor):
         n = len(payloads)
         if 0 < n <= 8:
             width = _group_width(n)
-            combos = torch.arange(1 << (n * width), device=ctx.device)
-            shifts = torch.arange(n * width, device=ctx.device).view(n, width)
-            counts = ((combos.view(-1, 1, 1) >> shifts) & 1).sum(dim=1)  # [combination, element]: set bits
+            counts = _combination_bits(n, width, ctx.device).sum(dim=1)  # [combination, element]: set bits
             table = (counts.to(ctx.dtype) * 2 - n).sign_()
             out = _out(ctx, out)
             _look_up(table, _rank_codes([bits for (bits,) in payloads], width).int(), 0, ctx.numel, out)
