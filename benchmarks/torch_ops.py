@@ -1,0 +1,83 @@
+"""Pairs of CPU operations that give the same bits at different speeds: the choices the codecs make (a benchmark).
+
+Each pair computes one result two ways, checks that the two results are bitwise equal, and times both on one thread
+with the operands out of cache (a 64 MiB buffer is written before every call, as the codec's other passes evict the
+gradient between two uses of it). Medians of ``--repeats`` calls. The pairs:
+
+* ``gather``: ``x[idx]`` (advanced indexing) against ``x.index_select(0, idx)``: ``--k`` sorted indices into a
+  bucket of ``--numel`` elements (the values TopK, RandomK, DGC, ScaleCom, Zen and LGC send);
+* ``count``: ``mask.sum()`` of a bool mask (torch converts it to int64 first) against ``torch.count_nonzero(mask)``
+  (OneBit's count of non-negative entries, per layer of ``--layer`` elements);
+* ``magnitude``: ``x.abs() > t`` against ``x > t or x < -t`` (``compressors.packing.magnitude_above``, the
+  candidates of a sampled top-k threshold);
+* ``l1``: ``torch.linalg.vector_norm(x, 1)`` against ``x.abs().sum()``: *not* the same bits (the sums run in another
+  order), shown for the cost EF-signSGD and OneBit keep for their scales' bits.
+
+Example::
+
+    python benchmarks/torch_ops.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from lightning_gradcomp.compressors.packing import magnitude_above
+
+
+def timed(fn: Callable[[], torch.Tensor], evict: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
+    """Median ms of ``fn()`` over ``repeats`` calls, each after writing ``evict``; and the last result."""
+    result = fn()
+    times = []
+    for _ in range(repeats):
+        evict.fill_(1.0)
+        start = time.perf_counter()
+        result = fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), result
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (``-0.0`` and NaN payloads included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--numel", type=int, default=6_317_248, help="bucket elements (ResNet-18's first bucket)")
+    parser.add_argument("--k", type=int, default=63_164, help="gathered indices (1 %% of the bucket)")
+    parser.add_argument("--layer", type=int, default=2_359_296, help="layer elements (ResNet-18's 512x512x3x3)")
+    parser.add_argument("--repeats", type=int, default=15)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    generator = torch.Generator().manual_seed(0)
+    evict = torch.empty(16 * 1024 * 1024)
+    bucket = torch.randn(args.numel, generator=generator)
+    indices = torch.randperm(args.numel, generator=generator)[: args.k].sort().values
+    layer = torch.randn(args.layer, generator=generator)
+    mask = layer >= 0
+    threshold = torch.tensor(2.5)
+
+    pairs = {
+        "gather": (lambda: bucket[indices], lambda: bucket.index_select(0, indices)),
+        "count": (lambda: mask.sum(), lambda: torch.count_nonzero(mask)),
+        "magnitude": (lambda: layer.abs() > threshold, lambda: magnitude_above(layer, threshold)),
+        "l1": (lambda: torch.linalg.vector_norm(layer, 1), lambda: layer.abs().sum()),
+    }
+    print(f"one thread; bucket {args.numel:,} elements, {args.k:,} indices, layer {args.layer:,} elements")
+    print(f"{'pair':<10} {'first ms':>9} {'second ms':>10} {'ratio':>6}  same bits")
+    for name, (first, second) in pairs.items():
+        first_ms, a = timed(first, evict, args.repeats)
+        second_ms, b = timed(second, evict, args.repeats)
+        print(f"{name:<10} {first_ms:9.3f} {second_ms:10.3f} {first_ms / second_ms:6.1f}  {same_bits(a, b)}")
+
+
+if __name__ == "__main__":
+    main()
