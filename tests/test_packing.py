@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors.packing import (
+    INT_OF_SIZE,
     above,
     decode_indices,
     encode_indices,
@@ -12,6 +13,7 @@ from lightning_gradcomp.compressors.packing import (
     fields_per_word,
     flat_nonzero,
     index_nbytes,
+    lookup_rows,
     lookup_uint,
     magnitude_above,
     nonzero_mask,
@@ -223,6 +225,31 @@ def test_lookup_is_unpack_then_index(bits, dtype):
             found = lookup_uint(packed, bits, n, table, out[offset:])
             assert torch.equal(found.view(torch.uint8), expected.view(torch.uint8)), (n, offset)
             assert torch.equal(out[:offset], torch.full((offset,), 7, dtype=dtype))
+
+
+@pytest.mark.parametrize("width", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64, torch.int64])
+def test_lookup_rows_is_index_select(width, dtype):
+    """Rows gathered as one element each (1-16 bytes, 16 as complex128) are index_select's rows, byte for byte:
+    NaN payloads of either sign (pairs of which read as double signalling NaNs), signed zeros, and outputs at
+    offsets the row type cannot view."""
+    g = torch.Generator().manual_seed(width)
+    table = torch.randn(256, width, generator=g).to(dtype)
+    if dtype.is_floating_point:
+        bits = table.view(INT_OF_SIZE[table.element_size()])
+        bits[1] = -1  # every bit set: a NaN with the sign bit in every element
+        bits[2, ::2] = 1 << (8 * table.element_size() - 2)  # 0x40...: with an exponent of ones next to it, an sNaN
+        bits[2, 1::2] = (1 << (8 * table.element_size() - 1)) - 1  # 0x7f..f: a NaN
+        table[3] = -0.0
+    rows = torch.randint(0, 256, (1000,), generator=g, dtype=torch.int32)
+    rows[:4] = torch.arange(4)
+    expected = torch.index_select(table, 0, rows)
+    for offset in (0, 1, width):
+        out = torch.full((1000 * width + offset,), 7).to(dtype)
+        found = lookup_rows(table, rows, out[offset:].view(1000, width))
+        assert found.data_ptr() == out[offset:].data_ptr()
+        assert torch.equal(found.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8)), offset
+        assert torch.equal(out[:offset], torch.full((offset,), 7).to(dtype))
 
 
 @pytest.mark.parametrize("width", [1, 3, 4, 7, 21, 63])

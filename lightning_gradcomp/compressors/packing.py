@@ -212,6 +212,37 @@ def unpack_uint(packed: Tensor, bits: int, n: int) -> Tensor:
 
 # the integer dtype of each size, for reading a row of a byte table as one element
 INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# a row of a lookup table read as one element: 16-byte rows as complex128, which a gather only copies (bit for bit)
+ROW_OF_SIZE = {**INT_OF_SIZE, 16: torch.complex128}
+
+
+def _as_rows(t: Tensor, row: torch.dtype) -> Tensor | None:
+    """The contiguous ``t`` viewed as 1-D elements of ``row``, or None where its offset or address does not allow it."""
+    ratio = row.itemsize // t.element_size()
+    if not t.is_contiguous() or t.numel() % ratio or t.storage_offset() % ratio or t.data_ptr() % row.itemsize:
+        return None  # complex128 is 16-byte aligned in C++: never hand a kernel a misaligned one
+    return t.view(-1).view(row)
+
+
+def lookup_rows(table: Tensor, rows: Tensor, out: Tensor) -> Tensor:
+    """``out[i] = table[rows[i]]`` for a 2-D ``table``: ``torch.index_select(table, 0, rows, out=out)``, faster.
+
+    A row of 1, 2, 4, 8 or 16 bytes is gathered as one element of that size from the table viewed as 1-D, the same
+    bytes: torch's index_select copies each row of a 2-D table as a slice, which on the CPU costs about 4x as much for
+    16-byte rows (one thread, 590k rows of 4 fp32 from a 256-row table: 1.07 ms, against 0.27 ms as complex128).
+
+    Args:
+        table: the rows, 2-D.
+        rows: row indices (int32 or int64), 1-D.
+        out: ``[len(rows), table.shape[1]]`` of ``table``'s dtype, written in place and returned.
+    """
+    row = ROW_OF_SIZE.get(table.shape[1] * table.element_size())
+    if row is not None:
+        flat_table, flat_out = _as_rows(table, row), _as_rows(out, row)
+        if flat_table is not None and flat_out is not None:
+            torch.index_select(flat_table, 0, rows, out=flat_out)
+            return out
+    return torch.index_select(table, 0, rows, out=out)
 
 
 def lookup_uint(packed: Tensor, bits: int, n: int, table: Tensor, out: Tensor) -> Tensor:
@@ -219,7 +250,7 @@ def lookup_uint(packed: Tensor, bits: int, n: int, table: Tensor, out: Tensor) -
 
     Equal to ``torch.index_select(table, 0, unpack_uint(packed, bits, n).int(), out=out)``, in fewer passes where
     ``bits`` divides 8: a byte holds ``8 / bits`` whole values, so a 256-row table of their looked-up values, read
-    as one element per byte where a row is 1, 2, 4 or 8 bytes, decodes every byte with a single lookup, with no
+    as one element per byte where a row is 1, 2, 4, 8 or 16 bytes, decodes every byte with a single lookup, with no
     unpacked fields in memory (QSGD's 4-bit fields in fp32: one 8-byte row per byte, a third of the unpack-then-look-up
     time on the CPU).
 
@@ -233,13 +264,14 @@ def lookup_uint(packed: Tensor, bits: int, n: int, table: Tensor, out: Tensor) -
     _check_bits(bits)
     per = 8 // bits
     full = n // per  # bytes whose values all belong to the output
-    row = INT_OF_SIZE.get(per * table.element_size()) if 8 % bits == 0 else None
-    if row is None or full == 0 or out.storage_offset() % per or not out.is_contiguous():
+    row = ROW_OF_SIZE.get(per * table.element_size()) if 8 % bits == 0 else None
+    target = None if row is None or full == 0 else _as_rows(out[: full * per], row)
+    if target is None:
         return torch.index_select(table, 0, unpack_uint(packed, bits, n).int(), out=out)
     # the values of every byte: value j of byte b is field j (least significant first) of b
     every_byte = torch.arange(256, dtype=torch.uint8, device=table.device)
     byte_table = table.index_select(0, unpack_uint(every_byte, bits, 256 * per).int()).view(row)
-    torch.index_select(byte_table, 0, packed[:full].int(), out=out[: full * per].view(row))
+    torch.index_select(byte_table, 0, packed[:full].int(), out=target)
     if full * per < n:  # the values of the last, partly used byte
         rest = unpack_uint(packed[full : full + 1], bits, n - full * per).int()
         torch.index_select(table, 0, rest, out=out[full * per :])

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
-from lightning_gradcomp.compressors.packing import INT_OF_SIZE, above, pack_bits, unpack_bits
+from lightning_gradcomp.compressors.packing import INT_OF_SIZE, above, lookup_rows, pack_bits, unpack_bits
 from lightning_gradcomp.validation import check_momentum
 
 _WIRE_SCALE = torch.float32  # per-layer scales travel as fp32, whatever the gradient's dtype
@@ -123,9 +123,9 @@ def _look_up(table: Tensor, rows: Tensor, start: int, numel: int, target: Tensor
     width = table.shape[1]
     first, last = start // width, -(-(start + numel) // width)
     if start % width == 0 and numel % width == 0:  # whole groups: straight into the target
-        torch.index_select(table, 0, rows[first:last], out=target.view(-1, width))
+        lookup_rows(table, rows[first:last], target.view(-1, width))
     else:  # the groups that cover the range, then its elements among them
-        covering = torch.index_select(table, 0, rows[first:last]).view(-1)
+        covering = lookup_rows(table, rows[first:last], table.new_empty(last - first, width)).view(-1)
         target.copy_(covering[start - width * first :][:numel])
 
 
