@@ -53,6 +53,26 @@ def test_scalecom_equals_its_equations(beta, ratio):
             torch.testing.assert_close(residuals[r], memory[r], rtol=1e-14, atol=1e-14)
 
 
+@pytest.mark.parametrize("beta", [0.3, 0.5])
+def test_low_pass_memory_is_the_filter_of_the_zeroed_copy_bit_for_bit(beta):
+    """m <- (1 - beta) m + beta (p with the sent entries zeroed), in torch's fp32 ops, bit for bit: also where
+    (1 - beta) m is -0.0 at a sent entry (adding beta * 0 makes it +0.0)."""
+    n = 2
+    compressors = [ScaleCom(ratio=0.1, beta=beta) for _ in range(n)]
+    residuals = [torch.full((NUMEL,), -0.0) for _ in range(n)]
+    grads = [g.float() for g in _grads(n, seed=7)]
+    p = [g + -0.0 for g in grads]
+    chosen = torch.cat([
+        torch.topk(layer.flat(p[0]).abs(), keep_count(layer.numel, 0.1)).indices + layer.offset for layer in LAYERS
+    ])  # fmt: skip
+    old = [m.clone() for m in residuals]
+    simulate_reduce(compressors, grads, LAYERS, step=0, residuals=residuals)
+    for r in range(n):
+        expected = torch.mul(old[r], 1 - beta).add_(p[r].index_fill(0, chosen, 0), alpha=beta)
+        assert torch.equal(residuals[r].view(torch.int32), expected.view(torch.int32))
+        assert not residuals[r][chosen].signbit().any()
+
+
 def test_identical_gradients_reduce_to_single_worker_top_k():
     """With the same p on every rank, CLT-k is top-k and the update is single-worker top-k with error feedback."""
     scalecom = [ScaleCom(ratio=0.05), ScaleCom(ratio=0.05)]

@@ -151,9 +151,11 @@ class ScaleCom(Compressor):
             # m <- (1 - beta) m + beta r, with r = p where nothing was sent and 0 where it was
             if self.beta == 1.0:
                 ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0)
-            else:
-                torch.mul(ctx.residual, 1.0 - self.beta, out=ctx.new_residual)
-                ctx.new_residual.add_(tensor.index_fill(0, indices, 0), alpha=self.beta)
+            else:  # (1 - beta) m + beta p, then the sent entries: (1 - beta) m + beta 0, i.e. (1 - beta) m + 0.0
+                # (the same bits as adding a copy of p with zeros there, without the gradient-sized copy)
+                decayed = torch.mul(ctx.residual, 1.0 - self.beta, out=ctx.new_residual)
+                kept = decayed.index_select(0, indices).add_(0.0)
+                decayed.add_(tensor, alpha=self.beta).index_copy_(0, indices, kept)
         (average,) = yield AllReduce((values,))
         return tensor.zero_().index_copy_(0, indices, average.to(tensor.dtype))
 
