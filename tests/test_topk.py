@@ -7,7 +7,7 @@ from lightning_gradcomp.compressors.sparsify import topk_indices
 
 
 @pytest.mark.parametrize("n", [1000, 70_000, 2_359_296])
-@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.05, 0.1, 0.25, 0.5])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0])
 def test_topk_indices_are_the_k_largest_magnitudes(n, ratio):
     """The set torch.topk of |values| selects, through the sampled bound, on both signs (distinct magnitudes)."""
     k = max(1, int(ratio * n))
