@@ -16,6 +16,7 @@ from lightning_gradcomp.compressors.packing import (
     lookup_rows,
     lookup_uint,
     magnitude_above,
+    max_magnitudes,
     nonzero_mask,
     pack_bits,
     pack_fields,
@@ -225,6 +226,37 @@ def test_lookup_is_unpack_then_index(bits, dtype):
             found = lookup_uint(packed, bits, n, table, out[offset:])
             assert torch.equal(found.view(torch.uint8), expected.view(torch.uint8)), (n, offset)
             assert torch.equal(out[:offset], torch.full((offset,), 7, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_max_magnitudes_are_the_infinity_norms(dtype):
+    """``max(max x, -min x) + 0.0`` per tensor is ``vector_norm(x, inf)`` bit for bit, in fp32 and fp64 results:
+    mixed signs, the largest magnitude negative, signed zeros only, infinities, NaN, one element, strided views."""
+    g = torch.Generator().manual_seed(0)
+    big = (torch.randn(70_000, generator=g) * 3).to(dtype)
+    negative = big.clone()
+    negative[123] = -100.0
+    tensors = [
+        big,
+        negative,
+        big[::3],
+        torch.tensor([-0.0, 0.0, -0.0]).to(dtype),
+        torch.tensor([-0.0]).to(dtype),
+        torch.tensor([1.0, -float("inf"), 2.0]).to(dtype),
+        torch.tensor([1.0, float("nan"), -2.0]).to(dtype),
+        torch.tensor([-float("nan"), 5.0]).to(dtype),
+        torch.tensor([-3.5]).to(dtype),
+    ]
+    for result in (torch.float32, torch.float64):
+        if torch.promote_types(dtype, result) != result:
+            continue  # the norm does not narrow (and TernGrad computes in at least the gradient's dtype)
+        expected = torch.stack([torch.linalg.vector_norm(x, float("inf"), dtype=result) for x in tensors])
+        found = max_magnitudes(tensors, result)
+        assert found.dtype == result
+        same = (found.view(INT_OF_SIZE[found.element_size()]) == expected.view(INT_OF_SIZE[found.element_size()]))
+        assert bool((same | (found.isnan() & expected.isnan())).all()), (found, expected)
+        assert not found[3].signbit()
+        assert not found[4].signbit()
 
 
 @pytest.mark.parametrize("width", [1, 2, 3, 4, 8])

@@ -14,6 +14,7 @@ from lightning_gradcomp.compressors.packing import (
     field_planes,
     field_width,
     lookup_uint,
+    max_magnitudes,
     numpy_floats,
     pack_fields,
     pack_uint,
@@ -243,17 +244,17 @@ class TernGrad(Compressor):
         if not inplace:
             tensor = tensor.clone()
         dtype = _compute_dtype(ctx.dtype)
+        if not ctx.layers:
+            return tensor, torch.zeros(0, dtype=_WIRE)
+        if self.clip is None:  # max |g| per layer
+            return tensor, _round_up_to_wire(max_magnitudes([layer.flat(tensor) for layer in ctx.layers], dtype))
         scalers = []
         for layer in ctx.layers:
             x = layer.flat(tensor)
-            if self.clip is None:
-                scalers.append(torch.linalg.vector_norm(x, float("inf"), dtype=dtype))
-                continue
             bound = self.clip * torch.std(x.to(dtype), correction=0)  # the population standard deviation
             _clamp_(x, bound)
             scalers.append(bound)
-        scales = _round_up_to_wire(torch.stack(scalers)) if scalers else torch.zeros(0, dtype=_WIRE)
-        return tensor, scales
+        return tensor, _round_up_to_wire(torch.stack(scalers))
 
     def _ternarize(self, tensor: Tensor, scales: Tensor, ctx: BucketContext) -> Tensor:
         """``t + 1`` in {0, 1, 2} (uint8) for every element, ``t = sign(g) Bernoulli(|g| / s)``."""
