@@ -6,6 +6,7 @@ import torch
 from lightning_gradcomp.compressors.packing import (
     INT_OF_SIZE,
     above,
+    argsort_distinct,
     decode_indices,
     encode_indices,
     field_planes,
@@ -226,6 +227,25 @@ def test_lookup_is_unpack_then_index(bits, dtype):
             found = lookup_uint(packed, bits, n, table, out[offset:])
             assert torch.equal(found.view(torch.uint8), expected.view(torch.uint8)), (n, offset)
             assert torch.equal(out[:offset], torch.full((offset,), 7, dtype=dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_argsort_distinct_is_torch_argsort(dtype):
+    """The permutation torch's argsort gives distinct values (the only one), through the packed keys; None for
+    increasing values; torch's own beyond the packed keys' range (negative, or 2^31 and above)."""
+    g = torch.Generator().manual_seed(1)
+    for n in (2, 3, 1000, 118_000):
+        values = torch.randperm(5 * n, generator=g)[:n].to(dtype)
+        if bool((values[1:] > values[:-1]).all()):  # not increasing already
+            values = values.flip(0)
+        assert torch.equal(argsort_distinct(values), torch.argsort(values))
+        assert argsort_distinct(values.sort().values) is None
+        assert torch.equal(argsort_distinct(values.sort(descending=True).values), torch.arange(n - 1, -1, -1))
+        shifted = values - n  # some negative
+        assert torch.equal(argsort_distinct(shifted), torch.argsort(shifted))
+    if dtype == torch.int64:
+        large = torch.tensor([3, (1 << 31) + 5, 1, 1 << 40])
+        assert torch.equal(argsort_distinct(large), torch.argsort(large))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])

@@ -224,7 +224,8 @@ class DGC(Compressor):
                 count = indices.numel()
                 if count > k:
                     if count > _UPPER_BOUND * k:  # the reference's `resample`: exact top-k among the candidates
-                        indices = indices[torch.topk(values.index_select(0, indices).abs(), k, sorted=False).indices]
+                        best = torch.topk(values.index_select(0, indices).abs(), k, sorted=False).indices
+                        indices = indices.index_select(0, best)
                     break
                 if count >= _LOWER_BOUND * k:
                     break

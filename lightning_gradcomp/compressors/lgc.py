@@ -55,7 +55,7 @@ def _top_k(values: Tensor, k: int) -> Tensor:
     candidates = flat_nonzero(magnitude_above(values, threshold))  # on the CPU: no device to wait for
     if candidates.numel() < k:
         return torch.topk(values.abs(), k, sorted=False).indices
-    return candidates[torch.topk(values.index_select(0, candidates).abs(), k, sorted=False).indices]
+    return candidates.index_select(0, torch.topk(values.index_select(0, candidates).abs(), k, sorted=False).indices)
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:

@@ -62,7 +62,8 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
     candidates = flat_nonzero(magnitude_above(values, threshold))  # strict: ties at a zero bound stay out
     if candidates.numel() < k:
         return torch.topk(values.abs(), k, sorted=False).indices
-    return candidates[torch.topk(values.index_select(0, candidates).abs(), k, sorted=False).indices]
+    best = torch.topk(values.index_select(0, candidates).abs(), k, sorted=False).indices
+    return candidates.index_select(0, best)
 
 
 class TopK(Compressor):
