@@ -226,7 +226,7 @@ def pairs_input(indices: Tensor, values: Tensor, ctx: BucketContext, out: Tensor
 
     def rows() -> tuple[Tensor, Tensor]:
         order = by_owner(owners, ctx.world_size)
-        return indices[order].to(_index_dtype(ctx.numel)), values[order]
+        return indices.index_select(0, order).to(_index_dtype(ctx.numel)), values.index_select(0, order)
 
     def dense() -> Tensor:
         return out.zero_().index_copy_(0, indices.long(), values.to(out.dtype))
@@ -278,8 +278,8 @@ def _cpu_tensor_input(tensor: Tensor, ctx: BucketContext, dense_above: float | N
 
 def _rows_by_owner(tensor: Tensor, indices: Tensor, owners: Tensor, ctx: BucketContext) -> tuple[Tensor, Tensor]:
     """The non-zeros at ``indices`` (whose owners are ``owners``) as ``(indices, values)`` grouped by owner, stably."""
-    ordered = indices[by_owner(owners, ctx.world_size)]
-    return ordered.to(_index_dtype(ctx.numel)), tensor[ordered]
+    ordered = indices.index_select(0, by_owner(owners, ctx.world_size))
+    return ordered.to(_index_dtype(ctx.numel)), tensor.index_select(0, ordered)
 
 
 def sparse_sum(  # noqa: C901 (the four rounds read best in one place)
@@ -385,7 +385,7 @@ def _encode_pull(union: Tensor, sums: Tensor, bitmap: bool, ctx: BucketContext, 
     if bitmap:
         omap = owner_map(ctx.numel, ctx.world_size, zen_seed(ctx), device)
         bits = torch.zeros(omap.sizes[ctx.rank], dtype=torch.bool, device=device)
-        bits[omap.positions[union.long()]] = True
+        bits.index_fill_(0, omap.positions.index_select(0, union.long()), True)
         index_part = pack_bits(bits)
     else:
         index_part = union.contiguous().view(torch.uint8)
@@ -404,7 +404,7 @@ def _decode_pull(
     index_nbytes = _index_nbytes(union, bitmap, owner, ctx, index_dtype, device)
     if bitmap:
         theirs = owner_map(ctx.numel, ctx.world_size, zen_seed(ctx), device).indices_of(owner)
-        indices = theirs[flat_nonzero(unpack_bits(blob[:index_nbytes], theirs.numel()))]
+        indices = theirs.index_select(0, flat_nonzero(unpack_bits(blob[:index_nbytes], theirs.numel())))
     else:
         indices = blob[:index_nbytes].clone().view(index_dtype).long()  # clone: a fresh, aligned buffer to view
     at = _value_offset(index_nbytes, ctx)
