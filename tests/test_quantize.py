@@ -8,6 +8,7 @@ import torch
 
 from lightning_gradcomp.compressors import QSGD, TernGrad
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
+from lightning_gradcomp.compressors.quantize import _uniform
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 
@@ -212,3 +213,14 @@ def test_terngrad_arguments_are_validated():
         TernGrad(clip=0)
     with pytest.raises(ValueError, match="`aggregation`"):
         TernGrad(aggregation="sum")
+
+
+def test_fp32_draws_carry_24_random_bits():
+    """What docs/qsgd.md and docs/terngrad.md say of the draws: an fp32 uniform of the quantisers' generator is a
+    multiple of 2^-24 and uses all 24 bits, so rounding probabilities are resolved to 2^-24."""
+    ctx = _ctx(layers=layers_from_shapes([(1000, 1000)]), dtype=torch.float32)
+    draws = _uniform(ctx, ctx.layers[0], 1_000_000, torch.float32).double()
+    assert bool((draws * 2**24 == (draws * 2**24).round()).all())
+    assert bool((draws * 2**23 != (draws * 2**23).round()).any())  # the lowest bit is drawn too
+    assert float(draws.min()) >= 0
+    assert float(draws.max()) < 1
