@@ -69,3 +69,31 @@ def test_convergence_of_a_subset_within_one_point_of_dense():
         assert result["replicas_identical"], config
         assert result["ranks_agree"], config
         assert result["accuracy"] >= dense - 0.01, (config, result["accuracy"], dense)
+
+
+def test_fingerprint_reproduces_and_flags_a_change(tmp_path):
+    """``benchmarks/fingerprint.py``, run as a user runs it: the same hashes twice, and a changed one reported (exit
+    1, the name on stderr)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "benchmarks" / "fingerprint.py"
+    first = tmp_path / "first.txt"
+
+    def run(*args):
+        command = [sys.executable, str(script), "--compressors", "identity", "fp16", "--steps", "1", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
+
+    assert run("--out", str(first)).returncode == 0
+    hashes = dict(line.split() for line in first.read_text().splitlines())
+    assert set(hashes) == {"identity", "fp16"}
+    again = run("--against", str(first))
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count(" same") == 2
+    changed = tmp_path / "changed.txt"
+    changed.write_text(f"identity {hashes['identity']}\nfp16 0000000000000000\n")
+    flagged = run("--against", str(changed))
+    assert flagged.returncode == 1
+    assert "DIFFERENT" in flagged.stdout
+    assert "fp16" in flagged.stderr
