@@ -168,6 +168,23 @@ def test_the_aggregate_is_the_rank_order_sum_from_zeros_bit_for_bit(case):
         assert all(torch.equal(a, b) for a, b in zip(payload, before))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_the_average_is_the_aggregate_divided_bit_for_bit(case, n):
+    """``average`` (what the all-gather exchange returns) is ``aggregate`` divided by the world size, bit for bit,
+    into a buffer full of NaN: overrides fold the division into their decoding without changing a bit."""
+    _, compressor = case
+    if compressor.collective != "allgather":
+        pytest.skip("an all-reduce compressor divides its payload before the sum")
+    layers = _layers(compressor)
+    xs = _data(layers, n, seed=13)
+    ctx = _ctx(layers, world_size=n)
+    payloads = [c.compress(x.clone(), ctx) for c, x in zip(_fresh(compressor, n), xs)]
+    expected = compressor.aggregate(payloads, ctx).clone().div_(n)
+    found = compressor.average(payloads, ctx, out=torch.full_like(xs[0], float("nan")))
+    assert found.dtype == expected.dtype
+    assert torch.equal(found.view(torch.uint8), expected.view(torch.uint8))
+
+
 def test_an_aggregate_of_negative_zeros_is_positive_zero():
     """As from zeros: ``0 + (-0.0)`` is ``+0.0``, also when the first payload is decoded straight into the result (and
     a payload that decodes to itself is copied, never written)."""

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import EFSignSGD, OneBit, SignSGD
-from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, layers_from_shapes
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 
@@ -145,7 +145,8 @@ def test_payload_is_one_bit_per_element_plus_fp32_scales(compressor, scales):
 def test_the_table_aggregate_is_decoding_and_adding_bit_for_bit(compressor, ranks, dtype):
     """The lookup over every rank's bits gives the bits of Compressor.aggregate (decode each payload, add in rank
     order from ``+0.0``): layers that start and end inside a lookup's group of elements, signed zeros (a zero scale,
-    ``-0.0`` values), NaN and infinite scales, and more ranks than one lookup takes (9: the default path)."""
+    ``-0.0`` values), NaN and infinite scales, and more ranks than one lookup takes (9: the default path); and the
+    average, the tables divided by the world size, against the decoded sum divided."""
     layers = layers_from_shapes([(5, 3), (1,), (2, 4, 3), (6,), (37,)])  # offsets 0, 15, 16, 40, 46
     numel = sum(layer.numel for layer in layers)
     g = torch.Generator().manual_seed(ranks)
@@ -161,9 +162,13 @@ def test_the_table_aggregate_is_decoding_and_adding_bit_for_bit(compressor, rank
     if ranks > 1:  # a NaN and an infinity on the wire, in different layers
         payloads[1][1][2] = float("nan")
         payloads[-1][1][-1] = float("inf")
-    expected = super(type(compressor), compressor).aggregate(payloads, ctx)
+    expected = Compressor.aggregate(compressor, payloads, ctx)
     found = compressor.aggregate(payloads, ctx, out=torch.full((numel,), 7.0, dtype=dtype))
-    assert found.dtype == dtype
-    nan = expected.isnan()  # NaN's sign bit differs between torch's bfloat16 kernels: a NaN is all that counts
-    assert torch.equal(found.isnan(), nan)
-    assert torch.equal(found[~nan].view(torch.uint8), expected[~nan].view(torch.uint8))
+    # the average: the tables divided by the world size, the bits of dividing the decoded sum
+    expected_average = expected.clone().div_(ranks)
+    found_average = compressor.average(payloads, ctx, out=torch.full((numel,), 7.0, dtype=dtype))
+    for found, expected in ((found, expected), (found_average, expected_average)):
+        assert found.dtype == dtype
+        nan = expected.isnan()  # NaN's sign bit differs between torch's bfloat16 kernels: a NaN is all that counts
+        assert torch.equal(found.isnan(), nan)
+        assert torch.equal(found[~nan].view(torch.uint8), expected[~nan].view(torch.uint8))

@@ -326,6 +326,14 @@ class Compressor(ABC):
             total.add_(self.decompress(payload, ctx, out=scratch))
         return total
 
+    def average(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """:meth:`aggregate` divided by the world size: what the all-gather exchange returns.
+
+        Override where the division folds into the decoding with the same bits (a table of sums divided once per
+        entry, instead of a pass over the output); ``out`` is as in :meth:`decompress`.
+        """
+        return self.aggregate(payloads, ctx, out=out).div_(ctx.world_size)
+
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
         """Turn the gradient into what is compressed, in place: error feedback's ``tensor += residual``.
 
@@ -373,8 +381,8 @@ class Compressor(ABC):
         The default is the single-round method: ``payload = compress(tensor)``; the new residual is ``tensor -
         decompress(payload)``; ``"allreduce"``: payloads are divided by the world size and summed (dividing first
         keeps fp16 sums from overflowing, as torch's ``fp16_compress_hook`` does), then decompressed;
-        ``"allgather"``: payloads are gathered, decompressed and averaged in rank order (so every rank computes
-        bitwise the same average).
+        ``"allgather"``: payloads are gathered, decompressed and averaged in rank order (:meth:`average`, so every
+        rank computes bitwise the same average).
 
         A multi-round method overrides it, yielding :class:`~lightning_gradcomp.compressors.exchange.AllReduce`,
         :class:`~lightning_gradcomp.compressors.exchange.AllGather` or
@@ -397,7 +405,7 @@ class Compressor(ABC):
             summed = yield AllReduce(payload)
             return self.decompress(summed, ctx, out=tensor)  # the input is spent: decode into it
         gathered = yield AllGather(payload)
-        return self.aggregate(gathered, ctx, out=tensor).div_(ctx.world_size)
+        return self.average(gathered, ctx, out=tensor)
 
     def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
         """Average ``tensor`` across ranks through this compressor; returns a future of the flat average.

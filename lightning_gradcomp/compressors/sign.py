@@ -84,7 +84,7 @@ def _rank_codes(packed: Sequence[Tensor], width: int) -> Tensor:
 
 
 def _sum_of_signs(
-    payloads: Sequence[tuple[Tensor, Tensor, Tensor]], ctx: BucketContext, out: Tensor | None
+    payloads: Sequence[tuple[Tensor, Tensor, Tensor]], ctx: BucketContext, out: Tensor | None, divisor: int = 1
 ) -> Tensor:
     """The rank-order sum of every rank's ``positive[l]`` / ``negative[l]`` per set / clear bit, by table lookup.
 
@@ -95,7 +95,8 @@ def _sum_of_signs(
     every combination of the bits of ``width = 8 // n`` consecutive elements on the ``n`` ranks (a power of two for
     ``n <= 8``; 4 elements at 2 ranks, 256 rows). One lookup then writes ``width`` elements of the
     average's numerator, where decoding and adding wrote and read the output about ``3 n - 1`` times. For at most 8
-    ranks.
+    ranks. With ``divisor`` the tables hold the sums divided by it (the average, with the bits of dividing the
+    looked-up sums, without a pass over the output).
     """
     n = len(payloads)
     width = _group_width(n)
@@ -107,6 +108,8 @@ def _sum_of_signs(
     tables = values[:, :, 0] + 0.0
     for r in range(1, n):
         tables = tables + values[:, :, r]  # [layer, combination, element], summed in rank order
+    if divisor != 1:
+        tables = tables / divisor
     rows = _rank_codes([packed for packed, _, _ in payloads], width).int()
     for i, layer in enumerate(ctx.layers):
         _look_up(tables[i], rows, layer.offset, layer.numel, layer.flat(out))
@@ -249,7 +252,32 @@ class SignSGD(Compressor):
         torch.sign(average, out=average)
 
 
-class EFSignSGD(Compressor):
+class _TwoValuedSigns(Compressor):
+    """An all-gather compressor whose payload is packed bits and, per layer, a value for a set and for a clear bit.
+
+    Its sum and average over up to 8 ranks are one table lookup per group of elements (:func:`_sum_of_signs`);
+    subclasses say what each rank's two values are (:meth:`_signed`).
+    """
+
+    @staticmethod
+    def _signed(payloads: Sequence[Payload], ctx: BucketContext) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Per rank: its packed bits and its per-layer values for a set and a clear bit, in the output's dtype."""
+        raise NotImplementedError
+
+    def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """The rank-order sum of the reconstructions, by one table lookup over every rank's bits (at most 8 ranks)."""
+        if not payloads or len(payloads) > 8:
+            return super().aggregate(payloads, ctx, out)
+        return _sum_of_signs(self._signed(payloads, ctx), ctx, out)
+
+    def average(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+        """The sum's tables divided by the world size: the bits of dividing the sum, one output pass fewer."""
+        if not payloads or len(payloads) > 8:
+            return super().average(payloads, ctx, out)
+        return _sum_of_signs(self._signed(payloads, ctx), ctx, out, divisor=ctx.world_size)
+
+
+class EFSignSGD(_TwoValuedSigns):
     """EF-signSGD: scaled sign ``(||p||_1 / d) sign(p)`` per layer, with error feedback.
 
     Karimireddy, Rebjock, Stich & Jaggi, "Error Feedback Fixes SignSGD and other Gradient Compression Schemes", ICML
@@ -286,18 +314,17 @@ class EFSignSGD(Compressor):
         scales = scales.to(ctx.dtype)
         return _signs_into(packed, ctx, scales, -scales, _out(ctx, out))
 
-    def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
-        """The rank-order sum of ``scale * sign``, by one table lookup over every rank's bits (at most 8 ranks)."""
-        if not payloads or len(payloads) > 8:
-            return super().aggregate(payloads, ctx, out)
+    @staticmethod
+    def _signed(payloads: Sequence[Payload], ctx: BucketContext) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Per rank: its packed bits and ``scale`` / ``-scale`` per layer, in the output's dtype."""
         signed = []
         for packed, scales in payloads:
             scales = scales.to(ctx.dtype)
             signed.append((packed, scales, -scales))
-        return _sum_of_signs(signed, ctx, out)
+        return signed
 
 
-class OneBit(Compressor):
+class OneBit(_TwoValuedSigns):
     """1-bit SGD: one bit per element, reconstructed as the mean of the layer's positive or of its negative entries.
 
     Seide, Fu, Droppo, Li & Yu, "1-Bit Stochastic Gradient Descent and its Application to Data-Parallel Distributed
@@ -343,9 +370,8 @@ class OneBit(Compressor):
         means = means.to(ctx.dtype)
         return _signs_into(packed, ctx, means[0::2], means[1::2], _out(ctx, out))
 
-    def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
-        """The rank-order sum of the reconstructions, by one table lookup over every rank's bits (at most 8 ranks)."""
-        if not payloads or len(payloads) > 8:
-            return super().aggregate(payloads, ctx, out)
+    @staticmethod
+    def _signed(payloads: Sequence[Payload], ctx: BucketContext) -> list[tuple[Tensor, Tensor, Tensor]]:
+        """Per rank: its packed bits and its positive and negative means, in the output's dtype."""
         means = [(packed, m.to(ctx.dtype)) for packed, m in payloads]
-        return _sum_of_signs([(packed, m[0::2], m[1::2]) for packed, m in means], ctx, out)
+        return [(packed, m[0::2], m[1::2]) for packed, m in means]
