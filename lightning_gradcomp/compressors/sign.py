@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Sequence
 from typing import ClassVar
 
@@ -260,9 +261,9 @@ class _TwoValuedSigns(Compressor):
     """
 
     @staticmethod
+    @abstractmethod
     def _signed(payloads: Sequence[Payload], ctx: BucketContext) -> list[tuple[Tensor, Tensor, Tensor]]:
         """Per rank: its packed bits and its per-layer values for a set and a clear bit, in the output's dtype."""
-        raise NotImplementedError
 
     def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """The rank-order sum of the reconstructions, by one table lookup over every rank's bits (at most 8 ranks)."""
