@@ -11,7 +11,17 @@ gradient between two uses of it). Medians of ``--repeats`` calls. The pairs:
 * ``magnitude``: ``x.abs() > t`` against ``x > t or x < -t`` (``compressors.packing.magnitude_above``, the
   candidates of a sampled top-k threshold);
 * ``l1``: ``torch.linalg.vector_norm(x, 1)`` against ``x.abs().sum()``: *not* the same bits (the sums run in another
-  order), shown for the cost EF-signSGD and OneBit keep for their scales' bits.
+  order), shown for the cost EF-signSGD and OneBit keep for their scales' bits;
+* ``rows``: ``torch.index_select`` of 16-byte rows (4 fp32) of a 256-row table against
+  ``compressors.packing.lookup_rows`` (each row gathered as one ``complex128``): the sign family's tables, a row per
+  byte of ``--layer`` elements' bits;
+* ``argsort``: ``torch.argsort`` of ``--k`` distinct random indices into a layer against
+  ``compressors.packing.argsort_distinct`` (NumPy's sort of ``index << 32 | position`` keys): the ordering of a
+  bitmap-encoded sparse layer;
+* ``inf_norm``: ``torch.linalg.vector_norm(x, inf)`` against ``compressors.packing.max_magnitudes`` (one
+  ``aminmax``): TernGrad's scaler without clipping;
+* ``topk``: ``torch.topk(|x|, k)`` against ``compressors.sparsify.topk_indices`` (the sampled bound) at ``k``
+  ``--topk-ratio`` of the layer (a tenth by default): the same set of indices in another order (compared sorted).
 
 Example::
 
@@ -27,7 +37,8 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_gradcomp.compressors.packing import magnitude_above
+from lightning_gradcomp.compressors.packing import argsort_distinct, lookup_rows, magnitude_above, max_magnitudes
+from lightning_gradcomp.compressors.sparsify import topk_indices
 
 
 def timed(fn: Callable[[], torch.Tensor], evict: torch.Tensor, repeats: int) -> tuple[float, torch.Tensor]:
@@ -54,6 +65,7 @@ def main() -> None:
     parser.add_argument("--numel", type=int, default=6_317_248, help="bucket elements (ResNet-18's first bucket)")
     parser.add_argument("--k", type=int, default=63_164, help="gathered indices (1 %% of the bucket)")
     parser.add_argument("--layer", type=int, default=2_359_296, help="layer elements (ResNet-18's 512x512x3x3)")
+    parser.add_argument("--topk-ratio", type=float, default=0.1, help="k of the topk pair, as a share of the layer")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -65,17 +77,47 @@ def main() -> None:
     mask = layer >= 0
     threshold = torch.tensor(2.5)
 
+    table = torch.randn(256, 4, generator=generator)
+    rows = torch.randint(0, 256, (args.layer // 4,), generator=generator, dtype=torch.int32)
+    out_first, out_second = torch.empty(rows.numel(), 4), torch.empty(rows.numel(), 4)
+    scattered = torch.randperm(args.layer, generator=generator)[: args.k]
+    if not 0 < args.topk_ratio <= 0.5:
+        parser.error(f"expected 0 < --topk-ratio <= 0.5 (the sampled bound's range), got {args.topk_ratio}")
+    top = int(args.topk_ratio * args.layer)
+
+    def ascending(t: torch.Tensor) -> torch.Tensor:
+        return t.sort().values
+
+    # name: (first, second, what the comparison reads of each result)
     pairs = {
-        "gather": (lambda: bucket[indices], lambda: bucket.index_select(0, indices)),
-        "count": (lambda: mask.sum(), lambda: torch.count_nonzero(mask)),
-        "magnitude": (lambda: layer.abs() > threshold, lambda: magnitude_above(layer, threshold)),
-        "l1": (lambda: torch.linalg.vector_norm(layer, 1), lambda: layer.abs().sum()),
+        "gather": (lambda: bucket[indices], lambda: bucket.index_select(0, indices), None),
+        "count": (lambda: mask.sum(), lambda: torch.count_nonzero(mask), None),
+        "magnitude": (lambda: layer.abs() > threshold, lambda: magnitude_above(layer, threshold), None),
+        "l1": (lambda: torch.linalg.vector_norm(layer, 1), lambda: layer.abs().sum(), None),
+        "rows": (
+            lambda: torch.index_select(table, 0, rows, out=out_first),
+            lambda: lookup_rows(table, rows, out_second),
+            None,
+        ),
+        "argsort": (lambda: torch.argsort(scattered), lambda: argsort_distinct(scattered), None),
+        "inf_norm": (
+            lambda: torch.linalg.vector_norm(layer, float("inf")),
+            lambda: max_magnitudes([layer], torch.float32)[0],
+            None,
+        ),
+        "topk": (
+            lambda: torch.topk(layer.abs(), top, sorted=False).indices,
+            lambda: topk_indices(layer, top),
+            ascending,
+        ),
     }
     print(f"one thread; bucket {args.numel:,} elements, {args.k:,} indices, layer {args.layer:,} elements")
     print(f"{'pair':<10} {'first ms':>9} {'second ms':>10} {'ratio':>6}  same bits")
-    for name, (first, second) in pairs.items():
+    for name, (first, second, read) in pairs.items():
         first_ms, a = timed(first, evict, args.repeats)
         second_ms, b = timed(second, evict, args.repeats)
+        if read is not None:
+            a, b = read(a), read(b)
         print(f"{name:<10} {first_ms:9.3f} {second_ms:10.3f} {first_ms / second_ms:6.1f}  {same_bits(a, b)}")
 
 

@@ -63,9 +63,9 @@ def argsort_distinct(values: Tensor) -> Tensor | None:
 
     For distinct values there is one such permutation, so any sort finds torch's. On the CPU, for values in
     ``[0, 2^31)``: none when they are increasing already (one comparison pass; a selection by ``nonzero`` is), else
-    NumPy's sort of ``value << 32 | position``, whose low half is the permutation (118k random int64 indices, one
-    thread: 0.44 ms against 0.86 ms for torch's argsort and 1.2 ms for NumPy's). Elsewhere torch's argsort (checking
-    the order would be a host sync).
+    NumPy's sort of ``value << 32 | position``, whose low half is the permutation (about twice as fast as torch's
+    argsort: ``python benchmarks/torch_ops.py``, pair ``argsort``; NumPy's own argsort was slower than torch's).
+    Elsewhere torch's argsort (checking the order would be a host sync).
     """
     n = values.numel()
     if values.device.type == "cpu" and values.dtype in (torch.int32, torch.int64) and 0 < n < (1 << 32):
@@ -152,10 +152,10 @@ def signbit(values: Tensor) -> Tensor:
 def max_magnitudes(tensors: Sequence[Tensor], dtype: torch.dtype) -> Tensor:
     """``torch.stack([torch.linalg.vector_norm(x, inf, dtype=dtype) for x in tensors])``, the same bits, faster.
 
-    The infinity norm's CPU kernel is a scalar loop: 5.7 ms for 2.36M fp32 elements on one thread, against 0.32 ms
-    for ``aminmax``, one vectorised pass. ``max(max x, -min x)`` is the same exact value; a NaN propagates through
-    both; adding ``0.0`` turns a maximum of signed zeros into ``+0.0``, as the norm's ``|x|`` does. Five small ops
-    follow the per-tensor ``aminmax``, for all tensors at once (no per-tensor launches on a GPU).
+    The infinity norm's CPU kernel is a scalar loop, about 13x slower than ``aminmax``, one vectorised pass
+    (``python benchmarks/torch_ops.py``, pair ``inf_norm``). ``max(max x, -min x)`` is the same exact value; a NaN
+    propagates through both; adding ``0.0`` turns a maximum of signed zeros into ``+0.0``, as the norm's ``|x|``
+    does. Five small ops follow the per-tensor ``aminmax``, for all tensors at once (no per-tensor launches on a GPU).
     """
     bounds = torch.stack([torch.stack(torch.aminmax(x)) for x in tensors]).to(dtype)  # [tensor, (min, max)]
     return torch.maximum(bounds[:, 1], bounds[:, 0].neg()).add_(0.0)
@@ -262,8 +262,8 @@ def lookup_rows(table: Tensor, rows: Tensor, out: Tensor) -> Tensor:
     """``out[i] = table[rows[i]]`` for a 2-D ``table``: ``torch.index_select(table, 0, rows, out=out)``, faster.
 
     A row of 1, 2, 4, 8 or 16 bytes is gathered as one element of that size from the table viewed as 1-D, the same
-    bytes: torch's index_select copies each row of a 2-D table as a slice, which on the CPU costs about 4x as much for
-    16-byte rows (one thread, 590k rows of 4 fp32 from a 256-row table: 1.07 ms, against 0.27 ms as complex128).
+    bytes: torch's index_select copies each row of a 2-D table as a slice, which on the CPU costs about 3x as much for
+    16-byte rows (``python benchmarks/torch_ops.py``, pair ``rows``).
 
     Args:
         table: the rows, 2-D.

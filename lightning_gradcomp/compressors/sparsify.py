@@ -40,9 +40,10 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
     candidates. Whenever at least ``k`` elements exceed the bound, the k-th largest does too, so every element of the
     true top-k is a candidate and the result is exact; otherwise it falls back to the full ``topk``, which is also
     taken for ``k`` above half the elements (about ``1.5 k`` candidates would be nearly all of them; up to half, the
-    sampled path is 1.5x (k = n / 2) to 6x (k = n / 10) faster on a 2.36M-element layer). The sample is random
-    (from a fixed seed, so runs are reproducible) because a strided one aliases with the structure of convolution
-    gradients (a stride that is a multiple of 9 sees one tap of every 3x3 kernel). Only the sample and the
+    sampled path is 1.7x (k = n / 2) to 4.5x (k = n / 10) faster on a 2.36M-element layer: ``python
+    benchmarks/torch_ops.py --topk-ratio R``). The sample is random (from a fixed seed, so runs are reproducible)
+    because a strided one aliases with the structure of convolution gradients (a stride that is a multiple of 9 sees
+    one tap of every 3x3 kernel). Only the sample and the
     candidates are made absolute: the candidates' mask compares the values with both signs of the bound
     (:func:`magnitude_above`), the same elements without a gradient-sized ``|values|``. On CUDA ``torch.topk`` is used
     directly: the candidate count is a host sync there.
