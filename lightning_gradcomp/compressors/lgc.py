@@ -12,10 +12,9 @@ from torch.nn import functional as F  # noqa: N812 (the usual alias)
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload, derive_seed, keep_count
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Broadcast, Exchange
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder, latent_numel, optimizer_state, optimizer_step
-from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes, top_k_blob
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, sparse_layout
-from lightning_gradcomp.compressors.sparsify import topk_indices
+from lightning_gradcomp.compressors.sparsify import sampled_topk_indices, topk_indices
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number, check_ratio
 
 __all__ = ["LGC"]
@@ -42,20 +41,15 @@ def _top_k(values: Tensor, k: int) -> Tensor:
     """Indices of the ``k`` largest ``|values|`` (unsorted): ``topk_indices``, except for a few indices on the CPU.
 
     ``topk_indices`` samples about ``64 n / k`` elements to bracket the k-th largest; for the innovation's handful
-    (1e-5 of a layer) that sample is the whole layer. Here a fixed sample of 8192 brackets the top 1% instead, and
-    the exact top-k is taken among the elements above it (falling back to a full ``topk`` if fewer than ``k`` are).
+    (1e-5 of a layer) that sample is the whole layer. Here a fixed sample of 8192 brackets the top 1% instead
+    (:func:`sampled_topk_indices`: exact, with the full ``topk`` when fewer than ``k`` elements are above the bound).
     """
     n = values.numel()
     if k > 128:
         return topk_indices(values, k)
     if values.device.type != "cpu" or n < (1 << 16):
         return torch.topk(values.abs(), k, sorted=False).indices
-    sample = values.index_select(0, torch.randint(0, n, (8192,), generator=torch.Generator().manual_seed(n))).abs()
-    threshold = torch.topk(sample, 82, sorted=False).values.min()
-    candidates = flat_nonzero(magnitude_above(values, threshold))  # on the CPU: no device to wait for
-    if candidates.numel() < k:
-        return torch.topk(values.abs(), k, sorted=False).indices
-    return candidates.index_select(0, torch.topk(values.index_select(0, candidates).abs(), k, sorted=False).indices)
+    return sampled_topk_indices(values, k, 8192, 82)
 
 
 def _dot(a: Tensor, b: Tensor) -> Tensor:

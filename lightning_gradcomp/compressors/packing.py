@@ -283,10 +283,10 @@ def lookup_uint(packed: Tensor, bits: int, n: int, table: Tensor, out: Tensor) -
     """``out[i] = table[v_i]`` for the first ``n`` values ``v_i`` of :func:`pack_uint`'s packing: decode by table.
 
     Equal to ``torch.index_select(table, 0, unpack_uint(packed, bits, n).int(), out=out)``, in fewer passes where
-    ``bits`` divides 8: a byte holds ``8 / bits`` whole values, so a 256-row table of their looked-up values, read
-    as one element per byte where a row is 1, 2, 4, 8 or 16 bytes, decodes every byte with a single lookup, with no
-    unpacked fields in memory (QSGD's 4-bit fields in fp32: one 8-byte row per byte, a third of the unpack-then-look-up
-    time on the CPU).
+    ``bits`` divides 8: a byte holds ``8 / bits`` whole values, so a 256-row table of their looked-up values
+    (:func:`lookup_rows`: one element per byte where a row is 1, 2, 4, 8 or 16 bytes) decodes every byte with a
+    single lookup, with no unpacked fields in memory (QSGD's 4-bit fields in fp32: one 8-byte row per byte, a third
+    of the unpack-then-look-up time on the CPU).
 
     Args:
         packed: the bytes (uint8), at least ``packed_nbytes(n, bits)`` of them.
@@ -298,14 +298,12 @@ def lookup_uint(packed: Tensor, bits: int, n: int, table: Tensor, out: Tensor) -
     _check_bits(bits)
     per = 8 // bits
     full = n // per  # bytes whose values all belong to the output
-    row = ROW_OF_SIZE.get(per * table.element_size()) if 8 % bits == 0 else None
-    target = None if row is None or full == 0 else _as_rows(out[: full * per], row)
-    if target is None:
+    if 8 % bits or full == 0 or not out.is_contiguous():
         return torch.index_select(table, 0, unpack_uint(packed, bits, n).int(), out=out)
     # the values of every byte: value j of byte b is field j (least significant first) of b
     every_byte = torch.arange(256, dtype=torch.uint8, device=table.device)
-    byte_table = table.index_select(0, unpack_uint(every_byte, bits, 256 * per).int()).view(row)
-    torch.index_select(byte_table, 0, packed[:full].int(), out=target)
+    byte_table = table.index_select(0, unpack_uint(every_byte, bits, 256 * per).int()).view(256, per)
+    lookup_rows(byte_table, packed[:full].int(), out[: full * per].view(full, per))
     if full * per < n:  # the values of the last, partly used byte
         rest = unpack_uint(packed[full : full + 1], bits, n - full * per).int()
         torch.index_select(table, 0, rest, out=out[full * per :])

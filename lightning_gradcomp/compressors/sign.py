@@ -78,10 +78,10 @@ def _rank_codes(packed: Sequence[Tensor], width: int) -> Tensor:
     codes = None
     for r, bits in enumerate(packed):
         spread = (((byte >> groups) & ((1 << width) - 1)) << (r * width)).to(torch.uint8)  # [byte, group]
-        looked = torch.index_select(spread.view(INT_OF_SIZE[per]).view(-1), 0, bits.int())
-        codes = looked if codes is None else codes.bitwise_or_(looked)
+        looked = lookup_rows(spread, bits.int(), spread.new_empty(bits.numel(), per)).view(INT_OF_SIZE[per])
+        codes = looked if codes is None else codes.bitwise_or_(looked)  # OR a byte's groups at once
     assert codes is not None
-    return codes.view(torch.uint8)
+    return codes.view(torch.uint8).view(-1)
 
 
 def _sum_of_signs(

@@ -34,19 +34,12 @@ def _index_dtype(numel: int) -> torch.dtype:
 def topk_indices(values: Tensor, k: int) -> Tensor:
     """Indices of the ``k`` largest magnitudes ``|values|`` of the 1-D ``values`` (unsorted).
 
-    On the CPU a full ``torch.topk`` over millions of elements costs tens of milliseconds per layer. Instead, the k-th
-    largest magnitude is bracketed from below with a random sample (the sampled threshold of DGC, Lin et al., 2018),
-    every element whose magnitude is strictly above that bound is a candidate, and the exact top-k is taken among the
-    candidates. Whenever at least ``k`` elements exceed the bound, the k-th largest does too, so every element of the
-    true top-k is a candidate and the result is exact; otherwise it falls back to the full ``topk``, which is also
-    taken for ``k`` above half the elements (about ``1.5 k`` candidates would be nearly all of them; up to half, the
-    sampled path is 1.7x (k = n / 2) to 4.5x (k = n / 10) faster on a 2.36M-element layer: ``python
-    benchmarks/torch_ops.py --topk-ratio R``). The sample is random (from a fixed seed, so runs are reproducible)
-    because a strided one aliases with the structure of convolution gradients (a stride that is a multiple of 9 sees
-    one tap of every 3x3 kernel). Only the sample and the
-    candidates are made absolute: the candidates' mask compares the values with both signs of the bound
-    (:func:`magnitude_above`), the same elements without a gradient-sized ``|values|``. On CUDA ``torch.topk`` is used
-    directly: the candidate count is a host sync there.
+    On the CPU a full ``torch.topk`` over millions of elements costs tens of milliseconds per layer. Instead the k-th
+    largest magnitude is bracketed from below with a random sample (:func:`sampled_topk_indices`), which is exact.
+    The full ``topk`` is taken for ``k`` above half the elements (about ``1.5 k`` candidates would be nearly all of
+    them; up to half, the sampled path is 1.7x (k = n / 2) to 4.5x (k = n / 10) faster on a 2.36M-element layer:
+    ``python benchmarks/torch_ops.py --topk-ratio R``). On CUDA ``torch.topk`` is used directly: the candidate count
+    is a host sync there.
     """
     n = values.numel()
     if k >= n:  # every entry (TopK(ratio=1)): no ordering needed
@@ -55,10 +48,26 @@ def topk_indices(values: Tensor, k: int) -> Tensor:
         return torch.topk(values.abs(), k, sorted=False).indices
     # a sample holding ~64 elements of the top-k estimates its boundary well enough
     size = min(n, max(8192, 64 * n // k))
-    generator = torch.Generator().manual_seed(n)
-    sample = values.index_select(0, torch.randint(0, n, (size,), generator=generator)).abs()
     # ask the sample for ~1.5x the expected share (plus slack), so the candidates cover k with high probability
     want = min(size, int(math.ceil(1.5 * k * size / n)) + 8)
+    return sampled_topk_indices(values, k, size, want)
+
+
+def sampled_topk_indices(values: Tensor, k: int, size: int, want: int) -> Tensor:
+    """The exact indices of the ``k`` largest ``|values|`` (unsorted), through a bound from a random sample.
+
+    The ``want``-th largest magnitude of ``size`` random elements (the sampled threshold of DGC, Lin et al., 2018)
+    bounds the k-th largest from below when at least ``k`` elements exceed it; every element whose magnitude is
+    strictly above it is a candidate, and the exact top-k is taken among the candidates. When fewer than ``k``
+    exceed it, the full ``topk`` decides. The sample is random (from a fixed seed, so runs are reproducible) because a
+    strided one aliases with the structure of convolution gradients (a stride that is a multiple of 9 sees one tap of
+    every 3x3 kernel). Only the sample and the candidates are made absolute: the candidates' mask compares the values
+    with both signs of the bound (:func:`magnitude_above`), the same elements without a gradient-sized ``|values|``.
+    For CPU tensors (the candidate count is read on the host).
+    """
+    n = values.numel()
+    generator = torch.Generator().manual_seed(n)
+    sample = values.index_select(0, torch.randint(0, n, (size,), generator=generator)).abs()
     threshold = torch.topk(sample, want, sorted=False).values.min()
     candidates = flat_nonzero(magnitude_above(values, threshold))  # strict: ties at a zero bound stay out
     if candidates.numel() < k:
