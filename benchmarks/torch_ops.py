@@ -20,6 +20,9 @@ gradient between two uses of it). Medians of ``--repeats`` calls. The pairs:
   bitmap-encoded sparse layer;
 * ``inf_norm``: ``torch.linalg.vector_norm(x, inf)`` against ``compressors.packing.max_magnitudes`` (one
   ``aminmax``): TernGrad's scaler without clipping;
+* ``nonzero``: NumPy's ``flatnonzero`` of a bool mask of ``--layer`` elements with ``--density`` of them set
+  (``|x|`` above a quantile: a top-k's candidates at 1 % are about 1.5 %) against ``compressors.packing.flat_nonzero``
+  (occupied 8-byte words first);
 * ``topk``: ``torch.topk(|x|, k)`` against ``compressors.sparsify.topk_indices`` (the sampled bound) at ``k``
   ``--topk-ratio`` of the layer (a tenth by default): the same set of indices in another order (compared sorted).
 
@@ -35,9 +38,16 @@ import statistics
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
-from lightning_gradcomp.compressors.packing import argsort_distinct, lookup_rows, magnitude_above, max_magnitudes
+from lightning_gradcomp.compressors.packing import (
+    argsort_distinct,
+    flat_nonzero,
+    lookup_rows,
+    magnitude_above,
+    max_magnitudes,
+)
 from lightning_gradcomp.compressors.sparsify import topk_indices
 
 
@@ -66,6 +76,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=63_164, help="gathered indices (1 %% of the bucket)")
     parser.add_argument("--layer", type=int, default=2_359_296, help="layer elements (ResNet-18's 512x512x3x3)")
     parser.add_argument("--topk-ratio", type=float, default=0.1, help="k of the topk pair, as a share of the layer")
+    parser.add_argument("--density", type=float, default=0.015, help="set elements of the nonzero pair's mask")
     parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -84,6 +95,10 @@ def main() -> None:
     if not 0 < args.topk_ratio <= 0.5:
         parser.error(f"expected 0 < --topk-ratio <= 0.5 (the sampled bound's range), got {args.topk_ratio}")
     top = int(args.topk_ratio * args.layer)
+    if not 0 < args.density < 1:
+        parser.error(f"expected 0 < --density < 1, got {args.density}")
+    unset = int((1 - args.density) * args.layer)
+    candidates = magnitude_above(layer, layer.abs().kthvalue(max(unset, 1)).values)
 
     def ascending(t: torch.Tensor) -> torch.Tensor:
         return t.sort().values
@@ -103,6 +118,11 @@ def main() -> None:
         "inf_norm": (
             lambda: torch.linalg.vector_norm(layer, float("inf")),
             lambda: max_magnitudes([layer], torch.float32)[0],
+            None,
+        ),
+        "nonzero": (
+            lambda: torch.from_numpy(np.flatnonzero(candidates.numpy())),
+            lambda: flat_nonzero(candidates),
             None,
         ),
         "topk": (

@@ -155,6 +155,27 @@ def test_flat_nonzero_is_torch_nonzero(dtype, density):
     assert torch.equal(flat_nonzero(strided), torch.nonzero(strided).squeeze(1))
 
 
+@pytest.mark.parametrize("density", [0.0, 0.0005, 0.015, 0.03, 0.2, 1.0])
+@pytest.mark.parametrize("numel", [65_536, 65_543, 300_001])
+def test_flat_nonzero_of_large_masks_is_torch_nonzero(numel, density):
+    """Masks long enough for the word scan (a sparse head) or for NumPy's own loop (a dense head), whatever follows."""
+    generator = torch.Generator().manual_seed(5)
+    sparse = torch.rand(numel, generator=generator) < density
+    dense_head = sparse.clone()
+    dense_head[:40_000] = torch.rand(40_000, generator=generator) < 0.5  # judged dense, sparse after
+    sparse_head = sparse.clone()
+    sparse_head[:70_000] = False  # judged sparse, denser after
+    sparse_head[-8:] = True  # set elements in the last word and in a tail that is not a whole word
+    for mask in (sparse, dense_head, sparse_head):
+        expected = torch.nonzero(mask).squeeze(1)
+        for offset in (0, 1, 3, 7):  # views starting inside a word
+            view = mask[offset:]
+            found = flat_nonzero(view)
+            assert found.dtype == torch.int64
+            assert torch.equal(found, torch.nonzero(view).squeeze(1))
+        assert torch.equal(flat_nonzero(mask), expected)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
 @pytest.mark.parametrize("inclusive", [False, True])
 def test_above_is_torch_comparison(dtype, inclusive):

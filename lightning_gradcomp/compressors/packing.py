@@ -38,9 +38,44 @@ def flat_nonzero(values: Tensor) -> Tensor:
     if numpy_floats(values):
         # NumPy's flatnonzero of a float array runs at about a quarter of its speed on the mask it is equal to
         values = nonzero_mask(values)
+    if values.device.type == "cpu" and values.dtype == torch.bool:
+        return torch.from_numpy(_flat_nonzero_of_mask(values.detach().numpy())).to(torch.int64)
     if values.device.type == "cpu" and values.dtype in _NUMPY_DTYPES:
         return torch.from_numpy(np.flatnonzero(values.detach().numpy())).to(torch.int64)
     return torch.nonzero(values).squeeze(1)
+
+
+# below this many elements NumPy's flatnonzero is used as it is (the word pass would not pay for its extra calls)
+_WORD_SCAN_MIN = 1 << 16
+
+
+def _flat_nonzero_of_mask(mask: np.ndarray) -> np.ndarray:
+    """``np.flatnonzero`` of a 1-D bool array, scanning 8 elements per word where most words are zero.
+
+    NumPy's loop over a bool array slows down where set elements are neither rare nor common (branch mispredictions:
+    about 0.7 ms for a 2.36M-element mask at 1.5 % density on one thread of the 2-core machine). Viewed as 8-byte
+    words, the mask's non-zero words are found first (a comparison and a scan of an eighth as many elements), and
+    only their bytes are scanned: the same indices in the same order, about 1.6x faster at 1.5 % (``python
+    benchmarks/torch_ops.py``, pair ``nonzero``): a top-k's candidates, DGC's selection. Where more than a quarter
+    of the first 8192 words hold a set element (a density above about 3.5 %) NumPy's loop is used as it is.
+    """
+    n = mask.size
+    full = n - n % 8
+    if n < _WORD_SCAN_MIN or not mask.flags.c_contiguous:
+        return np.flatnonzero(mask)
+    words = mask[:full].view(np.uint64)
+    head = words[:_WORD_SCAN_MIN // 8]  # the density is judged from the first words: either path is exact
+    if 4 * np.count_nonzero(head) > head.size:
+        return np.flatnonzero(mask)
+    occupied = np.flatnonzero(words != 0)
+    # byte j of word w is element 8 w + j (a view keeps the bytes' order, whatever the machine's byte order)
+    within = np.flatnonzero(np.take(words, occupied).view(np.bool_))
+    indices = np.take(occupied, within >> 3)
+    indices <<= 3
+    indices |= within & 7
+    if full < n:
+        return np.concatenate((indices, np.flatnonzero(mask[full:]) + full))
+    return indices
 
 
 def sorted_distinct(values: Tensor) -> Tensor:
