@@ -22,6 +22,11 @@ Examples::
 
 ``--rate`` runs the workers inside a fresh network namespace whose loopback is shaped with ``tc tbf``; the
 namespace is deleted afterwards, also on failure. Every worker's traffic crosses that one link.
+
+``--profile N`` records rank 0's measured steps with ``torch.profiler`` and prints, per configuration, the ``N``
+operators with the most CPU time of their own per step (count per step, self ms per step), after the last round's
+run: where a step's time goes beyond the codec (DDP's copies, the hook's gather of the compressed layers, the
+optimizer). The step times of such a run include the profiler's overhead.
 """
 
 from __future__ import annotations
@@ -145,7 +150,7 @@ def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Na
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     model = build_model()
     bucket_mb = args.torch_bucket_mb if config == "torch-powersgd" else args.bucket_mb
-    ddp = DDP(model, bucket_cap_mb=bucket_mb)
+    ddp = DDP(model, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=args.gradient_as_bucket_view)
     state = None
     warmup = args.warmup
     if config == "compute":
@@ -167,7 +172,10 @@ def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Na
     x = torch.randn(args.batch_size, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (args.batch_size,), generator=g)
     steps, backwards, sent, codec = [], [], [], []
+    recorder = torch.profiler.profile() if args.profile and rank == 0 else None
     for step in range(warmup + args.steps):
+        if recorder is not None and step == warmup:
+            recorder.start()
         dist.barrier()  # start every step together, so one rank's slow step is not charged to the next
         begin = time.perf_counter()
         loss = nn.functional.cross_entropy(ddp(x), y)
@@ -184,6 +192,10 @@ def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Na
             if stats is not None:
                 sent.append(stats.bytes_sent)
                 codec.append(stats.encode_ms + stats.decode_ms)
+    if recorder is not None:
+        recorder.stop()
+        ops = sorted(recorder.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.profile]
+        profile = [(e.key, e.count / args.steps, e.self_cpu_time_total / 1e3 / args.steps) for e in ops]
     result = {
         "config": config,
         "step_s": statistics.median(steps),
@@ -194,6 +206,8 @@ def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Na
         "bytes_analytical": analytical_bytes(model, config, world_size),
         "codec_ms": statistics.median(codec) if codec else 0.0,
     }
+    if recorder is not None:
+        result["profile"] = profile
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -216,6 +230,8 @@ def _median_over_rounds(config: str, rounds: list[dict]) -> dict:
     for key in ("step_s", "backward_comm_s", "codec_ms"):
         merged[key] = statistics.median(r[key] for r in ok)
     merged["step_s_rounds"] = [r["step_s"] for r in ok]
+    if "profile" in ok[-1]:
+        merged["profile"] = ok[-1]["profile"]
     merged["failed_rounds"] = len(rounds) - len(ok)
     return merged
 
@@ -228,7 +244,8 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
         f"ResNet-18 (11.2M parameters), {args.workers} CPU workers x {args.threads} thread, batch {args.batch_size}"
         f" per worker, link: {args.rate or 'loopback, unshaped'}; median of {args.steps} steps after"
         f" {args.warmup} warm-up steps, median over {args.rounds} interleaved round(s);"
-        f" DDP buckets {args.bucket_mb:g} MB (torch-powersgd: {args.torch_bucket_mb:g} MB)",
+        f" DDP buckets {args.bucket_mb:g} MB (torch-powersgd: {args.torch_bucket_mb:g} MB)"
+        + (", gradient_as_bucket_view=True" if args.gradient_as_bucket_view else ""),
         "",
         "| configuration | step time (s) | vs plain DDP | backward + comm (s) | bytes sent per step"
         " | analytical bytes | encode+decode (ms) | backward (ms) | encode+decode / backward |",
@@ -276,6 +293,8 @@ def main() -> None:
         default=500.0,
         help="bucket cap for torch's powerSGD_hook (it aborts under gloo with several buckets)",
     )
+    parser.add_argument("--gradient-as-bucket-view", action="store_true",
+                        help="DDP's gradient_as_bucket_view=True for every configuration (no copies into buckets)")
     parser.add_argument(
         "--rounds",
         type=int,
@@ -284,6 +303,8 @@ def main() -> None:
     )
     parser.add_argument("--rate", default=None, help="shape loopback to this tc rate, e.g. 100mbit (needs root)")
     parser.add_argument("--json", default=None, help="also write the results here")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="print rank 0's N operators with the most self CPU time per step (torch.profiler)")
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
@@ -300,6 +321,11 @@ def main() -> None:
             print(f"# round {round_ + 1}, {config}: {time.time() - begin:.0f} s", file=sys.stderr, flush=True)
     results = [_median_over_rounds(config, rounds) for config, rounds in runs.items()]
     print(table(results, args))
+    for result in results:
+        if result.get("profile"):
+            print(f"\n{result['config']} (rank 0, last round): operator, calls per step, self CPU ms per step")
+            for name, calls, ms in result["profile"]:
+                print(f"  {name[:48]:<48} {calls:7.1f} {ms:8.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=1, default=str)
