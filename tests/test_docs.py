@@ -51,3 +51,30 @@ def test_relative_links_resolve(path):
         if "://" in target:
             continue
         assert os.path.exists(os.path.join(os.path.dirname(path), target)), f"{path}: broken link {target}"
+
+
+def _heading_anchors(path):
+    """The anchors GitHub gives the headings of a Markdown file (lower case, punctuation dropped, spaces as hyphens)."""
+    anchors, seen, in_code = set(), {}, False
+    with open(path) as f:
+        for line in f:
+            if line.startswith("```"):
+                in_code = not in_code
+            heading = None if in_code else re.match(r"#{1,6}\s+(.*)", line)
+            if heading:
+                anchor = re.sub(r"[^\w\- ]", "", heading.group(1).strip().lower()).replace(" ", "-")
+                anchors.add(anchor if anchor not in seen else f"{anchor}-{seen[anchor]}")
+                seen[anchor] = seen.get(anchor, 0) + 1
+    return anchors
+
+
+@pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: os.path.relpath(p, ROOT))
+def test_anchors_resolve(path):
+    """A link to ``page.md#section`` (or ``#section`` on the same page) names a heading that exists."""
+    with open(path) as f:
+        text = f.read()
+    for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", text):
+        page = os.path.normpath(os.path.join(os.path.dirname(path), target)) if target else path
+        if "://" in target or not page.endswith(".md") or not os.path.exists(page):
+            continue  # external links; a missing page is test_relative_links_resolve's to report
+        assert anchor in _heading_anchors(page), f"{path}: no heading for #{anchor} in {os.path.relpath(page, ROOT)}"
