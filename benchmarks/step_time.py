@@ -307,6 +307,8 @@ def main() -> None:
                         help="print rank 0's N operators with the most self CPU time per step (torch.profiler)")
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.profile < 0:
+        parser.error(f"expected --profile to be a number of operators (0 for none), got {args.profile}")
 
     if args.rate and not args.inside_namespace:
         with shaped_namespace(args.rate) as name:
