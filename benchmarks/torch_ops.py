@@ -11,7 +11,8 @@ gradient between two uses of it). Medians of ``--repeats`` calls. The pairs:
 * ``magnitude``: ``x.abs() > t`` against ``x > t or x < -t`` (``compressors.packing.magnitude_above``, the
   candidates of a sampled top-k threshold);
 * ``l1``: ``torch.linalg.vector_norm(x, 1)`` against ``x.abs().sum()``: *not* the same bits (the sums run in another
-  order), shown for the cost EF-signSGD and OneBit keep for their scales' bits;
+  order), shown for the cost EF-signSGD and OneBit keep for their scales' bits; after the table, each one's relative
+  error against the sum in float64 (the layer's Gaussian values);
 * ``rows``: ``torch.index_select`` of 16-byte rows (4 fp32) of a 256-row table against
   ``compressors.packing.lookup_rows`` (each row gathered as one ``complex128``): the sign family's tables, a row per
   byte of ``--layer`` elements' bits;
@@ -139,6 +140,9 @@ def main() -> None:
         if read is not None:
             a, b = read(a), read(b)
         print(f"{name:<10} {first_ms:9.3f} {second_ms:10.3f} {first_ms / second_ms:6.1f}  {same_bits(a, b)}")
+    exact = layer.double().abs().sum()
+    errors = [((total().double() - exact).abs() / exact).item() for total in pairs["l1"][:2]]
+    print(f"l1 relative error against float64: vector_norm {errors[0]:.1e}, abs().sum() {errors[1]:.1e}")
 
 
 if __name__ == "__main__":
