@@ -22,6 +22,7 @@ from lightning_gradcomp.compressors.base import (
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
+from lightning_gradcomp.compressors.sparsify import top_k_among
 from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
 from lightning_gradcomp.validation import (
     check_bool,
@@ -224,8 +225,7 @@ class DGC(Compressor):
                 count = indices.numel()
                 if count > k:
                     if count > _UPPER_BOUND * k:  # the reference's `resample`: exact top-k among the candidates
-                        best = torch.topk(values.index_select(0, indices).abs(), k, sorted=False).indices
-                        indices = indices.index_select(0, best)
+                        indices = top_k_among(values, indices, k)
                     break
                 if count >= _LOWER_BOUND * k:
                     break

@@ -72,6 +72,15 @@ def sampled_topk_indices(values: Tensor, k: int, size: int, want: int) -> Tensor
     candidates = flat_nonzero(magnitude_above(values, threshold))  # strict: ties at a zero bound stay out
     if candidates.numel() < k:
         return torch.topk(values.abs(), k, sorted=False).indices
+    return top_k_among(values, candidates, k)
+
+
+def top_k_among(values: Tensor, candidates: Tensor, k: int) -> Tensor:
+    """The ``k`` of the 1-D ``candidates`` (indices into ``values``) with the largest ``|values|``, unsorted.
+
+    Only the candidates are gathered and made absolute. The exact top-k of a layer once a bound has narrowed it down:
+    TopK's sampled selection and DGC's resampling.
+    """
     best = torch.topk(values.index_select(0, candidates).abs(), k, sorted=False).indices
     return candidates.index_select(0, best)
 
