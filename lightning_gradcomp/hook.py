@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives, when_all
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, GradientRuns, Layer
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
 from lightning_gradcomp.telemetry import Telemetry
@@ -59,9 +59,13 @@ class _BucketPlan:
     def whole_bucket(self) -> bool:
         return not self.dense and self.compressed_runs == ((0, self.numel),)
 
-    def gather(self, buffer: Tensor, part: str) -> Tensor:
-        """The ``"dense"`` or ``"compressed"`` layers of ``buffer``, contiguous: a view if they are, else a copy."""
-        runs = self.dense_runs if part == "dense" else self.compressed_runs
+    def gather(self, buffer: Tensor, part: str, *, fill: bool = True) -> Tensor:
+        """The ``"dense"`` or ``"compressed"`` layers of ``buffer``, contiguous: a view if they are, else a copy.
+
+        With ``fill=False`` a layout of several runs gets the plan's buffer unfilled (the compressor's accumulation
+        gathers into it, see :class:`~lightning_gradcomp.compressors.base.GradientRuns`).
+        """
+        runs = self.runs(part)
         if len(runs) == 1:
             start, end = runs[0]
             return buffer[start:end]
@@ -69,7 +73,13 @@ class _BucketPlan:
         if out is None or out.dtype != buffer.dtype or out.device != buffer.device:
             out = self.buffers[part] = torch.empty(sum(end - start for start, end in runs), dtype=buffer.dtype,
                                                    device=buffer.device)  # fmt: skip
+        if not fill:
+            return out
         return torch.cat([buffer[start:end] for start, end in runs], out=out)
+
+    def runs(self, part: str) -> tuple[tuple[int, int], ...]:
+        """The ``[start, end)`` ranges of the bucket buffer that hold the ``"dense"`` or ``"compressed"`` layers."""
+        return self.dense_runs if part == "dense" else self.compressed_runs
 
     def scatter(self, buffer: Tensor, compressed: Tensor | None, dense: Tensor | None) -> Tensor:
         """Write the reduced parts back into the bucket ``buffer`` (views of it are left as they are)."""
@@ -329,16 +339,20 @@ class CompressionState:
         return self._all_reduce_dense(index, buffer, plan.every, plan.compressor)
 
     def _reduce_split(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
-        dense = plan.gather(buffer, "dense") if plan.dense else None
-        tensor = plan.gather(buffer, "compressed") if plan.compressed else None
         compressor = plan.compressor
-        residual, new_residual = self.residuals.prepare(
-            index, plan.compressed, tensor, plan.dense, dense, keep=self.uses_error_feedback(compressor)
-        )
+        keep = self.uses_error_feedback(compressor)
+        # with error feedback, several runs of compressed layers are gathered by the accumulation, in the pass that
+        # adds the residual (GradientRuns); without it a debt may be paid into the gathered tensor first
+        in_runs = keep and len(plan.compressed_runs) > 1
+        dense = plan.gather(buffer, "dense") if plan.dense else None
+        tensor = plan.gather(buffer, "compressed", fill=not in_runs) if plan.compressed else None
+        residual, new_residual = self.residuals.prepare(index, plan.compressed, tensor, plan.dense, dense, keep=keep)
         futures = [] if dense is None else [self._all_reduce_dense(index, dense, plan.dense, compressor)]
         if tensor is None:
             return futures[0].then(lambda fut: plan.scatter(buffer, None, fut.value()))
-        ctx = self._context(index, plan.compressed, tensor, residual=residual, new_residual=new_residual)
+        runs = GradientRuns(buffer, plan.compressed_runs) if in_runs else None
+        ctx = self._context(index, plan.compressed, tensor, residual=residual, new_residual=new_residual,
+                            gradient_runs=runs)  # fmt: skip
         reduced = compressor.reduce(tensor, ctx)
         if plan.whole_bucket:
             return reduced

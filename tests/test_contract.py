@@ -707,6 +707,45 @@ def test_zero_size_parameters_go_dense_for_every_compressor(case):
     assert torch.isfinite(outs[0]).all()
 
 
+def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(case):
+    """Compressed matrices interleaved with dense biases in one bucket (DDP's layout of a convolution and its
+    normalisation): the hook's compressed layers, averaged and in every rank's residual, are bitwise the compressor's
+    on the same layers laid out contiguously, over three steps. With error feedback the hook leaves the gradient in
+    the bucket's runs for the accumulation to gather (``GradientRuns``); without, it gathers first."""
+    from lightning_gradcomp.hook import CompressionState
+    from lightning_gradcomp.testing import SimulatedHook
+
+    name, compressor = case
+    # the suite's matrices (their names are what the masks and plans of the examples refer to), each with a bias
+    shapes = [shape for i, shape in enumerate(SHAPES) for shape in (shape, (shape[0] + i,))]
+    names = [name for i in range(len(SHAPES)) for name in (f"param{i}", f"bias{i}")]
+    layers = layers_from_shapes(shapes, names=names)
+    bucket_compressor = compressor.bucket_compressor(layers)  # a Planned compressor's candidate for the bucket
+    compressed = [layer for layer in layers if bucket_compressor.compresses(layer, 100)]
+    at = torch.tensor([i for layer in compressed for i in range(layer.offset, layer.offset + layer.numel)])
+    contiguous, offset = [], 0
+    for layer in compressed:
+        contiguous.append(Layer(layer.name, layer.index, layer.shape, offset))
+        offset += layer.numel
+    ef = False if name in REFUSES_ERROR_FEEDBACK else None
+    states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=100, error_feedback=ef) for _ in range(2)]
+    hook = SimulatedHook(states, layers)
+    reference = _fresh(bucket_compressor, 2)
+    keeps = states[0].uses_error_feedback(bucket_compressor)
+    residuals = [torch.zeros(offset, dtype=torch.float64, device=DEVICE) for _ in range(2)] if keeps else None
+    for step in range(3):
+        grads = _data(layers, 2, seed=800 + step)
+        torch.manual_seed(step)  # LeaderRandomK draws its indices on the leader only
+        got = hook.step(grads)
+        torch.manual_seed(step)
+        want = simulate_reduce(reference, [g[at] for g in grads], tuple(contiguous), step=step, residuals=residuals)
+        for rank in range(2):
+            assert torch.equal(got[rank][at], want[rank]), f"{name}: step {step}, rank {rank}"
+            for layer, kept in zip(compressed, contiguous):
+                if residuals is not None:
+                    assert torch.equal(hook.residual(rank, layer.name).reshape(-1), kept.flat(residuals[rank])), name
+
+
 def test_the_hook_state_resumes_bitwise(case):
     """Every rank's whole hook state (residuals, the compressor's own state, the step) saved after 3 steps and loaded
     into fresh states: the next steps are bitwise those of the uninterrupted run (the checkpoint path, per method)."""

@@ -110,6 +110,38 @@ def layers_from_shapes(shapes: Sequence[Sequence[int]], names: Sequence[str] | N
 
 
 @dataclass(frozen=True)
+class GradientRuns:
+    """Where a bucket's compressed layers still are: ``[start, end)`` ranges of DDP's bucket buffer, in layer order.
+
+    DDP interleaves a convolution's weight with its normalisation's parameters, which are averaged densely, so the
+    compressed layers of a bucket are usually several runs. With error feedback the hook does not gather them into the
+    compressor's contiguous tensor first: :meth:`Compressor.accumulate` reads them from the bucket and writes
+    ``g + e`` in the same pass (:meth:`into`), where a gather and then ``+= e`` took one memory pass more per step.
+    The same sums, element by element, so the same bits.
+    """
+
+    buffer: Tensor
+    runs: tuple[tuple[int, int], ...]
+
+    def into(self, out: Tensor, plus: Tensor | None = None) -> Tensor:
+        """Write the runs, concatenated, into ``out`` (plus ``plus``, element by element, when given).
+
+        On the CPU, one sum per run, straight from the bucket. On other devices the runs are gathered, then ``plus``
+        added: two kernel launches, where a sum per run would be one launch each (a GPU codec is bound by its
+        launches, not by the memory pass this saves).
+        """
+        if plus is None or out.device.type != "cpu":
+            gathered = torch.cat([self.buffer[start:end] for start, end in self.runs], out=out)
+            return gathered if plus is None else gathered.add_(plus)
+        offset = 0
+        for start, end in self.runs:
+            size = end - start
+            torch.add(self.buffer[start:end], plus[offset : offset + size], out=out[offset : offset + size])
+            offset += size
+        return out
+
+
+@dataclass(frozen=True)
 class BucketContext:
     """What a compressor may know about the tensor it compresses.
 
@@ -132,6 +164,10 @@ class BucketContext:
             rank); set during :meth:`Compressor.reduce` when error feedback is on.
         updates: the step's staged state changes (:class:`~lightning_gradcomp.compressors.exchange.StepUpdates`);
             set during :meth:`Compressor.reduce` and :meth:`Compressor.finish_dense`.
+        gradient_runs: set by the hook when the compressed layers are not contiguous in DDP's bucket: the tensor
+            handed to :meth:`Compressor.reduce` is not filled yet, and the accumulation gathers the gradient from
+            these runs of the bucket (:class:`GradientRuns`). ``None`` (the tensor holds the gradient) from
+            :meth:`Compressor.accumulate` on.
     """
 
     index: int
@@ -146,6 +182,7 @@ class BucketContext:
     comm: Comm | None = None
     new_residual: Tensor | None = None
     updates: StepUpdates | None = None
+    gradient_runs: GradientRuns | None = None
 
     @property
     def numel(self) -> int:
@@ -342,13 +379,34 @@ class Compressor(ABC):
 
         Returns:
             ``None``: what is compressed is in ``tensor``. An override may write it elsewhere and return that tensor
-            instead, for its own :meth:`exchange` to read; the non-finite guard then checks it there. PowerSGD
-            writes ``g + e`` straight into ``ctx.new_residual``, where its residual ``M - P Q^T`` is then computed in
-            place (a copy of ``M`` saved), and leaves ``tensor`` as the output buffer.
+            instead, for its own :meth:`exchange` to read; the non-finite guard then checks it there. With
+            :attr:`accumulates_into_new_residual` (PowerSGD, TopK) this default writes ``g + e`` straight into
+            ``ctx.new_residual`` and returns it, and ``tensor`` is the output buffer.
+
+        This default also gathers the gradient from ``ctx.gradient_runs`` when the hook left it in DDP's bucket, in
+        the pass that adds the residual. An override is handed the gradient already gathered into ``tensor``.
         """
-        if ctx.residual is not None:
+        runs = ctx.gradient_runs
+        if self.accumulates_into_new_residual and summed_in_new_residual(ctx):
+            if runs is not None:
+                return runs.into(ctx.new_residual, plus=ctx.residual)
+            return torch.add(tensor, ctx.residual, out=ctx.new_residual)
+        if runs is not None:
+            runs.into(tensor, plus=ctx.residual)
+        elif ctx.residual is not None:
             tensor.add_(ctx.residual)
         return None
+
+    @property
+    def accumulates_into_new_residual(self) -> bool:
+        """Whether error feedback's ``g + e`` is written straight into ``ctx.new_residual`` (default: into the tensor).
+
+        For methods whose new residual is ``g + e`` with something taken off in place (the sent entries, ``P Q^T``):
+        the copy of ``g + e`` into the residual's buffer is saved, one memory pass per step. Their :meth:`exchange`
+        then reads ``g + e`` from ``ctx.new_residual`` (where :func:`summed_in_new_residual` says it is) and uses the
+        tensor only as the output buffer: its content after :meth:`accumulate` is unspecified.
+        """
+        return False
 
     def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
         """Write what compression lost into ``residual``: ``tensor - decompress(payload)`` (local reconstruction).
@@ -627,7 +685,13 @@ class _Run:
     def start(self) -> torch.futures.Future:
         ctx, comm = self.ctx, self.comm
         with comm.timed("encode"):
+            runs = ctx.gradient_runs
+            if runs is not None and type(self.compressor).accumulate is not Compressor.accumulate:
+                runs.into(self.tensor)  # an accumulation of its own is handed the gradient gathered
+                ctx = self.ctx = dataclasses.replace(ctx, gradient_runs=None)
             accumulated = self.compressor.accumulate(self.tensor, ctx)
+            if ctx.gradient_runs is not None:  # gathered by the default accumulation, into what it returned
+                ctx = self.ctx = dataclasses.replace(ctx, gradient_runs=None)
             if _needs_guard(self.compressor, ctx):
                 self.flag = nonfinite_flag(self.tensor if accumulated is None else accumulated)
             if ctx.residual is not None and ctx.new_residual is not None:

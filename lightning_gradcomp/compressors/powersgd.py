@@ -13,7 +13,6 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     Layer,
     Payload,
-    sum_into_new_residual,
     summed_in_new_residual,
 )
 from lightning_gradcomp.compressors.exchange import AllReduce, Exchange
@@ -313,13 +312,14 @@ batch_same_shape=None, init='layer')
     # ------------------------------------------------------------------------------------------------------------
     # The distributed reduction: two ordered rounds
     # ------------------------------------------------------------------------------------------------------------
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """Error feedback's ``M = g + e``, written straight into the updated residual's buffer.
+    @property
+    def accumulates_into_new_residual(self) -> bool:
+        """Yes: error feedback's ``M = g + e`` goes straight into the updated residual's buffer.
 
         The residual ``M - P Q^T`` is then computed there in place, where it would otherwise start as a copy of
-        ``M``: one memory pass less per step. ``tensor`` keeps ``g`` and receives the reconstruction.
+        ``M``: one memory pass less per step. ``tensor`` receives the reconstruction.
         """
-        return sum_into_new_residual(tensor, ctx)
+        return True
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Round 0: all-reduce the ``P`` of all layers. Round 1: all-reduce their ``Q``. Then ``P Q^T``."""

@@ -13,7 +13,6 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     Payload,
     keep_count,
-    sum_into_new_residual,
     summed_in_new_residual,
 )
 from lightning_gradcomp.compressors.exchange import AllReduce, Broadcast, Exchange
@@ -120,16 +119,15 @@ class ScaleCom(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: broadcast of the leader's indices, all-reduce of everyone's values at them
     # ------------------------------------------------------------------------------------------------------------
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """With ``beta`` 1: ``p = m + g`` written straight into the updated memory's buffer, as TopK does.
+    @property
+    def accumulates_into_new_residual(self) -> bool:
+        """With ``beta`` 1: ``p = m + g`` goes straight into the updated memory's buffer, as TopK's does.
 
         The memory is then ``p`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
-        ``p``: one memory pass less per step. ``tensor`` keeps ``g`` and receives the average. With ``beta`` below 1
-        the new memory also needs the old one: the default accumulation.
+        ``p``: one memory pass less per step. ``tensor`` receives the average. With ``beta`` below 1 the new memory
+        also needs the old one: ``p`` goes into the tensor.
         """
-        if self.beta != 1.0:
-            return super().accumulate(tensor, ctx)
-        return sum_into_new_residual(tensor, ctx)
+        return self.beta == 1.0
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """Round 0: the leader broadcasts its indices. Round 1: all-reduce of the values there. Then the memory."""

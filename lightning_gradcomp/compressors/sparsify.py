@@ -14,7 +14,6 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     Payload,
     keep_count,
-    sum_into_new_residual,
     summed_in_new_residual,
 )
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
@@ -136,13 +135,14 @@ class TopK(Compressor):
         """A keep-ratio in (0, 1]."""
         return check_ratio(value)
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """Error feedback's ``x = g + e``, written straight into the updated residual's buffer.
+    @property
+    def accumulates_into_new_residual(self) -> bool:
+        """Yes: error feedback's ``x = g + e`` goes straight into the updated residual's buffer.
 
         The residual is then ``x`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
-        ``x``: one memory pass less per step. ``tensor`` keeps ``g`` and receives the average.
+        ``x``: one memory pass less per step. ``tensor`` receives the average.
         """
-        return sum_into_new_residual(tensor, ctx)
+        return True
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """All-gather every rank's pairs, or sum them over ``transport``."""
@@ -250,15 +250,14 @@ class RandomK(Compressor):
         """The values at the shared indices."""
         return (tensor.index_select(0, self.indices(ctx)),)
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """Unscaled: error feedback's ``x = g + e``, written straight into the updated residual's buffer.
+    @property
+    def accumulates_into_new_residual(self) -> bool:
+        """Unscaled: error feedback's ``x = g + e`` goes straight into the updated residual's buffer.
 
         The residual is then ``x`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
-        ``x``: one memory pass less per step. ``tensor`` keeps ``g`` and receives the average. Rescaled: the default.
+        ``x``: one memory pass less per step. ``tensor`` receives the average. Rescaled: into the tensor.
         """
-        if self.rescale:
-            return super().accumulate(tensor, ctx)
-        return sum_into_new_residual(tensor, ctx)
+        return not self.rescale
 
     def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
         """The default all-reduce of the values, read from the updated residual's buffer when ``x`` is there."""
