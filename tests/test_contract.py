@@ -707,6 +707,31 @@ def test_zero_size_parameters_go_dense_for_every_compressor(case):
     assert torch.isfinite(outs[0]).all()
 
 
+@pytest.mark.parametrize("per_run", [True, False], ids=["per-run", "gather-then-add"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+def test_gradient_runs_gather_and_sum_as_cat_then_add(per_run, dtype):
+    """Both forms of GradientRuns.into (sums per run on the CPU; a gather, then one add, elsewhere) give the bits of
+    concatenating the runs and adding: runs of one element, adjacent runs, a run at the buffer's end, signed zeros."""
+    from lightning_gradcomp.compressors.base import GradientRuns
+
+    g = torch.Generator().manual_seed(9)
+    buffer = torch.randn(300, generator=g).to(dtype=dtype, device=DEVICE)
+    buffer[[3, 7, 40]] = torch.tensor([-0.0, 0.0, -0.0], dtype=dtype, device=DEVICE)
+    runs = ((0, 5), (6, 7), (7, 40), (100, 101), (250, 300))
+    numel = sum(end - start for start, end in runs)
+    plus = torch.randn(numel, generator=g).to(dtype=dtype, device=DEVICE)
+    plus[:3] = -0.0
+    gathered = torch.cat([buffer[start:end] for start, end in runs])
+    out = torch.full((numel,), float("nan"), dtype=dtype, device=DEVICE)
+    assert GradientRuns(buffer, runs).into(out, per_run=per_run) is out
+    assert torch.equal(out, gathered)
+    out.fill_(float("nan"))
+    assert GradientRuns(buffer, runs).into(out, plus, per_run=per_run) is out
+    expected = gathered + plus
+    assert torch.equal(out, expected)
+    assert torch.equal(out.signbit(), expected.signbit())
+
+
 def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(case):
     """Compressed matrices interleaved with dense biases in one bucket (DDP's layout of a convolution and its
     normalisation): the hook's compressed layers, averaged and in every rank's residual, are bitwise the compressor's

@@ -123,14 +123,16 @@ class GradientRuns:
     buffer: Tensor
     runs: tuple[tuple[int, int], ...]
 
-    def into(self, out: Tensor, plus: Tensor | None = None) -> Tensor:
+    def into(self, out: Tensor, plus: Tensor | None = None, *, per_run: bool | None = None) -> Tensor:
         """Write the runs, concatenated, into ``out`` (plus ``plus``, element by element, when given).
 
-        On the CPU, one sum per run, straight from the bucket. On other devices the runs are gathered, then ``plus``
-        added: two kernel launches, where a sum per run would be one launch each (a GPU codec is bound by its
-        launches, not by the memory pass this saves).
+        ``per_run`` (``None``: on the CPU) sums each run straight from the bucket. Otherwise the runs are gathered,
+        then ``plus`` is added: two kernel launches, where a sum per run is a launch each (a GPU codec is bound by
+        its launches, not by the memory pass this saves). The same values either way.
         """
-        if plus is None or out.device.type != "cpu":
+        if per_run is None:
+            per_run = out.device.type == "cpu"
+        if plus is None or not per_run:
             gathered = torch.cat([self.buffer[start:end] for start, end in self.runs], out=out)
             return gathered if plus is None else gathered.add_(plus)
         offset = 0
