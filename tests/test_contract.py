@@ -636,6 +636,56 @@ def test_a_nonfinite_step_leaves_every_state_as_it_was(case, bad):
     torch.testing.assert_close(after[0], expected[0], rtol=0, atol=0)
 
 
+WITNESSED = sorted(name for name, factory in EXAMPLES.items()
+                   if type(factory()).nonfinite_witness is not Compressor.nonfinite_witness)  # fmt: skip
+
+
+def test_the_witnessed_compressors_are_the_expected_ones():
+    """The table below tests every compressor that names a witness; a new one must be reasoned about here."""
+    assert WITNESSED == ["efsignsgd", "onebit"]
+
+
+@pytest.mark.parametrize("name", WITNESSED)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
+def test_a_nonfinite_element_anywhere_reaches_the_witness(name, bad):
+    """Where the guard reads only the payload's witness (nonfinite_witness), a NaN or an infinity at the first or the
+    last element of any layer, on either rank, makes the step non-finite on every rank and changes no residual."""
+    compressor = EXAMPLES[name]()
+    layers = _layers(compressor)
+    numel = sum(layer.numel for layer in layers)
+    for layer in layers:
+        for at in (layer.offset, layer.offset + layer.numel - 1):
+            for rank in range(2):
+                compressors = _fresh(compressor, 2)
+                residuals = [torch.zeros(numel, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+                simulate_reduce(compressors, _data(layers, 2, seed=450), layers, step=0, residuals=residuals)
+                before = [r.clone() for r in residuals]
+                grads = _data(layers, 2, seed=451)
+                grads[rank][at] = bad
+                outs = simulate_reduce(compressors, grads, layers, step=1, residuals=residuals)
+                assert all(not torch.isfinite(out).all() for out in outs), (name, layer.name, at, rank)
+                assert all(torch.equal(r, b) for r, b in zip(residuals, before)), (name, layer.name, at, rank)
+
+
+def test_a_witness_that_names_nothing_is_a_clear_error():
+    """Overriding nonfinite_witness turns the guard's own read off; naming no tensor must not leave it unguarded."""
+
+    class _NoWitness(Compressor):
+        def compress(self, tensor, ctx):
+            return (tensor.clone(),)
+
+        def decompress(self, payload, ctx, out=None):
+            return payload[0]
+
+        def nonfinite_witness(self, payload):
+            return None
+
+    layers = layers_from_shapes([(8, 8)])
+    residuals = [torch.zeros(64, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+    with pytest.raises(RuntimeError, match="nonfinite_witness named no tensor"):
+        simulate_reduce([_NoWitness(), _NoWitness()], _data(layers, 2), layers, residuals=residuals)
+
+
 @pytest.mark.parametrize("name", ["powersgd", "topk", "randomk", "efsignsgd", "adacomp"])
 def test_an_overflowing_error_feedback_sum_is_caught(name):
     """A finite gradient plus a finite residual can overflow: the guard checks the sum where ``accumulate`` put it

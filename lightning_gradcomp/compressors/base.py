@@ -418,6 +418,18 @@ class Compressor(ABC):
         # decoded straight into the residual's buffer (no gradient-sized temporary), then subtracted in place
         torch.sub(tensor, self.decompress(payload, ctx, out=residual), out=residual)
 
+    def nonfinite_witness(self, payload: Payload) -> Tensor | None:
+        """A small tensor of ``payload`` that is non-finite whenever what was compressed holds a NaN or an infinity.
+
+        The non-finite guard reads the whole accumulated tensor, one read pass per step, unless the compressor
+        overrides this to name such a tensor of the payload of its first all-reduce or all-gather; the guard then
+        reads only that tensor. Every element must reach it through sums, which carry a NaN or an infinity: an L1 norm
+        per layer does (EF-signSGD's scales). A product by factors that can be zero does not (BLAS may skip a zero
+        factor, and ``0 * inf`` is NaN only where it is computed), so PowerSGD's ``P`` is no witness. A finite input
+        whose witness overflows counts as non-finite, as the guard's own sum does. The default names none.
+        """
+        return None
+
     def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
         """Turn the dense average of ``ctx.layers`` into the update, in place (default: the average itself).
 
@@ -630,6 +642,7 @@ class _Run:
         self.comm = comm
         self.generator: Exchange | None = None
         self.flag: Tensor | None = None  # this rank's 0/1, until it has been sent
+        self.awaits_witness = False  # the flag is to be read from the first carrier's witness (nonfinite_witness)
         self.flag_at: tuple[int, type] | None = None  # (round, request type) that carried it
         self.ok: Tensor | None = None
 
@@ -638,6 +651,16 @@ class _Run:
         """Start ``request``'s collective on ``round``, with the flag if it is the first one that can carry it."""
         comm = self.comm
         payload = tuple(request.payload)
+        if self.awaits_witness and isinstance(request, (AllReduce, AllGather)):
+            witness = self.compressor.nonfinite_witness(payload)
+            if witness is None:
+                raise RuntimeError(
+                    f"{type(self.compressor).__name__}.nonfinite_witness named no tensor of its first all-reduce or"
+                    " all-gather payload; a compressor that overrides it must name one there (the non-finite guard"
+                    " reads only that tensor)."
+                )
+            self.flag = nonfinite_flag(witness)
+            self.awaits_witness = False
         carries = self.flag is not None and isinstance(request, (AllReduce, AllGather))
         if carries:
             flag = self._flag_like(payload, request)
@@ -695,7 +718,10 @@ class _Run:
             if ctx.gradient_runs is not None:  # gathered by the default accumulation, into what it returned
                 ctx = self.ctx = dataclasses.replace(ctx, gradient_runs=None)
             if _needs_guard(self.compressor, ctx):
-                self.flag = nonfinite_flag(self.tensor if accumulated is None else accumulated)
+                if _witnessed(self.compressor):
+                    self.awaits_witness = True  # read from the payload when it is issued: no pass over the tensor
+                else:
+                    self.flag = nonfinite_flag(self.tensor if accumulated is None else accumulated)
             if ctx.residual is not None and ctx.new_residual is not None:
                 ctx.updates.stage(ctx.residual, ctx.new_residual, swap=True)
             self.generator = self.compressor.exchange(self.tensor, ctx)
@@ -743,7 +769,7 @@ class _Run:
                         f" `rounds = {self.compressor.rounds}`; declare every round (process groups are created"
                         " for them before training)."
                     )
-        if self.flag is not None:
+        if self.flag is not None or self.awaits_witness:
             raise RuntimeError(
                 f"{type(self.compressor).__name__}.exchange yielded no AllReduce or AllGather to carry the non-finite"
                 " flag; every reduction needs one (a Broadcast alone cannot tell every rank that one rank failed)."
@@ -771,6 +797,11 @@ def _completed(comm: Comm, value: Any) -> torch.futures.Future:
     fut = comm.new_future()
     fut.set_result(value)
     return fut
+
+
+def _witnessed(compressor: Compressor) -> bool:
+    """Whether ``compressor`` names a witness of non-finite input in its payload (``nonfinite_witness``)."""
+    return type(compressor).nonfinite_witness is not Compressor.nonfinite_witness
 
 
 def _needs_guard(compressor: Compressor, ctx: BucketContext) -> bool:

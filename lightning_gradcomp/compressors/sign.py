@@ -277,6 +277,14 @@ class _TwoValuedSigns(Compressor):
             return super().average(payloads, ctx, out)
         return _sum_of_signs(self._signed(payloads, ctx), ctx, out, divisor=ctx.world_size)
 
+    def nonfinite_witness(self, payload: Payload) -> Tensor:
+        """The per-layer values, which the guard reads instead of the whole tensor.
+
+        Each layer's are sums over all its elements (an L1 norm, and for 1-bit SGD a plain sum too), so a NaN or an
+        infinity anywhere makes one of them non-finite.
+        """
+        return payload[1]
+
 
 class EFSignSGD(_TwoValuedSigns):
     """EF-signSGD: scaled sign ``(||p||_1 / d) sign(p)`` per layer, with error feedback.
