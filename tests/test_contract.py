@@ -782,19 +782,25 @@ def test_gradient_runs_gather_and_sum_as_cat_then_add(per_run, dtype):
     assert torch.equal(out.signbit(), expected.signbit())
 
 
-def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(case):
-    """Compressed matrices interleaved with dense biases in one bucket (DDP's layout of a convolution and its
-    normalisation): the hook's compressed layers, averaged and in every rank's residual, are bitwise the compressor's
-    on the same layers laid out contiguously, over three steps. With error feedback the hook leaves the gradient in
-    the bucket's runs for the accumulation to gather (``GradientRuns``); without, it gathers first."""
+def _interleaved_layers():
+    """The suite's matrices (their names are what the examples' masks and plans refer to), each followed by a bias:
+    in one bucket the compressed layers are several runs, as DDP lays out a convolution and its normalisation."""
+    shapes = [shape for i, shape in enumerate(SHAPES) for shape in (shape, (shape[0] + i,))]
+    names = [name for i in range(len(SHAPES)) for name in (f"param{i}", f"bias{i}")]
+    return layers_from_shapes(shapes, names=names)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(case, world_size):
+    """Compressed matrices interleaved with dense biases in one bucket: the hook's compressed layers, averaged and in
+    every rank's residual, are bitwise the compressor's on the same layers laid out contiguously, over three steps.
+    With error feedback the hook leaves the gradient in the bucket's runs for the accumulation to gather
+    (``GradientRuns``); without, it gathers first."""
     from lightning_gradcomp.hook import CompressionState
     from lightning_gradcomp.testing import SimulatedHook
 
     name, compressor = case
-    # the suite's matrices (their names are what the masks and plans of the examples refer to), each with a bias
-    shapes = [shape for i, shape in enumerate(SHAPES) for shape in (shape, (shape[0] + i,))]
-    names = [name for i in range(len(SHAPES)) for name in (f"param{i}", f"bias{i}")]
-    layers = layers_from_shapes(shapes, names=names)
+    layers = _interleaved_layers()
     bucket_compressor = compressor.bucket_compressor(layers)  # a Planned compressor's candidate for the bucket
     compressed = [layer for layer in layers if bucket_compressor.compresses(layer, 100)]
     at = torch.tensor([i for layer in compressed for i in range(layer.offset, layer.offset + layer.numel)])
@@ -803,18 +809,19 @@ def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(ca
         contiguous.append(Layer(layer.name, layer.index, layer.shape, offset))
         offset += layer.numel
     ef = False if name in REFUSES_ERROR_FEEDBACK else None
-    states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=100, error_feedback=ef) for _ in range(2)]
+    states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=100, error_feedback=ef)
+              for _ in range(world_size)]  # fmt: skip
     hook = SimulatedHook(states, layers)
-    reference = _fresh(bucket_compressor, 2)
+    reference = _fresh(bucket_compressor, world_size)
     keeps = states[0].uses_error_feedback(bucket_compressor)
-    residuals = [torch.zeros(offset, dtype=torch.float64, device=DEVICE) for _ in range(2)] if keeps else None
+    residuals = [torch.zeros(offset, dtype=torch.float64, device=DEVICE) for _ in range(world_size)] if keeps else None
     for step in range(3):
-        grads = _data(layers, 2, seed=800 + step)
+        grads = _data(layers, world_size, seed=800 + step)
         torch.manual_seed(step)  # LeaderRandomK draws its indices on the leader only
         got = hook.step(grads)
         torch.manual_seed(step)
         want = simulate_reduce(reference, [g[at] for g in grads], tuple(contiguous), step=step, residuals=residuals)
-        for rank in range(2):
+        for rank in range(world_size):
             assert torch.equal(got[rank][at], want[rank]), f"{name}: step {step}, rank {rank}"
             for layer, kept in zip(compressed, contiguous):
                 if residuals is not None:
@@ -828,7 +835,7 @@ def test_the_hook_state_resumes_bitwise(case):
     from lightning_gradcomp.testing import SimulatedHook
 
     name, compressor = case
-    layers = layers_from_shapes(SHAPES)
+    layers = _interleaved_layers()  # biases go dense: the gradient is gathered out of several runs
     ef = False if name in REFUSES_ERROR_FEEDBACK else None
 
     def hook():
