@@ -392,7 +392,7 @@ class Compressor(ABC):
         if self.accumulates_into_new_residual and summed_in_new_residual(ctx):
             if runs is not None:
                 return runs.into(ctx.new_residual, plus=ctx.residual)
-            return torch.add(tensor, ctx.residual, out=ctx.new_residual)
+            return sum_into_new_residual(tensor, ctx)
         if runs is not None:
             runs.into(tensor, plus=ctx.residual)
         elif ctx.residual is not None:
