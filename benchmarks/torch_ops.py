@@ -12,7 +12,9 @@ gradient between two uses of it). Medians of ``--repeats`` calls. The pairs:
   candidates of a sampled top-k threshold);
 * ``l1``: ``torch.linalg.vector_norm(x, 1)`` against ``x.abs().sum()``: *not* the same bits (the sums run in another
   order), shown for the cost EF-signSGD and OneBit keep for their scales' bits; after the table, each one's relative
-  error against the sum in float64 (the layer's Gaussian values);
+  error against the sum in float64 (the layer's Gaussian values), and whether ``vector_norm`` is bitwise the strictly
+  sequential fp32 sum of ``|x|`` (NumPy's ``cumsum``, one element after the other): if so, every add waits for the
+  one before, and its time per element is an add's latency, which no kernel giving the same bits can beat;
 * ``rows``: ``torch.index_select`` of 16-byte rows (4 fp32) of a 256-row table against
   ``compressors.packing.lookup_rows`` (each row gathered as one ``complex128``): the sign family's tables, a row per
   byte of ``--layer`` elements' bits;
@@ -134,8 +136,10 @@ def main() -> None:
     }
     print(f"one thread; bucket {args.numel:,} elements, {args.k:,} indices, layer {args.layer:,} elements")
     print(f"{'pair':<10} {'first ms':>9} {'second ms':>10} {'ratio':>6}  same bits")
+    first_times = {}
     for name, (first, second, read) in pairs.items():
         first_ms, a = timed(first, evict, args.repeats)
+        first_times[name] = first_ms
         second_ms, b = timed(second, evict, args.repeats)
         if read is not None:
             a, b = read(a), read(b)
@@ -143,6 +147,11 @@ def main() -> None:
     exact = layer.double().abs().sum()
     errors = [((total().double() - exact).abs() / exact).item() for total in pairs["l1"][:2]]
     print(f"l1 relative error against float64: vector_norm {errors[0]:.1e}, abs().sum() {errors[1]:.1e}")
+    sequential = np.cumsum(np.abs(layer.numpy()), dtype=np.float32)[-1:]  # each add rounded to fp32 in turn
+    print(
+        f"l1: vector_norm is the sequential fp32 sum: {same_bits(pairs['l1'][0](), torch.from_numpy(sequential)[0])};"
+        f" {first_times['l1'] * 1e6 / args.layer:.2f} ns per element"
+    )
 
 
 if __name__ == "__main__":
