@@ -636,13 +636,51 @@ def test_a_nonfinite_step_leaves_every_state_as_it_was(case, bad):
     torch.testing.assert_close(after[0], expected[0], rtol=0, atol=0)
 
 
+# finite gradients that a compressor's payload or its fp32 arithmetic may not hold: one element above FP16's range, one
+# whose square overflows fp32 (QSGD's bucket norms, LGC's scales), one rank's whole gradient at about 1e15 (sums of
+# squares overflow)
+SPIKES = {"above-fp16": ("one", 1e5), "square-overflows": ("one", 3e19), "whole-rank": ("all", 1e18)}
+
+
+@pytest.mark.parametrize("spike", list(SPIKES), ids=list(SPIKES))
+def test_a_finite_spike_never_reaches_the_state(case, spike):
+    """A finite fp32 gradient the payload cannot hold must not leave a NaN or an infinity in any residual, which error
+    feedback would add to every later step: the spike step is either finite on every rank or non-finite on every rank
+    (the usual skip) with no residual changed, and the clean steps after it are finite."""
+    name, compressor = case
+    layers = _layers(compressor)
+    numel = sum(layer.numel for layer in layers)
+    use_residuals = name not in REFUSES_ERROR_FEEDBACK
+    compressors = _fresh(compressor, 2)
+    residuals = [torch.zeros(numel, device=DEVICE) for _ in range(2)] if use_residuals else None
+    where, size = SPIKES[spike]
+    for step in range(4):
+        grads = [g * 1e-3 for g in _data(layers, 2, dtype=torch.float32, seed=520 + step)]
+        if step == 1:
+            if where == "one":
+                grads[1][layers[-1].offset] = size
+            else:
+                grads[1] *= size  # values of order 1e-3 * size
+        before = [r.clone() for r in residuals] if use_residuals else []
+        outs = simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)
+        finite = [bool(torch.isfinite(out).all()) for out in outs]
+        if use_residuals:
+            assert all(torch.isfinite(r).all() for r in residuals), (name, spike, step)
+        if step != 1:
+            assert all(finite), (name, spike, step)
+        elif not all(finite):
+            assert not any(finite), "a non-finite step must be non-finite on every rank"
+            if use_residuals:
+                assert all(torch.equal(r, b) for r, b in zip(residuals, before)), (name, spike)
+
+
 WITNESSED = sorted(name for name, factory in EXAMPLES.items()
                    if type(factory()).nonfinite_witness is not Compressor.nonfinite_witness)  # fmt: skip
 
 
 def test_the_witnessed_compressors_are_the_expected_ones():
     """The table below tests every compressor that names a witness; a new one must be reasoned about here."""
-    assert WITNESSED == ["efsignsgd", "onebit"]
+    assert WITNESSED == ["bf16", "efsignsgd", "fp16", "onebit", "qsgd", "qsgd-2bit-small-buckets", "qsgd-8bit"]
 
 
 @pytest.mark.parametrize("name", WITNESSED)

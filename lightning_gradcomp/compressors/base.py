@@ -419,14 +419,18 @@ class Compressor(ABC):
         torch.sub(tensor, self.decompress(payload, ctx, out=residual), out=residual)
 
     def nonfinite_witness(self, payload: Payload) -> Tensor | None:
-        """A small tensor of ``payload`` that is non-finite whenever what was compressed holds a NaN or an infinity.
+        """A tensor of ``payload`` that is non-finite whenever what was compressed holds a NaN or an infinity.
 
         The non-finite guard reads the whole accumulated tensor, one read pass per step, unless the compressor
-        overrides this to name such a tensor of the payload of its first all-reduce or all-gather; the guard then
-        reads only that tensor. Every element must reach it through sums, which carry a NaN or an infinity: an L1 norm
-        per layer does (EF-signSGD's scales). A product by factors that can be zero does not (BLAS may skip a zero
-        factor, and ``0 * inf`` is NaN only where it is computed), so PowerSGD's ``P`` is no witness. A finite input
-        whose witness overflows counts as non-finite, as the guard's own sum does. The default names none.
+        overrides this to name such a tensor of the payload of its first all-reduce or all-gather, smaller or narrower
+        than the input; the guard then reads only that tensor. Every element must reach it through sums, which carry a
+        NaN or an infinity: an L1 norm per layer does (EF-signSGD's scales), so does a bucket's L2 norm (QSGD's), and
+        so does the element itself cast to the wire (FP16's values). A product by factors that can be zero does not
+        (BLAS may skip a zero factor, and ``0 * inf`` is NaN only where it is computed), so PowerSGD's ``P`` is no
+        witness. A finite input whose witness overflows counts as non-finite, as the guard's own sum does; that is
+        also what keeps a finite value the payload cannot hold (beyond FP16's 65504, a bucket whose squared norm
+        exceeds fp32) out of the residual, where error feedback would carry its infinity to every later step. The
+        default names none.
         """
         return None
 

@@ -34,6 +34,16 @@ class _Cast(Compressor):
         """Cast back to the gradient's dtype (into ``out`` when given, as torch's hooks copy into the bucket)."""
         return payload[0].to(ctx.dtype) if out is None else out.copy_(payload[0])
 
+    def nonfinite_witness(self, payload: Payload) -> Tensor:
+        """The cast values themselves, which the guard reads instead of the input (half the bytes).
+
+        Read only with error feedback (without it a cast keeps no state and skips the guard, as Identity does). A NaN
+        or an infinity stays one in the cast, and so does a finite value beyond the wire format's range (FP16's
+        65504): that step is then non-finite on every rank, where the residual ``p - inf`` would otherwise keep an
+        infinity for good.
+        """
+        return payload[0]
+
 
 class FP16(_Cast):
     """Send gradients as IEEE half precision (2 bytes per element, 2x less than fp32).

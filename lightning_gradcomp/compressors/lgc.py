@@ -63,8 +63,17 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
 
 
 def _scale(values: Tensor) -> Tensor:
-    """The root mean square of the last dimension (1 where it is 0), shaped for broadcasting: ``[..., 1]``."""
+    """The root mean square of the last dimension (1 where it is 0), shaped for broadcasting: ``[..., 1]``.
+
+    Squares overflow fp32 from about ``1.8e19`` (their sum sooner): where the plain root mean square is infinite but
+    the values are finite, it is computed again from the values divided by their largest magnitude. An infinite
+    scale would zero the codes and decode to ``0 * inf``, a NaN that error feedback would keep in the residual. The
+    plain computation is kept everywhere else, so the scales' bits do not change.
+    """
     rms = values.pow(2).mean(-1, keepdim=True).sqrt()
+    peak = values.abs().amax(-1, keepdim=True)
+    rescaled = peak * (values / peak).pow(2).mean(-1, keepdim=True).sqrt()
+    rms = torch.where(torch.isinf(rms) & torch.isfinite(peak), rescaled, rms)
     return torch.where(rms > 0, rms, torch.ones_like(rms))
 
 
@@ -444,7 +453,15 @@ class LGC(Compressor):
             grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
         grads_by_name = {name: torch.zeros_like(p) if g is None else g for (name, p), g in zip(params.items(), grads)}
         state = {k: v for k, v in self._committed.items() if k not in params}
-        apply = None if on_cpu else torch.stack([e["fresh"] for _, e in entries]).any()
+        # a finite gradient spike can still overflow the fp32 loss or its gradients (a rank's values divided by
+        # another rank's scale): such a step is skipped, or the autoencoder would keep a NaN that every later code
+        # carries. Its data is dropped all the same.
+        finite = torch.isfinite(torch.stack([loss.detach(), *(g.sum() for g in grads_by_name.values())]).sum())
+        if on_cpu and not bool(finite):
+            for _, entry in entries:
+                ctx.updates.stage(entry["fresh"], torch.zeros_like(entry["fresh"]))
+            return
+        apply = None if on_cpu else torch.stack([e["fresh"] for _, e in entries]).any() & finite
         new = optimizer_step({n: p.detach() for n, p in params.items()}, grads_by_name, state, kind=self.optimizer,
                              lr=self.lr, momentum=self.momentum, apply=apply)  # fmt: skip
         with torch.no_grad():

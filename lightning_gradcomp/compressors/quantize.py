@@ -147,6 +147,15 @@ class QSGD(Compressor):
             packed.append(pack_uint(fields, bits + 1))
         return torch.cat(norms), torch.cat(packed)
 
+    def nonfinite_witness(self, payload: Payload) -> Tensor:
+        """The bucket norms, which the guard reads instead of the input.
+
+        Every element is in one bucket, whose L2 norm a NaN or an infinity makes non-finite. So does a finite bucket
+        whose squared norm overflows (an element above about ``1.8e19`` in fp32): its norm, and every level and
+        decoded value of the bucket, could not be sent, and with error feedback the residual would keep the NaN.
+        """
+        return payload[0]
+
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """``norm * sign * level / levels`` for every element."""
         norms, packed = payload
