@@ -642,8 +642,9 @@ def test_a_nonfinite_step_leaves_every_state_as_it_was(case, bad):
 SPIKES = {"above-fp16": ("one", 1e5), "square-overflows": ("one", 3e19), "whole-rank": ("all", 1e18)}
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 3])
 @pytest.mark.parametrize("spike", list(SPIKES), ids=list(SPIKES))
-def test_a_finite_spike_never_reaches_the_state(case, spike):
+def test_a_finite_spike_never_reaches_the_state(case, spike, ranks):
     """A finite fp32 gradient the payload cannot hold must not leave a NaN or an infinity in any residual, which error
     feedback would add to every later step: the spike step is either finite on every rank or non-finite on every rank
     (the usual skip) with no residual changed, and the clean steps after it are finite."""
@@ -651,16 +652,16 @@ def test_a_finite_spike_never_reaches_the_state(case, spike):
     layers = _layers(compressor)
     numel = sum(layer.numel for layer in layers)
     use_residuals = name not in REFUSES_ERROR_FEEDBACK
-    compressors = _fresh(compressor, 2)
-    residuals = [torch.zeros(numel, device=DEVICE) for _ in range(2)] if use_residuals else None
+    compressors = _fresh(compressor, ranks)
+    residuals = [torch.zeros(numel, device=DEVICE) for _ in range(ranks)] if use_residuals else None
     where, size = SPIKES[spike]
     for step in range(4):
-        grads = [g * 1e-3 for g in _data(layers, 2, dtype=torch.float32, seed=520 + step)]
-        if step == 1:
+        grads = [g * 1e-3 for g in _data(layers, ranks, dtype=torch.float32, seed=520 + step)]
+        if step == 1:  # on the last rank
             if where == "one":
-                grads[1][layers[-1].offset] = size
+                grads[-1][layers[-1].offset] = size
             else:
-                grads[1] *= size  # values of order 1e-3 * size
+                grads[-1] *= size  # values of order 1e-3 * size
         before = [r.clone() for r in residuals] if use_residuals else []
         outs = simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)
         finite = [bool(torch.isfinite(out).all()) for out in outs]
