@@ -675,6 +675,30 @@ def test_a_finite_spike_never_reaches_the_state(case, spike, ranks):
                 assert all(torch.equal(r, b) for r, b in zip(residuals, before)), (name, spike)
 
 
+# a zero coordinate votes +1 in signSGD's majority vote (one bit cannot encode 0; docs/signsgd.md)
+ZERO_VOTES_PLUS_ONE = {"signsgd", "signum"}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_an_all_zero_gradient_averages_to_zero(case, ranks):
+    """Gradients that are zero on every rank, from the first step on (layers no batch touched, a loss that does not
+    depend on them): plain DDP averages them to zero, and so must every compressor, with finite residuals; LGC's
+    autoencoder used to decode a zero code to what its biases make of it."""
+    name, compressor = case
+    if name in ZERO_VOTES_PLUS_ONE:
+        pytest.skip("a zero coordinate votes +1 (docs/signsgd.md)")
+    layers = _layers(compressor)
+    numel = sum(layer.numel for layer in layers)
+    compressors = _fresh(compressor, ranks)
+    residuals = [torch.zeros(numel, device=DEVICE) for _ in range(ranks)]
+    for step in range(4):
+        zeros = [torch.zeros(numel, device=DEVICE) for _ in range(ranks)]
+        outs = simulate_reduce(compressors, zeros, layers, step=step, residuals=residuals)
+        for out in outs:
+            assert torch.equal(out, torch.zeros_like(out)), (name, step, out.abs().max().item())
+        assert all(torch.isfinite(r).all() for r in residuals), (name, step)
+
+
 WITNESSED = sorted(name for name, factory in EXAMPLES.items()
                    if type(factory()).nonfinite_witness is not Compressor.nonfinite_witness)  # fmt: skip
 

@@ -62,8 +62,8 @@ def _dot(a: Tensor, b: Tensor) -> Tensor:
     return (a * b).sum()
 
 
-def _scale(values: Tensor) -> Tensor:
-    """The root mean square of the last dimension (1 where it is 0), shaped for broadcasting: ``[..., 1]``.
+def _rms(values: Tensor) -> Tensor:
+    """The root mean square of the last dimension, shaped for broadcasting: ``[..., 1]``.
 
     Squares overflow fp32 from about ``1.8e19`` (their sum sooner): where the plain root mean square is infinite but
     the values are finite, it is computed again from the values divided by their largest magnitude. An infinite
@@ -73,8 +73,17 @@ def _scale(values: Tensor) -> Tensor:
     rms = values.pow(2).mean(-1, keepdim=True).sqrt()
     peak = values.abs().amax(-1, keepdim=True)
     rescaled = peak * (values / peak).pow(2).mean(-1, keepdim=True).sqrt()
-    rms = torch.where(torch.isinf(rms) & torch.isfinite(peak), rescaled, rms)
-    return torch.where(rms > 0, rms, torch.ones_like(rms))
+    return torch.where(torch.isinf(rms) & torch.isfinite(peak), rescaled, rms)
+
+
+def _divisor(scale: Tensor) -> Tensor:
+    """What values are divided by before encoding: the scale, or 1 where it is 0 (all-zero values)."""
+    return torch.where(scale > 0, scale, torch.ones_like(scale))
+
+
+def _scale(values: Tensor) -> Tensor:
+    """The root mean square of the last dimension (1 where it is 0), shaped for broadcasting: ``[..., 1]``."""
+    return _divisor(_rms(values))
 
 
 class LGC(Compressor):
@@ -553,16 +562,20 @@ class LGC(Compressor):
         return sum(self.latent_numel(k) for _, _, k in self._segments(ctx))
 
     def _scales(self, x: Tensor, ctx: BucketContext) -> Tensor:
-        """Each layer's root mean square of the top-k values ``x`` (ones without ``normalize``)."""
+        """Each layer's root mean square of the top-k values ``x`` (ones without ``normalize``).
+
+        A layer whose values are all zero has scale 0: it is encoded as if its scale were 1 and decoded times 0, so
+        it decodes to zeros, as plain DDP would average it, instead of to what the decoder makes of a zero code.
+        """
         if not self.normalize:
             return x.new_ones(len(ctx.layers))
-        return torch.cat([_scale(x[at : at + k]) for _, at, k in self._segments(ctx)])
+        return torch.cat([_rms(x[at : at + k]) for _, at, k in self._segments(ctx)])
 
     def _encode(self, model: LGCAutoencoder, x: Tensor, scales: Tensor, ctx: BucketContext) -> Tensor:
         """The codes of every layer's top-k values ``x`` (slot layout), each divided by its layer's scale."""
         with torch.no_grad():
             return torch.cat([
-                model.encode((x[at : at + k].float() / scales[i])[None])[0]
+                model.encode((x[at : at + k].float() / _divisor(scales[i]))[None])[0]
                 for i, (_, at, k) in enumerate(self._segments(ctx))
             ])  # fmt: skip
 
@@ -574,7 +587,7 @@ class LGC(Compressor):
         with torch.no_grad():
             for i, (_, at, k) in enumerate(self._segments(ctx)):
                 c = self.latent_numel(k)
-                inn = None if side is None else (side[at : at + k] / scales[i])[None]
+                inn = None if side is None else (side[at : at + k] / _divisor(scales[i]))[None]
                 out.append(model.decode(j, z[at_z : at_z + c][None], k, inn)[0] * scales[i])
                 at_z += c
         return torch.cat(out) if out else z.new_zeros(0)
