@@ -466,18 +466,15 @@ class LGC(Compressor):
         # another rank's scale): such a step is skipped, or the autoencoder would keep a NaN that every later code
         # carries. Its data is dropped all the same.
         finite = torch.isfinite(torch.stack([loss.detach(), *(g.sum() for g in grads_by_name.values())]).sum())
-        if on_cpu and not bool(finite):
-            for _, entry in entries:
-                ctx.updates.stage(entry["fresh"], torch.zeros_like(entry["fresh"]))
-            return
-        apply = None if on_cpu else torch.stack([e["fresh"] for _, e in entries]).any() & finite
-        new = optimizer_step({n: p.detach() for n, p in params.items()}, grads_by_name, state, kind=self.optimizer,
-                             lr=self.lr, momentum=self.momentum, apply=apply)  # fmt: skip
-        with torch.no_grad():
-            for name, p in params.items():
-                p.copy_(new[name])
-        for key, value in new.items():
-            ctx.updates.stage(self._committed[key], value)
+        if not on_cpu or bool(finite):
+            apply = None if on_cpu else torch.stack([e["fresh"] for _, e in entries]).any() & finite
+            new = optimizer_step({n: p.detach() for n, p in params.items()}, grads_by_name, state,
+                                 kind=self.optimizer, lr=self.lr, momentum=self.momentum, apply=apply)  # fmt: skip
+            with torch.no_grad():
+                for name, p in params.items():
+                    p.copy_(new[name])
+            for key, value in new.items():
+                ctx.updates.stage(self._committed[key], value)
         for _, entry in entries:
             ctx.updates.stage(entry["fresh"], torch.zeros_like(entry["fresh"]))
 
