@@ -52,12 +52,10 @@ def _finite(value: Any) -> bool:
 def _run(name: str, case: str, magnitude: float, dtype: torch.dtype, ranks: int = 2) -> list[str]:
     """What is left non-finite after ``case`` at ``magnitude`` (empty: nothing)."""
     compressor = EXAMPLES[name]()
-    layers = tuple(layer for layer in layers_from_shapes(SHAPES) if compressor.compresses(layer, 0))
-    offset, kept = 0, []
-    for layer in layers:  # laid out contiguously, as the hook hands a compressor its layers
-        kept.append(layer.__class__(layer.name, layer.index, layer.shape, offset))
-        offset += layer.numel
-    layers = tuple(kept)
+    kept = [layer for layer in layers_from_shapes(SHAPES) if compressor.compresses(layer, 0)]
+    # laid out contiguously, as the hook hands a compressor its layers
+    layers = layers_from_shapes([layer.shape for layer in kept], [layer.name for layer in kept])
+    offset = sum(layer.numel for layer in layers)
     compressors = [copy.deepcopy(compressor) for _ in range(ranks)]
     residuals = [torch.zeros(offset, dtype=dtype) for _ in range(ranks)] if _accepts_feedback(compressor) else None
     generator = torch.Generator().manual_seed(0)
