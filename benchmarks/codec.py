@@ -13,8 +13,9 @@ telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
 * *passes*: the time divided by the time of one memory pass over the compressed gradient (``dst.copy_(src)``: one
   read and one write of every element), the unit every elementwise stage costs at least. A codec that reads the
   gradient, writes a residual and writes the output is three passes at best, whatever the device;
-* next to them, one fp32 uniform draw per element (``torch.rand``), the floor of the stochastic quantisers (QSGD and
-  TernGrad draw one per element: stochastic rounding needs independent draws);
+* next to them, one fp32 uniform draw per element and layer (``torch.rand``), the floor of the stochastic quantisers
+  (QSGD and TernGrad draw one per element: stochastic rounding needs independent draws), and the same with 16 random
+  bits per element (their ``random_bits=16``: four draws cut from each 64-bit output of the generator);
 * on a line of its own, the end-of-step commit of the error-feedback residual (outside encode+decode): a storage
   swap on the CPU, ``torch.where`` on CUDA, next to what a copy would cost.
 
@@ -47,8 +48,9 @@ import torchvision
 from codec_profile import compressed_layers
 
 from lightning_gradcomp.compressors import LGC, Identity, MaskedCompressor, Masks, TopK
-from lightning_gradcomp.compressors.base import Layer
+from lightning_gradcomp.compressors.base import BucketContext, Layer
 from lightning_gradcomp.compressors.exchange import StepUpdates
+from lightning_gradcomp.compressors.quantize import _uniform
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
@@ -78,6 +80,7 @@ def half_masks(layout: list[tuple[Layer, ...]], device: torch.device) -> dict[st
 TARGETS = {  # issue 11's CPU targets, as a share of the backward pass
     **dict.fromkeys(("fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom"), 0.10),
     **dict.fromkeys(("signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp"), 0.30),
+    **dict.fromkeys(("qsgd-16bit-draws", "terngrad-16bit-draws"), 0.30),
 }
 
 
@@ -258,10 +261,14 @@ def main() -> None:
     backward = backward_ms(model, args, device)
     src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
     one_pass = _median_ms(lambda: dst.copy_(src), device, 20)
-    # the stochastic quantisers' floor: QSGD and TernGrad draw one fp32 uniform per element (from a CPU generator,
-    # as ``BucketContext.generator`` makes them, except on CUDA)
-    generator = torch.Generator(device=device).manual_seed(0)
-    draw = _median_ms(lambda: torch.rand(numel, generator=generator, device=device, out=dst), device, 20)
+    # the stochastic quantisers' floor: QSGD and TernGrad draw one uniform per element and layer (from a CPU
+    # generator, as ``BucketContext.generator`` makes them, except on CUDA), as they do: layer by layer, fresh tensors
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=layers, device=device)
+
+    def draws(bits: int | None) -> Callable[[], None]:
+        return lambda: [_uniform(ctx, layer, layer.numel, torch.float32, bits) for layer in layers]
+
+    draw, draw16 = (_median_ms(draws(bits), device, 20) for bits in (None, 16))
     layout = buckets(layers, args.bucket_mb)
     rows = [measure(name, layout, args, device) for name in args.compressors]
     commit = {"swap": commit_ms(numel, device, swap=True), "copy": commit_ms(numel, device, swap=False)}
@@ -272,7 +279,7 @@ def main() -> None:
         + (f", {args.threads} thread(s)" if device.type == "cpu" else "")
         + (f", row density {args.row_density:g}" if args.row_density < 1 else "")
         + f": backward {backward:.1f} ms, one memory pass {one_pass:.2f} ms,"
-        f" one uniform draw per element {draw:.2f} ms"
+        f" one uniform draw per element {draw:.2f} ms ({draw16:.2f} ms with 16 random bits)"
     )
     print(header)
     print(f"commit of the error-feedback residual per step (not in the codec times): {commit['swap']:.3f} ms"
@@ -291,8 +298,8 @@ def main() -> None:
         print(line)
     if args.out:
         meta = {k: v for k, v in vars(args).items() if k != "out"}
-        meta.update(torch=torch.__version__, backward_ms=backward, one_pass_ms=one_pass, draw_ms=draw, numel=numel,
-                    commit_ms=commit)  # fmt: skip
+        meta.update(torch=torch.__version__, backward_ms=backward, one_pass_ms=one_pass, draw_ms=draw,
+                    draw16_ms=draw16, numel=numel, commit_ms=commit)  # fmt: skip
         if cuda:
             meta["gpu"] = torch.cuda.get_device_name(device)
         with open(args.out, "w") as f:

@@ -92,9 +92,11 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "qsgd": lambda: QSGD(),
     "qsgd-2bit-small-buckets": lambda: QSGD(levels=1, bucket_size=100),
     "qsgd-8bit": lambda: QSGD(levels=127, bucket_size=2048),
+    "qsgd-16bit-draws": lambda: QSGD(random_bits=16),
     "terngrad": lambda: TernGrad(),
     "terngrad-unclipped": lambda: TernGrad(clip=None),
     "terngrad-allgather": lambda: TernGrad(aggregation="allgather"),
+    "terngrad-16bit-draws": lambda: TernGrad(random_bits=16),
     # LGC's stages follow the step: the defaults are dense for 200 steps; short stages cross all three within the
     # contract suite's few steps, and the others start in stage 2 or 3 (the ratios are large for the tiny layers)
     "lgc": lambda: LGC(),

@@ -2,7 +2,9 @@
 
 import copy
 import math
+import re
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,8 +27,15 @@ def _ctx(layers=LAYERS, step=0, rank=0, world_size=1, dtype=torch.float64, seed=
     return BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=layers, dtype=dtype, seed=seed)
 
 
-def _draws(ctx, layer):
-    return torch.rand(layer.numel, generator=ctx.generator(layer, per_rank=True), dtype=torch.float64)
+def _draws(ctx, layer, random_bits=None):
+    """The compressor's uniform draws, from its generator: torch's fp64 uniform, or ``(r + 2^15 + 1/2) 2^-16`` for
+    each signed 16-bit lane ``r`` of full-range int64 draws (computed here in float64 through NumPy)."""
+    generator = ctx.generator(layer, per_rank=True)
+    if random_bits is None:
+        return torch.rand(layer.numel, generator=generator, dtype=torch.float64)
+    words = torch.empty(-(-layer.numel // 4), dtype=torch.int64).random_(-(2**63), None, generator=generator)
+    lanes = words.numpy().view(np.int16)[: layer.numel].astype(np.float64)
+    return torch.from_numpy((lanes + 2.0**15 + 0.5) / 2.0**16)
 
 
 def _wire(value):
@@ -37,12 +46,12 @@ def _wire(value):
     return wire.item()
 
 
-def _qsgd_reference(x, ctx, levels, bucket_size):
+def _qsgd_reference(x, ctx, levels, bucket_size, random_bits=None):
     """Per bucket: l = floor(s |v| / ||v|| + u), u uniform: l is floor(s |v| / ||v||) + 1 with probability equal to
     the fractional part (the paper's stochastic rounding), every draw from the compressor's generator."""
     out = torch.empty_like(x)
     for layer in ctx.layers:
-        v, u = layer.flat(x), _draws(ctx, layer)
+        v, u = layer.flat(x), _draws(ctx, layer, random_bits)
         for start in range(0, layer.numel, bucket_size):
             b = slice(start, min(start + bucket_size, layer.numel))
             norm = _wire(v[b].norm().item())
@@ -51,13 +60,15 @@ def _qsgd_reference(x, ctx, levels, bucket_size):
     return out
 
 
+@pytest.mark.parametrize("random_bits", [None, 16])
 @pytest.mark.parametrize(("levels", "bucket_size"), [(7, 512), (1, 100), (127, 5000), (3, 7)])
-def test_qsgd_equals_the_reference(levels, bucket_size):
+def test_qsgd_equals_the_reference(levels, bucket_size, random_bits):
     (x,) = _grads(1)
     ctx = _ctx(step=3, rank=1, world_size=2)
-    compressor = QSGD(levels=levels, bucket_size=bucket_size)
+    compressor = QSGD(levels=levels, bucket_size=bucket_size, random_bits=random_bits)
     out = compressor.decompress(compressor.compress(x, ctx), ctx)
-    torch.testing.assert_close(out, _qsgd_reference(x, ctx, levels, bucket_size), rtol=1e-15, atol=0)
+    expected = _qsgd_reference(x, ctx, levels, bucket_size, random_bits)
+    torch.testing.assert_close(out, expected, rtol=1e-15, atol=0)
 
 
 def test_qsgd_buckets_stay_inside_layers():
@@ -71,12 +82,13 @@ def test_qsgd_buckets_stay_inside_layers():
     assert torch.equal(part, layer.flat(full))
 
 
-def test_qsgd_variance_bound():
+@pytest.mark.parametrize("random_bits", [None, 16])
+def test_qsgd_variance_bound(random_bits):
     """QSGD's Lemma 3.1: E ||Q(v) - v||^2 <= min(d / s^2, sqrt(d) / s) ||v||^2 for every bucket v."""
     layer = Layer("w", 0, torch.Size([4096]), 0)
     x = torch.randn(4096, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     for levels, bucket in ((1, 4096), (7, 512), (15, 64)):
-        compressor = QSGD(levels=levels, bucket_size=bucket)
+        compressor = QSGD(levels=levels, bucket_size=bucket, random_bits=random_bits)
         errors = torch.stack([
             (compressor.decompress(compressor.compress(x, _ctx((layer,), step=s)), _ctx((layer,), step=s)) - x)
             .square().view(-1, bucket).sum(1)
@@ -106,7 +118,14 @@ def test_qsgd_levels_are_validated():
         QSGD(bucket_size=0)
 
 
-def _terngrad_reference(grads, step, clip):
+@pytest.mark.parametrize("compressor", [QSGD, TernGrad])
+@pytest.mark.parametrize("value", [8, 24, 16.0, True, "16"])
+def test_random_bits_are_validated(compressor, value):
+    with pytest.raises(ValueError, match=r"`random_bits` to be None or 16, got " + re.escape(repr(value))):
+        compressor(random_bits=value)
+
+
+def _terngrad_reference(grads, step, clip, random_bits=None):
     n = len(grads)
     clipped, scalers = [], []
     for x in grads:
@@ -128,20 +147,21 @@ def _terngrad_reference(grads, step, clip):
         ctx = _ctx(step=step, rank=rank, world_size=n)
         for i, layer in enumerate(LAYERS):
             v = layer.flat(x)
-            keep = _draws(ctx, layer) * shared[i] < v.abs()  # Bernoulli(|g| / s)
+            keep = _draws(ctx, layer, random_bits) * shared[i] < v.abs()  # Bernoulli(|g| / s)
             layer.flat(total).add_(torch.sign(v) * keep)
     return torch.cat([layer.flat(total) * shared[i] / n for i, layer in enumerate(LAYERS)])
 
 
+@pytest.mark.parametrize("random_bits", [None, 16])
 @pytest.mark.parametrize("aggregation", ["allreduce", "allgather"])
 @pytest.mark.parametrize("clip", [2.5, None])
 @pytest.mark.parametrize("ranks", [2, 3])
-def test_terngrad_equals_the_reference(aggregation, clip, ranks):
+def test_terngrad_equals_the_reference(aggregation, clip, ranks, random_bits):
     """Different gradients per rank: shared max scaler, per-rank Bernoulli draws, exact integer sum, average."""
     grads = _grads(ranks, seed=ranks)
-    compressors = [TernGrad(clip=clip, aggregation=aggregation) for _ in range(ranks)]
+    compressors = [TernGrad(clip=clip, aggregation=aggregation, random_bits=random_bits) for _ in range(ranks)]
     outs = simulate_reduce(compressors, grads, LAYERS, step=4)
-    expected = _terngrad_reference(grads, 4, clip)
+    expected = _terngrad_reference(grads, 4, clip, random_bits)
     for out in outs:
         torch.testing.assert_close(out, expected, rtol=1e-15, atol=0)
     if clip is not None:  # clipping bounds the values: at most the scaler
@@ -224,3 +244,38 @@ def test_fp32_draws_carry_24_random_bits():
     assert bool((draws * 2**23 != (draws * 2**23).round()).any())  # the lowest bit is drawn too
     assert float(draws.min()) >= 0
     assert float(draws.max()) < 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_16bit_draws_are_cell_centres_of_every_lane(dtype):
+    """``random_bits=16``: every draw is ``(k + 1/2) 2^-16`` for ``k`` in [0, 2^16), exact in the compute dtype; all
+    four 16-bit lanes of a 64-bit draw are used, and each is uniform (so is every bit of it)."""
+    n = 1 << 20
+    ctx = _ctx(layers=layers_from_shapes([(1 << 10, 1 << 10)]), dtype=dtype)
+    draws = _uniform(ctx, ctx.layers[0], n, dtype, bits=16).double()
+    k = draws * 2**16 - 0.5
+    assert bool((k == k.round()).all())
+    assert float(k.min()) >= 0
+    assert float(k.max()) <= 2**16 - 1
+    k = k.long()
+    assert int(torch.bincount(k, minlength=1 << 16).min()) > 0  # 16 expected per cell: every cell is hit
+    for lane in k.view(-1, 4).T:
+        bits = (lane[:, None] >> torch.arange(16)) & 1
+        assert float((bits.double().mean(0) - 0.5).abs().max()) < 0.01  # 5 standard deviations at 2^18 draws
+    assert torch.equal(draws, _draws(ctx, ctx.layers[0], 16)[:n])
+
+
+def test_16bit_draws_bias_is_at_most_2_to_the_minus_17():
+    """What docs/qsgd.md says of ``random_bits=16``: over all 2^16 draws, ``E[floor(x + u)]`` (fp32 sums, as QSGD
+    computes them) and ``P(u s < |g|)`` (TernGrad's keep) are within ``2^-17`` of ``x`` and ``|g| / s``."""
+    cells = torch.arange(1 << 16, dtype=torch.float64).add_(0.5).div_(1 << 16).float()  # the values u can take
+    g = torch.Generator().manual_seed(5)
+    for top in (1.0, 8.0, 127.0):
+        edges = torch.tensor([0.0, 2**-18, 2**-17, 1.5 * 2**-17, 1 - 2**-18])
+        x = torch.cat([torch.rand(500, generator=g) * top, edges])
+        expectation = torch.floor(x[:, None] + cells[None, :]).double().mean(1)
+        assert float((expectation - x.double()).abs().max()) <= 2**-17, top
+    s = torch.tensor(0.37)
+    g_abs = torch.rand(500, generator=g) * s
+    keep = ((cells[None, :] * s) < g_abs[:, None]).double().mean(1)
+    assert float((keep - g_abs.double() / s.double()).abs().max()) <= 2**-17 + 1e-7  # + the product's rounding
