@@ -13,7 +13,7 @@ telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
 * *passes*: the time divided by the time of one memory pass over the compressed gradient (``dst.copy_(src)``: one
   read and one write of every element), the unit every elementwise stage costs at least. A codec that reads the
   gradient, writes a residual and writes the output is three passes at best, whatever the device;
-* next to them, one fp32 uniform draw per element and layer (``torch.rand``), the floor of the stochastic quantisers
+* next to them, one fp32 uniform draw per element (``torch.rand``), the floor of the stochastic quantisers
   (QSGD and TernGrad draw one per element: stochastic rounding needs independent draws), and the same with 16 random
   bits per element (their ``random_bits=16``: four draws cut from each 64-bit output of the generator);
 * on a line of its own, the end-of-step commit of the error-feedback residual (outside encode+decode): a storage
@@ -48,9 +48,9 @@ import torchvision
 from codec_profile import compressed_layers
 
 from lightning_gradcomp.compressors import LGC, Identity, MaskedCompressor, Masks, TopK
-from lightning_gradcomp.compressors.base import BucketContext, Layer
+from lightning_gradcomp.compressors.base import Layer
 from lightning_gradcomp.compressors.exchange import StepUpdates
-from lightning_gradcomp.compressors.quantize import _uniform
+from lightning_gradcomp.compressors.quantize import _HALF_STEP_16
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
@@ -261,14 +261,18 @@ def main() -> None:
     backward = backward_ms(model, args, device)
     src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
     one_pass = _median_ms(lambda: dst.copy_(src), device, 20)
-    # the stochastic quantisers' floor: QSGD and TernGrad draw one uniform per element and layer (from a CPU
-    # generator, as ``BucketContext.generator`` makes them, except on CUDA), as they do: layer by layer, fresh tensors
-    ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=layers, device=device)
+    # the stochastic quantisers' floor: QSGD and TernGrad draw one uniform per element (from a CPU generator, as
+    # ``BucketContext.generator`` makes them, except on CUDA); timed into kept buffers (fresh ones add their page
+    # faults, which vary from run to run with the allocator's state), fp32 and as ``random_bits=16`` draws them
+    generator = torch.Generator(device=device).manual_seed(0)
+    draw = _median_ms(lambda: torch.rand(numel, generator=generator, device=device, out=dst), device, 20)
+    words = torch.empty(-(-numel // 4), dtype=torch.int64, device=device)
 
-    def draws(bits: int | None) -> Callable[[], None]:
-        return lambda: [_uniform(ctx, layer, layer.numel, torch.float32, bits) for layer in layers]
+    def draw_16_bits() -> None:
+        words.random_(-(2**63), None, generator=generator)
+        dst.copy_(words.view(torch.int16)[:numel]).mul_(2.0**-16).add_(_HALF_STEP_16)  # as quantize._uniform
 
-    draw, draw16 = (_median_ms(draws(bits), device, 20) for bits in (None, 16))
+    draw16 = _median_ms(draw_16_bits, device, 20)
     layout = buckets(layers, args.bucket_mb)
     rows = [measure(name, layout, args, device) for name in args.compressors]
     commit = {"swap": commit_ms(numel, device, swap=True), "copy": commit_ms(numel, device, swap=False)}
