@@ -46,23 +46,42 @@ _RANDOM_BITS = (None, 16)  # None: torch's uniform in the compute dtype (24 rand
 _HALF_STEP_16 = 0.5 + 2.0**-17  # (r + 2^15 + 1/2) 2^-16 for a signed 16-bit r: the centre of r's cell in [0, 1)
 
 
-def _uniform(ctx: BucketContext, layer: Layer, n: int, dtype: torch.dtype, bits: int | None = None) -> Tensor:
+def _uniform(
+    ctx: BucketContext, layer: Layer, n: int, dtype: torch.dtype, bits: int | None = None, out: Tensor | None = None
+) -> Tensor:
     """``n`` uniform draws in (0, 1), different on every rank, keyed by the layer (not the bucket).
 
     ``bits=None``: ``torch.rand`` in ``dtype`` (in fp32 a multiple of ``2^-24``: 24 random bits per element, one
     32-bit output of the generator each). ``bits=16``: ``(r + 1/2) 2^-16`` for a uniform 16-bit integer ``r``, four
     of them cut from each full-range 64-bit draw (``random_(-2**63, None)``), so the generator does half the work of
     one 32-bit output per element, and no per-element float conversion inside it (about 3x faster on the CPU,
-    ``python benchmarks/torch_ops.py``). Every value is exact in fp16 too (17 significant bits at most in fp32;
-    in fp16 the compute dtype is fp32 anyway).
+    ``python benchmarks/codec.py`` prints both). Every value is exact in the compute dtype (17 significant bits).
+
+    ``out`` (``n`` elements of ``dtype`` on ``ctx.device``), if given, receives the draws: the same values, without
+    a fresh tensor per layer, whose first writes cost their page faults on the CPU.
     """
-    device = ctx.device if ctx.device.type == "cuda" else "cpu"
+    device = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
     generator = ctx.generator(layer, per_rank=True, device=device)
+    target = out if out is not None and out.device == device else torch.empty(n, dtype=dtype, device=device)
     if bits is None:
-        return torch.rand(n, generator=generator, dtype=dtype, device=device).to(ctx.device)
-    words = torch.empty(-(-n // 4), dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
-    r = words.view(torch.int16)[:n]  # four 16-bit lanes per word, each uniform over [-2^15, 2^15)
-    return r.to(dtype).mul_(2.0**-16).add_(_HALF_STEP_16).to(ctx.device)  # exact: 17 significant bits at most
+        torch.rand(n, generator=generator, dtype=dtype, device=device, out=target)
+    else:
+        words = torch.empty(-(-n // 4), dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
+        r = words.view(torch.int16)[:n]  # four 16-bit lanes per word, each uniform over [-2^15, 2^15)
+        target.copy_(r).mul_(2.0**-16).add_(_HALF_STEP_16)  # exact: 17 significant bits at most
+    if out is None:
+        return target.to(ctx.device)
+    return target if target is out else out.copy_(target)
+
+
+def _magnitudes(x: Tensor, out: Tensor) -> Tensor:
+    """``x.abs().to(out.dtype)`` written into ``out`` (the same values: ``|x|`` and widening are exact)."""
+    return torch.abs(x, out=out) if x.dtype == out.dtype else out.copy_(x).abs_()
+
+
+def _scratch(ctx: BucketContext, dtype: torch.dtype) -> Tensor:
+    """A buffer as large as the bucket's largest layer, reused layer after layer within one call."""
+    return torch.empty(max((layer.numel for layer in ctx.layers), default=0), dtype=dtype, device=ctx.device)
 
 
 def _check_random_bits(value: Any) -> int | None:
@@ -157,6 +176,7 @@ class QSGD(Compressor):
         """Bucket norms (fp32) and the packed sign and level of every element."""
         dtype = _compute_dtype(ctx.dtype)
         norms, packed = [], []
+        magnitudes, draws = _scratch(ctx, dtype), _scratch(ctx, dtype)
         for layer in ctx.layers:
             s = self.level(layer)
             bits = s.bit_length()
@@ -169,8 +189,8 @@ class QSGD(Compressor):
             norm = wire.to(dtype)
             scale = torch.where(norm > 0, s / norm, 0)  # levels per unit of |x|; an all-zero bucket stays 0
             # floor(s |x| / norm + u) is l + 1 with probability s |x| / norm - l: the stochastic rounding
-            ratio = self._per_bucket_(x.abs().to(dtype), scale)
-            ratio += _uniform(ctx, layer, layer.numel, dtype, self.random_bits)
+            ratio = self._per_bucket_(_magnitudes(x, magnitudes[: layer.numel]), scale)
+            ratio += _uniform(ctx, layer, layer.numel, dtype, self.random_bits, out=draws[: layer.numel])
             level = ratio.to(torch.uint8).clamp_(max=s)  # truncation is floor here; the clamp guards rounding
             fields = (signbit(x).view(torch.uint8) << bits).bitwise_or_(level)  # the sign is the top bit
             norms.append(wire)
@@ -311,9 +331,11 @@ class TernGrad(Compressor):
         """``t + 1`` in {0, 1, 2} (uint8) for every element, ``t = sign(g) Bernoulli(|g| / s)``."""
         dtype = _compute_dtype(ctx.dtype)
         out = torch.empty(ctx.numel, dtype=torch.uint8, device=ctx.device)
+        scratch = _scratch(ctx, dtype)
         for i, layer in enumerate(ctx.layers):
             x = layer.flat(tensor)
-            draws = _uniform(ctx, layer, layer.numel, dtype, self.random_bits).mul_(scales[i].to(dtype))
+            draws = _uniform(ctx, layer, layer.numel, dtype, self.random_bits, out=scratch[: layer.numel])
+            draws.mul_(scales[i].to(dtype))
             if numpy_floats(x, draws):
                 # with d = u s >= 0 (or NaN): kept and positive is x > d, kept and negative is x < -d, so
                 # t + 1 = 1 + [x > d] - [x < -d]: two NumPy comparisons and two byte passes, no |x|
