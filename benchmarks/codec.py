@@ -22,7 +22,11 @@ telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
 On CUDA it also counts kernel launches per step and rank (``torch.profiler``) and runs one step with
 ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation on the codec path raises, and the table says
 ``sync`` instead of ``0``. Timings are medians over ``--steps`` steps after two warm-up steps; on CPU one torch thread,
-as each worker of ``step_time.py`` has. Gradients are random normal scaled to 1e-3; with ``--row-density D`` each
+as each worker of ``step_time.py`` has. Gradients are random normal scaled to 1e-3 (``--gradients gaussian``, the
+tables' default) or, with ``--gradients model``, the model's own: each rank's gradient of the cross-entropy of a
+batch of random images and labels (a seed per rank) through the freshly initialised model, whose magnitudes differ
+from layer to layer and are heavier-tailed than a Gaussian's (what the data-dependent selections of AdaComp, DGC and
+TopK see in training); with ``--row-density D`` each
 rank keeps a random fraction ``D`` of every layer's rows and zeroes the others, as an embedding's gradient is
 non-zero only in the rows of the batch's tokens (the input Zen is for; a dense gradient takes its dense fallback).
 
@@ -33,6 +37,7 @@ Examples::
     python benchmarks/codec.py --device cuda --model resnet50 --image-size 224 --batch-size 64
     python benchmarks/codec.py --compressors topk qsgd --out benchmarks/results/codec_cpu.json
     python benchmarks/codec.py --compressors zen zen-always --row-density 0.05
+    python benchmarks/codec.py --gradients model                    # the model's gradients instead of Gaussian ones
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from collections.abc import Callable
 import torch
 import torchvision
 from codec_profile import compressed_layers
+from torch import Tensor
 
 from lightning_gradcomp.compressors import LGC, Identity, MaskedCompressor, Masks, TopK
 from lightning_gradcomp.compressors.base import Layer
@@ -189,11 +195,38 @@ def buckets(layers: tuple[Layer, ...], cap_mb: float) -> list[tuple[Layer, ...]]
     return out
 
 
-def measure(name: str, layout: list[tuple[Layer, ...]], args: argparse.Namespace, device: torch.device) -> dict:
+def model_gradients(
+    model: torch.nn.Module, layout: list[tuple[Layer, ...]], args: argparse.Namespace, device: torch.device
+) -> list[list[Tensor]]:
+    """Per bucket of ``layout``, every rank's flat gradient of a batch of random images and labels (seed 1 + rank)."""
+    params = dict(model.named_parameters())
+    loss_fn = torch.nn.CrossEntropyLoss()
+    per_rank = []
+    for rank in range(args.ranks):
+        g = torch.Generator().manual_seed(1 + rank)
+        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device)
+        y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
+        model.zero_grad(set_to_none=True)
+        loss_fn(model(x), y).backward()
+        per_rank.append([torch.cat([params[layer.name].grad.reshape(-1) for layer in bucket]) for bucket in layout])
+    model.zero_grad(set_to_none=True)
+    return [[per_rank[rank][index] for rank in range(args.ranks)] for index in range(len(layout))]
+
+
+def measure(
+    name: str,
+    layout: list[tuple[Layer, ...]],
+    args: argparse.Namespace,
+    device: torch.device,
+    model_grads: list[list[Tensor]] | None = None,
+) -> dict:
     """One compressor: encode+decode per step and rank (telemetry medians, every bucket), launches and syncs on CUDA."""
     sizes = [bucket[-1].offset + bucket[-1].numel for bucket in layout]
     torch.manual_seed(0)
-    grads = [[(torch.randn(n) * 1e-3).to(device) for _ in range(args.ranks)] for n in sizes]
+    if model_grads is None:
+        grads = [[(torch.randn(n) * 1e-3).to(device) for _ in range(args.ranks)] for n in sizes]
+    else:
+        grads = [[grad.clone() for grad in ranks] for ranks in model_grads]
     if args.row_density < 1:
         for bucket, ranks in zip(layout, grads):
             for grad in ranks:
@@ -250,6 +283,8 @@ def main() -> None:
                         help="bucket size in MiB, as DDP's bucket_cap_mb (default 25, DDP's); 0: one bucket")
     parser.add_argument("--row-density", type=float, default=1.0,
                         help="fraction of every layer's rows left non-zero on each rank (default 1: dense)")
+    parser.add_argument("--gradients", choices=["gaussian", "model"], default="gaussian",
+                        help="random normal gradients (default) or the model's own of random batches")  # fmt: skip
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -274,7 +309,8 @@ def main() -> None:
 
     draw16 = _median_ms(draw_16_bits, device, 20)
     layout = buckets(layers, args.bucket_mb)
-    rows = [measure(name, layout, args, device) for name in args.compressors]
+    model_grads = model_gradients(model, layout, args, device) if args.gradients == "model" else None
+    rows = [measure(name, layout, args, device, model_grads) for name in args.compressors]
     commit = {"swap": commit_ms(numel, device, swap=True), "copy": commit_ms(numel, device, swap=False)}
     header = (
         f"{args.model} ({numel:,} compressed elements in {len(layers)} layers, {len(layout)} bucket(s)),"
@@ -282,6 +318,7 @@ def main() -> None:
         f"{args.image_size}x{args.image_size}, {device}, {args.ranks} simulated ranks"
         + (f", {args.threads} thread(s)" if device.type == "cpu" else "")
         + (f", row density {args.row_density:g}" if args.row_density < 1 else "")
+        + (", the model's gradients" if args.gradients == "model" else "")
         + f": backward {backward:.1f} ms, one memory pass {one_pass:.2f} ms,"
         f" one uniform draw per element {draw:.2f} ms ({draw16:.2f} ms with 16 random bits)"
     )
