@@ -49,7 +49,7 @@ _HALF_STEP_16 = 0.5 + 2.0**-17  # (r + 2^15 + 1/2) 2^-16 for a signed 16-bit r: 
 def _uniform(
     ctx: BucketContext, layer: Layer, n: int, dtype: torch.dtype, bits: int | None = None, out: Tensor | None = None
 ) -> Tensor:
-    """``n`` uniform draws in (0, 1), different on every rank, keyed by the layer (not the bucket).
+    """``n`` uniform draws in [0, 1) (in (0, 1) with ``bits=16``), different on every rank, keyed by the layer.
 
     ``bits=None``: ``torch.rand`` in ``dtype`` (in fp32 a multiple of ``2^-24``: 24 random bits per element, one
     32-bit output of the generator each). ``bits=16``: ``(r + 1/2) 2^-16`` for a uniform 16-bit integer ``r``, four
