@@ -54,9 +54,9 @@ from codec_profile import compressed_layers
 from torch import Tensor
 
 from lightning_gradcomp.compressors import LGC, Identity, MaskedCompressor, Masks, TopK
-from lightning_gradcomp.compressors.base import Layer
+from lightning_gradcomp.compressors.base import BucketContext, Layer
 from lightning_gradcomp.compressors.exchange import StepUpdates
-from lightning_gradcomp.compressors.quantize import _HALF_STEP_16
+from lightning_gradcomp.compressors.quantize import _uniform
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
@@ -296,18 +296,20 @@ def main() -> None:
     backward = backward_ms(model, args, device)
     src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
     one_pass = _median_ms(lambda: dst.copy_(src), device, 20)
-    # the stochastic quantisers' floor: QSGD and TernGrad draw one uniform per element (from a CPU generator, as
-    # ``BucketContext.generator`` makes them, except on CUDA); timed into kept buffers (fresh ones add their page
-    # faults, which vary from run to run with the allocator's state), fp32 and as ``random_bits=16`` draws them
-    generator = torch.Generator(device=device).manual_seed(0)
-    draw = _median_ms(lambda: torch.rand(numel, generator=generator, device=device, out=dst), device, 20)
-    words = torch.empty(-(-numel // 4), dtype=torch.int64, device=device)
+    # the stochastic quantisers' floor: QSGD and TernGrad draw one uniform per element and layer (from a CPU
+    # generator, as ``BucketContext.generator`` makes them, except on CUDA), fp32 and as ``random_bits=16`` draws
+    # them; timed as they run it (``quantize._uniform``), into a kept buffer (a fresh one adds page faults that vary
+    # from run to run with the allocator's state)
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=layers, device=device)
 
-    def draw_16_bits() -> None:
-        words.random_(-(2**63), None, generator=generator)
-        dst.copy_(words.view(torch.int16)[:numel]).mul_(2.0**-16).add_(_HALF_STEP_16)  # as quantize._uniform
+    def draws(bits: int | None) -> Callable[[], None]:
+        def run() -> None:
+            for layer in layers:
+                _uniform(ctx, layer, layer.numel, torch.float32, bits, out=layer.flat(dst))
 
-    draw16 = _median_ms(draw_16_bits, device, 20)
+        return run
+
+    draw, draw16 = (_median_ms(draws(bits), device, 20) for bits in (None, 16))
     layout = buckets(layers, args.bucket_mb)
     model_grads = model_gradients(model, layout, args, device) if args.gradients == "model" else None
     rows = [measure(name, layout, args, device, model_grads) for name in args.compressors]
