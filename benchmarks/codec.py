@@ -106,11 +106,16 @@ def _median_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> fl
     return statistics.median(times)
 
 
+def random_batch(args: argparse.Namespace, device: torch.device, seed: int) -> tuple[Tensor, Tensor]:
+    """A batch of random images and labels (10 classes) of the benchmark's shape, from ``seed``."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device)
+    return x, torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
+
+
 def backward_ms(model: torch.nn.Module, args: argparse.Namespace, device: torch.device) -> float:
     """The median backward pass (forward excluded) of one batch."""
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device)
-    y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
+    x, y = random_batch(args, device, seed=0)
     loss_fn = torch.nn.CrossEntropyLoss()
     times = []
     for i in range(args.steps + 2):
@@ -203,9 +208,7 @@ def model_gradients(
     loss_fn = torch.nn.CrossEntropyLoss()
     per_rank = []
     for rank in range(args.ranks):
-        g = torch.Generator().manual_seed(1 + rank)
-        x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, generator=g).to(device)
-        y = torch.randint(0, 10, (args.batch_size,), generator=g).to(device)
+        x, y = random_batch(args, device, seed=1 + rank)
         model.zero_grad(set_to_none=True)
         loss_fn(model(x), y).backward()
         per_rank.append([torch.cat([params[layer.name].grad.reshape(-1) for layer in bucket]) for bucket in layout])
