@@ -18,6 +18,9 @@ gradient between two uses of it). Medians of ``--repeats`` calls. The pairs:
 * ``rows``: ``torch.index_select`` of 16-byte rows (4 fp32) of a 256-row table against
   ``compressors.packing.lookup_rows`` (each row gathered as one ``complex128``): the sign family's tables, a row per
   byte of ``--layer`` elements' bits;
+* ``codes``: two ranks' bits side by side, 4 elements' bits of each rank in one byte (the rows of the sign family's
+  2-rank sums and of signSGD's vote), by a lookup and an OR per rank against five elementwise byte operations
+  (``compressors.sign._rank_codes``), over the packed bits of ``--layer`` elements;
 * ``argsort``: ``torch.argsort`` of ``--k`` distinct random indices into a layer against
   ``compressors.packing.argsort_distinct`` (NumPy's sort of ``index << 32 | position`` keys): the ordering of a
   bitmap-encoded sparse layer;
@@ -51,6 +54,7 @@ from lightning_gradcomp.compressors.packing import (
     magnitude_above,
     max_magnitudes,
 )
+from lightning_gradcomp.compressors.sign import _looked_up_codes, _rank_codes
 from lightning_gradcomp.compressors.sparsify import topk_indices
 
 
@@ -94,6 +98,7 @@ def main() -> None:
     table = torch.randn(256, 4, generator=generator)
     rows = torch.randint(0, 256, (args.layer // 4,), generator=generator, dtype=torch.int32)
     out_first, out_second = torch.empty(rows.numel(), 4), torch.empty(rows.numel(), 4)
+    packed = [torch.randint(0, 256, (args.layer // 8,), generator=generator, dtype=torch.uint8) for _ in range(2)]
     scattered = torch.randperm(args.layer, generator=generator)[: args.k]
     if not 0 < args.topk_ratio <= 0.5:
         parser.error(f"expected 0 < --topk-ratio <= 0.5 (the sampled bound's range), got {args.topk_ratio}")
@@ -117,6 +122,7 @@ def main() -> None:
             lambda: lookup_rows(table, rows, out_second),
             None,
         ),
+        "codes": (lambda: _looked_up_codes(packed, 4), lambda: _rank_codes(packed, 4), None),
         "argsort": (lambda: torch.argsort(scattered), lambda: argsort_distinct(scattered), None),
         "inf_norm": (
             lambda: torch.linalg.vector_norm(layer, float("inf")),

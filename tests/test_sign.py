@@ -172,3 +172,22 @@ def test_the_table_aggregate_is_decoding_and_adding_bit_for_bit(compressor, rank
         nan = expected.isnan()  # NaN's sign bit differs between torch's bfloat16 kernels: a NaN is all that counts
         assert torch.equal(found.isnan(), nan)
         assert torch.equal(found[~nan].view(torch.uint8), expected[~nan].view(torch.uint8))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4, 5, 8])
+def test_rank_codes_put_every_ranks_bits_side_by_side(ranks):
+    """Code ``i`` holds bit ``j`` of rank ``r``'s element ``width i + j`` at bit ``r width + j``, from the bits
+    themselves; the elementwise codes of one and two ranks are the lookup's, byte for byte."""
+    from lightning_gradcomp.compressors.packing import unpack_bits
+    from lightning_gradcomp.compressors.sign import _group_width, _looked_up_codes, _rank_codes
+
+    width = _group_width(ranks)
+    g = torch.Generator().manual_seed(ranks)
+    packed = [torch.randint(0, 256, (13,), generator=g, dtype=torch.uint8) for _ in range(ranks)]
+    bits = torch.stack([unpack_bits(p, 13 * 8).long() for p in packed])  # [rank, element]
+    weights = 2 ** torch.arange(ranks * width).view(ranks, 1, width)
+    expected = (bits.view(ranks, -1, width) * weights).sum(dim=(0, 2))
+    found = _rank_codes(packed, width)
+    assert found.dtype == torch.uint8
+    assert torch.equal(found.long(), expected)
+    assert torch.equal(found, _looked_up_codes(packed, width))
