@@ -377,16 +377,22 @@ class OneBit(_TwoValuedSigns):
         """Packed signs and, per layer, the mean of its non-negative and of its negative entries (fp32)."""
         positive = above(tensor, 0, inclusive=True)
         acc = _accumulator(ctx.dtype)
-        means = []
+        n_pos, n_neg, totals, magnitudes = [], [], [], []
         for layer in ctx.layers:
             x = layer.flat(tensor)
-            n_pos = torch.count_nonzero(layer.flat(positive))  # a bool sum converts to int64 first: 3x slower
+            count = torch.count_nonzero(layer.flat(positive))  # a bool sum converts to int64 first: 3x slower
+            n_pos.append(count)
+            n_neg.append(layer.numel - count)
             # the sums of the positive and of the negative entries from two passes without temporaries
-            total, magnitude = x.sum(dtype=acc), torch.linalg.vector_norm(x, 1, dtype=acc)
-            # an empty group's mean is never used; clamping the count avoids 0 / 0
-            means.append((magnitude + total) / 2 / n_pos.clamp(min=1))
-            means.append((total - magnitude) / 2 / (layer.numel - n_pos).clamp(min=1))
-        return pack_bits(positive), torch.stack(means).to(_WIRE_SCALE)
+            totals.append(x.sum(dtype=acc))
+            magnitudes.append(torch.linalg.vector_norm(x, 1, dtype=acc))
+        # the means of every layer at once (elementwise, the same operations as layer by layer: the same bits);
+        # an empty group's mean is never used: clamping the count avoids 0 / 0
+        total, magnitude = torch.stack(totals), torch.stack(magnitudes)
+        positive_means = (magnitude + total) / 2 / torch.stack(n_pos).clamp_(min=1)
+        negative_means = (total - magnitude) / 2 / torch.stack(n_neg).clamp_(min=1)
+        means = torch.stack([positive_means, negative_means], dim=1).view(-1)  # each layer's two side by side
+        return pack_bits(positive), means.to(_WIRE_SCALE)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """The positive mean where the bit is set, the negative mean elsewhere."""
