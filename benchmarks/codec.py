@@ -19,16 +19,19 @@ telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
 * on a line of its own, the end-of-step commit of the error-feedback residual (outside encode+decode): a storage
   swap on the CPU, ``torch.where`` on CUDA, next to what a copy would cost.
 
-On CUDA it also counts kernel launches per step and rank (``torch.profiler``) and runs one step with
-``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation on the codec path raises, and the table says
-``sync`` instead of ``0``. Timings are medians over ``--steps`` steps after two warm-up steps; on CPU one torch thread,
-as each worker of ``step_time.py`` has. Gradients are random normal scaled to 1e-3 (``--gradients gaussian``, the
-tables' default) or, with ``--gradients model``, the model's own: each rank's gradient of the cross-entropy of a
-batch of random images and labels (a seed per rank) through the freshly initialised model, whose magnitudes differ
-from layer to layer and are heavier-tailed than a Gaussian's (what the data-dependent selections of AdaComp, DGC and
-TopK see in training); with ``--row-density D`` each
-rank keeps a random fraction ``D`` of every layer's rows and zeroes the others, as an embedding's gradient is
-non-zero only in the rows of the batch's tokens (the input Zen is for; a dense gradient takes its dense fallback).
+With ``--operators`` it also counts the top-level torch operators one step issues per rank (``torch.profiler``; the
+simulated collectives' few copies included, alike for every compressor): on the CPU a proxy for the launches, since on
+a GPU every operator that computes launches at least one kernel, though the CPU path runs some stages in NumPy, which
+the count does not see. On CUDA it also counts kernel launches per step and rank (``torch.profiler``) and runs one
+step with ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation on the codec path raises, and the
+table says ``sync`` instead of ``0``. Timings are medians over ``--steps`` steps after two warm-up steps; on CPU one
+torch thread, as each worker of ``step_time.py`` has. Gradients are random normal scaled to 1e-3 (``--gradients
+gaussian``, the tables' default) or, with ``--gradients model``, the model's own: each rank's gradient of the
+cross-entropy of a batch of random images and labels (a seed per rank) through the freshly initialised model, whose
+magnitudes differ from layer to layer and are heavier-tailed than a Gaussian's (what the data-dependent selections of
+AdaComp, DGC and TopK see in training); with ``--row-density D`` each rank keeps a random fraction ``D`` of every
+layer's rows and zeroes the others, as an embedding's gradient is non-zero only in the rows of the batch's tokens (the
+input Zen is for; a dense gradient takes its dense fallback).
 
 Examples::
 
@@ -139,6 +142,15 @@ def kernel_launches(run: Callable[[], None], ranks: int) -> float:
     names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync")
     count = sum(e.count for e in prof.key_averages() if e.key in names)
     return count / ranks
+
+
+def operators(run: Callable[[], None], ranks: int) -> float:
+    """Top-level torch operators (``aten::``, not those an operator calls) per call of ``run`` and rank."""
+    from torch.profiler import profile
+
+    with profile() as prof:
+        run()
+    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")) / ranks
 
 
 def has_host_sync(run: Callable[[], None]) -> bool:
@@ -266,6 +278,8 @@ def measure(
         if i >= 2:
             per_step.append(statistics.fmean(s.encode_ms + s.decode_ms for s in stats if s is not None))
     result = {"compressor": name, "codec_ms": statistics.median(per_step)}
+    if args.operators:
+        result["operators"] = operators(run, args.ranks)
     if device.type == "cuda":
         result["launches"] = kernel_launches(run, args.ranks)
         result["host_sync"] = has_host_sync(run)
@@ -288,6 +302,8 @@ def main() -> None:
                         help="fraction of every layer's rows left non-zero on each rank (default 1: dense)")
     parser.add_argument("--gradients", choices=["gaussian", "model"], default="gaussian",
                         help="random normal gradients (default) or the model's own of random batches")  # fmt: skip
+    parser.add_argument("--operators", action="store_true",
+                        help="also count the top-level torch operators of one step per rank")  # fmt: skip
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -331,12 +347,15 @@ def main() -> None:
     print(f"commit of the error-feedback residual per step (not in the codec times): {commit['swap']:.3f} ms"
           f" ({'a storage swap' if device.type == 'cpu' else 'torch.where'}; a copy would be {commit['copy']:.2f} ms)")
     cuda = device.type == "cuda"
-    print(f"{'compressor':<28} {'codec ms':>9} {'% backward':>10} {'passes':>7}" + ("  launches  sync" if cuda else ""))
+    print(f"{'compressor':<28} {'codec ms':>9} {'% backward':>10} {'passes':>7}"
+          + ("  operators" if args.operators else "") + ("  launches  sync" if cuda else ""))  # fmt: skip
     for row in rows:
         row["share_of_backward"] = row["codec_ms"] / backward
         row["passes"] = row["codec_ms"] / one_pass
         share = 100 * row["share_of_backward"]
         line = f"{row['compressor']:<28} {row['codec_ms']:9.2f} {share:9.1f}% {row['passes']:7.1f}"
+        if args.operators:
+            line += f"  {row['operators']:9.0f}"
         if cuda:
             line += f"  {row['launches']:8.0f}  {'sync' if row['host_sync'] else 'none'}"
         elif row["compressor"] in TARGETS:

@@ -212,13 +212,15 @@ class QSGD(Compressor):
         dtype = _compute_dtype(ctx.dtype)
         out = ctx.output(out)
         norm_at = byte_at = 0
+        tables: dict[int, Tensor] = {}  # field -> signed level (the sign is the top bit), one table per field width
         for layer in ctx.layers:
             s = self.level(layer)
             bits = s.bit_length()
             nbytes = packed_nbytes(layer.numel, bits + 1)
-            # field -> signed level (the sign is the top bit), by table lookup
-            levels = torch.arange(1 << bits, dtype=dtype, device=ctx.device)
-            table = torch.cat([levels, -levels])
+            table = tables.get(bits)
+            if table is None:
+                levels = torch.arange(1 << bits, dtype=dtype, device=ctx.device)
+                table = tables[bits] = torch.cat([levels, -levels])
             target = layer.flat(out) if out.dtype == dtype else torch.empty(layer.numel, dtype=dtype, device=out.device)
             lookup_uint(packed[byte_at : byte_at + nbytes], bits + 1, layer.numel, table, target)
             nb = self._buckets(layer)
@@ -377,7 +379,8 @@ class TernGrad(Compressor):
         """Per layer, the ``2 count + 1`` values ``s (k - count) / count``: the average of ``count`` ranks' ``s t``."""
         dtype = _compute_dtype(ctx.dtype)
         ternary_sums = torch.arange(-count, count + 1, dtype=dtype, device=device) / count
-        return [ternary_sums * scales[i].to(dtype) for i in range(len(ctx.layers))]
+        # every layer's at once: the same products as layer by layer
+        return list((scales[: len(ctx.layers)].to(dtype).unsqueeze(1) * ternary_sums).unbind(0))
 
     def _scaled_words(self, summed: Tensor, scales: Tensor, ctx: BucketContext, out: Tensor) -> Tensor:
         """:meth:`_scaled` of the average of all ranks, read plane by plane from the summed words.
