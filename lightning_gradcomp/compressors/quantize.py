@@ -380,7 +380,7 @@ class TernGrad(Compressor):
         dtype = _compute_dtype(ctx.dtype)
         ternary_sums = torch.arange(-count, count + 1, dtype=dtype, device=device) / count
         # every layer's at once: the same products as layer by layer
-        return list((scales[: len(ctx.layers)].to(dtype).unsqueeze(1) * ternary_sums).unbind(0))
+        return list((scales[: len(ctx.layers)].to(device=device, dtype=dtype).unsqueeze(1) * ternary_sums).unbind(0))
 
     def _scaled_words(self, summed: Tensor, scales: Tensor, ctx: BucketContext, out: Tensor) -> Tensor:
         """:meth:`_scaled` of the average of all ranks, read plane by plane from the summed words.
