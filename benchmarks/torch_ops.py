@@ -19,7 +19,7 @@ gradient between two uses of it). Medians of ``--repeats`` calls. The pairs:
   ``compressors.packing.lookup_rows`` (each row gathered as one ``complex128``): the sign family's tables, a row per
   byte of ``--layer`` elements' bits;
 * ``codes``: two ranks' bits side by side, 4 elements' bits of each rank in one byte (the rows of the sign family's
-  2-rank sums and of signSGD's vote), by a lookup and an OR per rank against five elementwise byte operations
+  2-rank sums and of signSGD's vote), by a lookup and an OR per rank against six elementwise byte operations
   (``compressors.sign._rank_codes``), over the packed bits of ``--layer`` elements;
 * ``argsort``: ``torch.argsort`` of ``--k`` distinct random indices into a layer against
   ``compressors.packing.argsort_distinct`` (NumPy's sort of ``index << 32 | position`` keys): the ordering of a

@@ -7,6 +7,8 @@ import torch
 
 from lightning_gradcomp.compressors import EFSignSGD, OneBit, SignSGD
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, layers_from_shapes
+from lightning_gradcomp.compressors.packing import unpack_bits
+from lightning_gradcomp.compressors.sign import _group_width, _looked_up_codes, _rank_codes
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 
@@ -178,9 +180,6 @@ def test_the_table_aggregate_is_decoding_and_adding_bit_for_bit(compressor, rank
 def test_rank_codes_put_every_ranks_bits_side_by_side(ranks):
     """Code ``i`` holds bit ``j`` of rank ``r``'s element ``width i + j`` at bit ``r width + j``, from the bits
     themselves; the elementwise codes of one and two ranks are the lookup's, byte for byte."""
-    from lightning_gradcomp.compressors.packing import unpack_bits
-    from lightning_gradcomp.compressors.sign import _group_width, _looked_up_codes, _rank_codes
-
     width = _group_width(ranks)
     g = torch.Generator().manual_seed(ranks)
     packed = [torch.randint(0, 256, (13,), generator=g, dtype=torch.uint8) for _ in range(ranks)]

@@ -68,7 +68,7 @@ def _rank_codes(packed: Sequence[Tensor], width: int) -> Tensor:
 
     Rank ``r``'s bit of element ``width * i + j`` is bit ``r * width + j`` of code ``i``; ``width`` divides 8, and
     ``len(packed) * width <= 8``. One rank's codes are its bytes. Two ranks' are formed elementwise: code ``2 i`` holds
-    both ranks' low nibbles of byte ``i``, code ``2 i + 1`` their high nibbles (five byte-wide operations, about 60 %
+    both ranks' low nibbles of byte ``i``, code ``2 i + 1`` their high nibbles (six byte-wide operations, about 60 %
     of the time of two lookups and an OR on the CPU: ``python benchmarks/torch_ops.py``, pair ``codes``). More ranks'
     are looked up (:func:`_looked_up_codes`).
     """
