@@ -133,24 +133,26 @@ def backward_ms(model: torch.nn.Module, args: argparse.Namespace, device: torch.
     return statistics.median(times)
 
 
-def kernel_launches(run: Callable[[], None], ranks: int) -> float:
-    """CUDA kernel launches (and memcpy/memset calls) per call of ``run`` and rank."""
+def _profiled(run: Callable[[], None], cuda: bool = False) -> torch.profiler.profile:
+    """One call of ``run`` under ``torch.profiler`` (CPU events, and CUDA's where asked)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    with profile(activities=activities) as prof:
         run()
+    return prof
+
+
+def kernel_launches(run: Callable[[], None], ranks: int) -> float:
+    """CUDA kernel launches (and memcpy/memset calls) per call of ``run`` and rank."""
     names = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cudaMemcpyAsync", "cudaMemsetAsync")
-    count = sum(e.count for e in prof.key_averages() if e.key in names)
-    return count / ranks
+    return sum(e.count for e in _profiled(run, cuda=True).key_averages() if e.key in names) / ranks
 
 
 def operators(run: Callable[[], None], ranks: int) -> float:
     """Top-level torch operators (``aten::``, not those an operator calls) per call of ``run`` and rank."""
-    from torch.profiler import profile
-
-    with profile() as prof:
-        run()
-    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::")) / ranks
+    events = _profiled(run).events()
+    return sum(1 for e in events if e.cpu_parent is None and e.name.startswith("aten::")) / ranks
 
 
 def has_host_sync(run: Callable[[], None]) -> bool:
