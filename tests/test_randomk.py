@@ -21,10 +21,14 @@ def _sorted_subset_reference(n, k, generator):
 
 
 @pytest.mark.parametrize(("n", "k"), [(1, 1), (10, 3), (10, 6), (10, 10), (1000, 10), (1000, 499), (1000, 501),
-                                      (2_359_296, 23_593)])  # fmt: skip
+                                      (2_359_296, 23_593), (2_359_296, 707_788),
+                                      (2**31, 50), (2**31 + 5, 50)])  # fmt: skip
 @pytest.mark.parametrize("seed", [0, 1])
 def test_random_k_subsets_are_the_sorted_draws_of_before(n, k, seed):
-    found = _uniform_subset(n, k, torch.Generator().manual_seed(seed))
-    expected = _sorted_subset_reference(n, k, torch.Generator().manual_seed(seed))
+    """The same subset and the same generator state after (int32 draws below 2^31, int64 above)."""
+    generator, reference = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    found = _uniform_subset(n, k, generator)
+    expected = _sorted_subset_reference(n, k, reference)
     assert found.dtype == torch.int64
     assert torch.equal(found, expected)
+    assert torch.equal(generator.get_state(), reference.get_state())
