@@ -14,10 +14,17 @@ are clean. Exit status 1 if any line was printed.
 Cases (``--magnitudes`` scales them): ``one``, one element of the last layer on the last rank set to the magnitude;
 ``all``, that rank's whole gradient multiplied by it (Gaussian values of order ``1e-3`` otherwise).
 
+With ``--hook`` the same spikes go through the real communication hook (``testing.SimulatedHook``, every layer
+compressed that the compressor takes) for twenty steps, with ``CompressionState``'s default ``reset_state_after=3``
+(``--reset-state-after``; ``0``: never): state that makes every later step non-finite is then reset after three such
+steps. It prints one line per configuration and case whose last two steps are still not finite (training stalled);
+nothing when every run goes on.
+
 Example::
 
     python benchmarks/spikes.py                                      # fp32: 1e5, 3e19, 1e38
     python benchmarks/spikes.py --dtype float16 --magnitudes 3e6 1e7 --cases all   # fp16 values of order 3e3, 1e4
+    python benchmarks/spikes.py --hook --dtype float16 --magnitudes 3e6 1e7 --cases all   # does training go on?
 """
 
 from __future__ import annotations
@@ -30,8 +37,9 @@ from typing import Any
 
 import torch
 
-from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
+from lightning_gradcomp import CompressionState
+from lightning_gradcomp.compressors.base import Layer, layers_from_shapes
+from lightning_gradcomp.testing import EXAMPLES, SimulatedHook, simulate_reduce
 
 # the shapes of tests/test_contract.py: a conv weight, two same-shape matrices apart, a tall and a wide matrix
 SHAPES = [(16, 4, 3, 3), (48, 64), (96, 24), (48, 64), (24, 96)]
@@ -49,6 +57,19 @@ def _finite(value: Any) -> bool:
     return True
 
 
+def _gradients(step: int, case: str, magnitude: float, dtype: torch.dtype, layers: Sequence[Layer], ranks: int,
+               generator: torch.Generator) -> list[torch.Tensor]:  # fmt: skip
+    """Every rank's gradient at ``step`` (Gaussian of order 1e-3); at step 1 the last rank's carries the spike."""
+    numel = sum(layer.numel for layer in layers)
+    grads = [(torch.randn(numel, generator=generator) * 1e-3).to(dtype) for _ in range(ranks)]
+    if step == 1:
+        if case == "one":
+            grads[-1][layers[-1].offset] = magnitude
+        else:
+            grads[-1] = (grads[-1].double() * magnitude).to(dtype)
+    return grads
+
+
 def _run(name: str, case: str, magnitude: float, dtype: torch.dtype, ranks: int = 2) -> list[str]:
     """What is left non-finite after ``case`` at ``magnitude`` (empty: nothing)."""
     compressor = EXAMPLES[name]()
@@ -61,12 +82,7 @@ def _run(name: str, case: str, magnitude: float, dtype: torch.dtype, ranks: int 
     generator = torch.Generator().manual_seed(0)
     found = []
     for step in range(4):
-        grads = [(torch.randn(offset, generator=generator) * 1e-3).to(dtype) for _ in range(ranks)]
-        if step == 1:
-            if case == "one":
-                grads[-1][layers[-1].offset] = magnitude
-            else:
-                grads[-1] = (grads[-1].double() * magnitude).to(dtype)
+        grads = _gradients(step, case, magnitude, dtype, layers, ranks, generator)
         outs = simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)
         if step > 1 and not all(_finite(out) for out in outs):
             found.append(f"step {step}: output not finite")
@@ -75,6 +91,26 @@ def _run(name: str, case: str, magnitude: float, dtype: torch.dtype, ranks: int 
         if not all(_finite(c.state_dict()) for c in compressors):
             found.append(f"step {step}: state not finite")
     return found
+
+
+def _stalls(name: str, case: str, magnitude: float, dtype: torch.dtype, reset_state_after: int | None = 3,
+            ranks: int = 2, steps: int = 20) -> list[str]:  # fmt: skip
+    """Through the hook: whether the last two steps are still not finite (empty: training went on)."""
+    compressor = EXAMPLES[name]()
+    layers = layers_from_shapes(SHAPES)
+    feedback = _accepts_feedback(compressor)
+    states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=0, error_feedback=feedback,
+                               reset_state_after=reset_state_after) for _ in range(ranks)]  # fmt: skip
+    hook = SimulatedHook(states, layers)
+    generator = torch.Generator().manual_seed(0)
+    finite = []
+    for step in range(steps):
+        grads = _gradients(step, case, magnitude, dtype, layers, ranks, generator)
+        finite.append(all(_finite(out) for out in hook.step(grads)))
+    if any(finite[-2:]):
+        return []
+    steps_seen = "".join("." if ok else "x" for ok in finite)
+    return [f"stalled: steps {steps_seen} (x: not finite), {states[0].telemetry.total_state_resets} reset(s)"]
 
 
 def _accepts_feedback(compressor: Any) -> bool:
@@ -91,6 +127,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the gradients' dtype")
     parser.add_argument("--magnitudes", nargs="+", type=float, default=[1e5, 3e19, 1e38])
     parser.add_argument("--cases", nargs="+", choices=["one", "all"], default=["one", "all"])
+    parser.add_argument("--hook", action="store_true", help="through the hook: print the runs that stall")
+    parser.add_argument("--reset-state-after", type=int, default=3,
+                        help="with --hook: reset_state_after (default 3, the default; 0: never)")  # fmt: skip
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]
@@ -98,7 +137,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in args.compressors:
         for case in args.cases:
             for magnitude in args.magnitudes:
-                for line in _run(name, case, magnitude, dtype)[:1]:  # the first step where it shows
+                if args.hook:
+                    found = _stalls(name, case, magnitude, dtype, args.reset_state_after or None)
+                else:
+                    found = _run(name, case, magnitude, dtype)
+                for line in found[:1]:  # the first step where it shows
                     print(f"{name} {case}={magnitude:g} ({args.dtype}): {line}")
                     bad += 1
     return 1 if bad else 0

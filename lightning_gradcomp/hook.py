@@ -27,7 +27,9 @@ from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives, w
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, GradientRuns, Layer
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
+from lightning_gradcomp.recovery import CUDA_LAG, NonfiniteRun
 from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.validation import check_int
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +125,9 @@ class CompressionState:
         min_compress_numel: layers with fewer elements are averaged densely (see :meth:`Compressor.compresses`).
         seed: seed of the randomness shared by all ranks.
         enabled: when ``False`` the hook is a plain all-reduce (dense warm-up); residuals are paid into it.
+        reset_state_after: after this many consecutive steps that were not finite on every rank, forget every
+            rank's error-feedback residuals and the compressor's state between steps (:meth:`reset_state`), so that
+            state which makes every step non-finite cannot stall training for good; ``None``: never.
     """
 
     __slots__ = (
@@ -132,6 +137,7 @@ class CompressionState:
         "min_compress_numel",
         "seed",
         "enabled",
+        "reset_state_after",
         "step",
         "after_reduce",
         "recorder",
@@ -144,6 +150,7 @@ class CompressionState:
         "_plans",
         "_updates",
         "_in_flight",
+        "_nonfinite_run",
     )
 
     def __init__(
@@ -154,6 +161,7 @@ class CompressionState:
         min_compress_numel: int = 1024,
         seed: int = 0,
         enabled: bool = True,
+        reset_state_after: int | None = 3,
     ) -> None:
         compressor.check_error_feedback(error_feedback)  # a setting that needs the memory is never ignored
         self.compressor = compressor
@@ -161,6 +169,7 @@ class CompressionState:
         self.min_compress_numel = min_compress_numel
         self.seed = seed
         self.enabled = enabled
+        self.reset_state_after = check_int(reset_state_after, "reset_state_after", low=1, allow_none=True)
         self.step = 0
         # called with (bucket, future of its average) for every bucket; its future is what DDP receives (the
         # strategy sets it to a fused optimizer's bucket_step; runtime binding, not pickled)
@@ -177,6 +186,7 @@ class CompressionState:
         self._plans: dict[int, _BucketPlan] = {}
         self._updates = StepUpdates()  # the step's staged state changes, committed after its last bucket
         self._in_flight: list[torch.futures.Future] = []  # the step's bucket reductions so far
+        self._nonfinite_run = NonfiniteRun()  # consecutive steps non-finite on every rank (reset_state_after)
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -234,6 +244,35 @@ class CompressionState:
     def uses_error_feedback(self, compressor: Compressor | None = None) -> bool:
         """Whether error feedback is on for ``compressor`` (default: the current one)."""
         return (compressor or self.compressor).resolve_error_feedback(self.error_feedback)
+
+    def reset_state(self) -> None:
+        """Forget every residual and the compressor's state between steps, as at the start of training.
+
+        The hook calls it on every rank at the same step, after ``reset_state_after`` consecutive non-finite steps;
+        call it yourself only between steps and on every rank alike. The configuration, the per-layer levels and
+        the step counter stay.
+        """
+        self.residuals.clear()
+        self.compressor.reset_state()
+        self._nonfinite_run.clear()
+        self.telemetry.add_state_reset()
+
+    def _reset_if_stalled(self) -> None:
+        """At a step's first bucket: :meth:`reset_state` after ``reset_state_after`` non-finite steps in a row."""
+        if self.reset_state_after is None:
+            return
+        lag = CUDA_LAG if self.comm.device.type == "cuda" else 0
+        run = self._nonfinite_run.length_before(self.step, lag)
+        if run < self.reset_state_after:
+            return
+        log.warning(
+            "gradcomp: %d consecutive steps were not finite on every rank (through step %d); the error-feedback"
+            " residuals and the compressor's state are reset, as at the start of training, so that state that makes"
+            " every step non-finite cannot stall training (CompressedDDP(reset_state_after=None) never resets)",
+            run,
+            self.step - lag,
+        )
+        self.reset_state()
 
     # ------------------------------------------------------------------------------------------------------------
     # Bucket plans
@@ -294,6 +333,8 @@ class CompressionState:
         this is also where the step counter advances (its one writer, besides :meth:`load_state_dict`).
         """
         entered = time.perf_counter() if self.recorder is not None else 0.0
+        if not self._in_flight:  # the step's first bucket
+            self._reset_if_stalled()
         buffer = bucket.buffer()
         self.telemetry.add_bucket(buffer.numel() * buffer.element_size())
         plan = self.plan(bucket, self.compressor)
@@ -368,11 +409,13 @@ class CompressionState:
         """After every bucket of the step: commit the staged state (if finite everywhere), count the verdict."""
         in_flight, updates = self._in_flight, self._updates
         self._in_flight, self._updates = [], StepUpdates()
-        telemetry = self.telemetry
+        telemetry, run, step = self.telemetry, self._nonfinite_run, self.step
 
         def commit(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
             fut.value()  # a failed bucket fails the step: nothing is committed
-            telemetry.add_verdict(updates.commit())
+            ok = updates.commit()
+            telemetry.add_verdict(ok)
+            run.add(step, ok)
             return last.wait()
 
         return when_all(in_flight, self.comm.device).then(commit)
@@ -388,12 +431,14 @@ class CompressionState:
             "compressor_class": type(self.compressor).__qualname__,
             "compressor": _to_cpu(self.compressor.state_dict()),
             "residuals": self.residuals.state_dict(),
+            "nonfinite_run": self._nonfinite_run.state_dict(),
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; residuals are laid into buckets at the next step."""
         self.step = int(state_dict["step"])
         self.residuals.load_state_dict(state_dict["residuals"])
+        self._nonfinite_run.load_state_dict(state_dict.get("nonfinite_run", {}))  # absent before 2026-11-25
         if state_dict["compressor_class"] == type(self.compressor).__qualname__:
             self.compressor.load_state_dict(state_dict["compressor"])
         else:
@@ -412,6 +457,7 @@ class CompressionState:
             "min_compress_numel": self.min_compress_numel,
             "seed": self.seed,
             "enabled": self.enabled,
+            "reset_state_after": self.reset_state_after,
             "step": self.step,
             "residuals": self.residuals.state_dict(),
         }

@@ -66,6 +66,7 @@ class CompressionMonitor(Callback):
         pl_module.log("gradcomp/decode_ms", stats.decode_ms, **log)
         telemetry = trainer.strategy.compression_state.telemetry
         pl_module.log("gradcomp/nonfinite_steps", float(telemetry.total_nonfinite_steps), **log)
+        pl_module.log("gradcomp/state_resets", float(telemetry.total_state_resets), **log)
         if not stats.finite and telemetry.total_nonfinite_steps == 1:
             rank_zero_warn(
                 f"gradcomp: step {trainer.global_step} had a non-finite gradient on some rank. Its aggregate is"

@@ -147,6 +147,10 @@ class CompressedDDP(DDPStrategy):
         seed: seed of the randomness shared by all ranks (random-k indices, PowerSGD's initial query).
         monitor: add a :class:`~lightning_gradcomp.callbacks.CompressionMonitor` (logs ``gradcomp/*`` every step)
             unless the trainer already has one.
+        reset_state_after: after this many consecutive steps that were not finite on every rank, forget every
+            rank's error-feedback residuals and the compressor's state (momenta, warm starts), as at the start of
+            training, so that state which makes every later step non-finite cannot stall training where plain DDP
+            would go on (docs/concepts.md, "Non-finite gradients"); ``None``: never. An integer >= 1.
         ddp_comm_state: refused: the hook's state is built from the arguments above.
         ddp_comm_hook: refused: CompressedDDP registers its own hook; choose a ``compressor`` instead.
         ddp_comm_wrapper: refused: compose by choosing a compressor (``FP16``, ``BF16``) instead.
@@ -178,6 +182,7 @@ class CompressedDDP(DDPStrategy):
         min_compress_numel: int = 1024,
         seed: int = 0,
         monitor: bool = True,
+        reset_state_after: int | None = 3,
         ddp_comm_state: object | None = None,
         ddp_comm_hook: Callable | None = None,
         ddp_comm_wrapper: Callable | None = None,
@@ -201,13 +206,18 @@ class CompressedDDP(DDPStrategy):
         check_int(min_compress_numel, "min_compress_numel", low=0, error=_MiscError)
         check_int(seed, "seed", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
+        check_int(reset_state_after, "reset_state_after", low=1, allow_none=True, error=_MiscError)
         _check_kwargs(kwargs, own=list(inspect.signature(CompressedDDP.__init__).parameters))
         super().__init__(**kwargs)
         self._monitor = monitor
         self._fused: FusedOptimizer | None = None
         self._failed = False  # training ended with an exception (on_exception): teardown lets the collectives settle
         self._state = CompressionState(
-            compressor, error_feedback=error_feedback, min_compress_numel=min_compress_numel, seed=seed
+            compressor,
+            error_feedback=error_feedback,
+            min_compress_numel=min_compress_numel,
+            seed=seed,
+            reset_state_after=reset_state_after,
         )
 
     # ------------------------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ class Telemetry:
         self.total_encode_ms = 0.0
         self.total_decode_ms = 0.0
         self.total_nonfinite_steps = 0
+        self.total_state_resets = 0  # CompressionState.reset_state calls (after runs of non-finite steps)
         self.last: StepStats | None = None  # the latest finished step, for callbacks that read after the monitor
 
     def _reset_step(self) -> None:
@@ -90,6 +91,11 @@ class Telemetry:
         if ok is not None:
             with self._lock:
                 self._verdicts.append(ok)
+
+    def add_state_reset(self) -> None:
+        """Count one reset of the residuals and the compressor's state."""
+        with self._lock:
+            self.total_state_resets += 1
 
     def add_sent(self, nbytes: int) -> None:
         """Count ``nbytes`` handed to a collective."""

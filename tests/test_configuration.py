@@ -54,6 +54,7 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
     "static-graph-not-bool": (lambda: CompressedDDP(static_graph="yes"), "static_graph"),
     "monitor-not-bool": (lambda: CompressedDDP(monitor=1), "monitor"),
     "seed-float": (lambda: CompressedDDP(seed=1.5), "seed"),
+    "reset-state-after-zero": (lambda: CompressedDDP(reset_state_after=0), "reset_state_after"),
     "enabled-not-bool": (_setter(CompressedDDP(), "compression_enabled", 1), "compression_enabled"),
     # callbacks
     "accordion-low-nan": (lambda: Accordion(low_compression_level=math.nan), "low_compression_level"),

@@ -203,3 +203,19 @@ def test_lightning_trainer_fits_with_compressed_ddp_on_the_gpu():
         dist.destroy_process_group()
     assert all(torch.isfinite(p).all() for p in params)
     assert not torch.equal(params[0], _model()[0].weight.detach())
+
+
+def test_the_run_of_non_finite_steps_is_counted_on_cuda_without_a_host_sync():
+    """CUDA verdicts are copied to the host behind events and counted ``CUDA_LAG`` steps late, with no sync."""
+    from lightning_gradcomp.recovery import CUDA_LAG, NonfiniteRun
+
+    run = NonfiniteRun()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 6):
+            run.add(step, torch.zeros((), dtype=torch.bool, device="cuda"))
+            assert run.length_before(step, CUDA_LAG) == max(0, step - CUDA_LAG)
+        run.add(6, torch.ones((), dtype=torch.bool, device="cuda"))
+        assert run.length_before(8, CUDA_LAG) == 0
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

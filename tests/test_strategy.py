@@ -156,6 +156,9 @@ def test_compressor_and_switch_can_change_between_steps(tmp_path):
         ({"error_feedback": "yes"}, "error_feedback"),
         ({"min_compress_numel": -1}, "min_compress_numel"),
         ({"seed": 1.5}, "seed"),
+        ({"reset_state_after": 0}, "reset_state_after"),
+        ({"reset_state_after": True}, "reset_state_after"),
+        ({"reset_state_after": "3"}, "reset_state_after"),
     ],
 )
 def test_bad_strategy_arguments_fail_before_training_naming_the_argument(kwargs, match):
@@ -233,3 +236,27 @@ def test_one_nan_costs_one_step_and_is_counted(tmp_path, compressor):
     for rank in ranks:
         assert [step["stats"].finite for step in rank["steps"]] == [step != 2 for step in range(8)]
     assert trainer.callback_metrics["gradcomp/nonfinite_steps"].item() == 1
+    assert trainer.callback_metrics["gradcomp/state_resets"].item() == 0  # one non-finite step: nothing to reset
+
+
+class _NaNThrice(_NaNOnce):
+    """Rank 1's loss times NaN at steps 2, 3 and 4: three non-finite steps in a row."""
+
+    def training_step(self, batch, batch_idx):
+        loss = TinyNet.training_step(self, batch, batch_idx)
+        if self.global_rank == 1 and self.global_step in (2, 3, 4):
+            loss = loss * float("nan")
+        return loss
+
+
+def test_three_non_finite_steps_in_a_row_reset_the_state_on_every_rank(tmp_path):
+    """Under Lightning, with DDP's own buckets: after reset_state_after=3 non-finite steps in a row every rank starts
+    its state afresh at the same step (a warning says so, the monitor counts it); replicas stay identical."""
+    strategy = CompressedDDP(PowerSGD(rank=2), min_compress_numel=64, reset_state_after=3, **SPAWN)
+    model, trainer, ranks = fit(strategy, str(tmp_path), model=_NaNThrice(), max_steps=8)
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+    assert torch.isfinite(ranks[0]["params"]).all()
+    for rank in ranks:
+        assert [step["stats"].finite for step in rank["steps"]] == [step not in (2, 3, 4) for step in range(8)]
+    assert trainer.callback_metrics["gradcomp/nonfinite_steps"].item() == 3
+    assert trainer.callback_metrics["gradcomp/state_resets"].item() == 1

@@ -549,6 +549,16 @@ class Compressor(ABC):
         for key, buffers in self._layer_state.items():
             buffers.load_state_dict(state_dict.get(key, {}))
 
+    def reset_state(self) -> None:
+        """Forget the state kept between steps (momenta, warm starts), as at the start of training.
+
+        Called on every rank at the same step after a run of non-finite steps (``CompressionState.reset_state``).
+        The configuration and the per-layer levels stay: they are settings, not state that arithmetic can poison.
+        A compressor with state outside :meth:`layer_state` extends this.
+        """
+        for buffers in self._layer_state.values():
+            buffers.clear()
+
     def __setstate__(self, state: dict[str, Any]) -> None:
         # objects pickled before these were declared attributes lack them
         self.__dict__.update({"_layer_levels": {}, "_levels_version": 0, "_layer_state": {}, **state})
@@ -597,6 +607,10 @@ class LayerBuffers:
     def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the buffers with copies of ``state_dict``'s."""
         self._tensors = {name: t.clone() for name, t in state_dict.items()}
+
+    def clear(self) -> None:
+        """Forget every buffer (each starts again from zeros at its next :meth:`get`)."""
+        self._tensors.clear()
 
 
 def sum_into_new_residual(tensor: Tensor, ctx: BucketContext) -> Tensor | None:

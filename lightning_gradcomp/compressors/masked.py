@@ -371,6 +371,11 @@ class MaskedCompressor(Compressor):
         super().load_state_dict(state_dict)
         self.inner.load_state_dict(state_dict.get("inner", {}))
 
+    def reset_state(self) -> None:
+        """The inner compressor's (the masks are its owner's, not state between steps)."""
+        super().reset_state()
+        self.inner.reset_state()
+
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_layouts"] = {}  # device index tensors and buffers: rebuilt on demand

@@ -199,6 +199,12 @@ class Planned(Compressor):
             "candidates": {name: candidate.state_dict() for name, candidate in self.candidates.items()},
         }
 
+    def reset_state(self) -> None:
+        """Every candidate's (the assignment and the limits are settings)."""
+        super().reset_state()
+        for candidate in self.candidates.values():
+            candidate.reset_state()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (candidates missing from it keep their state)."""
         self.set_assignment(state_dict.get("assignment", {}))

@@ -371,6 +371,12 @@ batch_same_shape=None, init='layer')
                                   "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
         return state
 
+    def reset_state(self) -> None:
+        """Also forget the warm-start queries and, for ``init="torch"``, restart its generator from the seed."""
+        super().reset_state()
+        self._memory.clear()
+        self._torch_rng = None
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`."""
         super().load_state_dict(state_dict)
