@@ -34,8 +34,7 @@ class NonfiniteRun:
     """
 
     def __init__(self) -> None:
-        self._length = 0  # the run as of step ``_through``
-        self._through = 0
+        self._length = 0  # the run as of the last verdict counted
         # (step, verdict, event): a bool, or a pinned host tensor whose copy completes at the CUDA event
         self._pending: deque[tuple[int, Any, torch.cuda.Event | None]] = deque()
         self._lock = threading.Lock()
@@ -62,12 +61,11 @@ class NonfiniteRun:
         """
         with self._lock:
             while self._pending and self._pending[0][0] <= step - lag:
-                number, verdict, event = self._pending.popleft()
+                _, verdict, event = self._pending.popleft()
                 if event is not None:
                     event.synchronize()
                     verdict = bool(verdict)
                 self._length = 0 if verdict else self._length + 1
-                self._through = number
             return self._length
 
     def clear(self) -> None:
@@ -83,11 +81,10 @@ class NonfiniteRun:
                 if event is not None:
                     event.synchronize()
             pending = [(number, bool(verdict)) for number, verdict, _ in self._pending]
-            return {"length": self._length, "through": self._through, "pending": pending}
+            return {"length": self._length, "pending": pending}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: the same resets happen at the same steps as without the interruption."""
         with self._lock:
             self._length = int(state_dict.get("length", 0))
-            self._through = int(state_dict.get("through", 0))
             self._pending = deque((int(number), bool(ok), None) for number, ok in state_dict.get("pending", []))
