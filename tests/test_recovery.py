@@ -68,7 +68,7 @@ def _bits(tensor):
 
 @pytest.mark.parametrize(("name", "magnitude", "dtype"), STALLS, ids=[f"{s[0]}-{s[2]}" for s in STALLS])
 @pytest.mark.parametrize("ranks", [1, 2, 3])
-def test_state_that_stalls_training_is_reset_and_training_goes_on(name, magnitude, dtype, ranks):
+def test_state_that_stalls_training_is_reset_and_training_goes_on(name, magnitude, dtype, ranks, caplog):
     grads = _gradients(magnitude, dtype, ranks=ranks)
     # without the reset, the spike's state makes every later step non-finite: the stall this guards against
     hook = SimulatedHook(_states(name, None, ranks), LAYERS)
@@ -88,6 +88,9 @@ def test_state_that_stalls_training_is_reset_and_training_goes_on(name, magnitud
         resets.append(states[0].telemetry.total_state_resets)
         every.append(outs)
     assert all(state.telemetry.total_state_resets == 1 for state in states)
+    warned = [r.getMessage() for r in caplog.records if "consecutive steps were not finite" in r.getMessage()]
+    assert len(warned) == ranks
+    assert warned[0].startswith("gradcomp: 3 consecutive steps were not finite on every rank")
     first = resets.index(1)  # the step that started afresh
     # it came after exactly three non-finite steps, and every step from it on is finite
     assert finite[first - 3 : first] == [False] * 3, finite
