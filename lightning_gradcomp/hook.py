@@ -265,14 +265,19 @@ class CompressionState:
         run = self._nonfinite_run.length_before(self.step, lag)
         if run < self.reset_state_after:
             return
-        log.warning(
+        self.reset_state()
+        resets = self.telemetry.total_state_resets
+        # a model that stays non-finite resets every few steps: warn at the 1st, 2nd, 4th, 8th, ... reset
+        log.log(
+            logging.WARNING if resets & (resets - 1) == 0 else logging.DEBUG,
             "gradcomp: %d consecutive steps were not finite on every rank (through step %d); the error-feedback"
             " residuals and the compressor's state are reset, as at the start of training, so that state that makes"
-            " every step non-finite cannot stall training (CompressedDDP(reset_state_after=None) never resets)",
+            " every step non-finite cannot stall training (reset %d; CompressedDDP(reset_state_after=None) never"
+            " resets)",
             run,
             self.step - lag,
+            resets,
         )
-        self.reset_state()
 
     # ------------------------------------------------------------------------------------------------------------
     # Bucket plans

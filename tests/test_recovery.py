@@ -130,6 +130,21 @@ def test_a_resume_inside_a_run_of_non_finite_steps_resets_at_the_same_step(name,
     assert resumed[0].telemetry.total_state_resets == 1
 
 
+def test_a_model_that_stays_non_finite_resets_every_few_steps_and_warns_less_and_less(caplog):
+    """NaN on one rank at every step: a reset every three steps, warned at the 1st, 2nd, 4th and 8th."""
+    grads = _gradients(1.0, torch.float32, steps=25)
+    for step_grads in grads:
+        step_grads[-1][0] = float("nan")
+    states = _states("topk", 3)
+    hook = SimulatedHook(states, LAYERS)
+    for g in grads:
+        assert not _finite(hook.step(g))
+    assert [state.telemetry.total_state_resets for state in states] == [8, 8]  # before steps 4, 7, ..., 25
+    warned = [r for r in caplog.records if "consecutive steps were not finite" in r.getMessage()]
+    numbers = [int(r.getMessage().split("(reset ")[1].split(";")[0]) for r in warned]
+    assert numbers == [1, 1, 2, 2, 4, 4, 8, 8]  # each on both ranks
+
+
 def test_the_run_counts_consecutive_non_finite_verdicts():
     run = NonfiniteRun()
     verdicts = [True, False, False, None, True, False, False, False]  # None: a step that was not checked
