@@ -203,6 +203,7 @@ class CompressionState:
         over a changed model) keeps the residuals of parameters that still exist and drops the others.
         """
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        self.check_gradient_dtypes(module)
         self._names = {id(p): (i, name) for i, (name, p) in enumerate(module.named_parameters())}
         dropped = self.residuals.drop_except({name for _, name in self._names.values()})
         if dropped:
@@ -213,6 +214,22 @@ class CompressionState:
         device = next(module.parameters()).device
         self._comm = Comm(backend, self.telemetry, device)
         self.ensure_rounds()
+
+    def check_gradient_dtypes(self, model: Module, compressor: Compressor | None = None) -> None:
+        """Have ``compressor`` (default: the current one) check the gradient dtype of every layer it compresses.
+
+        :meth:`attach` calls it, and ``CompressedDDP`` before it wraps the model and when its compressor is replaced:
+        a cast that would not narrow 16-bit gradients (``FP16`` in ``bf16-true`` training) is refused before a step.
+
+        Raises:
+            ValueError: The compressor's error for the first layer it refuses.
+        """
+        module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        compressor = compressor or self.compressor
+        for index, (name, p) in enumerate(module.named_parameters()):
+            layer = Layer(name, index, p.shape)
+            if p.requires_grad and compressor.compresses(layer, self.min_compress_numel):
+                compressor.check_gradient_dtype(layer, p.dtype)
 
     def detach(self, failed: bool = False) -> None:
         """Let go of the collectives, the future chains they keep between steps and the bucket plans.

@@ -231,6 +231,8 @@ class CompressedDDP(DDPStrategy):
     @compressor.setter
     def compressor(self, compressor: Compressor) -> None:
         _check_error_feedback(_check_compressor(compressor), self._state.error_feedback)
+        if isinstance(self.model, DistributedDataParallel):  # set up: the gradients' dtypes are final
+            self._check_gradient_dtypes(compressor)
         self._state.compressor = compressor
         _warn_if_optimizer_momentum(compressor, self.optimizers)
 
@@ -333,7 +335,12 @@ class CompressedDDP(DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Wrap the model in DDP and register the compression hook (on every device type), then log the plan."""
+        """Wrap the model in DDP and register the compression hook (on every device type), then log the plan.
+
+        The compressor first checks the gradients' dtypes (:meth:`Compressor.check_gradient_dtype`), before DDP is
+        built: the precision plugin has converted the model by now.
+        """
+        self._check_gradient_dtypes(self._state.compressor)
         super().configure_ddp()  # wraps the model; DDPStrategy's own hook registration has nothing to register
         assert isinstance(self.model, DistributedDataParallel)
         self._state.attach(self.model, process_group=self._ddp_kwargs.get("process_group"))
@@ -496,6 +503,12 @@ class CompressedDDP(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     # Helpers
     # ------------------------------------------------------------------------------------------------------------
+    def _check_gradient_dtypes(self, compressor: Compressor) -> None:
+        try:
+            self._state.check_gradient_dtypes(self.model, compressor)
+        except ValueError as err:
+            raise MisconfigurationException(f"`compressor` does not fit this model's gradients: {err}") from err
+
     def _describe(self) -> str:
         module = self.lightning_module
         compressor = self._state.compressor

@@ -82,6 +82,8 @@ NO_TELESCOPING = {
         " checks the memory it keeps",
     ),
 }
+# casts to a 16-bit format, which refuse 16-bit gradients
+CASTS = {"fp16", "bf16"}
 # lossless on what they send: nothing is owed
 LOSSLESS = {"identity", "topk-all", "masked", "masked-pruned", "zen", "zen-always", "zen-bitmap"}
 # the majority vote is not an average of compressed gradients: error feedback is refused
@@ -119,9 +121,11 @@ def case(request):
     return request.param, COMPRESSORS[request.param]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_round_trip_keeps_shape_dtype_and_device(case, dtype):
-    _, compressor = case
+    name, compressor = case
+    if name in CASTS and dtype.itemsize == 2:
+        pytest.skip("a cast refuses 16-bit gradients (tests/test_cast.py)")
     layers = _layers(compressor)
     (x,) = _data(layers, 1, dtype)
     ctx = _ctx(layers, dtype)
@@ -129,6 +133,37 @@ def test_round_trip_keeps_shape_dtype_and_device(case, dtype):
     assert out.shape == x.shape
     assert out.dtype == dtype
     assert out.device == x.device
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_sixteen_bit_gradients_are_averaged_as_well_as_float32_ones(case, dtype):
+    """Training in 16 bits (``precision="16-true"``, ``"bf16-true"``) hands the hook 16-bit gradients and keeps
+    16-bit residuals. Over 3 steps at 2 ranks, with error feedback where the compressor allows it, every output is
+    finite, identical on both ranks and in the gradient's dtype, and as close to the exact average of the 16-bit
+    gradients as float32 gradients of the same values get to theirs (within a 16-bit rounding or two)."""
+    name, compressor = case
+    if name in CASTS:
+        pytest.skip("a cast refuses 16-bit gradients (tests/test_cast.py)")
+    layers = _layers(compressor)
+    numel = sum(layer.numel for layer in layers)
+    errors = {}
+    for wide in (dtype, torch.float32):
+        compressors = _fresh(compressor, 2)
+        residuals = None
+        if name not in REFUSES_ERROR_FEEDBACK:
+            residuals = [torch.zeros(numel, dtype=wide, device=DEVICE) for _ in range(2)]
+        errors[wide] = []
+        for step in range(3):
+            xs = [x.to(dtype) for x in _data(layers, 2, dtype=torch.float32, seed=900 + step)]
+            outs = simulate_reduce(compressors, [x.to(wide) for x in xs], layers, step=step, residuals=residuals)
+            assert outs[0].dtype == wide
+            assert torch.isfinite(outs[0]).all(), f"step {step}: not finite in {wide}"
+            assert torch.equal(outs[0], outs[1]), f"step {step}: the ranks differ in {wide}"
+            exact = (xs[0].double() + xs[1].double()) / 2
+            errors[wide].append(((outs[0].double() - exact).norm() / exact.norm()).item())
+    rounding = torch.finfo(dtype).eps * 4  # a few roundings of values of order 1, relative to the average's norm
+    for step, (narrow, wide) in enumerate(zip(errors[dtype], errors[torch.float32])):
+        assert narrow <= wide * (1 + 0.02) + rounding, f"step {step}: {narrow:.4g} in {dtype}, {wide:.4g} in float32"
 
 
 def test_decompressing_into_a_spent_buffer_gives_the_same_result(case):

@@ -11,7 +11,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from lightning_gradcomp import CompressedDDP, compression_hook
 from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD, RandomK, TopK
-from lightning_gradcomp.compressors.base import keep_count
+from lightning_gradcomp.compressors.base import Layer, keep_count
 from tests.models import TinyNet, fit, synthetic_classification
 
 SPAWN = {"start_method": "spawn"}
@@ -36,6 +36,33 @@ def test_identity_is_bitwise_plain_ddp(tmp_path, accumulate):
     assert reductions == [(i + 1) // accumulate for i in range(6 * accumulate)]
 
 
+@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+def test_16_bit_training_runs_as_plain_ddp_does_and_sends_16_bit_payloads(tmp_path, precision):
+    """With 16-bit gradients Identity is still bitwise DDPStrategy, the bytes counted are 2 per element, and TopK
+    with its 16-bit residual keeps the replicas identical, sending 2-byte values next to its int32 indices."""
+    dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}[precision]
+    dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), precision=precision)
+    ours, _, our_ranks = fit(CompressedDDP(Identity(), **SPAWN), str(tmp_path / "ours"), precision=precision)
+    for d, o in zip(dense_ranks, our_ranks):
+        assert o["params"].dtype == dtype
+        assert torch.equal(d["params"], o["params"])
+    numel = _dense_bytes(TinyNet()) // 4
+    assert all(step["stats"].bytes_sent == step["stats"].bytes_dense == 2 * numel for step in our_ranks[0]["steps"])
+
+    topk = TopK(ratio=0.05)
+    _, _, ranks = fit(CompressedDDP(topk, min_compress_numel=64, **SPAWN), str(tmp_path / "topk"), precision=precision)
+    assert ranks[0]["params"].dtype == dtype
+    assert torch.isfinite(ranks[0]["params"]).all()
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"]), "replicas diverged"
+    assert ranks[0]["steps"][-1]["residuals"] > 0, "error feedback carries what was not sent"
+    layers = [(p.shape, p.numel()) for p in TinyNet().parameters()]
+    compressed = [n for i, (s, n) in enumerate(layers) if topk.compresses(Layer("", i, s), 64)]
+    k = sum(keep_count(n, topk.ratio) for n in compressed)
+    expected = 2 * (numel - sum(compressed)) + math.ceil(2 * k / 8) * 8 + math.ceil(4 * k / 8) * 8
+    for step in ranks[0]["steps"]:
+        assert step["stats"].bytes_sent - step["stats"].bytes_guard == expected
+
+
 def _dataset_loss(model):
     x, y = synthetic_classification(model.n).tensors
     with torch.no_grad():
@@ -49,8 +76,6 @@ def _dense_bytes(model):
 def _expected_bytes(model, compressor, min_numel):
     """Payload bytes per step, from the formulas in docs/compressors.md (one bucket: the model is < 1 MB)."""
     layers = [(p.shape, p.numel()) for p in model.parameters()]
-    from lightning_gradcomp.compressors.base import Layer
-
     compressed = [(s, n) for i, (s, n) in enumerate(layers) if compressor.compresses(Layer("", i, s), min_numel)]
     dense = sum(n for _, n in layers) - sum(n for _, n in compressed)
     if isinstance(compressor, Identity):
@@ -207,6 +232,42 @@ def test_the_monitor_compressed_ddp_adds_gets_its_setup(tmp_path, monkeypatch, i
     monitors = [cb for cb in trainer.callbacks if isinstance(cb, CompressionMonitor)]
     assert len(monitors) == 1
     assert set_up == ["fit"]
+
+
+def _in_process_trainer(tmp_path, strategy, **kwargs):
+    from lightning.pytorch import Trainer
+
+    return Trainer(
+        accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), **kwargs,
+    )  # fmt: skip
+
+
+def test_a_cast_of_16_bit_gradients_is_refused_before_the_first_step(tmp_path, in_process_ddp):
+    """``precision="bf16-true"`` with ``FP16()`` is refused at setup, naming `compressor`; switching to a cast after
+    setup is refused the same way, and the compressor in force stays."""
+    trainer = _in_process_trainer(tmp_path, CompressedDDP(FP16()), max_steps=2, precision="bf16-true")
+    with pytest.raises(MisconfigurationException, match=r"`compressor` .*FP16\(\) sends float16.*torch\.bfloat16"):
+        trainer.fit(TinyNet())
+    assert trainer.global_step == 0
+
+    refused = []
+
+    class SwitchToACast(Callback):
+        def on_train_start(self, trainer, pl_module):
+            try:
+                trainer.strategy.compressor = BF16()
+            except MisconfigurationException as error:
+                refused.append(str(error))
+
+    strategy = CompressedDDP(TopK(ratio=0.1))
+    trainer = _in_process_trainer(tmp_path, strategy, max_steps=2, precision="16-true", callbacks=[SwitchToACast()])
+    trainer.fit(TinyNet())
+    assert len(refused) == 1
+    assert "BF16() sends bfloat16" in refused[0]
+    assert "torch.float16" in refused[0]
+    assert isinstance(strategy.compressor, TopK)
+    assert trainer.global_step == 2
 
 
 class _NaNOnce(TinyNet):

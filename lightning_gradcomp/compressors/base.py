@@ -338,6 +338,17 @@ class Compressor(ABC):
             ValueError: If the configuration cannot run with error feedback as set.
         """
 
+    def check_gradient_dtype(self, layer: Layer, dtype: torch.dtype) -> None:
+        """Refuse, with a clear error, a layer whose gradient this compressor cannot usefully compress.
+
+        Called before training, for every layer it compresses, with the dtype of the layer's parameter (the dtype of
+        its gradient: ``Trainer(precision="16-true")`` and ``"bf16-true"`` train with 16-bit gradients). The default
+        accepts every dtype; a cast to a 16-bit format refuses gradients that are not wider than it.
+
+        Raises:
+            ValueError: If ``layer``'s gradient, of ``dtype``, cannot be compressed as configured.
+        """
+
     def resolve_error_feedback(self, enabled: bool | None) -> bool:
         """Whether error feedback is on under the strategy's ``error_feedback`` (``None``: the default)."""
         return self.default_error_feedback if enabled is None else enabled

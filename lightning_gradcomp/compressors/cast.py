@@ -10,6 +10,13 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
 from lightning_gradcomp.compressors.exchange import AllReduce, Exchange
 
+_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+# what a cast between the two 16-bit formats loses, (gradient, wire) -> the error's clause
+_CAST_LOSS = {
+    (torch.bfloat16, torch.float16): ", and values beyond float16's 65504, which bfloat16 holds, would become infinite",
+    (torch.float16, torch.bfloat16): ", and it would keep 8 of float16's 11 significant bits",
+}
+
 
 class _Cast(Compressor):
     collective: ClassVar[Collective] = "allreduce"
@@ -25,6 +32,26 @@ class _Cast(Compressor):
     def compresses(self, layer: Layer, min_numel: int) -> bool:
         """Every layer: a cast treats all elements alike, as torch's ``fp16_compress_hook`` does."""
         return True
+
+    def check_gradient_dtype(self, layer: Layer, dtype: torch.dtype) -> None:
+        """Refuse gradients that are not wider than the wire format: the cast would save nothing.
+
+        Such gradients come from training in 16 bits (``precision="16-true"`` or ``"bf16-true"``). A cast between the
+        two 16-bit formats would also lose what one holds and the other does not: float16 overflows beyond 65504,
+        which bfloat16 holds; bfloat16 keeps 8 significant bits of float16's 11. Sending those gradients as they are
+        (``Identity()``) costs the same bytes and loses nothing.
+        """
+        if dtype.itemsize > self.wire_dtype.itemsize:
+            return
+        loss = _CAST_LOSS.get((dtype, self.wire_dtype), "")
+        raise ValueError(
+            f"{self!r} sends {_NAMES[self.wire_dtype]} ({self.wire_dtype.itemsize} bytes per element), but the"
+            f" gradient of {layer.name!r} is {dtype} ({dtype.itemsize} bytes per element): the cast would save"
+            f" nothing{loss}. {type(self).__name__} accepts gradients wider than {8 * self.wire_dtype.itemsize} bits"
+            " (float32, float64). For 16-bit gradients (precision '16-true' or 'bf16-true') use Identity(), which"
+            f" sends them as they are; to keep {type(self).__name__}, train with 32-bit gradients (precision"
+            " '32-true', 'bf16-mixed' or '16-mixed')."
+        )
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Cast to the wire dtype (round to nearest)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
+import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload
@@ -148,6 +149,10 @@ class Planned(Compressor):
     def compresses(self, layer: Layer, min_numel: int) -> bool:
         """What ``layer``'s own candidate decides."""
         return self.bucket_compressor([layer]).compresses(layer, min_numel)
+
+    def check_gradient_dtype(self, layer: Layer, dtype: torch.dtype) -> None:
+        """``layer``'s own candidate's check."""
+        self.bucket_compressor([layer]).check_gradient_dtype(layer, dtype)
 
     @property
     def default_error_feedback(self) -> bool:
