@@ -55,6 +55,7 @@ class Record(Callback):
                 "local": None if auto.local_plan is None else auto.local_plan.assignment,
                 "plan": None if auto.plan is None else auto.plan.assignment,
                 "phase": auto.phase,
+                "buckets": [(b.numel, {name: c.nbytes for name, c in b.costs.items()}) for b in auto.buckets],
             },
             os.path.join(self.dirpath, f"auto{trainer.global_rank}.pt"),
         )
@@ -252,11 +253,20 @@ def test_a_hidden_link_times_no_codec_and_the_plan_is_logged(tmp_path):
         assert column in metrics.splitlines()[0], column
 
 
-def test_a_slow_link_times_every_bucket(tmp_path):
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true"])
+def test_a_slow_link_times_every_bucket_in_the_gradients_own_bytes(tmp_path, precision):
+    """Every bucket is timed; its dense bytes are its gradients' (2 per element in 16-bit training), and the bf16 cast
+    is offered for 32-bit gradients only (it would refuse 16-bit ones: the planner must never assign it those)."""
     auto = AutoCompression(link=SLOW, tolerance=10.0, **FAST)
-    ranks = _run(tmp_path, auto, max_steps=6)
+    ranks = _run(tmp_path, auto, max_steps=6, precision=precision)
     plan = next(e for e in ranks[0]["history"] if e["event"] == "plan")
     assert plan["timed_buckets"] == list(range(len(plan["assignment"])))
+    element = 2 if precision == "bf16-true" else 4
+    for numel, nbytes in ranks[0]["buckets"]:
+        assert nbytes["dense"] == numel * element
+        assert ("bf16" in nbytes) == (element == 4)
+        assert "topk-10%" in nbytes
+        assert "bf16" not in plan["assignment"] or element == 4
 
 
 class RecordLimits(Record):

@@ -32,7 +32,7 @@ def advice(
         f"forward {timing.forward * 1e3:.1f} ms, backward (last bucket ready) {timing.backward_end * 1e3:.1f} ms,"
         f" optimizer {timing.optimizer * 1e3:.1f} ms"
         + (f"; measured dense step {measured_step * 1e3:.1f} ms" if measured_step else ""),
-        f"{len(buckets)} buckets, {sum(b.numel for b in buckets) * 4 / 1e6:.2f} MB of gradients",
+        f"{len(buckets)} buckets, {sum(b.costs[DENSE].nbytes for b in buckets) / 1e6:.2f} MB of gradients",
         "",
         "| candidate | encode (ms/step) | decode (ms/step) | MB per step | ratio |",
         "|---|---|---|---|---|",

@@ -85,6 +85,28 @@ def _check_candidates(candidates: Any) -> dict[str, Compressor]:
     return {DENSE: out.pop(DENSE), **out}
 
 
+def _element_size(bucket: Bucket, params: Mapping[str, torch.Tensor]) -> int:
+    """Bytes per element of ``bucket``'s gradients (a DDP bucket holds one dtype; 16-bit training halves them)."""
+    for name in bucket.layers:
+        if name in params:
+            return params[name].dtype.itemsize
+    return 4
+
+
+def _takes(candidate: Compressor, layers: Sequence[Layer], params: Mapping[str, torch.Tensor], min_numel: int) -> bool:
+    """Whether ``candidate`` accepts the gradients of ``layers`` (a cast refuses 16-bit ones).
+
+    The planner is offered a candidate only for the buckets it accepts, so it never assigns one a bucket it refuses.
+    """
+    try:
+        for layer in layers:
+            if candidate.compresses(layer, min_numel):
+                candidate.check_gradient_dtype(layer, params[layer.name].dtype)
+    except ValueError:
+        return False
+    return True
+
+
 class AutoCompression(Callback):
     """Choose per DDP bucket whether and how to compress, from measurements of this run; verify and fall back.
 
@@ -491,7 +513,11 @@ class AutoCompression(Callback):
         Returns:
             The buckets with their costs, and the indices of the buckets whose candidates were timed.
         """
-        dense = [Bucket(b.ready, b.numel, b.layers, {DENSE: Cost(0.0, 0.0, float(b.numel * 4), 1)}) for b in buckets]
+        params = dict(pl_module.named_parameters())
+        dense = [
+            Bucket(b.ready, b.numel, b.layers, {DENSE: Cost(0.0, 0.0, float(b.numel * _element_size(b, params)), 1)})
+            for b in buckets
+        ]
         if self.measure == "all":
             timed = list(range(len(dense)))
         else:
@@ -502,7 +528,6 @@ class AutoCompression(Callback):
                 timed = list(range(exposed_tail(prediction, dense, link), len(dense)))
         state = trainer.strategy.compression_state
         world = trainer.strategy.world_size
-        params = dict(pl_module.named_parameters())
         index = {name: i for i, name in enumerate(params)}
         out = list(dense)
         for b in timed:
@@ -515,10 +540,10 @@ class AutoCompression(Callback):
                 layers.append(Layer(name, index[name], p.shape, offset))
                 offset += p.numel()
                 grads.append((p.grad if p.grad is not None else torch.randn_like(p)).detach().reshape(-1))
-            flat = torch.cat(grads).float() if grads else torch.zeros(0)
+            flat = torch.cat(grads) if grads else torch.zeros(0)  # in the gradients' dtype, as the hook sees them
             costs = dict(bucket.costs)
             for name, candidate in self.candidates.items():
-                if name != DENSE:
+                if name != DENSE and _takes(candidate, layers, params, state.min_compress_numel):
                     costs[name] = self._codec_cost(candidate, state, tuple(layers), flat, world)
             out[b] = Bucket(bucket.ready, bucket.numel, bucket.layers, costs)
         return out, timed
@@ -537,8 +562,9 @@ class AutoCompression(Callback):
         """
         compressed = [layer for layer in layers if candidate.compresses(layer, state.min_compress_numel)]
         dense_numel = sum(layer.numel for layer in layers) - sum(layer.numel for layer in compressed)
+        element = flat.element_size()
         if not compressed:
-            return Cost(0.0, 0.0, float(flat.numel() * 4), 1)
+            return Cost(0.0, 0.0, float(flat.numel() * element), 1)
         states = [
             CompressionState(copy.deepcopy(candidate), error_feedback=state.error_feedback,
                              min_compress_numel=state.min_compress_numel, seed=state.seed)
@@ -558,7 +584,8 @@ class AutoCompression(Callback):
         wall, stats = best
         encode, decode = stats.encode_ms / 1e3, stats.decode_ms / 1e3
         hook_s = max(0.0, wall / world - encode - decode)
-        nbytes = _wire_bytes(stats.bytes_sent - dense_numel * 4, candidate.collective, world) + dense_numel * 4
+        dense_bytes = dense_numel * element
+        nbytes = _wire_bytes(stats.bytes_sent - dense_bytes, candidate.collective, world) + dense_bytes
         rounds = candidate.rounds + (1 if dense_numel else 0)
         return Cost(encode + hook_s, decode, float(nbytes), rounds)
 
@@ -602,7 +629,7 @@ class AutoCompression(Callback):
             "|---|---|---|---|---|",
         ]
         for b, (bucket, name) in enumerate(zip(self.buckets, self.plan.assignment)):
-            lines.append(f"| {b} | {bucket.numel * 4 / 1e6:.2f} | {bucket.ready * 1e3:.1f} | {name} |"
+            lines.append(f"| {b} | {bucket.costs[DENSE].nbytes / 1e6:.2f} | {bucket.ready * 1e3:.1f} | {name} |"
                          f" {pred.finish[b] * 1e3:.1f} |")  # fmt: skip
         lines.extend(f"  {reason}" for reason in self.plan.reasons)
         return "\n".join(lines)
