@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Layer
+from lightning_gradcomp.compressors.base import Compressor, Layer
 
 
 class ErrorFeedback:
@@ -126,3 +126,21 @@ class ErrorFeedback:
         for name in dropped:
             del self._pending[name]
         return dropped
+
+
+def error_feedback_growth_warning(compressor: Compressor, enabled: bool | None) -> str | None:
+    """A warning when error feedback is on for ``compressor`` and its residual can grow without bound; else ``None``.
+
+    ``enabled`` is the strategy's ``error_feedback``; the reason is :meth:`Compressor.error_feedback_growth`'s. The
+    strategy shows it when fitting starts and when its compressor is replaced. A warning, not an error: the
+    configuration runs as asked, and the growth depends on the gradients (``python benchmarks/error_feedback.py``).
+    """
+    reason = compressor.error_feedback_growth(enabled)
+    if reason is None:
+        return None
+    return (
+        f"{compressor!r} with error feedback on: {reason}. Error feedback keeps a bounded residual only when the"
+        " compressor's squared error is below its input's squared norm; here the residual, and the noise it adds to"
+        " every average, can grow with every step (plain DDP adds none). Leave `error_feedback` unset (off for this"
+        " compressor) or set it to False."
+    )

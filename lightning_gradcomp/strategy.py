@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_gradcomp.comm import gather_objects, gather_rows, hand_off_gil, release_round_groups
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.error_feedback import error_feedback_growth_warning
 from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
 from lightning_gradcomp.fused_optim import FusedOptimizer, bind_fused_optimizer
 from lightning_gradcomp.hook import CompressionState, compression_hook
@@ -118,6 +119,12 @@ def _check_error_feedback(compressor: Compressor, error_feedback: bool | None) -
         compressor.check_error_feedback(error_feedback)
     except ValueError as err:
         raise MisconfigurationException(f"{compressor!r} with `error_feedback={error_feedback!r}`: {err}") from err
+
+
+def _warn_if_error_feedback_grows(compressor: Compressor, error_feedback: bool | None) -> None:
+    message = error_feedback_growth_warning(compressor, error_feedback)
+    if message is not None:
+        rank_zero_warn(message)
 
 
 def _warn_if_optimizer_momentum(compressor: Compressor, optimizers: Any) -> None:
@@ -233,6 +240,7 @@ class CompressedDDP(DDPStrategy):
         _check_error_feedback(_check_compressor(compressor), self._state.error_feedback)
         if isinstance(self.model, DistributedDataParallel):  # set up: the gradients' dtypes are final
             self._check_gradient_dtypes(compressor)
+            _warn_if_error_feedback_grows(compressor, self._state.error_feedback)  # setup warns for the first one
         self._state.compressor = compressor
         _warn_if_optimizer_momentum(compressor, self.optimizers)
 
@@ -304,10 +312,15 @@ class CompressedDDP(DDPStrategy):
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        """DDPStrategy's setup, plus a warning when fitting if the compressor and the optimizer both apply momentum."""
+        """DDPStrategy's setup, plus warnings when fitting.
+
+        One if the compressor and the optimizer both apply momentum, one if error feedback is on where its residual
+        can grow without bound (:meth:`Compressor.error_feedback_growth`).
+        """
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _warn_if_optimizer_momentum(self._state.compressor, self.optimizers)
+            _warn_if_error_feedback_grows(self._state.compressor, self._state.error_feedback)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

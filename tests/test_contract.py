@@ -431,6 +431,48 @@ def test_error_feedback_as_set_is_checked_when_the_hook_s_state_is_made(case):
             CompressionState(compressor, error_feedback=True)
 
 
+def test_no_compressor_warns_about_error_feedback_at_its_default(case):
+    """The warning of ``Compressor.error_feedback_growth`` is for error feedback switched on by hand."""
+    _, compressor = case
+    assert compressor.error_feedback_growth(None) is None
+    assert compressor.error_feedback_growth(False) is None
+
+
+def _residual_growth(compressor, steps=(5, 60)):
+    """Rank 0's residual norm over the gradient's, after each of ``steps``: 2 ranks, unit Gaussian gradients."""
+    layers = layers_from_shapes([(256, 256)])
+    compressors = _fresh(compressor, 2)
+    residuals = [torch.zeros(layers[0].numel, dtype=torch.float64, device=DEVICE) for _ in range(2)]
+    ratios = []
+    for step in range(max(steps)):
+        xs = _data(layers, 2, seed=300 + step)
+        simulate_reduce(compressors, xs, layers, step=step, residuals=residuals)
+        if step + 1 in steps:
+            ratios.append((residuals[0].norm() / xs[0].norm()).item())
+    return ratios
+
+
+GROWS = [name for name, compressor in COMPRESSORS.items() if compressor.error_feedback_growth(True) is not None]
+
+
+@pytest.mark.parametrize("name", GROWS)
+def test_error_feedback_grows_where_the_compressor_says_it_can(name):
+    """Where a configuration gives a reason (QSGD's Lemma 3.1 bound at least 1, rescaled random-k, TernGrad), its
+    residual does grow: at least 3 times larger after 60 steps than after 5."""
+    early, late = _residual_growth(COMPRESSORS[name])
+    assert late > 3 * early, (early, late)
+
+
+@pytest.mark.parametrize("compressor", [QSGD(levels=127, bucket_size=2048), RandomK(ratio=0.6, rescale=True)], ids=repr)
+def test_error_feedback_stays_bounded_below_the_bound(compressor):
+    """Unbiased, with an error bound ``w`` below 1 (0.13 and 0.67): no reason is given, and the residual settles at
+    most near ``sqrt(w / (1 - w))`` times the gradient (1.41 for rescaled random-k at 60 %)."""
+    assert compressor.error_feedback_growth(True) is None
+    early, late = _residual_growth(compressor)
+    assert late < 1.2 * early, (early, late)
+    assert late < 1.5, late
+
+
 def test_compressors_pickle(case):
     name, compressor = case
     layers = _layers(compressor)

@@ -10,7 +10,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from lightning_gradcomp import CompressedDDP, compression_hook
-from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD, RandomK, TopK
+from lightning_gradcomp.compressors import BF16, FP16, QSGD, Identity, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import Layer, keep_count
 from tests.models import TinyNet, fit, synthetic_classification
 
@@ -268,6 +268,19 @@ def test_a_cast_of_16_bit_gradients_is_refused_before_the_first_step(tmp_path, i
     assert "torch.float16" in refused[0]
     assert isinstance(strategy.compressor, TopK)
     assert trainer.global_step == 2
+
+
+def test_error_feedback_that_can_grow_is_warned_about_when_fitting_starts(tmp_path, in_process_ddp):
+    """``error_feedback=True`` with QSGD's defaults (Lemma 3.1 bound 3.2): one warning naming the bound; none at the
+    default (error feedback off for QSGD)."""
+    import warnings
+
+    with pytest.warns(UserWarning, match=r"QSGD\(.*with error feedback on: .*3\.23 times"):
+        _in_process_trainer(tmp_path, CompressedDDP(QSGD(), error_feedback=True), max_steps=1).fit(TinyNet())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _in_process_trainer(tmp_path, CompressedDDP(QSGD()), max_steps=1).fit(TinyNet())
+    assert not [w for w in caught if "error feedback on" in str(w.message)]
 
 
 class _NaNOnce(TinyNet):

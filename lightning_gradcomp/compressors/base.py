@@ -349,6 +349,18 @@ class Compressor(ABC):
             ValueError: If ``layer``'s gradient, of ``dtype``, cannot be compressed as configured.
         """
 
+    def error_feedback_growth(self, enabled: bool | None) -> str | None:
+        """Why error feedback's residual can grow without bound, if ``enabled`` turns it on here; else ``None``.
+
+        ``enabled`` is the strategy's ``error_feedback``, as in :meth:`check_error_feedback`. Error feedback keeps a
+        bounded residual when the compressor is a contraction, ``E ||C(x) - x||^2 <= w ||x||^2`` with ``w < 1``
+        (Stich & Karimireddy, 2019, "The Error-Feedback Framework"). Sparsifiers without rescaling are (``w = 1 - k /
+        d``); unbiased quantizers with few levels, rescaled sparsifiers and ternarisation need not be, and then the
+        residual, and with it the noise of every average, can grow with every step. Their defaults keep error
+        feedback off; the strategy warns with this reason when it is switched on.
+        """
+        return None
+
     def resolve_error_feedback(self, enabled: bool | None) -> bool:
         """Whether error feedback is on under the strategy's ``error_feedback`` (``None``: the default)."""
         return self.default_error_feedback if enabled is None else enabled

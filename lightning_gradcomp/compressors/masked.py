@@ -209,6 +209,10 @@ class MaskedCompressor(Compressor):
         """Every pruned layer (its pruned entries must not be sent), and whatever ``inner`` compresses."""
         return self.masks.partial(layer.name) or self.inner.compresses(layer, min_numel)
 
+    def error_feedback_growth(self, enabled: bool | None) -> str | None:
+        """``inner``'s reason."""
+        return self.inner.error_feedback_growth(enabled)
+
     def check_gradient_dtype(self, layer: Layer, dtype: torch.dtype) -> None:
         """``inner``'s check."""
         self.inner.check_gradient_dtype(layer, dtype)

@@ -150,6 +150,14 @@ class Planned(Compressor):
         """What ``layer``'s own candidate decides."""
         return self.bucket_compressor([layer]).compresses(layer, min_numel)
 
+    def error_feedback_growth(self, enabled: bool | None) -> str | None:
+        """The first candidate's reason (the hook resolves error feedback per bucket, for the bucket's candidate)."""
+        for name, candidate in self.candidates.items():
+            reason = candidate.error_feedback_growth(enabled)
+            if reason is not None:
+                return f"candidate {name!r}, {candidate!r}: {reason}"
+        return None
+
     def check_gradient_dtype(self, layer: Layer, dtype: torch.dtype) -> None:
         """``layer``'s own candidate's check."""
         self.bucket_compressor([layer]).check_gradient_dtype(layer, dtype)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, ClassVar, Literal
 
 import numpy as np
@@ -163,6 +164,22 @@ class QSGD(Compressor):
     def _buckets(self, layer: Layer) -> int:
         return -(-layer.numel // self.bucket_size)
 
+    def error_feedback_growth(self, enabled: bool | None) -> str | None:
+        """A reason when QSGD's error bound is not below 1 (3.2 at the defaults; the paper has no error feedback).
+
+        The bound is Lemma 3.1's ``min(d / s^2, sqrt(d) / s)`` for buckets of ``d`` elements and ``s`` levels, the
+        fewest any layer is set to.
+        """
+        levels = min([self.levels, *self.layer_levels.values()])
+        bound = min(self.bucket_size / levels**2, math.sqrt(self.bucket_size) / levels)
+        if bound < 1 or not self.resolve_error_feedback(enabled):
+            return None
+        return (
+            f"its squared error may reach {bound:.3g} times the input's squared norm (QSGD's Lemma 3.1 bound"
+            f" min(d / s^2, sqrt(d) / s), for buckets of d = {self.bucket_size} elements and s = {levels} levels);"
+            " more levels or smaller buckets bring it below 1"
+        )
+
     def _per_bucket_(self, values: Tensor, factors: Tensor) -> Tensor:
         """Multiply each bucket of ``values`` (one layer) by its factor, in place, on 2-D views (no expansion)."""
         full = values.numel() // self.bucket_size * self.bucket_size
@@ -298,6 +315,20 @@ class TernGrad(Compressor):
     def collective(self) -> Collective:  # type: ignore[override]
         """How the ternaries travel: summed (``"allreduce"``) or gathered (``"allgather"``)."""
         return self.aggregation
+
+    def error_feedback_growth(self, enabled: bool | None) -> str | None:
+        """A reason whenever error feedback is on (the paper has none).
+
+        Ternarisation with the scaler ``s`` errs by ``s ||x||_1 - ||x||^2`` in expectation: about ``||x||^2`` for
+        Gaussian values at the default clipping (``s = 2.5 sigma``), more without clipping (``s = max |x|``) or when
+        another rank's larger scaler is shared.
+        """
+        if not self.resolve_error_feedback(enabled):
+            return None
+        return (
+            "ternarisation with the shared scaler s has a squared error of s ||x||_1 - ||x||^2 in expectation: about"
+            " the input's squared norm for Gaussian values at the default clipping, more without it"
+        )
 
     @property
     def unbiased(self) -> bool:  # type: ignore[override]

@@ -227,6 +227,20 @@ class RandomK(Compressor):
         """A keep-ratio in (0, 1]."""
         return check_ratio(value)
 
+    def error_feedback_growth(self, enabled: bool | None) -> str | None:
+        """A reason when rescaled and at most half of a layer is sent.
+
+        Rescaled by ``d / k`` the expected error is ``d / k - 1`` times the input's squared norm, at least 1 then;
+        without rescaling it is ``1 - k / d``, a contraction.
+        """
+        ratio = min([self.ratio, *self.layer_levels.values()])
+        if not self.rescale or ratio > 0.5 or not self.resolve_error_feedback(enabled):
+            return None
+        return (
+            f"rescaled by d / k, its expected squared error is d / k - 1 = {1 / ratio - 1:.3g} times the input's"
+            f" squared norm (ratio {ratio}); unscaled it would be 1 - k / d, below 1"
+        )
+
     def indices(self, ctx: BucketContext) -> Tensor:
         """The flat indices every rank keeps at this step (sorted per layer, int64, on ``ctx.device``)."""
         counts = [keep_count(layer.numel, self.level(layer)) for layer in ctx.layers]
