@@ -455,6 +455,12 @@ def _residual_growth(compressor, steps=(5, 60)):
 GROWS = [name for name, compressor in COMPRESSORS.items() if compressor.error_feedback_growth(True) is not None]
 
 
+def test_the_configurations_that_warn_about_error_feedback_are_the_expected_ones():
+    """Every quantizer with an error bound of at least 1 and the rescaled random-k; no contraction."""
+    terngrad = {name for name in COMPRESSORS if name.startswith("terngrad")}
+    assert set(GROWS) == {"randomk-unbiased", "qsgd", "qsgd-2bit-small-buckets", "qsgd-16bit-draws"} | terngrad
+
+
 @pytest.mark.parametrize("name", GROWS)
 def test_error_feedback_grows_where_the_compressor_says_it_can(name):
     """Where a configuration gives a reason (QSGD's Lemma 3.1 bound at least 1, rescaled random-k, TernGrad), its
