@@ -21,17 +21,18 @@ def _strategy(compressor):
     return CompressedDDP(compressor, min_compress_numel=64, **DDP_KWARGS)
 
 
-def _resume(tmp_path, compressor, edit_checkpoint=None):
+def _resume(tmp_path, compressor, edit_checkpoint=None, **trainer_kwargs):
     ckpt_dir = str(tmp_path / "ckpt")
     fit(_strategy(compressor), str(tmp_path / "first"), model=TinyNet(**DATA), max_steps=-1, max_epochs=2,
-        enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="last")])  # fmt: skip
+        enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="last")],
+        **trainer_kwargs)  # fmt: skip
     path = os.path.join(ckpt_dir, "last.ckpt")
     if edit_checkpoint is not None:
         checkpoint = torch.load(path, weights_only=False)
         edit_checkpoint(checkpoint)
         torch.save(checkpoint, path)
     _, _, ranks = fit(_strategy(compressor), str(tmp_path / "resumed"), model=TinyNet(**DATA), max_steps=-1,
-                      max_epochs=4, ckpt_path=path)  # fmt: skip
+                      max_epochs=4, ckpt_path=path, **trainer_kwargs)  # fmt: skip
     return path, ranks
 
 
@@ -54,6 +55,20 @@ def test_resumed_run_ends_bitwise_equal_to_uninterrupted_run(tmp_path, name):
     assert saved["ranks"][0]["step"] == 8
     if isinstance(compressor, PowerSGD):
         assert saved["ranks"][0]["compressor"]["queries"], "warm-start queries are saved"
+
+
+def test_a_16_bit_run_resumes_bitwise_with_its_16_bit_residuals(tmp_path):
+    """``precision="bf16-true"``: the residuals are bfloat16 (the gradient's dtype), saved and restored as such."""
+    compressor = COMPRESSORS["powersgd-r2"]
+    _, _, straight = fit(_strategy(compressor), str(tmp_path / "straight"), model=TinyNet(**DATA), max_steps=-1,
+                         max_epochs=4, precision="bf16-true")  # fmt: skip
+    path, resumed = _resume(tmp_path, compressor, precision="bf16-true")
+    for rank in range(2):
+        assert resumed[rank]["params"].dtype == torch.bfloat16
+        assert torch.equal(straight[rank]["params"], resumed[rank]["params"]), f"rank {rank} differs"
+    residuals = torch.load(path, weights_only=False)["gradcomp"]["ranks"][0]["residuals"]
+    assert residuals
+    assert {r.dtype for r in residuals.values()} == {torch.bfloat16}
 
 
 def test_dropping_the_compressor_state_changes_the_result(tmp_path):
