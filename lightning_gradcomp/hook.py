@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives, when_all
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, GradientRuns, Layer
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, GradientRuns, Layer, check_gradient_dtypes
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
 from lightning_gradcomp.recovery import CUDA_LAG, NonfiniteRun
@@ -225,11 +225,9 @@ class CompressionState:
             ValueError: The compressor's error for the first layer it refuses.
         """
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        compressor = compressor or self.compressor
-        for index, (name, p) in enumerate(module.named_parameters()):
-            layer = Layer(name, index, p.shape)
-            if p.requires_grad and compressor.compresses(layer, self.min_compress_numel):
-                compressor.check_gradient_dtype(layer, p.dtype)
+        layers = [(Layer(name, i, p.shape), p.dtype) for i, (name, p) in enumerate(module.named_parameters())
+                  if p.requires_grad]  # fmt: skip
+        check_gradient_dtypes(compressor or self.compressor, layers, self.min_compress_numel)
 
     def detach(self, failed: bool = False) -> None:
         """Let go of the collectives, the future chains they keep between steps and the bucket plans.

@@ -38,7 +38,7 @@ from lightning_gradcomp.auto.timeline import (
 )
 from lightning_gradcomp.auto.timeline import wire_bytes as _wire_bytes
 from lightning_gradcomp.compressors import Compressor, Identity, Planned
-from lightning_gradcomp.compressors.base import Layer
+from lightning_gradcomp.compressors.base import Layer, check_gradient_dtypes
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.testing import SimulatedHook
@@ -99,9 +99,7 @@ def _takes(candidate: Compressor, layers: Sequence[Layer], params: Mapping[str, 
     The planner is offered a candidate only for the buckets it accepts, so it never assigns one a bucket it refuses.
     """
     try:
-        for layer in layers:
-            if candidate.compresses(layer, min_numel):
-                candidate.check_gradient_dtype(layer, params[layer.name].dtype)
+        check_gradient_dtypes(candidate, [(layer, params[layer.name].dtype) for layer in layers], min_numel)
     except ValueError:
         return False
     return True

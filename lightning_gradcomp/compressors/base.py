@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -654,6 +654,21 @@ def sum_into_new_residual(tensor: Tensor, ctx: BucketContext) -> Tensor | None:
 def summed_in_new_residual(ctx: BucketContext) -> bool:
     """Whether :func:`sum_into_new_residual` put ``g + e`` into ``ctx.new_residual`` for this reduction."""
     return ctx.residual is not None and ctx.new_residual is not None
+
+
+def check_gradient_dtypes(
+    compressor: Compressor, layers: Iterable[tuple[Layer, torch.dtype]], min_numel: int
+) -> None:
+    """Ask ``compressor`` to check the gradient dtype of each of ``layers`` (layer, dtype) that it compresses.
+
+    A layer the compressor leaves dense (below ``min_numel`` elements, or not its kind) is not asked.
+
+    Raises:
+        ValueError: The compressor's error for the first layer it refuses (:meth:`Compressor.check_gradient_dtype`).
+    """
+    for layer, dtype in layers:
+        if compressor.compresses(layer, min_numel):
+            compressor.check_gradient_dtype(layer, dtype)
 
 
 def keep_count(numel: int, ratio: float) -> int:
