@@ -10,7 +10,6 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
 from lightning_gradcomp.compressors.exchange import AllReduce, Exchange
 
-_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 # what a cast between the two 16-bit formats loses, (gradient, wire) -> the error's clause
 _CAST_LOSS = {
     (torch.bfloat16, torch.float16): ", and values beyond float16's 65504, which bfloat16 holds, would become infinite",
@@ -44,8 +43,9 @@ class _Cast(Compressor):
         if dtype.itemsize > self.wire_dtype.itemsize:
             return
         loss = _CAST_LOSS.get((dtype, self.wire_dtype), "")
+        wire = str(self.wire_dtype).removeprefix("torch.")
         raise ValueError(
-            f"{self!r} sends {_NAMES[self.wire_dtype]} ({self.wire_dtype.itemsize} bytes per element), but the"
+            f"{self!r} sends {wire} ({self.wire_dtype.itemsize} bytes per element), but the"
             f" gradient of {layer.name!r} is {dtype} ({dtype.itemsize} bytes per element): the cast would save"
             f" nothing{loss}. {type(self).__name__} accepts gradients wider than {8 * self.wire_dtype.itemsize} bits"
             " (float32, float64). For 16-bit gradients (precision '16-true' or 'bf16-true') use Identity(), which"
