@@ -201,7 +201,12 @@ class CompressionState:
 
         Call on every rank, at the same point, after the process group exists. Attaching again (a new DDP wrapper
         over a changed model) keeps the residuals of parameters that still exist and drops the others.
+
+        Raises:
+            ValueError: If ``model`` reduces its gradients without buckets (:func:`check_bucketed_reducer`), or the
+                compressor refuses a gradient's dtype (:meth:`check_gradient_dtypes`).
         """
+        check_bucketed_reducer(model)
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self.check_gradient_dtypes(module)
         self._names = {id(p): (i, name) for i, (name, p) in enumerate(module.named_parameters())}
@@ -487,6 +492,29 @@ class CompressionState:
         self.__init__(**{k: v for k, v in state.items() if k != "step"})  # type: ignore[misc]
         self.step = state["step"]
         self.residuals.load_state_dict(residuals)
+
+
+def check_bucketed_reducer(model: Module) -> None:
+    """Refuse a DDP model whose gradients bypass the bucketed reducer, the only one that calls this module's hook.
+
+    With ``torch._dynamo.config.optimize_ddp = "python_reducer"`` (for compiled autograd) DistributedDataParallel
+    reduces each parameter's gradient in Python as it is accumulated and calls a registered communication hook once
+    per parameter with ``(grad, param)``, never with a :class:`~torch.distributed.GradBucket`: the compression hook
+    would fail at the first backward pass. DDP records the mode it was built in (``_use_python_reducer``); that is
+    what is read here, so a later change of the setting does not matter.
+
+    Raises:
+        ValueError: Naming the setting, what DDP was built with, and the modes that keep the buckets.
+    """
+    if not getattr(model, "_use_python_reducer", False):
+        return
+    raise ValueError(
+        "Expected a DistributedDataParallel model that reduces its gradients in buckets, got one built with"
+        " `torch._dynamo.config.optimize_ddp = 'python_reducer'`: DDP then reduces every parameter's gradient in"
+        " Python and calls communication hooks per parameter, so the compression hook cannot run. Accepted: the other"
+        " modes ('ddp_optimizer', the default, with which torch.compile'd models train compressed;"
+        " 'python_reducer_without_compiled_forward'; 'no_optimization'), set before the model is wrapped."
+    )
 
 
 def _stamp(fut: torch.futures.Future[Tensor], entry: list[Any]) -> Tensor:

@@ -1,6 +1,9 @@
 """CompressedDDP inside Lightning's Trainer: two CPU processes on gloo."""
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from lightning_gradcomp import CompressedDDP, compression_hook
 from lightning_gradcomp.compressors import BF16, FP16, QSGD, Identity, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import Layer, keep_count
+from tests.distributed import free_port
 from tests.models import TinyNet, fit, synthetic_classification
 
 SPAWN = {"start_method": "spawn"}
@@ -136,6 +140,58 @@ def test_static_graph_and_bucket_views_pass_through(tmp_path):
     _, _, ranks = fit(CompressedDDP(PowerSGD(rank=2), min_compress_numel=64, **kwargs, **SPAWN), str(tmp_path / "p"))
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
     assert all(s["stats"].compression_ratio > 1 for s in ranks[0]["steps"])
+
+
+def _run_worker(dirpath, strategy, devices, mode, optimize_ddp=None):
+    """Run tests/compiled_worker.py under Lightning's default launcher: (return code, output, every rank's record)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):  # the launcher sets them for the ranks it starts
+        env.pop(key, None)
+    command = [sys.executable, "-m", "tests.compiled_worker", strategy, str(dirpath), str(devices), mode]
+    done = subprocess.run(command + ([optimize_ddp] if optimize_ddp else []), cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    output = done.stdout + done.stderr
+    if done.returncode:
+        return done.returncode, output, []
+    return 0, output, [torch.load(dirpath / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+
+
+def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
+    """``trainer.fit(torch.compile(model))`` (Lightning's default launcher; its spawn launcher cannot pickle a
+    compiled model, for DDPStrategy too): Identity is bitwise plain DDPStrategy on the compiled model, and TopK runs
+    through the hook on every step, with identical replicas, TopK's bytes, and the eager run's weights up to the
+    compiled kernels' float rounding."""
+    runs = {}
+    for strategy, mode in [("ddp", "compiled"), ("identity", "compiled"), ("topk", "compiled"), ("topk", "eager")]:
+        code, output, runs[strategy, mode] = _run_worker(tmp_path / f"{strategy}-{mode}", strategy, 2, mode)
+        assert code == 0, output[-3000:]
+    for dense, ours in zip(runs["ddp", "compiled"], runs["identity", "compiled"]):
+        assert torch.equal(dense["params"], ours["params"])
+    compiled, eager = runs["topk", "compiled"], runs["topk", "eager"]
+    assert torch.equal(compiled[0]["params"], compiled[1]["params"]), "replicas diverged"
+    assert compiled[0]["comm_hook"] == compression_hook.__qualname__
+    assert compiled[0]["total_steps"] == 4
+    expected = _expected_bytes(TinyNet(), TopK(ratio=0.05), 64)
+    assert [s["stats"].bytes_sent - s["stats"].bytes_guard for s in compiled[0]["steps"]] == [expected] * 4
+    assert not torch.equal(compiled[0]["params"], runs["ddp", "compiled"][0]["params"]), "TopK sent less than all"
+    torch.testing.assert_close(compiled[0]["params"], eager[0]["params"], rtol=1e-5, atol=1e-6)
+
+
+def test_a_python_reducer_is_refused_before_the_first_step(tmp_path):
+    """``torch._dynamo.config.optimize_ddp = "python_reducer"`` makes DDP call communication hooks per parameter
+    with ``(grad, param)`` instead of per bucket; the compression hook would fail in the first backward pass
+    (``'tuple' object has no attribute 'buffer'``). It is refused when the model is wrapped, naming the setting; the
+    other modes train."""
+    code, output, _ = _run_worker(tmp_path / "refused", "topk", 1, "eager", "python_reducer")
+    assert code != 0
+    assert "ValueError: Expected a DistributedDataParallel model that reduces its gradients in buckets" in output
+    assert "optimize_ddp = 'python_reducer'" in output
+    assert "has no attribute 'buffer'" not in output
+    accepted = "python_reducer_without_compiled_forward"
+    code, output, ranks = _run_worker(tmp_path / "accepted", "topk", 1, "eager", accepted)
+    assert code == 0, output[-3000:]
+    assert ranks[0]["total_steps"] == 4
 
 
 class _SwitchAt(Callback):
