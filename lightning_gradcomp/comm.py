@@ -411,6 +411,19 @@ class Comm:
 
         return when_all(futures, self.device).then(unpack_all)
 
+    def all_reduce_sparse(self, tensor: Tensor, round: int = 0) -> torch.futures.Future[Tensor]:
+        """Sum the sparse COO ``tensor`` (coalesced) across ranks with the backend's sparse all-reduce, in place.
+
+        What DDP does with a sparse gradient (``nn.Embedding(sparse=True)``); gloo implements it as an all-gather of
+        every rank's rows, summed on every rank (NCCL has no sparse all-reduce, under plain DDP either). Counted as
+        sent: the tensor's indices and values (gloo adds a few bytes of sizes); as received, ``n - 1`` times that, as
+        if every rank sent as many rows (the other ranks' counts are not exchanged here).
+        """
+        nbytes = tensor._indices().nbytes + tensor._values().nbytes
+        self.telemetry.add_sent(nbytes)
+        self.telemetry.add_received((self.world_size - 1) * nbytes)
+        return self.backend.all_reduce(tensor, round, "sum")
+
     def all_gather(self, payload: Sequence[Tensor], round: int = 0) -> torch.futures.Future[list[Payload]]:
         """Gather every rank's ``payload`` in one collective (tensors packed byte-wise, 8-byte aligned).
 

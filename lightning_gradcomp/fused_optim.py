@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_gradcomp.validation import check_number, sgd_defaults
@@ -379,8 +379,8 @@ def bind_fused_optimizer(
 
     Raises:
         MisconfigurationException: If a fused optimizer is combined with another optimizer, misses a trainable
-            parameter, or the run uses a gradient scaler (fp16), gradient accumulation or Lightning's gradient
-            clipping.
+            parameter, the model has sparse embeddings (``sparse=True``), or the run uses a gradient scaler (fp16),
+            gradient accumulation or Lightning's gradient clipping.
     """
     fused = [o for o in optimizers if isinstance(o, FusedOptimizer)]
     if not fused:
@@ -399,6 +399,13 @@ def bind_fused_optimizer(
             f"{name} must hold every trainable parameter of the model (the hook updates whole buckets); missing:"
             f" {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Freeze them (requires_grad=False) or"
             " pass them to the optimizer."
+        )
+    sparse = [n for n, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    if sparse:
+        raise MisconfigurationException(
+            f"{name} updates each bucket from its flat averaged gradient, and a sparse gradient has none: the"
+            f" embeddings {', '.join(sparse[:5])}{' ...' if len(sparse) > 5 else ''} have `sparse=True`. Build them"
+            " with `sparse=False`, or use a torch optimizer (CompressedDDP averages sparse gradients as DDP does)."
         )
     if scaler is not None:
         raise MisconfigurationException(

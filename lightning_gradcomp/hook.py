@@ -361,12 +361,16 @@ class CompressionState:
         if not self._in_flight:  # the step's first bucket
             self._reset_if_stalled()
         buffer = bucket.buffer()
-        self.telemetry.add_bucket(buffer.numel() * buffer.element_size())
-        plan = self.plan(bucket, self.compressor)
-        reduced = self._reduce_split(bucket.index(), buffer, plan) if self.enabled else self._reduce_dense(
-            bucket.index(), buffer, plan)  # fmt: skip
+        if buffer.is_sparse:
+            reduced, names = self._reduce_sparse(buffer), tuple(self._name(p) for p in bucket.parameters())
+        else:
+            self.telemetry.add_bucket(buffer.numel() * buffer.element_size())
+            plan = self.plan(bucket, self.compressor)
+            reduced = self._reduce_split(bucket.index(), buffer, plan) if self.enabled else self._reduce_dense(
+                bucket.index(), buffer, plan)  # fmt: skip
+            names = tuple(layer.name for layer in plan.every)
         if self.recorder is not None:
-            entry = [entered, tuple(layer.name for layer in plan.every), plan.numel, None]
+            entry = [entered, names, buffer.numel(), None]
             self.recorder.append(entry)
             reduced = reduced.then(lambda fut, entry=entry: _stamp(fut, entry))
         self._in_flight.append(reduced)
@@ -374,6 +378,21 @@ class CompressionState:
             return reduced
         self.step += 1
         return self._end_step(reduced)
+
+    def _reduce_sparse(self, buffer: Tensor) -> torch.futures.Future[Tensor]:
+        """Average a sparse gradient as DDP's default reduction does: divide by the world size, sparse all-reduce.
+
+        DDP gives every parameter with a sparse gradient (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag``) a
+        bucket of its own, whose buffer is that gradient. It is not compressed (it already holds only the rows the
+        batch touched) and keeps no error-feedback residual. It is coalesced after the division, where gloo
+        coalesces it, so the average is bitwise DDP's; what is counted, sent and dense alike, is its rows.
+        """
+        gradient = buffer.div_(self.comm.world_size).coalesce()
+        self.telemetry.add_bucket(gradient._indices().nbytes + gradient._values().nbytes)
+        return self.comm.all_reduce_sparse(gradient)
+
+    def _name(self, param: Tensor) -> str:
+        return self._names.get(id(param), (-1, "unnamed"))[1]
 
     def _context(self, index: int, layers: tuple[Layer, ...], like: Tensor, **fields: Any) -> BucketContext:
         comm = self.comm

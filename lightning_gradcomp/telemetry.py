@@ -33,7 +33,9 @@ class StepStats:
         bytes_guard: the part of ``bytes_sent`` that carried the non-finite flags (and the padding they add).
         bytes_received: bytes of other ranks' payloads this rank received: ``(n - 1)`` times the buffer of an
             all-gather, what the other ranks' splits of an all-to-all hold, the buffer of a broadcast on every rank but
-            its source, and ``2 (n - 1) / n`` times the buffer of an all-reduce (what a ring all-reduce receives).
+            its source, and ``2 (n - 1) / n`` times the buffer of an all-reduce (what a ring all-reduce receives);
+            for a sparse gradient's all-reduce, ``n - 1`` times this rank's rows (an estimate: gloo gathers every
+            rank's rows, whose counts are not exchanged).
     """
 
     bytes_sent: int

@@ -50,6 +50,35 @@ class TinyNet(pl.LightningModule):
         return DataLoader(synthetic_classification(self.n), batch_size=self.batch_size, shuffle=False)
 
 
+class SparseEmbeddingNet(TinyNet):
+    """TinyNet plus ``nn.Embedding(16, 10, sparse=True)`` looked up by a 4-bit code of each image (sparse gradients).
+
+    Plain SGD: torch's momentum would turn the embedding's sparse gradient into a dense buffer.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(16, 10, sparse=True)
+
+    @staticmethod
+    def codes(x: torch.Tensor) -> torch.Tensor:
+        """The signs of each image's first four pixels as a number in [0, 16): the embedding's rows."""
+        return ((x.flatten(1)[:, :4] > 0).long() << torch.arange(4)).sum(1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x) + self.embedding(self.codes(x))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.touched_rows.append(self.codes(batch[0]).unique().numel())  # the rows of this step's sparse gradient
+        return super().training_step(batch, batch_idx)
+
+    def on_train_start(self) -> None:
+        self.touched_rows: list[int] = []
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
 class RecordRanks(Callback):
     """Save what every rank ends with (its parameters, telemetry per step, DDP facts) to ``dirpath/rank{r}.pt``."""
 
@@ -89,6 +118,7 @@ class RecordRanks(Callback):
                 "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
                 "world_size": trainer.world_size,
                 "total_steps": state.telemetry.total_steps if state is not None else None,
+                "touched_rows": getattr(pl_module, "touched_rows", None),
             },
             os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
         )

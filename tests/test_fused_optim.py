@@ -223,18 +223,24 @@ def _trainer(**overrides):
     ("optimizers", "trainer", "scaler", "match"),
     [("two", {}, None, "only optimizer"), ("partial", {}, None, "every trainable parameter"),
      ("one", {}, object(), "gradient scaler"), ("one", {"accumulate_grad_batches": 2}, None, "accumulate_grad_batches"),
-     ("one", {"gradient_clip_val": 0.5}, None, "gradient_clip_val")],
+     ("one", {"gradient_clip_val": 0.5}, None, "gradient_clip_val"),
+     ("sparse", {}, None, r"sparse gradient has none: the embeddings 8 have `sparse=True`")],
 )  # fmt: skip
 def test_incompatible_settings_are_refused_before_training(optimizers, trainer, scaler, match):
     model = small_net()
+    if optimizers == "sparse":
+        model.append(nn.Embedding(4, 2, sparse=True))
     fused = FusedSGD(model.parameters(), lr=0.1)
     chosen = {
         "two": [fused, torch.optim.SGD(model.parameters(), lr=0.1)],
         "partial": [FusedSGD(list(model.parameters())[:-1], lr=0.1)],
         "one": [fused],
+        "sparse": [fused],
     }[optimizers]
     with pytest.raises(MisconfigurationException, match=match):
         bind_fused_optimizer(chosen, _trainer(**trainer), model, scaler)
+    if optimizers == "sparse":
+        model[-1].sparse = False
     assert bind_fused_optimizer([fused], _trainer(), model, None) is fused
     assert bind_fused_optimizer([torch.optim.SGD(model.parameters(), lr=0.1)], _trainer(), model, None) is None
 

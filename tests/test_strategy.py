@@ -16,7 +16,7 @@ from lightning_gradcomp import CompressedDDP, compression_hook
 from lightning_gradcomp.compressors import BF16, FP16, QSGD, Identity, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import Layer, keep_count
 from tests.distributed import free_port
-from tests.models import TinyNet, fit, synthetic_classification
+from tests.models import SparseEmbeddingNet, TinyNet, fit, synthetic_classification
 
 SPAWN = {"start_method": "spawn"}
 
@@ -128,6 +128,33 @@ def test_every_compressor_trains_with_identical_replicas_and_logs_true_bytes(tmp
         logged = metrics[f"gradcomp/{key}"].item()
         assert logged > 0, f"{key}: the codec's time is measured"
         assert logged == pytest.approx(getattr(last, key), rel=1e-5), f"{key}: the logged time is the telemetry's"
+
+
+def test_sparse_gradients_are_averaged_as_plain_ddp_averages_them(tmp_path):
+    """``nn.Embedding(sparse=True)``: DDP gives its sparse gradient a bucket of its own. Identity is bitwise
+    DDPStrategy; with TopK the dense layers are compressed and the embedding's rows averaged as they are, replicas
+    identical. Every step counts the rows each rank's batch touched (int64 index and 10 fp32 values each) as sent and
+    as what plain DDP sends (the hook failed in the first backward pass before: as_strided on a sparse buffer)."""
+    dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), model=SparseEmbeddingNet())
+    ours, _, our_ranks = fit(CompressedDDP(Identity(), **SPAWN), str(tmp_path / "ours"), model=SparseEmbeddingNet())
+    for d, o in zip(dense_ranks, our_ranks):
+        assert torch.equal(d["params"], o["params"])
+    assert not torch.equal(dense.embedding.weight, SparseEmbeddingNet().embedding.weight), "the embedding trained"
+
+    net, row = TinyNet(), 8 + 10 * 4  # a row of the sparse gradient: its int64 index and 10 fp32 values
+    for record in our_ranks:
+        rows = [row * n for n in record["touched_rows"]]
+        assert [s["stats"].bytes_dense for s in record["steps"]] == [_dense_bytes(net) + r for r in rows]
+        assert [s["stats"].bytes_sent for s in record["steps"]] == [_dense_bytes(net) + r for r in rows]
+    assert our_ranks[0]["touched_rows"] != our_ranks[1]["touched_rows"], "the ranks' batches touch different rows"
+
+    topk = TopK(ratio=0.05)
+    strategy = CompressedDDP(topk, min_compress_numel=64, **SPAWN)
+    _, _, ranks = fit(strategy, str(tmp_path / "topk"), model=SparseEmbeddingNet())
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"]), "replicas diverged"
+    for record in ranks:
+        sent = [s["stats"].bytes_sent - s["stats"].bytes_guard for s in record["steps"]]
+        assert sent == [_expected_bytes(net, topk, 64) + row * n for n in record["touched_rows"]]
 
 
 def test_static_graph_and_bucket_views_pass_through(tmp_path):
