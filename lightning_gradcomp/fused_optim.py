@@ -400,6 +400,7 @@ def bind_fused_optimizer(
             f" {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Freeze them (requires_grad=False) or"
             " pass them to the optimizer."
         )
+    # the test DDP makes when it gives a parameter a bucket of its own for a sparse gradient
     sparse = [n for n, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
     if sparse:
         raise MisconfigurationException(

@@ -29,7 +29,7 @@ from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.error_feedback import error_feedback_growth_warning
 from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
 from lightning_gradcomp.fused_optim import FusedOptimizer, bind_fused_optimizer
-from lightning_gradcomp.hook import CompressionState, compression_hook
+from lightning_gradcomp.hook import CompressionState, compression_hook, sparse_gradient_warning
 from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.model_transform import ModelTransform
 from lightning_gradcomp.monitor import CompressionMonitor
@@ -123,6 +123,12 @@ def _check_error_feedback(compressor: Compressor, error_feedback: bool | None) -
 
 def _warn_if_error_feedback_grows(compressor: Compressor, error_feedback: bool | None) -> None:
     message = error_feedback_growth_warning(compressor, error_feedback)
+    if message is not None:
+        rank_zero_warn(message)
+
+
+def _warn_if_sparse_gradients_skip(compressor: Compressor, module: Any) -> None:
+    message = sparse_gradient_warning(compressor, module) if module is not None else None
     if message is not None:
         rank_zero_warn(message)
 
@@ -241,6 +247,7 @@ class CompressedDDP(DDPStrategy):
         if isinstance(self.model, DistributedDataParallel):  # set up: the gradients' dtypes are final
             self._check_gradient_dtypes(compressor)
             _warn_if_error_feedback_grows(compressor, self._state.error_feedback)  # setup warns for the first one
+            _warn_if_sparse_gradients_skip(compressor, self.lightning_module)
         self._state.compressor = compressor
         _warn_if_optimizer_momentum(compressor, self.optimizers)
 
@@ -315,12 +322,14 @@ class CompressedDDP(DDPStrategy):
         """DDPStrategy's setup, plus warnings when fitting.
 
         One if the compressor and the optimizer both apply momentum, one if error feedback is on where its residual
-        can grow without bound (:meth:`Compressor.error_feedback_growth`).
+        can grow without bound (:meth:`Compressor.error_feedback_growth`), one if the compressor's update of densely
+        averaged layers skips the model's sparse gradients (:func:`~lightning_gradcomp.hook.sparse_gradient_warning`).
         """
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
             _warn_if_optimizer_momentum(self._state.compressor, self.optimizers)
             _warn_if_error_feedback_grows(self._state.compressor, self._state.error_feedback)
+            _warn_if_sparse_gradients_skip(self._state.compressor, self.lightning_module)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -366,6 +366,22 @@ def test_error_feedback_that_can_grow_is_warned_about_when_fitting_starts(tmp_pa
     assert not [w for w in caught if "error feedback on" in str(w.message)]
 
 
+def test_a_compressor_that_changes_dense_layers_warns_that_sparse_gradients_skip_it(tmp_path, in_process_ddp):
+    """signSGD takes a sign step on the layers it averages densely; a sparse embedding's rows are averaged as plain
+    DDP averages them instead, and fitting says so, naming the embedding. TopK changes no dense layer: no warning."""
+    import warnings
+
+    from lightning_gradcomp.compressors import SignSGD
+
+    with pytest.warns(UserWarning, match=r"SignSGD\(.*sparse gradients of embedding are averaged as plain DDP"):
+        _in_process_trainer(tmp_path, CompressedDDP(SignSGD()), max_steps=1).fit(SparseEmbeddingNet())
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _in_process_trainer(tmp_path, CompressedDDP(TopK()), max_steps=1).fit(SparseEmbeddingNet())
+        _in_process_trainer(tmp_path, CompressedDDP(SignSGD()), max_steps=1).fit(TinyNet())
+    assert not [w for w in caught if "sparse gradients" in str(w.message)]
+
+
 class _NaNOnce(TinyNet):
     """Rank 1's loss times NaN at step 2; non-finite steps are skipped the usual way (gradients zeroed)."""
 
