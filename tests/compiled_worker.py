@@ -2,11 +2,12 @@
 
 Lightning's spawn launcher pickles the model for its workers, and a compiled model does not pickle (under plain
 ``DDPStrategy`` too), so this script runs under Lightning's default launcher, which starts the script again for every
-further rank, as a user's training script runs::
+further rank, as a user's training script runs. One launch runs several fits, one after another, each recorded in
+``DIRPATH/STRATEGY-MODE``::
 
-    python -m tests.compiled_worker STRATEGY DIRPATH DEVICES compiled|eager [OPTIMIZE_DDP]
+    python -m tests.compiled_worker DIRPATH DEVICES STRATEGY:compiled|eager ... [--optimize-ddp MODE]
 
-``OPTIMIZE_DDP``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before the model is wrapped.
+``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model is wrapped.
 """
 
 import os
@@ -28,17 +29,14 @@ STRATEGIES = {
     "topk": lambda: CompressedDDP(TopK(ratio=0.05), min_compress_numel=64),
 }
 
-if __name__ == "__main__":
-    name, dirpath, devices, mode, *optimize_ddp = sys.argv[1:]
-    if optimize_ddp:
-        torch._dynamo.config.optimize_ddp = optimize_ddp[0]
-    torch.set_num_threads(1)
+def train(name: str, mode: str, dirpath: str, devices: int) -> None:
+    """One fit of a fresh TinyNet under strategy ``name``, compiled or ``eager``, recorded in ``dirpath``."""
     os.makedirs(dirpath, exist_ok=True)
     strategy = STRATEGIES[name]()
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
     trainer = pl.Trainer(
         accelerator="cpu",
-        devices=int(devices),
+        devices=devices,
         strategy=strategy,
         max_steps=4,
         logger=False,
@@ -49,3 +47,16 @@ if __name__ == "__main__":
     )
     model = TinyNet()
     trainer.fit(torch.compile(model) if mode == "compiled" else model)
+
+
+if __name__ == "__main__":
+    args = sys.argv[1:]
+    if "--optimize-ddp" in args:
+        at = args.index("--optimize-ddp")
+        torch._dynamo.config.optimize_ddp = args[at + 1]
+        del args[at : at + 2]
+    root, devices, *runs = args
+    torch.set_num_threads(1)
+    for run in runs:
+        name, mode = run.split(":")
+        train(name, mode, os.path.join(root, f"{name}-{mode}"), int(devices))

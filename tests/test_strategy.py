@@ -169,19 +169,25 @@ def test_static_graph_and_bucket_views_pass_through(tmp_path):
     assert all(s["stats"].compression_ratio > 1 for s in ranks[0]["steps"])
 
 
-def _run_worker(dirpath, strategy, devices, mode, optimize_ddp=None):
-    """Run tests/compiled_worker.py under Lightning's default launcher: (return code, output, every rank's record)."""
+def _run_worker(dirpath, devices, runs, optimize_ddp=None):
+    """Run tests/compiled_worker.py under Lightning's default launcher: the return code, the output, and for each of
+    ``runs`` (``"strategy:mode"``) every rank's record."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):  # the launcher sets them for the ranks it starts
         env.pop(key, None)
-    command = [sys.executable, "-m", "tests.compiled_worker", strategy, str(dirpath), str(devices), mode]
-    done = subprocess.run(command + ([optimize_ddp] if optimize_ddp else []), cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    command = [sys.executable, "-m", "tests.compiled_worker", str(dirpath), str(devices), *runs]
+    if optimize_ddp is not None:
+        command += ["--optimize-ddp", optimize_ddp]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     output = done.stdout + done.stderr
     if done.returncode:
-        return done.returncode, output, []
-    return 0, output, [torch.load(dirpath / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+        return done.returncode, output, {}
+    records = {
+        run: [torch.load(dirpath / run.replace(":", "-") / f"rank{r}.pt", weights_only=False) for r in range(devices)]
+        for run in runs
+    }
+    return 0, output, records
 
 
 def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
@@ -189,19 +195,17 @@ def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
     compiled model, for DDPStrategy too): Identity is bitwise plain DDPStrategy on the compiled model, and TopK runs
     through the hook on every step, with identical replicas, TopK's bytes, and the eager run's weights up to the
     compiled kernels' float rounding."""
-    runs = {}
-    for strategy, mode in [("ddp", "compiled"), ("identity", "compiled"), ("topk", "compiled"), ("topk", "eager")]:
-        code, output, runs[strategy, mode] = _run_worker(tmp_path / f"{strategy}-{mode}", strategy, 2, mode)
-        assert code == 0, output[-3000:]
-    for dense, ours in zip(runs["ddp", "compiled"], runs["identity", "compiled"]):
+    code, output, runs = _run_worker(tmp_path, 2, ["ddp:compiled", "identity:compiled", "topk:compiled", "topk:eager"])
+    assert code == 0, output[-3000:]
+    for dense, ours in zip(runs["ddp:compiled"], runs["identity:compiled"]):
         assert torch.equal(dense["params"], ours["params"])
-    compiled, eager = runs["topk", "compiled"], runs["topk", "eager"]
+    compiled, eager = runs["topk:compiled"], runs["topk:eager"]
     assert torch.equal(compiled[0]["params"], compiled[1]["params"]), "replicas diverged"
     assert compiled[0]["comm_hook"] == compression_hook.__qualname__
     assert compiled[0]["total_steps"] == 4
     expected = _expected_bytes(TinyNet(), TopK(ratio=0.05), 64)
     assert [s["stats"].bytes_sent - s["stats"].bytes_guard for s in compiled[0]["steps"]] == [expected] * 4
-    assert not torch.equal(compiled[0]["params"], runs["ddp", "compiled"][0]["params"]), "TopK sent less than all"
+    assert not torch.equal(compiled[0]["params"], runs["ddp:compiled"][0]["params"]), "TopK sent less than all"
     torch.testing.assert_close(compiled[0]["params"], eager[0]["params"], rtol=1e-5, atol=1e-6)
 
 
@@ -210,15 +214,15 @@ def test_a_python_reducer_is_refused_before_the_first_step(tmp_path):
     with ``(grad, param)`` instead of per bucket; the compression hook would fail in the first backward pass
     (``'tuple' object has no attribute 'buffer'``). It is refused when the model is wrapped, naming the setting; the
     other modes train."""
-    code, output, _ = _run_worker(tmp_path / "refused", "topk", 1, "eager", "python_reducer")
+    code, output, _ = _run_worker(tmp_path / "refused", 1, ["topk:eager"], "python_reducer")
     assert code != 0
     assert "ValueError: Expected a DistributedDataParallel model that reduces its gradients in buckets" in output
     assert "optimize_ddp = 'python_reducer'" in output
     assert "has no attribute 'buffer'" not in output
     accepted = "python_reducer_without_compiled_forward"
-    code, output, ranks = _run_worker(tmp_path / "accepted", "topk", 1, "eager", accepted)
+    code, output, runs = _run_worker(tmp_path / "accepted", 1, ["topk:eager"], accepted)
     assert code == 0, output[-3000:]
-    assert ranks[0]["total_steps"] == 4
+    assert runs["topk:eager"][0]["total_steps"] == 4
 
 
 class _SwitchAt(Callback):
