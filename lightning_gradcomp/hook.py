@@ -24,7 +24,14 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives, when_all
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, GradientRuns, Layer, check_gradient_dtypes
+from lightning_gradcomp.compressors.base import (
+    BucketContext,
+    Compressor,
+    GradientRuns,
+    Layer,
+    check_gradient_dtypes,
+    ddp_scale_,
+)
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
 from lightning_gradcomp.recovery import CUDA_LAG, NonfiniteRun
@@ -403,8 +410,13 @@ class CompressionState:
     def _all_reduce_dense(
         self, index: int, tensor: Tensor, layers: tuple[Layer, ...], compressor: Compressor
     ) -> torch.futures.Future:
-        """Plain averaging of ``tensor``, then the compressor's dense update (DGC's momentum, signSGD's sign)."""
-        averaged = self.comm.all_reduce((tensor.div_(self.comm.world_size),)).then(lambda fut: fut.value()[0])
+        """Plain averaging of ``tensor``, then the compressor's dense update (DGC's momentum, signSGD's sign).
+
+        Scaled by the reciprocal of the world size before the sum, as DDP's reducer scales a bucket without a hook:
+        at world sizes that are not powers of two, ``x * (1 / n)`` and ``x / n`` round differently, and this way the
+        dense layers are bitwise plain DDP's at every world size (torch's ``allreduce_hook`` divides, and is not).
+        """
+        averaged = self.comm.all_reduce((ddp_scale_(tensor, self.comm.world_size),)).then(lambda fut: fut.value()[0])
         if not compressor.has_dense_update:
             return averaged
         ctx = self._context(index, layers, tensor)

@@ -25,10 +25,11 @@ def _same_weights(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("accumulate", [1, 2], ids=["plain", "accumulate2"])
-def test_identity_is_bitwise_plain_ddp(tmp_path, accumulate):
-    """Identity gives exactly DDPStrategy's weights, also with gradient accumulation (hook only on the sync step)."""
-    kwargs = {"max_steps": 6, "accumulate_grad_batches": accumulate}
+@pytest.mark.parametrize(("accumulate", "devices"), [(1, 2), (2, 2), (1, 3)], ids=["plain", "accumulate2", "3-ranks"])
+def test_identity_is_bitwise_plain_ddp(tmp_path, accumulate, devices):
+    """Identity gives exactly DDPStrategy's weights, also with gradient accumulation (hook only on the sync step),
+    and at 3 ranks, where scaling by ``1 / 3`` and dividing by 3 round differently (DDP's reducer scales)."""
+    kwargs = {"max_steps": 6, "accumulate_grad_batches": accumulate, "devices": devices}
     dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), **kwargs)
     ours, _, our_ranks = fit(CompressedDDP(Identity(), **SPAWN), str(tmp_path / "ours"), **kwargs)
     assert _same_weights(dense.state_dict(), ours.state_dict())

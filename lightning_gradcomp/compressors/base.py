@@ -219,6 +219,15 @@ class BucketContext:
         return torch.Generator(device=device).manual_seed(self.layer_seed(layer, *salt, per_rank=per_rank))
 
 
+def ddp_scale_(tensor: Tensor, world_size: int) -> Tensor:
+    """``tensor`` times ``1 / world_size``, in place: how DDP's reducer scales a bucket before its sum.
+
+    Not a division: at world sizes that are not powers of two, ``x * (1 / n)`` and ``x / n`` round differently, and
+    plain DDP multiplies (its sparse gradients it divides). Plain averages that must be bitwise DDP's use this.
+    """
+    return tensor.mul_(1.0 / world_size)
+
+
 class Compressor(ABC):
     """Compress one flat gradient tensor into a small payload and restore it.
 

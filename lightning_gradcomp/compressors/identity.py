@@ -6,15 +6,17 @@ from typing import ClassVar
 
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload, ddp_scale_
+from lightning_gradcomp.compressors.exchange import AllReduce, Exchange
 
 
 class Identity(Compressor):
-    """Send the gradient as it is: bitwise the same result as DDP's default all-reduce.
+    """Send the gradient as it is: bitwise the same result as DDP's default all-reduce, at every world size.
 
     Every layer goes through it (there is nothing to exempt), so a bucket costs one all-reduce of the bucket buffer
-    divided by the world size, exactly like torch's ``allreduce_hook``. Useful to measure the overhead of the hook
-    and as the reference the other compressors are tested against.
+    scaled by ``1 / world_size``, exactly as DDP's reducer scales it without a hook (torch's ``allreduce_hook``
+    divides instead, which rounds differently at world sizes that are not powers of two). Useful to measure the
+    overhead of the hook and as the reference the other compressors are tested against.
 
     Example::
 
@@ -41,3 +43,10 @@ class Identity(Compressor):
         if out is None or out.data_ptr() == tensor.data_ptr():
             return tensor
         return out.copy_(tensor)
+
+    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+        """The default all-reduce, with the payload scaled by ``1 / world_size`` as DDP scales it, not divided."""
+        if ctx.new_residual is not None:
+            self.update_residual(ctx.new_residual, tensor, (tensor,), ctx)
+        summed = yield AllReduce((ddp_scale_(tensor, ctx.world_size),))
+        return self.decompress(summed, ctx, out=tensor)
