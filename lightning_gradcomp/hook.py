@@ -358,9 +358,10 @@ class CompressionState:
     def reduce(self, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
         """Average ``bucket`` over the ranks; what :func:`compression_hook` does.
 
-        While ``enabled`` is ``False`` it is torch's ``allreduce_hook`` (divide by the world size, sum), plus any
-        error-feedback residual still owed. Otherwise the bucket's dense layers are all-reduced and its compressed
-        layers go through :meth:`Compressor.reduce`; both are issued here, in bucket order, on every rank. State
+        While ``enabled`` is ``False`` it is DDP's own reduction (scale by ``1 / world_size``, sum), plus any
+        error-feedback residual still owed; a sparse gradient's bucket is always averaged as DDP averages it.
+        Otherwise the bucket's dense layers are all-reduced and its compressed layers go through
+        :meth:`Compressor.reduce`; both are issued here, in bucket order, on every rank. State
         changes of the whole step are committed after its last bucket, only if the step was finite on every rank;
         this is also where the step counter advances (its one writer, besides :meth:`load_state_dict`).
         """
@@ -368,15 +369,17 @@ class CompressionState:
         if not self._in_flight:  # the step's first bucket
             self._reset_if_stalled()
         buffer = bucket.buffer()
+        plan = None
         if buffer.is_sparse:
-            reduced, names = self._reduce_sparse(buffer), tuple(self._name(p) for p in bucket.parameters())
+            reduced = self._reduce_sparse(buffer)
         else:
             self.telemetry.add_bucket(buffer.numel() * buffer.element_size())
             plan = self.plan(bucket, self.compressor)
             reduced = self._reduce_split(bucket.index(), buffer, plan) if self.enabled else self._reduce_dense(
                 bucket.index(), buffer, plan)  # fmt: skip
-            names = tuple(layer.name for layer in plan.every)
-        if self.recorder is not None:
+        if self.recorder is not None:  # the layers' names only while a measurement runs, not on every step
+            names = (tuple(layer.name for layer in plan.every) if plan is not None
+                     else tuple(self._names.get(id(p), (-1, "unnamed"))[1] for p in bucket.parameters()))  # fmt: skip
             entry = [entered, names, buffer.numel(), None]
             self.recorder.append(entry)
             reduced = reduced.then(lambda fut, entry=entry: _stamp(fut, entry))
@@ -397,9 +400,6 @@ class CompressionState:
         gradient = buffer.div_(self.comm.world_size).coalesce()
         self.telemetry.add_bucket(gradient._indices().nbytes + gradient._values().nbytes)
         return self.comm.all_reduce_sparse(gradient)
-
-    def _name(self, param: Tensor) -> str:
-        return self._names.get(id(param), (-1, "unnamed"))[1]
 
     def _context(self, index: int, layers: tuple[Layer, ...], like: Tensor, **fields: Any) -> BucketContext:
         comm = self.comm
