@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -6,6 +8,24 @@ import torch
 # two CPU cores: one thread per process keeps the two-process tests from oversubscribing the machine
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+# One temporary folder for the whole session, removed when it passes. Without it a run leaves in the machine's
+# temporary folder an empty folder per spawned fit (Lightning's spawn launcher saves rank 0's weights under a
+# `mkdtemp()` and removes only the file), torch.compile's kernel cache (about 150 MB) and pytest's own `tmp_path`s.
+# Set here, before any test: the spawned ranks and the subprocesses inherit TMPDIR, and this process's `tempfile`
+# is pointed at it too (it caches the folder it found first).
+SESSION_TMPDIR = tempfile.mkdtemp(prefix="gradcomp-tests-")
+os.environ["TMPDIR"] = tempfile.tempdir = SESSION_TMPDIR
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not session.testsfailed:
+        shutil.rmtree(SESSION_TMPDIR, ignore_errors=True)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter, exitstatus: int) -> None:
+    if os.path.isdir(SESSION_TMPDIR):  # kept for a failure's files
+        terminalreporter.write_line(f"this session's temporary files (tmp_path, the workers' files): {SESSION_TMPDIR}")
 
 
 @pytest.fixture(autouse=True)
