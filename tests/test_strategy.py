@@ -171,13 +171,13 @@ def test_static_graph_and_bucket_views_pass_through(tmp_path):
 
 
 def _run_worker(dirpath, devices, runs, optimize_ddp=None):
-    """Run tests/compiled_worker.py under Lightning's default launcher: the return code, the output, and for each of
-    ``runs`` (``"strategy:mode"``) every rank's record."""
+    """Run tests/fit_worker.py under Lightning's default launcher: the return code, the output, and for each of
+    ``runs`` (``"strategy:variant"``) every rank's record."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):  # the launcher sets them for the ranks it starts
         env.pop(key, None)
-    command = [sys.executable, "-m", "tests.compiled_worker", str(dirpath), str(devices), *runs]
+    command = [sys.executable, "-m", "tests.fit_worker", str(dirpath), str(devices), *runs]
     if optimize_ddp is not None:
         command += ["--optimize-ddp", optimize_ddp]
     done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
@@ -208,6 +208,31 @@ def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
     assert [s["stats"].bytes_sent - s["stats"].bytes_guard for s in compiled[0]["steps"]] == [expected] * 4
     assert not torch.equal(compiled[0]["params"], runs["ddp:compiled"][0]["params"]), "TopK sent less than all"
     torch.testing.assert_close(compiled[0]["params"], eager[0]["params"], rtol=1e-5, atol=1e-6)
+
+
+FEATURES = ["clip", "fp64", "manual", "frozen", "unused", "checkpointed"]
+
+
+def test_trainer_features_train_compressed_as_they_train_under_plain_ddp(tmp_path):
+    """What a user of ``DDPStrategy`` may turn on: gradient clipping, ``precision="64-true"``, manual optimization, a
+    frozen layer, a head unused on odd steps (``find_unused_parameters``), activation checkpointing
+    (tests/fit_worker.py's variants). For each, Identity is bitwise plain ``DDPStrategy``, and TopK compresses every
+    step with identical replicas."""
+    runs = [f"{strategy}:{feature}" for feature in FEATURES for strategy in ("ddp", "identity", "topk")]
+    code, output, records = _run_worker(tmp_path, 2, runs)
+    assert code == 0, output[-3000:]
+    for feature in FEATURES:
+        dense, identity, topk = (records[f"{strategy}:{feature}"] for strategy in ("ddp", "identity", "topk"))
+        for rank in range(2):
+            assert torch.equal(dense[rank]["params"], identity[rank]["params"]), f"{feature}: identity differs"
+        assert torch.equal(topk[0]["params"], topk[1]["params"]), f"{feature}: TopK's replicas diverged"
+        assert topk[0]["total_steps"] == 4, feature
+        assert all(s["stats"].compression_ratio > 2 for s in topk[0]["steps"]), feature
+        assert not torch.equal(topk[0]["params"], dense[0]["params"]), f"{feature}: TopK sent less than all"
+    assert records["topk:fp64"][0]["params"].dtype == torch.float64
+    frozen = "net.0.weight"
+    initial = TinyNet().state_dict()[frozen]
+    assert all(torch.equal(records[f"{s}:frozen"][0]["state_dict"][frozen], initial) for s in ("ddp", "topk"))
 
 
 def test_a_python_reducer_is_refused_before_the_first_step(tmp_path):
