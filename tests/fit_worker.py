@@ -1,18 +1,23 @@
-"""Fits of TinyNet and its variants on CPU processes, several in one launch (launched by tests/test_strategy.py).
+"""Fits of TinyNet and its variants on CPU processes, several in one launch (:func:`run_fits` starts it).
 
 Lightning's spawn launcher pickles the model for its workers, and a compiled model does not pickle (under plain
 ``DDPStrategy`` too), so this script runs under Lightning's default launcher, which starts the script again for every
 further rank, as a user's training script runs. One launch runs several fits, one after another (a launch costs
-seconds, a fit of TinyNet a fraction of one), each recorded in ``DIRPATH/STRATEGY-VARIANT``::
+seconds, a fit of TinyNet a fraction of one), each recorded in its own folder of ``DIRPATH``::
 
-    python -m tests.fit_worker DIRPATH DEVICES STRATEGY:VARIANT ... [--optimize-ddp MODE]
+    python -m tests.fit_worker DIRPATH DEVICES RUN ... [--optimize-ddp MODE]
 
+A ``RUN`` is ``STRATEGY:VARIANT``, recorded in ``DIRPATH/STRATEGY-VARIANT``: a fresh model trained from scratch.
 ``STRATEGY`` is one of :data:`STRATEGIES`, ``VARIANT`` one of :data:`VARIANTS` (the Trainer features a user of
-``DDPStrategy`` may turn on). ``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before
-any model is wrapped.
+``DDPStrategy`` may turn on, and the runs that save a checkpoint). ``STRATEGY:VARIANT+EARLIER`` resumes instead from
+the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless``: with the compressor state
+taken out, as a checkpoint of plain ``DDPStrategy`` holds none), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIER``
+(every ``:`` a ``-``). ``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model
+is wrapped.
 """
 
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,19 +25,24 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch._dynamo
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import CompressionMonitor
-from lightning_gradcomp.compressors import Identity, TopK
+from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
+from tests.distributed import free_port
 from tests.models import RecordRanks, TinyNet
 
+# a fresh compressor for every fit: nothing carries over from one fit of a launch to the next but the checkpoint
 STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "ddp": DDPStrategy,
     "identity": lambda **kwargs: CompressedDDP(Identity(), **kwargs),
     "topk": lambda **kwargs: CompressedDDP(TopK(ratio=0.05), min_compress_numel=64, **kwargs),
+    "powersgd-r1": lambda **kwargs: CompressedDDP(PowerSGD(rank=1), min_compress_numel=64, **kwargs),
+    "powersgd-r2": lambda **kwargs: CompressedDDP(PowerSGD(rank=2), min_compress_numel=64, **kwargs),
 }
 
 
@@ -82,6 +92,16 @@ class CheckpointedNet(TinyNet):
         return self.net[3:](checkpoint(self.net[:3], x, use_reentrant=False))
 
 
+def _small_data() -> TinyNet:
+    """64 samples, 8 per batch: 4 steps per epoch on 2 ranks."""
+    return TinyNet(n=64, batch_size=8)
+
+
+# epochs of _small_data, saving DIRPATH/RUN/last.ckpt at each epoch's end; tiny buckets so that the model spans
+# several, and DDP's layout after a resume (one bucket, then rebuilt) differs from an uninterrupted run's
+_EPOCHS = {"max_steps": -1, "enable_checkpointing": True}
+_BUCKETS = {"bucket_cap_mb": 0.01}
+
 # variant -> (model, Trainer arguments, strategy arguments, compiled)
 VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "eager": (TinyNet, {}, {}, False),
@@ -92,29 +112,75 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "frozen": (FrozenNet, {}, {}, False),
     "unused": (UnusedNet, {}, {"find_unused_parameters": True}, False),
     "checkpointed": (CheckpointedNet, {}, {}, False),
+    "epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2}, _BUCKETS, False),
+    "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
+    "bf16-epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2, "precision": "bf16-true"}, _BUCKETS, False),
+    "bf16-epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4, "precision": "bf16-true"}, _BUCKETS, False),
 }
 
 
-def train(name: str, variant: str, dirpath: str, devices: int) -> None:
-    """One fit of a fresh model of ``variant`` under strategy ``name``, recorded in ``dirpath``."""
+def run_name(run: str) -> str:
+    """The folder of ``DIRPATH`` that records ``run``."""
+    return run.replace(":", "-")
+
+
+def train(run: str, root: str, devices: int) -> None:
+    """One fit of ``run`` (``STRATEGY:VARIANT[+EARLIER]``), recorded in ``root/run_name(run)``."""
+    spec, _, earlier = run.partition("+")
+    name, variant = spec.split(":")
     make_model, trainer_kwargs, strategy_kwargs, compiled = VARIANTS[variant]
+    dirpath = os.path.join(root, run_name(run))
     os.makedirs(dirpath, exist_ok=True)
+    ckpt_path = None
+    if earlier:
+        stateless = earlier.endswith(":stateless")
+        ckpt_path = os.path.join(root, run_name(earlier.removesuffix(":stateless")), "last.ckpt")
+        if stateless:
+            # each rank edits a copy of its own: no rank reads a file that another is writing
+            checkpoint = torch.load(ckpt_path, weights_only=False)
+            checkpoint.pop("gradcomp")
+            ckpt_path = os.path.join(dirpath, f"stateless-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
+            torch.save(checkpoint, ckpt_path)
     strategy = STRATEGIES[name](**strategy_kwargs)
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
+    saving = [ModelCheckpoint(dirpath=dirpath, filename="last")] if trainer_kwargs.get("enable_checkpointing") else []
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=4,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[*monitor, RecordRanks(dirpath)],
-        **trainer_kwargs,
+        **{
+            "accelerator": "cpu",
+            "devices": devices,
+            "strategy": strategy,
+            "max_steps": 4,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "callbacks": [*monitor, *saving, RecordRanks(dirpath)],
+            **trainer_kwargs,
+        }
     )
     model = make_model()
-    trainer.fit(torch.compile(model) if compiled else model)
+    trainer.fit(torch.compile(model) if compiled else model, ckpt_path=ckpt_path)
+
+
+def run_fits(dirpath: Any, devices: int, runs: list[str], optimize_ddp: str | None = None) -> tuple[int, str, dict]:
+    """Launch this script under Lightning's default launcher: its return code, its output, and for each of ``runs``
+    every rank's record (none when it failed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):  # the launcher sets them for the ranks it starts
+        env.pop(key, None)
+    command = [sys.executable, "-m", "tests.fit_worker", str(dirpath), str(devices), *runs]
+    if optimize_ddp is not None:
+        command += ["--optimize-ddp", optimize_ddp]
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    output = done.stdout + done.stderr
+    if done.returncode:
+        return done.returncode, output, {}
+    records = {}
+    for run in runs:
+        folder = os.path.join(dirpath, run_name(run))
+        records[run] = [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(devices)]
+    return 0, output, records
 
 
 if __name__ == "__main__":
@@ -126,5 +192,4 @@ if __name__ == "__main__":
     root, devices, *runs = args
     torch.set_num_threads(1)
     for run in runs:
-        name, variant = run.split(":")
-        train(name, variant, os.path.join(root, f"{name}-{variant}"), int(devices))
+        train(run, root, int(devices))

@@ -1,51 +1,65 @@
-"""Compressor state is training state: every rank's residuals and the compressor's memory resume exactly."""
+"""Compressor state is training state: every rank's residuals and the compressor's memory resume exactly.
+
+Every fit here runs in one launch of tests/fit_worker.py (two processes under Lightning's default launcher, as a
+user's script runs): 4 epochs straight, 2 epochs saving a checkpoint, and 2 more resumed from it, per compressor; then
+checkpoints passed between plain ``DDPStrategy`` and ``CompressedDDP``. A launch costs seconds, a fit a fraction of
+one, and both CI stages run this file.
+"""
 
 import os
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_gradcomp import CompressedDDP
-from lightning_gradcomp.compressors import PowerSGD, TopK
-from tests.models import TinyNet, fit
+from tests.fit_worker import run_fits, run_name
 
-# 64 samples, 8 per batch, 2 ranks: 4 steps per epoch; tiny buckets so the model spans several of them, and DDP's
-# layout after the resume (one bucket, then rebuilt) differs from the uninterrupted run's
-DATA = {"n": 64, "batch_size": 8}
-DDP_KWARGS = {"bucket_cap_mb": 0.01, "start_method": "spawn"}
-COMPRESSORS = {"topk": TopK(ratio=0.05), "powersgd-r1": PowerSGD(rank=1), "powersgd-r2": PowerSGD(rank=2)}
+COMPRESSORS = ["topk", "powersgd-r1", "powersgd-r2"]
 
 
-def _strategy(compressor):
-    return CompressedDDP(compressor, min_compress_numel=64, **DDP_KWARGS)
+def _resumable(strategy, precision=""):
+    """The straight run, the run that saves its checkpoint after 2 of 4 epochs, and the run that resumes from it."""
+    first = f"{strategy}:{precision}epochs2"
+    return [f"{strategy}:{precision}epochs4", first, f"{strategy}:{precision}epochs4+{first}"]
 
 
-def _resume(tmp_path, compressor, edit_checkpoint=None, **trainer_kwargs):
-    ckpt_dir = str(tmp_path / "ckpt")
-    fit(_strategy(compressor), str(tmp_path / "first"), model=TinyNet(**DATA), max_steps=-1, max_epochs=2,
-        enable_checkpointing=True, callbacks=[ModelCheckpoint(dirpath=ckpt_dir, filename="last")],
-        **trainer_kwargs)  # fmt: skip
-    path = os.path.join(ckpt_dir, "last.ckpt")
-    if edit_checkpoint is not None:
-        checkpoint = torch.load(path, weights_only=False)
-        edit_checkpoint(checkpoint)
-        torch.save(checkpoint, path)
-    _, _, ranks = fit(_strategy(compressor), str(tmp_path / "resumed"), model=TinyNet(**DATA), max_steps=-1,
-                      max_epochs=4, ckpt_path=path, **trainer_kwargs)  # fmt: skip
-    return path, ranks
+RUNS = [
+    *(run for name in COMPRESSORS for run in _resumable(name)),
+    *_resumable("powersgd-r2", "bf16-"),
+    "topk:epochs4+topk:epochs2:stateless",
+    *_resumable("ddp"),
+    "identity:epochs2",
+    "identity:epochs4+ddp:epochs2",
+    "ddp:epochs4+identity:epochs2",
+    "topk:epochs4+ddp:epochs2",
+]
 
 
-@pytest.mark.parametrize("name", list(COMPRESSORS))
-def test_resumed_run_ends_bitwise_equal_to_uninterrupted_run(tmp_path, name):
-    compressor = COMPRESSORS[name]
-    _, _, straight = fit(_strategy(compressor), str(tmp_path / "straight"), model=TinyNet(**DATA), max_steps=-1,
-                         max_epochs=4)  # fmt: skip
-    path, resumed = _resume(tmp_path, compressor)
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """The launch's folder, output and every run's records."""
+    root = tmp_path_factory.mktemp("checkpoint")
+    code, output, records = run_fits(root, 2, RUNS)
+    assert code == 0, output[-3000:]
+    return root, output, records
+
+
+def _saved(root, run):
+    return torch.load(os.path.join(root, run_name(run), "last.ckpt"), weights_only=False)
+
+
+def _assert_same_weights(straight, resumed):
     for rank in range(2):
         assert torch.equal(straight[rank]["params"], resumed[rank]["params"]), f"rank {rank} differs"
 
-    saved = torch.load(path, weights_only=False)["gradcomp"]
+
+@pytest.mark.parametrize("name", COMPRESSORS)
+def test_resumed_run_ends_bitwise_equal_to_uninterrupted_run(launch, name):
+    root, _, records = launch
+    straight, first, resumed = _resumable(name)
+    _assert_same_weights(records[straight], records[resumed])
+    assert len(records[resumed][0]["steps"]) == 8, "the resumed run trains epochs 3 and 4"
+
+    saved = _saved(root, first)["gradcomp"]
     assert saved["world_size"] == 2
     assert len(saved["ranks"]) == 2
     residuals = [entry["residuals"] for entry in saved["ranks"]]
@@ -53,28 +67,42 @@ def test_resumed_run_ends_bitwise_equal_to_uninterrupted_run(tmp_path, name):
     assert residuals[0]
     assert any(not torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0]), "each rank owes its own error"
     assert saved["ranks"][0]["step"] == 8
-    if isinstance(compressor, PowerSGD):
+    if name.startswith("powersgd"):
         assert saved["ranks"][0]["compressor"]["queries"], "warm-start queries are saved"
 
 
-def test_a_16_bit_run_resumes_bitwise_with_its_16_bit_residuals(tmp_path):
+def test_a_16_bit_run_resumes_bitwise_with_its_16_bit_residuals(launch):
     """``precision="bf16-true"``: the residuals are bfloat16 (the gradient's dtype), saved and restored as such."""
-    compressor = COMPRESSORS["powersgd-r2"]
-    _, _, straight = fit(_strategy(compressor), str(tmp_path / "straight"), model=TinyNet(**DATA), max_steps=-1,
-                         max_epochs=4, precision="bf16-true")  # fmt: skip
-    path, resumed = _resume(tmp_path, compressor, precision="bf16-true")
-    for rank in range(2):
-        assert resumed[rank]["params"].dtype == torch.bfloat16
-        assert torch.equal(straight[rank]["params"], resumed[rank]["params"]), f"rank {rank} differs"
-    residuals = torch.load(path, weights_only=False)["gradcomp"]["ranks"][0]["residuals"]
+    root, _, records = launch
+    straight, first, resumed = _resumable("powersgd-r2", "bf16-")
+    assert records[resumed][0]["params"].dtype == torch.bfloat16
+    _assert_same_weights(records[straight], records[resumed])
+    residuals = _saved(root, first)["gradcomp"]["ranks"][0]["residuals"]
     assert residuals
     assert {r.dtype for r in residuals.values()} == {torch.bfloat16}
 
 
-def test_dropping_the_compressor_state_changes_the_result(tmp_path):
-    """The control that shows the test above can fail: resuming without the saved residuals diverges."""
-    compressor = COMPRESSORS["topk"]
-    _, _, straight = fit(_strategy(compressor), str(tmp_path / "straight"), model=TinyNet(**DATA), max_steps=-1,
-                         max_epochs=4)  # fmt: skip
-    _, resumed = _resume(tmp_path, compressor, edit_checkpoint=lambda ckpt: ckpt.pop("gradcomp"))
-    assert not torch.equal(straight[0]["params"], resumed[0]["params"])
+def test_dropping_the_compressor_state_changes_the_result(launch):
+    """The control that shows the tests above can fail: resuming without the saved residuals diverges."""
+    _, _, records = launch
+    dropped = records["topk:epochs4+topk:epochs2:stateless"]
+    assert torch.equal(dropped[0]["params"], dropped[1]["params"]), "replicas diverged"
+    assert not torch.equal(records["topk:epochs4"][0]["params"], dropped[0]["params"])
+
+
+def test_checkpoints_pass_between_plain_ddp_and_compressed_ddp(launch):
+    """A user switching strategies mid-run: a plain ``DDPStrategy`` checkpoint resumed by ``CompressedDDP(Identity)``
+    and the reverse end bitwise where 4 epochs of plain DDP end. Resumed by TopK, it warns that the compressor state
+    starts empty and trains compressed from there, with identical replicas."""
+    root, output, records = launch
+    assert "gradcomp" not in _saved(root, "ddp:epochs2")
+    dense = records["ddp:epochs4"]
+    _assert_same_weights(dense, records["identity:epochs4+ddp:epochs2"])
+    _assert_same_weights(dense, records["ddp:epochs4+identity:epochs2"])
+
+    assert "The checkpoint holds no CompressedDDP state" in output
+    topk = records["topk:epochs4+ddp:epochs2"]
+    assert torch.equal(topk[0]["params"], topk[1]["params"]), "replicas diverged"
+    assert len(topk[0]["steps"]) == 8
+    assert all(s["stats"].compression_ratio > 2 for s in topk[0]["steps"])
+    assert not torch.equal(topk[0]["params"], dense[0]["params"]), "TopK sent less than all"

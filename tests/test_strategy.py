@@ -1,9 +1,6 @@
 """CompressedDDP inside Lightning's Trainer: two CPU processes on gloo."""
 
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from lightning_gradcomp import CompressedDDP, compression_hook
 from lightning_gradcomp.compressors import BF16, FP16, QSGD, Identity, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import Layer, keep_count
-from tests.distributed import free_port
+from tests.fit_worker import run_fits
 from tests.models import SparseEmbeddingNet, TinyNet, fit, synthetic_classification
 
 SPAWN = {"start_method": "spawn"}
@@ -170,33 +167,12 @@ def test_static_graph_and_bucket_views_pass_through(tmp_path):
     assert all(s["stats"].compression_ratio > 1 for s in ranks[0]["steps"])
 
 
-def _run_worker(dirpath, devices, runs, optimize_ddp=None):
-    """Run tests/fit_worker.py under Lightning's default launcher: the return code, the output, and for each of
-    ``runs`` (``"strategy:variant"``) every rank's record."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):  # the launcher sets them for the ranks it starts
-        env.pop(key, None)
-    command = [sys.executable, "-m", "tests.fit_worker", str(dirpath), str(devices), *runs]
-    if optimize_ddp is not None:
-        command += ["--optimize-ddp", optimize_ddp]
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    output = done.stdout + done.stderr
-    if done.returncode:
-        return done.returncode, output, {}
-    records = {
-        run: [torch.load(dirpath / run.replace(":", "-") / f"rank{r}.pt", weights_only=False) for r in range(devices)]
-        for run in runs
-    }
-    return 0, output, records
-
-
 def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
     """``trainer.fit(torch.compile(model))`` (Lightning's default launcher; its spawn launcher cannot pickle a
     compiled model, for DDPStrategy too): Identity is bitwise plain DDPStrategy on the compiled model, and TopK runs
     through the hook on every step, with identical replicas, TopK's bytes, and the eager run's weights up to the
     compiled kernels' float rounding."""
-    code, output, runs = _run_worker(tmp_path, 2, ["ddp:compiled", "identity:compiled", "topk:compiled", "topk:eager"])
+    code, output, runs = run_fits(tmp_path, 2, ["ddp:compiled", "identity:compiled", "topk:compiled", "topk:eager"])
     assert code == 0, output[-3000:]
     for dense, ours in zip(runs["ddp:compiled"], runs["identity:compiled"]):
         assert torch.equal(dense["params"], ours["params"])
@@ -219,7 +195,7 @@ def test_trainer_features_train_compressed_as_they_train_under_plain_ddp(tmp_pat
     (tests/fit_worker.py's variants). For each, Identity is bitwise plain ``DDPStrategy``, and TopK compresses every
     step with identical replicas."""
     runs = [f"{strategy}:{feature}" for feature in FEATURES for strategy in ("ddp", "identity", "topk")]
-    code, output, records = _run_worker(tmp_path, 2, runs)
+    code, output, records = run_fits(tmp_path, 2, runs)
     assert code == 0, output[-3000:]
     for feature in FEATURES:
         dense, identity, topk = (records[f"{strategy}:{feature}"] for strategy in ("ddp", "identity", "topk"))
@@ -240,13 +216,13 @@ def test_a_python_reducer_is_refused_before_the_first_step(tmp_path):
     with ``(grad, param)`` instead of per bucket; the compression hook would fail in the first backward pass
     (``'tuple' object has no attribute 'buffer'``). It is refused when the model is wrapped, naming the setting; the
     other modes train."""
-    code, output, _ = _run_worker(tmp_path / "refused", 1, ["topk:eager"], "python_reducer")
+    code, output, _ = run_fits(tmp_path / "refused", 1, ["topk:eager"], "python_reducer")
     assert code != 0
     assert "ValueError: Expected a DistributedDataParallel model that reduces its gradients in buckets" in output
     assert "optimize_ddp = 'python_reducer'" in output
     assert "has no attribute 'buffer'" not in output
     accepted = "python_reducer_without_compiled_forward"
-    code, output, runs = _run_worker(tmp_path / "accepted", 1, ["topk:eager"], accepted)
+    code, output, runs = run_fits(tmp_path / "accepted", 1, ["topk:eager"], accepted)
     assert code == 0, output[-3000:]
     assert runs["topk:eager"][0]["total_steps"] == 4
 
