@@ -108,6 +108,7 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "compiled": (TinyNet, {}, {}, True),
     "clip": (TinyNet, {"gradient_clip_val": 0.05}, {}, False),
     "fp64": (TinyNet, {"precision": "64-true"}, {}, False),
+    "bf16-mixed": (TinyNet, {"precision": "bf16-mixed"}, {}, False),
     "manual": (ManualNet, {}, {}, False),
     "frozen": (FrozenNet, {}, {}, False),
     "unused": (UnusedNet, {}, {"find_unused_parameters": True}, False),

@@ -186,14 +186,14 @@ def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
     torch.testing.assert_close(compiled[0]["params"], eager[0]["params"], rtol=1e-5, atol=1e-6)
 
 
-FEATURES = ["clip", "fp64", "manual", "frozen", "unused", "checkpointed"]
+FEATURES = ["clip", "fp64", "bf16-mixed", "manual", "frozen", "unused", "checkpointed"]
 
 
 def test_trainer_features_train_compressed_as_they_train_under_plain_ddp(tmp_path):
-    """What a user of ``DDPStrategy`` may turn on: gradient clipping, ``precision="64-true"``, manual optimization, a
-    frozen layer, a head unused on odd steps (``find_unused_parameters``), activation checkpointing
-    (tests/fit_worker.py's variants). For each, Identity is bitwise plain ``DDPStrategy``, and TopK compresses every
-    step with identical replicas."""
+    """What a user of ``DDPStrategy`` may turn on: gradient clipping, ``precision="64-true"`` and ``"bf16-mixed"``
+    (autocast; the gradients stay float32), manual optimization, a frozen layer, a head unused on odd steps
+    (``find_unused_parameters``), activation checkpointing (tests/fit_worker.py's variants). For each, Identity is
+    bitwise plain ``DDPStrategy``, and TopK compresses every step with identical replicas."""
     runs = [f"{strategy}:{feature}" for feature in FEATURES for strategy in ("ddp", "identity", "topk")]
     code, output, records = run_fits(tmp_path, 2, runs)
     assert code == 0, output[-3000:]
