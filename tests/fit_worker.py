@@ -138,10 +138,10 @@ def train(run: str, root: str, devices: int) -> None:
         ckpt_path = os.path.join(root, run_name(earlier.removesuffix(":stateless")), "last.ckpt")
         if stateless:
             # each rank edits a copy of its own: no rank reads a file that another is writing
-            checkpoint = torch.load(ckpt_path, weights_only=False)
-            checkpoint.pop("gradcomp")
+            saved = torch.load(ckpt_path, weights_only=False)
+            saved.pop("gradcomp")
             ckpt_path = os.path.join(dirpath, f"stateless-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
-            torch.save(checkpoint, ckpt_path)
+            torch.save(saved, ckpt_path)
     strategy = STRATEGIES[name](**strategy_kwargs)
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
     saving = [ModelCheckpoint(dirpath=dirpath, filename="last")] if trainer_kwargs.get("enable_checkpointing") else []
