@@ -8,7 +8,7 @@ seconds, a fit of TinyNet a fraction of one), each recorded in its own folder of
     python -m tests.fit_worker DIRPATH DEVICES RUN ... [--optimize-ddp MODE]
 
 A ``RUN`` is ``STRATEGY:VARIANT``, recorded in ``DIRPATH/STRATEGY-VARIANT``: a fresh model trained from scratch.
-``STRATEGY`` is one of :data:`STRATEGIES`, ``VARIANT`` one of :data:`VARIANTS` (the Trainer features a user of
+``STRATEGY`` is one of :data:`STRATEGIES`, ``VARIANT`` one of :data:`VARIANTS` (the configurations a user of
 ``DDPStrategy`` may turn on, and the runs that save a checkpoint). ``STRATEGY:VARIANT+EARLIER`` resumes instead from
 the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless``: with the compressor state
 taken out, as a checkpoint of plain ``DDPStrategy`` holds none), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIER``
@@ -34,7 +34,7 @@ from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import CompressionMonitor
 from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
 from tests.distributed import free_port
-from tests.models import RecordRanks, TinyNet
+from tests.models import RecordRanks, SparseEmbeddingNet, TinyNet
 
 # a fresh compressor for every fit: nothing carries over from one fit of a launch to the next but the checkpoint
 STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
@@ -106,6 +106,11 @@ _BUCKETS = {"bucket_cap_mb": 0.01}
 VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "eager": (TinyNet, {}, {}, False),
     "compiled": (TinyNet, {}, {}, True),
+    "accumulate2": (TinyNet, {"accumulate_grad_batches": 2}, {}, False),
+    "bf16-true": (TinyNet, {"precision": "bf16-true"}, {}, False),
+    "16-true": (TinyNet, {"precision": "16-true"}, {}, False),
+    "static": (TinyNet, {}, {"static_graph": True, "gradient_as_bucket_view": True, **_BUCKETS}, False),
+    "sparse": (SparseEmbeddingNet, {}, {}, False),
     "clip": (TinyNet, {"gradient_clip_val": 0.05}, {}, False),
     "fp64": (TinyNet, {"precision": "64-true"}, {}, False),
     "bf16-mixed": (TinyNet, {"precision": "bf16-mixed"}, {}, False),

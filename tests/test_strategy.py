@@ -18,41 +18,70 @@ from tests.models import SparseEmbeddingNet, TinyNet, fit, synthetic_classificat
 SPAWN = {"start_method": "spawn"}
 
 
+# One launch of tests/fit_worker.py (Lightning's default launcher, as a user's script runs) for the tests below that
+# compare a configuration under plain DDPStrategy, Identity and a compressor: a launch costs seconds, a fit a fraction
+# of one. Each fit is a fresh model, strategy and compressor, 4 optimizer steps.
+FEATURES = ["clip", "fp64", "bf16-mixed", "manual", "frozen", "unused", "checkpointed"]
+PRECISIONS = ["bf16-true", "16-true"]
+LAUNCH = [
+    *(f"{strategy}:{variant}" for variant in FEATURES + PRECISIONS for strategy in ("ddp", "identity", "topk")),
+    *(f"{strategy}:{variant}" for variant in ("eager", "accumulate2") for strategy in ("ddp", "identity")),
+    *("ddp:static", "identity:static", "powersgd-r2:static"),
+    *("ddp:sparse", "identity:sparse", "topk:sparse"),
+]
+
+
+@pytest.fixture(scope="module")
+def fits(tmp_path_factory):
+    """Every rank's record of each run of ``LAUNCH``."""
+    code, output, records = run_fits(tmp_path_factory.mktemp("fits"), 2, LAUNCH)
+    assert code == 0, output[-3000:]
+    return records
+
+
 def _same_weights(a, b):
     return all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize(("accumulate", "devices"), [(1, 2), (2, 2), (1, 3)], ids=["plain", "accumulate2", "3-ranks"])
-def test_identity_is_bitwise_plain_ddp(tmp_path, accumulate, devices):
-    """Identity gives exactly DDPStrategy's weights, also with gradient accumulation (hook only on the sync step),
-    and at 3 ranks, where scaling by ``1 / 3`` and dividing by 3 round differently (DDP's reducer scales)."""
-    kwargs = {"max_steps": 6, "accumulate_grad_batches": accumulate, "devices": devices}
-    dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), **kwargs)
-    ours, _, our_ranks = fit(CompressedDDP(Identity(), **SPAWN), str(tmp_path / "ours"), **kwargs)
+def _assert_bitwise(dense, ours):
+    """Every rank of ``ours`` ends with ``dense``'s parameters and buffers, bit for bit."""
+    for rank, (d, o) in enumerate(zip(dense, ours)):
+        assert _same_weights(d["state_dict"], o["state_dict"]), f"rank {rank} differs"
+
+
+@pytest.mark.parametrize("variant", ["eager", "accumulate2"])
+def test_identity_is_bitwise_plain_ddp(fits, variant):
+    """Identity gives exactly DDPStrategy's weights, also with gradient accumulation (hook only on the sync step)."""
+    ours = fits[f"identity:{variant}"]
+    _assert_bitwise(fits[f"ddp:{variant}"], ours)
+    # one reduction per optimizer step, on the micro-batch that synchronises, never on the others
+    accumulate = 2 if variant == "accumulate2" else 1
+    assert ours[0]["total_steps"] == 4
+    assert [s["reductions"] for s in ours[0]["steps"]] == [(i + 1) // accumulate for i in range(4 * accumulate)]
+
+
+def test_identity_is_bitwise_plain_ddp_at_3_ranks_under_the_spawn_launcher(tmp_path):
+    """At 3 ranks scaling by ``1 / 3`` and dividing by 3 round differently (DDP's reducer scales)."""
+    dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), devices=3)
+    ours, _, our_ranks = fit(CompressedDDP(Identity(), **SPAWN), str(tmp_path / "ours"), devices=3)
     assert _same_weights(dense.state_dict(), ours.state_dict())
     for d, o in zip(dense_ranks, our_ranks):
         assert torch.equal(d["params"], o["params"])
-    # one reduction per optimizer step, on the micro-batch that synchronises, never on the others
     assert our_ranks[0]["total_steps"] == 6
-    reductions = [s["reductions"] for s in our_ranks[0]["steps"]]
-    assert reductions == [(i + 1) // accumulate for i in range(6 * accumulate)]
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
-def test_16_bit_training_runs_as_plain_ddp_does_and_sends_16_bit_payloads(tmp_path, precision):
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_16_bit_training_runs_as_plain_ddp_does_and_sends_16_bit_payloads(fits, precision):
     """With 16-bit gradients Identity is still bitwise DDPStrategy, the bytes counted are 2 per element, and TopK
     with its 16-bit residual keeps the replicas identical, sending 2-byte values next to its int32 indices."""
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}[precision]
-    dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), precision=precision)
-    ours, _, our_ranks = fit(CompressedDDP(Identity(), **SPAWN), str(tmp_path / "ours"), precision=precision)
-    for d, o in zip(dense_ranks, our_ranks):
-        assert o["params"].dtype == dtype
-        assert torch.equal(d["params"], o["params"])
+    dense, ours, ranks = (fits[f"{strategy}:{precision}"] for strategy in ("ddp", "identity", "topk"))
+    _assert_bitwise(dense, ours)
+    assert ours[0]["params"].dtype == dtype
     numel = _dense_bytes(TinyNet()) // 4
-    assert all(step["stats"].bytes_sent == step["stats"].bytes_dense == 2 * numel for step in our_ranks[0]["steps"])
+    assert all(step["stats"].bytes_sent == step["stats"].bytes_dense == 2 * numel for step in ours[0]["steps"])
 
     topk = TopK(ratio=0.05)
-    _, _, ranks = fit(CompressedDDP(topk, min_compress_numel=64, **SPAWN), str(tmp_path / "topk"), precision=precision)
     assert ranks[0]["params"].dtype == dtype
     assert torch.isfinite(ranks[0]["params"]).all()
     assert torch.equal(ranks[0]["params"], ranks[1]["params"]), "replicas diverged"
@@ -61,6 +90,7 @@ def test_16_bit_training_runs_as_plain_ddp_does_and_sends_16_bit_payloads(tmp_pa
     compressed = [n for i, (s, n) in enumerate(layers) if topk.compresses(Layer("", i, s), 64)]
     k = sum(keep_count(n, topk.ratio) for n in compressed)
     expected = 2 * (numel - sum(compressed)) + math.ceil(2 * k / 8) * 8 + math.ceil(4 * k / 8) * 8
+    assert len(ranks[0]["steps"]) == 4
     for step in ranks[0]["steps"]:
         assert step["stats"].bytes_sent - step["stats"].bytes_guard == expected
 
@@ -128,43 +158,40 @@ def test_every_compressor_trains_with_identical_replicas_and_logs_true_bytes(tmp
         assert logged == pytest.approx(getattr(last, key), rel=1e-5), f"{key}: the logged time is the telemetry's"
 
 
-def test_sparse_gradients_are_averaged_as_plain_ddp_averages_them(tmp_path):
+def test_sparse_gradients_are_averaged_as_plain_ddp_averages_them(fits):
     """``nn.Embedding(sparse=True)``: DDP gives its sparse gradient a bucket of its own. Identity is bitwise
     DDPStrategy; with TopK the dense layers are compressed and the embedding's rows averaged as they are, replicas
     identical. Every step counts the rows each rank's batch touched (int64 index and 10 fp32 values each) as sent and
     as what plain DDP sends (the hook failed in the first backward pass before: as_strided on a sparse buffer)."""
-    dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), model=SparseEmbeddingNet())
-    ours, _, our_ranks = fit(CompressedDDP(Identity(), **SPAWN), str(tmp_path / "ours"), model=SparseEmbeddingNet())
-    for d, o in zip(dense_ranks, our_ranks):
-        assert torch.equal(d["params"], o["params"])
-    assert not torch.equal(dense.embedding.weight, SparseEmbeddingNet().embedding.weight), "the embedding trained"
+    dense, ours, ranks = (fits[f"{strategy}:sparse"] for strategy in ("ddp", "identity", "topk"))
+    _assert_bitwise(dense, ours)
+    initial = SparseEmbeddingNet().embedding.weight
+    assert not torch.equal(dense[0]["state_dict"]["embedding.weight"], initial), "the embedding trained"
 
     net, row = TinyNet(), 8 + 10 * 4  # a row of the sparse gradient: its int64 index and 10 fp32 values
-    for record in our_ranks:
+    for record in ours:
         rows = [row * n for n in record["touched_rows"]]
         assert [s["stats"].bytes_dense for s in record["steps"]] == [_dense_bytes(net) + r for r in rows]
         assert [s["stats"].bytes_sent for s in record["steps"]] == [_dense_bytes(net) + r for r in rows]
-    assert our_ranks[0]["touched_rows"] != our_ranks[1]["touched_rows"], "the ranks' batches touch different rows"
+    assert ours[0]["touched_rows"] != ours[1]["touched_rows"], "the ranks' batches touch different rows"
 
     topk = TopK(ratio=0.05)
-    strategy = CompressedDDP(topk, min_compress_numel=64, **SPAWN)
-    _, _, ranks = fit(strategy, str(tmp_path / "topk"), model=SparseEmbeddingNet())
     assert torch.equal(ranks[0]["params"], ranks[1]["params"]), "replicas diverged"
     for record in ranks:
         sent = [s["stats"].bytes_sent - s["stats"].bytes_guard for s in record["steps"]]
+        assert len(sent) == 4
         assert sent == [_expected_bytes(net, topk, 64) + row * n for n in record["touched_rows"]]
 
 
-def test_static_graph_and_bucket_views_pass_through(tmp_path):
-    kwargs = {"static_graph": True, "gradient_as_bucket_view": True, "bucket_cap_mb": 0.01}
-    dense, _, _ = fit(DDPStrategy(**kwargs, **SPAWN), str(tmp_path / "dense"))
-    ours, _, ranks = fit(CompressedDDP(Identity(), **kwargs, **SPAWN), str(tmp_path / "ours"))
-    assert _same_weights(dense.state_dict(), ours.state_dict())
-    assert ranks[0]["static_graph"]
-    assert ranks[0]["gradient_as_bucket_view"]
-    _, _, ranks = fit(CompressedDDP(PowerSGD(rank=2), min_compress_numel=64, **kwargs, **SPAWN), str(tmp_path / "p"))
-    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
-    assert all(s["stats"].compression_ratio > 1 for s in ranks[0]["steps"])
+def test_static_graph_and_bucket_views_pass_through(fits):
+    dense, ours, powersgd = (fits[f"{strategy}:static"] for strategy in ("ddp", "identity", "powersgd-r2"))
+    _assert_bitwise(dense, ours)
+    for record in (ours[0], powersgd[0]):
+        assert record["static_graph"]
+        assert record["gradient_as_bucket_view"]
+    assert torch.equal(powersgd[0]["params"], powersgd[1]["params"])
+    assert len(powersgd[0]["steps"]) == 4
+    assert all(s["stats"].compression_ratio > 1 for s in powersgd[0]["steps"])
 
 
 def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
@@ -186,17 +213,12 @@ def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
     torch.testing.assert_close(compiled[0]["params"], eager[0]["params"], rtol=1e-5, atol=1e-6)
 
 
-FEATURES = ["clip", "fp64", "bf16-mixed", "manual", "frozen", "unused", "checkpointed"]
-
-
-def test_trainer_features_train_compressed_as_they_train_under_plain_ddp(tmp_path):
+def test_trainer_features_train_compressed_as_they_train_under_plain_ddp(fits):
     """What a user of ``DDPStrategy`` may turn on: gradient clipping, ``precision="64-true"`` and ``"bf16-mixed"``
     (autocast; the gradients stay float32), manual optimization, a frozen layer, a head unused on odd steps
     (``find_unused_parameters``), activation checkpointing (tests/fit_worker.py's variants). For each, Identity is
     bitwise plain ``DDPStrategy``, and TopK compresses every step with identical replicas."""
-    runs = [f"{strategy}:{feature}" for feature in FEATURES for strategy in ("ddp", "identity", "topk")]
-    code, output, records = run_fits(tmp_path, 2, runs)
-    assert code == 0, output[-3000:]
+    records = fits
     for feature in FEATURES:
         dense, identity, topk = (records[f"{strategy}:{feature}"] for strategy in ("ddp", "identity", "topk"))
         for rank in range(2):
