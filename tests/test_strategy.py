@@ -218,19 +218,18 @@ def test_trainer_features_train_compressed_as_they_train_under_plain_ddp(fits):
     (autocast; the gradients stay float32), manual optimization, a frozen layer, a head unused on odd steps
     (``find_unused_parameters``), activation checkpointing (tests/fit_worker.py's variants). For each, Identity is
     bitwise plain ``DDPStrategy``, and TopK compresses every step with identical replicas."""
-    records = fits
     for feature in FEATURES:
-        dense, identity, topk = (records[f"{strategy}:{feature}"] for strategy in ("ddp", "identity", "topk"))
+        dense, identity, topk = (fits[f"{strategy}:{feature}"] for strategy in ("ddp", "identity", "topk"))
         for rank in range(2):
             assert torch.equal(dense[rank]["params"], identity[rank]["params"]), f"{feature}: identity differs"
         assert torch.equal(topk[0]["params"], topk[1]["params"]), f"{feature}: TopK's replicas diverged"
         assert topk[0]["total_steps"] == 4, feature
         assert all(s["stats"].compression_ratio > 2 for s in topk[0]["steps"]), feature
         assert not torch.equal(topk[0]["params"], dense[0]["params"]), f"{feature}: TopK sent less than all"
-    assert records["topk:fp64"][0]["params"].dtype == torch.float64
+    assert fits["topk:fp64"][0]["params"].dtype == torch.float64
     frozen = "net.0.weight"
     initial = TinyNet().state_dict()[frozen]
-    assert all(torch.equal(records[f"{s}:frozen"][0]["state_dict"][frozen], initial) for s in ("ddp", "topk"))
+    assert all(torch.equal(fits[f"{s}:frozen"][0]["state_dict"][frozen], initial) for s in ("ddp", "topk"))
 
 
 def test_a_python_reducer_is_refused_before_the_first_step(tmp_path):
