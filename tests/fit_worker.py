@@ -168,6 +168,15 @@ def train(run: str, root: str, devices: int) -> None:
     trainer.fit(torch.compile(model) if compiled else model, ckpt_path=ckpt_path)
 
 
+def assert_same_weights(a: list[dict], b: list[dict], what: str = "") -> None:
+    """Every rank of run ``b`` ends with run ``a``'s parameters and buffers, bit for bit (records as :func:`run_fits`
+    returns them; ``what`` names the comparison in a failure)."""
+    assert len(a) == len(b)
+    for rank, (x, y) in enumerate(zip(a, b)):
+        same = all(torch.equal(x["state_dict"][k], y["state_dict"][k]) for k in x["state_dict"])
+        assert same, f"{what}: rank {rank} differs" if what else f"rank {rank} differs"
+
+
 def run_fits(dirpath: Any, devices: int, runs: list[str], optimize_ddp: str | None = None) -> tuple[int, str, dict]:
     """Launch this script under Lightning's default launcher: its return code, its output, and for each of ``runs``
     every rank's record (none when it failed)."""

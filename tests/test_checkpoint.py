@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from tests.fit_worker import run_fits, run_name
+from tests.fit_worker import assert_same_weights, run_fits, run_name
 
 COMPRESSORS = ["topk", "powersgd-r1", "powersgd-r2"]
 
@@ -47,16 +47,11 @@ def _saved(root, run):
     return torch.load(os.path.join(root, run_name(run), "last.ckpt"), weights_only=False)
 
 
-def _assert_same_weights(straight, resumed):
-    for rank in range(2):
-        assert torch.equal(straight[rank]["params"], resumed[rank]["params"]), f"rank {rank} differs"
-
-
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_resumed_run_ends_bitwise_equal_to_uninterrupted_run(launch, name):
     root, _, records = launch
     straight, first, resumed = _resumable(name)
-    _assert_same_weights(records[straight], records[resumed])
+    assert_same_weights(records[straight], records[resumed])
     assert len(records[resumed][0]["steps"]) == 8, "the resumed run trains epochs 3 and 4"
 
     saved = _saved(root, first)["gradcomp"]
@@ -76,7 +71,7 @@ def test_a_16_bit_run_resumes_bitwise_with_its_16_bit_residuals(launch):
     root, _, records = launch
     straight, first, resumed = _resumable("powersgd-r2", "bf16-")
     assert records[resumed][0]["params"].dtype == torch.bfloat16
-    _assert_same_weights(records[straight], records[resumed])
+    assert_same_weights(records[straight], records[resumed])
     residuals = _saved(root, first)["gradcomp"]["ranks"][0]["residuals"]
     assert residuals
     assert {r.dtype for r in residuals.values()} == {torch.bfloat16}
@@ -97,8 +92,8 @@ def test_checkpoints_pass_between_plain_ddp_and_compressed_ddp(launch):
     root, output, records = launch
     assert "gradcomp" not in _saved(root, "ddp:epochs2")
     dense = records["ddp:epochs4"]
-    _assert_same_weights(dense, records["identity:epochs4+ddp:epochs2"])
-    _assert_same_weights(dense, records["ddp:epochs4+identity:epochs2"])
+    assert_same_weights(dense, records["identity:epochs4+ddp:epochs2"])
+    assert_same_weights(dense, records["ddp:epochs4+identity:epochs2"])
 
     assert "The checkpoint holds no CompressedDDP state" in output
     topk = records["topk:epochs4+ddp:epochs2"]

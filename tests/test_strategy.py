@@ -12,7 +12,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from lightning_gradcomp import CompressedDDP, compression_hook
 from lightning_gradcomp.compressors import BF16, FP16, QSGD, Identity, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import Layer, keep_count
-from tests.fit_worker import run_fits
+from tests.fit_worker import assert_same_weights, run_fits
 from tests.models import SparseEmbeddingNet, TinyNet, fit, synthetic_classification
 
 SPAWN = {"start_method": "spawn"}
@@ -39,21 +39,11 @@ def fits(tmp_path_factory):
     return records
 
 
-def _same_weights(a, b):
-    return all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _assert_bitwise(dense, ours):
-    """Every rank of ``ours`` ends with ``dense``'s parameters and buffers, bit for bit."""
-    for rank, (d, o) in enumerate(zip(dense, ours)):
-        assert _same_weights(d["state_dict"], o["state_dict"]), f"rank {rank} differs"
-
-
 @pytest.mark.parametrize("variant", ["eager", "accumulate2"])
 def test_identity_is_bitwise_plain_ddp(fits, variant):
     """Identity gives exactly DDPStrategy's weights, also with gradient accumulation (hook only on the sync step)."""
     ours = fits[f"identity:{variant}"]
-    _assert_bitwise(fits[f"ddp:{variant}"], ours)
+    assert_same_weights(fits[f"ddp:{variant}"], ours)
     # one reduction per optimizer step, on the micro-batch that synchronises, never on the others
     accumulate = 2 if variant == "accumulate2" else 1
     assert ours[0]["total_steps"] == 4
@@ -64,9 +54,8 @@ def test_identity_is_bitwise_plain_ddp_at_3_ranks_under_the_spawn_launcher(tmp_p
     """At 3 ranks scaling by ``1 / 3`` and dividing by 3 round differently (DDP's reducer scales)."""
     dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), devices=3)
     ours, _, our_ranks = fit(CompressedDDP(Identity(), **SPAWN), str(tmp_path / "ours"), devices=3)
-    assert _same_weights(dense.state_dict(), ours.state_dict())
-    for d, o in zip(dense_ranks, our_ranks):
-        assert torch.equal(d["params"], o["params"])
+    assert all(torch.equal(v, ours.state_dict()[k]) for k, v in dense.state_dict().items())  # the main process's
+    assert_same_weights(dense_ranks, our_ranks)
     assert our_ranks[0]["total_steps"] == 6
 
 
@@ -76,7 +65,7 @@ def test_16_bit_training_runs_as_plain_ddp_does_and_sends_16_bit_payloads(fits, 
     with its 16-bit residual keeps the replicas identical, sending 2-byte values next to its int32 indices."""
     dtype = {"bf16-true": torch.bfloat16, "16-true": torch.float16}[precision]
     dense, ours, ranks = (fits[f"{strategy}:{precision}"] for strategy in ("ddp", "identity", "topk"))
-    _assert_bitwise(dense, ours)
+    assert_same_weights(dense, ours)
     assert ours[0]["params"].dtype == dtype
     numel = _dense_bytes(TinyNet()) // 4
     assert all(step["stats"].bytes_sent == step["stats"].bytes_dense == 2 * numel for step in ours[0]["steps"])
@@ -164,7 +153,7 @@ def test_sparse_gradients_are_averaged_as_plain_ddp_averages_them(fits):
     identical. Every step counts the rows each rank's batch touched (int64 index and 10 fp32 values each) as sent and
     as what plain DDP sends (the hook failed in the first backward pass before: as_strided on a sparse buffer)."""
     dense, ours, ranks = (fits[f"{strategy}:sparse"] for strategy in ("ddp", "identity", "topk"))
-    _assert_bitwise(dense, ours)
+    assert_same_weights(dense, ours)
     initial = SparseEmbeddingNet().embedding.weight
     assert not torch.equal(dense[0]["state_dict"]["embedding.weight"], initial), "the embedding trained"
 
@@ -185,7 +174,7 @@ def test_sparse_gradients_are_averaged_as_plain_ddp_averages_them(fits):
 
 def test_static_graph_and_bucket_views_pass_through(fits):
     dense, ours, powersgd = (fits[f"{strategy}:static"] for strategy in ("ddp", "identity", "powersgd-r2"))
-    _assert_bitwise(dense, ours)
+    assert_same_weights(dense, ours)
     for record in (ours[0], powersgd[0]):
         assert record["static_graph"]
         assert record["gradient_as_bucket_view"]
@@ -220,8 +209,7 @@ def test_trainer_features_train_compressed_as_they_train_under_plain_ddp(fits):
     bitwise plain ``DDPStrategy``, and TopK compresses every step with identical replicas."""
     for feature in FEATURES:
         dense, identity, topk = (fits[f"{strategy}:{feature}"] for strategy in ("ddp", "identity", "topk"))
-        for rank in range(2):
-            assert torch.equal(dense[rank]["params"], identity[rank]["params"]), f"{feature}: identity differs"
+        assert_same_weights(dense, identity, f"{feature}: identity")
         assert torch.equal(topk[0]["params"], topk[1]["params"]), f"{feature}: TopK's replicas diverged"
         assert topk[0]["total_steps"] == 4, feature
         assert all(s["stats"].compression_ratio > 2 for s in topk[0]["steps"]), feature
