@@ -544,10 +544,11 @@ class CompressedDDP(DDPStrategy):
                 compressed += 1
                 compressed_numel += p.numel()
         ef = "on" if self._state.uses_error_feedback() else "off"
+        processes = "1 process" if self.world_size == 1 else f"{self.world_size} processes"
         return (
             f"CompressedDDP: {compressor!r} compresses {compressed} of {total} parameter tensors"
             f" ({compressed_numel:,} of {total_numel:,} elements; the rest are averaged densely);"
-            f" error feedback {ef}; {self.world_size} processes."
+            f" error feedback {ef}; {processes}."
         )
 
 

@@ -341,6 +341,27 @@ def _in_process_trainer(tmp_path, strategy, **kwargs):
     )  # fmt: skip
 
 
+def test_the_setup_line_counts_the_compressed_tensors_of_this_model(tmp_path, in_process_ddp, caplog):
+    """The line logged at setup counts what the compressor takes, from ``min_compress_numel`` and the layers' shapes.
+
+    TinyNet's weights: conv 144 and 4608 elements, linear 16384 and 320 (1-D tensors are never compressed). At the
+    default threshold (1024) the two large weights are compressed, at 200 the linear head (320) joins them.
+    """
+    import logging
+
+    total = sum(p.numel() for p in TinyNet().parameters())
+    for threshold, tensors, numel in ((1024, 2, 4608 + 16384), (200, 3, 4608 + 16384 + 320)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            trainer = _in_process_trainer(tmp_path, CompressedDDP(TopK(0.1), min_compress_numel=threshold), max_steps=1)
+            trainer.fit(TinyNet())
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CompressedDDP: TopK")]
+        assert lines == [
+            f"CompressedDDP: TopK(ratio=0.1, transport='allgather') compresses {tensors} of 10 parameter tensors"
+            f" ({numel:,} of {total:,} elements; the rest are averaged densely); error feedback on; 1 process."
+        ]
+
+
 def test_a_cast_of_16_bit_gradients_is_refused_before_the_first_step(tmp_path, in_process_ddp):
     """``precision="bf16-true"`` with ``FP16()`` is refused at setup, naming `compressor`; switching to a cast after
     setup is refused the same way, and the compressor in force stays."""
