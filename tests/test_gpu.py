@@ -1,8 +1,10 @@
 """The GPU path: every compressor on CUDA tensors, the hook through DDP with NCCL and with gloo, no host syncs.
 
-Skipped without a GPU (CI has none); run on a GPU machine with ``pytest tests/test_gpu.py``. The host-sync checks use
-``torch.cuda.set_sync_debug_mode("error")``: any operation on the codec path that makes the CPU wait for the GPU
-(``.item()``, ``nonzero``, a device-to-host copy) raises, so the hook never stalls the backward pass it overlaps.
+Skipped without a GPU (CI has none); run on a GPU machine with ``pytest tests/test_gpu.py``. Without one, the last
+test runs what these tests do on the CPU instead, so that they cannot break unseen between GPU sessions. The
+host-sync checks use ``torch.cuda.set_sync_debug_mode("error")``: any operation on the codec path that makes the CPU
+wait for the GPU (``.item()``, ``nonzero``, a device-to-host copy) raises, so the hook never stalls the backward
+pass it overlaps.
 """
 
 import os
@@ -18,7 +20,7 @@ from lightning_gradcomp.compressors.base import layers_from_shapes
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 from tests.distributed import run_distributed
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
 
 SHAPES = [(64, 32, 3, 3), (128, 256), (256, 128), (10, 128)]
 # Methods whose result does not depend on random draws made on the device: CUDA must give the CPU's result (to
@@ -55,15 +57,18 @@ def _reduce_steps(name, device, steps=3, sync_check=False):
     outs = []
     for step in range(steps):
         grads = _grads(layers, 2, device, seed=step)
-        if sync_check and step == steps - 1:  # the first steps allocate and warm caches; the steady state must not sync
+        check = sync_check and step == steps - 1  # the first steps allocate and warm caches; the steady state must not
+        if check:
             torch.cuda.set_sync_debug_mode("error")
         try:
             outs.append(simulate_reduce(compressors, grads, layers, step=step, residuals=residuals))
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            if check:
+                torch.cuda.set_sync_debug_mode("default")
     return outs
 
 
+@needs_gpu
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_every_compressor_reduces_on_cuda_identically_on_every_rank_without_host_syncs(name):
     if name in SYNCS:
@@ -76,6 +81,7 @@ def test_every_compressor_reduces_on_cuda_identically_on_every_rank_without_host
         assert torch.isfinite(outs[0]).all()
 
 
+@needs_gpu
 @pytest.mark.parametrize("name", DETERMINISTIC)
 def test_cuda_gives_the_cpu_result(name):
     for cpu, cuda in zip(_reduce_steps(name, "cpu"), _reduce_steps(name, "cuda")):
@@ -83,6 +89,7 @@ def test_cuda_gives_the_cpu_result(name):
         torch.testing.assert_close(cuda[0].cpu(), cpu[0], **tol)
 
 
+@needs_gpu
 def test_the_contract_suite_passes_on_cuda_tensors():
     """tests/test_contract.py, every compressor, with every tensor on the GPU (GRADCOMP_TEST_DEVICE=cuda)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -105,13 +112,19 @@ def _model():
     )  # fmt: skip
 
 
-def _train(rank, world_size, name, steps, sync_check):
-    """``steps`` SGD steps of DDP on cuda:0 (``name``: a compressor of EXAMPLES, or None for plain DDP)."""
+def _train(rank, world_size, name, steps, sync_check, device="cuda"):
+    """``steps`` SGD steps of DDP on cuda:0 (``name``: a compressor of EXAMPLES, or None for plain DDP).
+
+    ``device="cpu"``: the same on the CPU, for the check that this file still runs where it is skipped.
+    """
     from lightning_gradcomp import CompressionState, compression_hook
 
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    model = torch.nn.parallel.DistributedDataParallel(_model().to(device), device_ids=[0], bucket_cap_mb=0.05)
+    on_gpu = device == "cuda"
+    device = torch.device("cuda", 0) if on_gpu else torch.device("cpu")
+    if on_gpu:
+        torch.cuda.set_device(device)
+    device_ids = [0] if on_gpu else None
+    model = torch.nn.parallel.DistributedDataParallel(_model().to(device), device_ids=device_ids, bucket_cap_mb=0.05)
     if name == "torch-fp16":  # torch's own hook, for comparison
         from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook
 
@@ -136,13 +149,16 @@ def _train(rank, world_size, name, steps, sync_check):
             synced.append(str(err).splitlines()[0])
             raise
         finally:
-            torch.cuda.set_sync_debug_mode("default")
+            if check:
+                torch.cuda.set_sync_debug_mode("default")
         optimizer.step()
         optimizer.zero_grad()
-    torch.cuda.synchronize()
+    if on_gpu:
+        torch.cuda.synchronize()
     return {"params": [p.detach().cpu() for p in model.parameters()], "synced": synced}
 
 
+@needs_gpu
 def test_ddp_over_nccl_at_world_size_one_with_identity_is_bitwise_plain_ddp():
     plain = run_distributed(_train, None, 4, False, world_size=1, backend="nccl")[0]
     ours = run_distributed(_train, "identity", 4, True, world_size=1, backend="nccl")[0]
@@ -154,6 +170,7 @@ NO_SYNC_METHODS = ["topk", "powersgd", "qsgd", "qsgd-16bit-draws", "terngrad", "
                    "onebit", "scalecom", "fp16"]  # fmt: skip
 
 
+@needs_gpu
 @pytest.mark.parametrize("name", NO_SYNC_METHODS)
 def test_ddp_over_nccl_runs_every_method_without_host_syncs_in_backward(name):
     result = run_distributed(_train, name, 5, True, world_size=1, backend="nccl")[0]
@@ -161,6 +178,7 @@ def test_ddp_over_nccl_runs_every_method_without_host_syncs_in_backward(name):
     assert all(torch.isfinite(p).all() for p in result["params"])
 
 
+@needs_gpu
 @pytest.mark.parametrize("name", ["topk", "powersgd", "qsgd"])
 def test_two_processes_share_the_gpu_over_gloo_and_stay_identical(name):
     """Two ranks on one GPU (NCCL refuses two ranks per device; gloo stages CUDA tensors through the host)."""
@@ -169,7 +187,7 @@ def test_two_processes_share_the_gpu_over_gloo_and_stay_identical(name):
         assert torch.equal(a, b)
 
 
-def _fit_with_lightning(rank, world_size):
+def _fit_with_lightning(rank, world_size, accelerator="gpu"):
     import lightning as L
 
     from lightning_gradcomp import CompressedDDP
@@ -190,13 +208,14 @@ def _fit_with_lightning(rank, world_size):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 3, 16, 16, generator=g), torch.randint(0, 10, (64,), generator=g)
     data = torch.utils.data.TensorDataset(x, y)
-    trainer = L.Trainer(accelerator="gpu", devices=1, strategy=CompressedDDP(compressor=PowerSGD(rank=2)),
+    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=CompressedDDP(compressor=PowerSGD(rank=2)),
                         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
     module = Module()
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
     return [p.detach().cpu() for p in module.parameters()]
 
 
+@needs_gpu
 def test_lightning_trainer_fits_with_compressed_ddp_on_the_gpu():
     params = _fit_with_lightning(0, 1)
     if dist.is_initialized():
@@ -205,6 +224,7 @@ def test_lightning_trainer_fits_with_compressed_ddp_on_the_gpu():
     assert not torch.equal(params[0], _model()[0].weight.detach())
 
 
+@needs_gpu
 def test_the_run_of_non_finite_steps_is_counted_on_cuda_without_a_host_sync():
     """CUDA verdicts are copied to the host behind events and counted ``CUDA_LAG`` steps late, with no sync."""
     from lightning_gradcomp.recovery import CUDA_LAG, NonfiniteRun
@@ -219,3 +239,27 @@ def test_the_run_of_non_finite_steps_is_counted_on_cuda_without_a_host_sync():
         assert run.length_before(8, CUDA_LAG) == 0
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Without a GPU
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests above run")
+def test_this_file_still_runs_where_its_gpu_tests_are_skipped(in_process_ddp):
+    """CI has no GPU, so the tests above are skipped there and could break unseen (a renamed configuration, a changed
+    signature) until the next GPU session. Their parts run here on the CPU: every configuration they name exists and
+    reduces (finite, the same on both ranks), the DDP helper trains (Identity bitwise plain DDP, as on NCCL), and the
+    Lightning fit trains."""
+    for name in sorted({*DETERMINISTIC, *SYNCS, *NO_SYNC_METHODS}):
+        for outs in _reduce_steps(name, "cpu"):
+            assert torch.equal(outs[0], outs[1]), name
+            assert torch.isfinite(outs[0]).all(), name
+    plain = run_distributed(_train, None, 3, False, "cpu", world_size=1)[0]
+    ours = run_distributed(_train, "identity", 3, False, "cpu", world_size=1)[0]
+    assert not ours["synced"]
+    for a, b in zip(plain["params"], ours["params"]):
+        assert torch.equal(a, b)
+    assert not torch.equal(plain["params"][0], _model()[0].weight.detach())  # it trained
+    params = _fit_with_lightning(0, 1, accelerator="cpu")  # in this process, as the GPU test runs it
+    assert all(torch.isfinite(p).all() for p in params)
+    assert not torch.equal(params[0], _model()[0].weight.detach())
