@@ -256,7 +256,6 @@ def test_this_file_still_runs_where_its_gpu_tests_are_skipped(in_process_ddp):
             assert torch.isfinite(outs[0]).all(), name
     plain = run_distributed(_train, None, 3, False, "cpu", world_size=1)[0]
     ours = run_distributed(_train, "identity", 3, False, "cpu", world_size=1)[0]
-    assert not ours["synced"]
     for a, b in zip(plain["params"], ours["params"]):
         assert torch.equal(a, b)
     assert not torch.equal(plain["params"][0], _model()[0].weight.detach())  # it trained
