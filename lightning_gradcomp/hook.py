@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives, when_all
+from lightning_gradcomp.comm import CollectiveBackend, Comm, when_all
 from lightning_gradcomp.compressors.base import (
     BucketContext,
     Compressor,
@@ -34,6 +34,7 @@ from lightning_gradcomp.compressors.base import (
 )
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
+from lightning_gradcomp.process_groups import TorchCollectives
 from lightning_gradcomp.recovery import CUDA_LAG, NonfiniteRun
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.validation import check_int
@@ -246,7 +247,7 @@ class CompressionState:
 
         The configuration, the residuals and the telemetry stay (they are training state); :meth:`attach` binds
         again. ``CompressedDDP.teardown`` calls it so that nothing that gloo's worker threads may still touch
-        outlives training (see :func:`lightning_gradcomp.comm.release_round_groups`).
+        outlives training (see :func:`lightning_gradcomp.process_groups.release_round_groups`).
         """
         if self._comm is not None and isinstance(self._comm.backend, TorchCollectives):
             # a failed step's collectives end now, not during interpreter shutdown

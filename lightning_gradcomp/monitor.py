@@ -15,8 +15,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_gradcomp.comm import gather_rows
 from lightning_gradcomp.hook import CompressionState
+from lightning_gradcomp.process_groups import gather_rows
 from lightning_gradcomp.validation import check_bool
 
 

@@ -23,7 +23,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gradcomp.comm import gather_objects, gather_rows, hand_off_gil, release_round_groups
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.error_feedback import error_feedback_growth_warning
@@ -34,6 +33,7 @@ from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.model_transform import ModelTransform
 from lightning_gradcomp.monitor import CompressionMonitor
 from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
+from lightning_gradcomp.process_groups import gather_objects, gather_rows, hand_off_gil, release_round_groups
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 
 log = logging.getLogger(__name__)
@@ -384,7 +384,8 @@ class CompressedDDP(DDPStrategy):
         """Whether ``tensors`` are bitwise equal on every rank (call on every rank: a collective).
 
         Each rank reduces every tensor to a CRC32 of its bytes and the checksums are all-gathered (one small
-        collective, whatever the tensors' size, safe as a run's last: :func:`~lightning_gradcomp.comm.gather_rows`).
+        collective, whatever the tensors' size, safe as a run's last:
+        :func:`~lightning_gradcomp.process_groups.gather_rows`).
         For the transforms that rebuild or mask the model on every rank from equal replicas and must check that they
         came out equal.
         """
@@ -461,8 +462,8 @@ class CompressedDDP(DDPStrategy):
         """DDPStrategy's teardown, then release the hook's collectives and the extra process groups of its rounds.
 
         Released here, on the main thread while the interpreter is alive: left to interpreter finalisation, a gloo
-        worker thread touching a Python object then aborts the process at exit (see ``comm.release_round_groups`` and
-        ``comm.hand_off_gil``).
+        worker thread touching a Python object then aborts the process at exit (see
+        ``process_groups.release_round_groups`` and ``process_groups.hand_off_gil``).
         """
         super().teardown()
         self._unbind_fused()

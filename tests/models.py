@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp.comm import hand_off_gil
+from lightning_gradcomp.process_groups import hand_off_gil
 
 
 def synthetic_classification(n: int = 128, seed: int = 0) -> TensorDataset:

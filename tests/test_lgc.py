@@ -10,9 +10,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_gradcomp import CompressedDDP, CompressionState
-from lightning_gradcomp.comm import Comm, TorchCollectives
+from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import LGC, ScaleCom
 from lightning_gradcomp.compressors.base import BucketContext, keep_count, layers_from_shapes
+from lightning_gradcomp.process_groups import TorchCollectives
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
 from tests.distributed import run_distributed
