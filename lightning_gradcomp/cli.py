@@ -27,6 +27,7 @@ from lightning_gradcomp import callbacks, compressors, tasks  # noqa: F401  (reg
 from lightning_gradcomp.auto.report import advice, plot_speedup
 from lightning_gradcomp.callbacks import AutoCompression
 from lightning_gradcomp.compressors import Identity
+from lightning_gradcomp.strategy import CompressedDDP
 
 
 class GradcompCLI(LightningCLI):
@@ -100,7 +101,7 @@ def quickstart(argv: list[str]) -> list[dict[str, Any]]:
     for label in ("compressed", "dense"):
         cli = GradcompCLI(args=["--config", config, *overrides], run=False, save_config_callback=None)
         if label == "dense":
-            cli.trainer.strategy.compressor = Identity()
+            CompressedDDP.require(cli.trainer, cli).compressor = Identity()
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         rows.append(_summary_row(label, cli.trainer))
     _print_rank_zero("\n" + format_quickstart_table(rows) + "\n")
@@ -145,12 +146,13 @@ def advise(argv: list[str]) -> None:
     known, overrides = parser.parse_known_args(argv)
     cli = GradcompCLI(args=["--config", known.config, *overrides], run=False, save_config_callback=None)
     trainer = cli.trainer
-    auto = next((cb for cb in trainer.callbacks if isinstance(cb, AutoCompression)), None)
+    trainer_callbacks: list[Callback] = getattr(trainer, "callbacks")  # set at init, undeclared on Trainer
+    auto = next((cb for cb in trainer_callbacks if isinstance(cb, AutoCompression)), None)
     if auto is None:
         auto = AutoCompression(candidates=known.candidates, calibration_steps=known.calibration_steps)
-        trainer.callbacks.append(auto)
+        trainer_callbacks.append(auto)
     auto.measure = "all"  # the report predicts every candidate at other bandwidths: time them on every bucket
-    trainer.callbacks.append(_AdviseReport(auto, known.png or None))
+    trainer_callbacks.append(_AdviseReport(auto, known.png or None))
     trainer.fit_loop.epoch_loop.max_steps = auto.skip_steps + auto.calibration_steps  # a few steps, not a run
     trainer.fit(cli.model, datamodule=cli.datamodule)
 

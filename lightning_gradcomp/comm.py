@@ -15,6 +15,7 @@ lifetime and a safe exit are :mod:`lightning_gradcomp.process_groups`'s.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
@@ -114,12 +115,12 @@ class Comm:
             if len(positions) == 1:
                 i = positions[0]
                 futures.append(self.backend.all_reduce(payload[i], round, op))
-                unpackers.append(lambda buf, i=i: [(i, buf)])
+                unpackers.append(functools.partial(_alone, i))
                 continue
             parts = [payload[i] for i in positions]
             buffer = torch.cat([p.reshape(-1) for p in parts])
             futures.append(self.backend.all_reduce(buffer, round, op))
-            unpackers.append(lambda buf, positions=positions, parts=parts: _split_like(buf, positions, parts))
+            unpackers.append(functools.partial(_split_like, positions=positions, parts=parts))
         if len(futures) == 1:
             return futures[0].then(lambda fut: _ordered(unpackers[0](fut.value()), len(payload)))
 
@@ -298,6 +299,10 @@ def _ordered(pieces: list[tuple[int, Tensor]], n: int) -> Payload:
     for i, t in pieces:
         out[i] = t
     return tuple(out)  # type: ignore[arg-type]
+
+
+def _alone(i: int, buffer: Tensor) -> list[tuple[int, Tensor]]:
+    return [(i, buffer)]
 
 
 def _split_like(buffer: Tensor, positions: list[int], parts: list[Tensor]) -> list[tuple[int, Tensor]]:

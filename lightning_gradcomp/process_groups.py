@@ -189,7 +189,7 @@ class TorchCollectives:
     """
 
     def __init__(self, process_group: dist.ProcessGroup | None = None) -> None:
-        group = process_group if process_group is not None else dist.group.WORLD
+        group = process_group if process_group is not None else _world()
         self._groups = _round_groups(group)
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
@@ -200,7 +200,10 @@ class TorchCollectives:
         """Create process groups until ``rounds`` rounds have one (a collective call on every rank)."""
         ranks = dist.get_process_group_ranks(self._groups[0])
         while len(self._groups) < rounds:
-            self._groups.append(dist.new_group(ranks=ranks))
+            group = dist.new_group(ranks=ranks)
+            if not isinstance(group, dist.ProcessGroup):  # only a rank outside ``ranks`` gets none: never here
+                raise RuntimeError(f"torch.distributed.new_group({ranks}) gave this rank no process group.")
+            self._groups.append(group)
 
     def _group(self, round: int) -> dist.ProcessGroup:
         if round >= len(self._groups):
@@ -215,7 +218,7 @@ class TorchCollectives:
         """Start an in-place all-reduce of ``tensor`` on round ``round``'s group."""
         reduce_op = dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX
         work = dist.all_reduce(tensor, op=reduce_op, group=self._group(round), async_op=True)
-        return self._track(work.get_future().then(lambda fut: _value_then(fut, tensor)))
+        return self._track(_future(work).then(lambda fut: _value_then(fut, tensor)))
 
     def all_gather(self, tensor: Tensor, round: int) -> torch.futures.Future[Tensor]:
         """Start an all-gather of ``tensor`` on round ``round``'s group."""
@@ -223,14 +226,14 @@ class TorchCollectives:
         out = torch.empty(self.world_size * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
         work = _all_gather_single(out, tensor.reshape(-1), group=self._group(round), async_op=True)
         result = out.view(self.world_size, *tensor.shape)
-        return self._track(work.get_future().then(lambda fut: _value_then(fut, result)))
+        return self._track(_future(work).then(lambda fut: _value_then(fut, result)))
 
     def broadcast(self, tensor: Tensor, src: int, round: int) -> torch.futures.Future[Tensor]:
         """Start an in-place broadcast of ``tensor`` from group rank ``src`` on round ``round``'s group."""
         group = self._group(round)
         global_src = dist.get_global_rank(group, src) if group is not dist.group.WORLD else src
         work = dist.broadcast(tensor, src=global_src, group=group, async_op=True)
-        return self._track(work.get_future().then(lambda fut: _value_then(fut, tensor)))
+        return self._track(_future(work).then(lambda fut: _value_then(fut, tensor)))
 
     def all_to_all(
         self, tensor: Tensor, send_splits: Sequence[int], recv_splits: Sequence[int], round: int
@@ -240,7 +243,7 @@ class TorchCollectives:
         work = dist.all_to_all_single(out, tensor, output_split_sizes=list(recv_splits),
                                       input_split_sizes=list(send_splits), group=self._group(round),
                                       async_op=True)  # fmt: skip
-        return self._track(work.get_future().then(lambda fut: _value_then(fut, out)))
+        return self._track(_future(work).then(lambda fut: _value_then(fut, out)))
 
     def _track(self, future: torch.futures.Future) -> torch.futures.Future:
         # the collectives that have not ended yet, oldest first (ended ones are dropped as new ones start: no host
@@ -283,6 +286,19 @@ class TorchCollectives:
             )
         elif failed or any(_failed(f) for f in issued):
             time.sleep(SETTLE_GRACE_S)
+
+
+def _world() -> dist.ProcessGroup:
+    world = dist.group.WORLD
+    if world is None:
+        raise RuntimeError("torch.distributed is not initialised: call `init_process_group` first.")
+    return world
+
+
+def _future(work: dist.Work | None) -> torch.futures.Future:
+    if work is None:  # what a collective returns without ``async_op``: never here
+        raise RuntimeError("An asynchronous collective returned no work handle.")
+    return work.get_future()
 
 
 def _failed(future: torch.futures.Future) -> bool:

@@ -30,7 +30,7 @@ from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, rec
 from lightning_gradcomp.fused_optim import FusedOptimizer, bind_fused_optimizer
 from lightning_gradcomp.hook import CompressionState, compression_hook, sparse_gradient_warning
 from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
-from lightning_gradcomp.model_transform import ModelTransform
+from lightning_gradcomp.model_transform import ModelTransform, carry_schedule
 from lightning_gradcomp.monitor import CompressionMonitor
 from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
 from lightning_gradcomp.process_groups import gather_objects, gather_rows, hand_off_gil, release_round_groups
@@ -345,7 +345,7 @@ class CompressedDDP(DDPStrategy):
         super().setup_optimizers(trainer)
         self._unbind_fused()
         scaler = getattr(self.precision_plugin, "scaler", None)
-        self._fused = bind_fused_optimizer(self.optimizers, trainer, self.lightning_module, scaler)
+        self._fused = bind_fused_optimizer(self.optimizers, trainer, self._module(), scaler)
         if self._fused is not None:
             self._state.after_reduce = self._fused.bind()
 
@@ -414,8 +414,8 @@ class CompressedDDP(DDPStrategy):
                 the current learning rate) over to the rebuilt ones, so the schedule goes on where it was instead of
                 starting again. Needs the same number of optimizers, schedulers and parameter groups as before.
         """
-        trainer = self.lightning_module.trainer
-        module = self.lightning_module
+        module = self._module()
+        trainer = module.trainer
         old_ddp = self.model
         old_optimizers, old_schedulers = list(self.optimizers), list(self.lr_scheduler_configs)
         if isinstance(old_ddp, DistributedDataParallel) and hasattr(old_ddp, "_remove_autograd_hooks"):
@@ -429,7 +429,7 @@ class CompressedDDP(DDPStrategy):
         self.setup_precision_plugin()
         _optimizers_to_device(self.optimizers, self.root_device)
         if keep_lr_schedule:
-            _carry_schedule(old_optimizers, self.optimizers, old_schedulers, self.lr_scheduler_configs)
+            carry_schedule(old_optimizers, self.optimizers, old_schedulers, self.lr_scheduler_configs)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -442,7 +442,7 @@ class CompressedDDP(DDPStrategy):
         # a transformed structure (a factorized model) must exist before its weights load into it
         structures = checkpoint.get(_TRANSFORMS_KEY, {})
         for callback in self._transforms():
-            callback.restore_structure(self.lightning_module, structures.get(callback.state_key))
+            callback.restore_structure(self._module(), structures.get(callback.state_key))
         super().load_model_state_dict(checkpoint, strict=strict)
 
     def _transforms(self) -> list[ModelTransform]:
@@ -451,9 +451,9 @@ class CompressedDDP(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if type(self._launcher) is _MultiProcessingLauncher:
+        if type(self._launcher) is _MultiProcessingLauncher and self._start_method != "popen":
             self._launcher = _Launcher(self, start_method=self._start_method)
-        elif type(self._launcher) is _SubprocessScriptLauncher:
+        elif type(self._launcher) is _SubprocessScriptLauncher and self.cluster_environment is not None:
             # stops every rank when one fails, and names it (see lightning_gradcomp.faults)
             self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -528,12 +528,17 @@ class CompressedDDP(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     def _check_gradient_dtypes(self, compressor: Compressor) -> None:
         try:
-            self._state.check_gradient_dtypes(self.model, compressor)
+            self._state.check_gradient_dtypes(self._module() if self.model is None else self.model, compressor)
         except ValueError as err:
             raise MisconfigurationException(f"`compressor` does not fit this model's gradients: {err}") from err
 
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("CompressedDDP has no LightningModule yet: it is connected by the Trainer.")
+        return self.lightning_module
+
     def _describe(self) -> str:
-        module = self.lightning_module
+        module = self._module()
         compressor = self._state.compressor
         total = compressed = total_numel = compressed_numel = 0
         for i, (name, p) in enumerate(module.named_parameters()):
@@ -554,7 +559,8 @@ class CompressedDDP(DDPStrategy):
 
 
 def _transforms(trainer: pl.Trainer | None) -> list[ModelTransform]:
-    return [cb for cb in trainer.callbacks if isinstance(cb, ModelTransform)] if trainer is not None else []
+    callbacks: list[pl.Callback] = getattr(trainer, "callbacks", [])  # set at init, undeclared on Trainer
+    return [cb for cb in callbacks if isinstance(cb, ModelTransform)]
 
 
 class _Launcher(_MultiProcessingLauncher):
@@ -576,27 +582,3 @@ class _Launcher(_MultiProcessingLauncher):
         for callback in _transforms(trainer):
             callback.restore_structure(trainer.lightning_module, structures.get(callback.state_key))
         super()._recover_results_in_main_process(worker_output, trainer)
-
-
-def _carry_schedule(old_optimizers: list, new_optimizers: list, old_configs: list, new_configs: list) -> None:
-    """Continue the LR schedule of ``old_*`` in the rebuilt ``new_*`` (learning rates and scheduler positions)."""
-    shapes_match = len(old_optimizers) == len(new_optimizers) and all(
-        len(a.param_groups) == len(b.param_groups) for a, b in zip(old_optimizers, new_optimizers)
-    )
-    if not shapes_match or len(old_configs) != len(new_configs):
-        rank_zero_warn(
-            "rewrap_model(keep_lr_schedule=True): configure_optimizers returned a different number of optimizers,"
-            " parameter groups or schedulers than before; the rebuilt ones start from their initial state."
-        )
-        return
-    for old, new in zip(old_optimizers, new_optimizers):
-        for old_group, new_group in zip(old.param_groups, new.param_groups):
-            new_group.update({k: v for k, v in old_group.items() if k != "params"})
-    for old, new in zip(old_configs, new_configs):
-        if type(old.scheduler) is type(new.scheduler):
-            new.scheduler.load_state_dict(old.scheduler.state_dict())
-        else:
-            rank_zero_warn(
-                f"rewrap_model(keep_lr_schedule=True): the rebuilt scheduler {type(new.scheduler).__name__} is not"
-                f" a {type(old.scheduler).__name__}; it starts from its initial state."
-            )

@@ -207,10 +207,10 @@ class LSTMLanguageModel(pl.LightningModule):
         """The chosen optimizer (plain SGD: the papers' LSTM setting) with a step decay by 4."""
         hp = self.hparams
         name = hp.get("optimizer", "sgd")
-        kwargs: dict[str, Any] = {"lr": hp.lr, "weight_decay": hp.get("weight_decay", 0.0)}
+        kwargs: dict[str, Any] = {"lr": hp["lr"], "weight_decay": hp.get("weight_decay", 0.0)}
         if name.startswith("fused_"):
             kwargs["clip_grad_norm"] = hp.get("clip_grad_norm")
         optimizer = _OPTIMIZERS[name](self.parameters(), **kwargs)
-        decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(self.hparams.milestones or []),
+        decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(hp["milestones"] or []),
                                                      gamma=0.25)  # fmt: skip
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "epoch"}}
