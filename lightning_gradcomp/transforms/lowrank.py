@@ -55,12 +55,6 @@ def svd_factors(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     return left.to(matrix.dtype).contiguous(), right.to(matrix.dtype).contiguous()
 
 
-def full_rank_of(weight_shape: torch.Size | tuple[int, ...]) -> int:
-    """``min(m, n)`` for a weight viewed as ``shape[0] x rest``."""
-    rows = weight_shape[0]
-    return min(rows, math.prod(weight_shape[1:]))
-
-
 class FactorizedLinear(nn.Module):
     """``Linear(in, r, bias=False)`` then ``Linear(r, out)``: a rank-``r`` linear layer.
 
