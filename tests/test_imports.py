@@ -109,6 +109,8 @@ FORBIDDEN = {
         "lightning_gradcomp.compressors", "lightning_gradcomp.hook", "lightning_gradcomp.strategy",
         "lightning_gradcomp.callbacks",
     ),
+    # AutoCompression's model, measurements and reports sit below the callback that drives them
+    "lightning_gradcomp.auto": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     "lightning_gradcomp.model_transform": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     "lightning_gradcomp.monitor": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     # the fused optimizers know nothing of the hook or the strategy: the hook calls them through a callable
