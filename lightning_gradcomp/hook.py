@@ -395,7 +395,7 @@ class CompressionState:
                      else tuple(self._names.get(id(p), (-1, "unnamed"))[1] for p in bucket.parameters()))  # fmt: skip
             entry = BucketRecord(entered, names, buffer.numel())
             self.recorder.append(entry)
-            reduced = reduced.then(lambda fut, entry=entry: _stamp(fut, entry))
+            reduced = reduced.then(lambda fut: _stamp(fut, entry))
         self._in_flight.append(reduced)
         if not bucket.is_last():
             return reduced
