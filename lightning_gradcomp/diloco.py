@@ -160,11 +160,6 @@ class DiLoCo(DDPStrategy):
                 f" torch.optim.Optimizer (e.g. functools.partial(torch.optim.SGD, lr=0.7)), got {outer_optimizer!r}."
             )
         check_bool(offload, "offload", error=_MiscError)
-        if overlap_steps:
-            raise MisconfigurationException(
-                f"`overlap_steps` > 0 (an exchange overlapped with inner steps) is not supported yet; accepted: 0,"
-                f" got {overlap_steps}."
-            )
         _check_strategy_kwargs(kwargs)
         super().__init__(**kwargs)
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
@@ -253,20 +248,38 @@ class DiLoCo(DDPStrategy):
         outer = self._outer
         outer.phase += 1
         outer.dirty = [True] * self.fragments
+        if outer.pending is not None:
+            outer.pending["remaining"] -= 1
+            if outer.pending["remaining"] == 0:
+                self._finish_exchange()
         period = self.sync_every // self.fragments
         if outer.phase % period == 0:
-            k = outer.phase // period - 1
-            self._sync(self._fragments[k], k)
+            self._start_exchange(outer.phase // period - 1, overlapped=self.overlap_steps > 0)
         if outer.phase == self.sync_every:
             outer.phase = 0
 
-    def _sync(self, indices: list[int], fragment: int) -> None:
-        """Average fragment ``fragment``'s pseudo-gradient, step theta_global, and set every worker to it.
+    def _start_exchange(self, fragment: int, overlapped: bool) -> None:
+        """Send fragment ``fragment``'s pseudo-gradient; apply it now, or (``overlapped``) after ``overlap_steps``."""
+        outer = self._outer
+        flats = outer.pseudo_gradients(self._params(), self._fragments[fragment])
+        outer.contribution = [f.clone() for f in flats] if overlapped else None
+        outer.in_flight = outer.average(flats, async_op=overlapped)
+        outer.pending = {"fragment": fragment, "remaining": self.overlap_steps}
+        if not overlapped:
+            self._finish_exchange()
 
-        ``indices``: the fragment's parameters.
+    def _finish_exchange(self) -> None:
+        """Step theta_global with the exchange's average and set every worker's fragment to it.
+
+        With ``overlap_steps`` the fragment's local progress since the exchange started is replaced by the new
+        theta_global (Streaming DiLoCo's merge with mixing factor 0, torchft's default).
         """
         outer, params, buffers = self._outer, self._params(), self._buffers()
-        averaged = outer.average(outer.pseudo_gradients(params, indices))
+        assert outer.pending is not None
+        assert outer.in_flight is not None
+        fragment, indices = outer.pending["fragment"], self._fragments[outer.pending["fragment"]]
+        averaged = outer.in_flight.wait()
+        outer.pending = outer.in_flight = outer.contribution = None
         averaged_buffers = outer.average_buffers(buffers)
         if all_finite([*averaged, *averaged_buffers]):
             outer.step(averaged, params, indices)
@@ -301,9 +314,11 @@ class DiLoCo(DDPStrategy):
         """A partial last round ends with an outer step, so that every rank holds the same theta_global."""
         super().on_train_end()
         if self._attached:
-            for k, fragment in enumerate(self._fragments):
+            if self._outer.pending is not None:
+                self._finish_exchange()
+            for k in range(self.fragments):
                 if self._outer.dirty[k]:  # trained since its last sync
-                    self._sync(fragment, k)
+                    self._start_exchange(k, overlapped=False)
 
     # ------------------------------------------------------------------------------------------------------------
     # Validation during fit runs on theta_global
@@ -349,7 +364,11 @@ class DiLoCo(DDPStrategy):
 
     def _rank_state(self) -> dict[str, Any]:
         tensors = self._local or [t.detach().clone() for t in (*self._params(), *self._buffers())]
-        return {"tensors": tensors, "optimizer_states": [o.state_dict() for o in self.optimizers]}
+        return {
+            "tensors": tensors,
+            "optimizer_states": [o.state_dict() for o in self.optimizers],
+            "contribution": self._outer.contribution,  # this rank's pseudo-gradient in flight, if one is
+        }
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -403,16 +422,20 @@ class DiLoCo(DDPStrategy):
                     f" fragments, this run every {self.sync_every} in {self.fragments}: a new round starts from"
                     " its theta_global."
                 )
-            outer["phase"], outer["dirty"] = 0, [False] * self.fragments
+            outer["phase"], outer["dirty"], outer["pending"] = 0, [False] * self.fragments, None
             self._outer.load_state_dict(outer)
             self._outer.copy_to(self._params(), range(len(self._params())))
             self._outer.restore_buffers(self._buffers())
             return
         self._outer.load_state_dict(outer)
-        own = section["ranks"][self.global_rank]["tensors"]
+        own = section["ranks"][self.global_rank]
         with torch.no_grad():
-            for mine, saved in zip((*self._params(), *self._buffers()), own, strict=True):
+            for mine, saved in zip((*self._params(), *self._buffers()), own["tensors"], strict=True):
                 mine.copy_(saved)
+        if self._outer.pending is not None:  # the exchange that was in flight is sent again, with the same values
+            contribution = [t.to(self.root_device) for t in own["contribution"]]
+            self._outer.contribution = [t.clone() for t in contribution]
+            self._outer.in_flight = self._outer.average(contribution, async_op=True)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -40,6 +40,20 @@ def _flat_float_buffers(buffers: Sequence[Tensor]) -> list[Tensor]:
     return [b for b in buffers if b.is_floating_point()]
 
 
+class Averaging:
+    """An average of flat tensors, possibly still in flight; :meth:`wait` returns it."""
+
+    def __init__(self, flats: list[Tensor], works: list[Any], on_done: Callable[[], None]) -> None:
+        self._flats, self._works, self._on_done = flats, works, on_done
+
+    def wait(self) -> list[Tensor]:
+        """Wait for the collectives (if any are in flight) and return the averaged tensors."""
+        for work in self._works:
+            work.wait()
+        self._on_done()
+        return self._flats
+
+
 class OuterState:
     """theta_global, the outer optimizer over it, the phase in the round and the outer exchange's counters.
 
@@ -62,6 +76,10 @@ class OuterState:
         self.optimizer: Optimizer | None = None
         self.phase = 0  # inner steps taken since the last sync of the last fragment
         self.dirty: list[bool] = []  # per fragment: trained since its last sync
+        # an exchange in flight (Streaming DiLoCo's overlap): {"fragment": k, "remaining": inner steps until applied}
+        self.pending: dict[str, int] | None = None
+        self.in_flight: Averaging | None = None
+        self.contribution: list[Tensor] | None = None  # this rank's pseudo-gradient in flight (to re-send on resume)
         self.syncs = 0  # outer steps taken
         self.skipped = 0  # outer steps skipped because the average was not finite
         self.bytes_sent = 0
@@ -91,6 +109,7 @@ class OuterState:
             "optimizer": self.optimizer.state_dict(),
             "phase": self.phase,
             "dirty": list(self.dirty),
+            "pending": dict(self.pending) if self.pending is not None else None,
             "syncs": self.syncs,
             "skipped": self.skipped,
             "bytes_sent": self.bytes_sent,
@@ -107,6 +126,7 @@ class OuterState:
         self.optimizer.load_state_dict(state["optimizer"])
         self.phase, self.syncs, self.skipped = state["phase"], state["syncs"], state["skipped"]
         self.dirty = list(state["dirty"])
+        self.pending = dict(state["pending"]) if state["pending"] is not None else None
         self.bytes_sent, self.bytes_received = state["bytes_sent"], state["bytes_received"]
 
     # ------------------------------------------------------------------------------------------------------------
@@ -118,29 +138,35 @@ class OuterState:
         This sign makes the outer step a descent step: the inner steps moved theta_local along minus the gradient, so
         ``theta_global - theta_local`` points along the gradient, as ``.grad`` must.
         """
-        local = [params[i] for i in indices]
+        local = [params[i].detach() for i in indices]
         flats = []
         for group in _groups(local).values():
             flats.append(torch.cat([(self.params[indices[i]].to(local[i].device) - local[i]).flatten() for i in group]))
         return flats
 
-    def average(self, flats: list[Tensor]) -> list[Tensor]:
+    def average(self, flats: list[Tensor], async_op: bool = False) -> Averaging:
         """The mean over the workers of each flat pseudo-gradient: one all-reduce each, its bytes counted.
 
         The seam of the outer exchange: whatever travels on the wire is decided here. Each rank divides by the world
-        size before the sum, as DDP's reducer does. Bytes as the package's telemetry counts an all-reduce: the buffer
-        is sent, and ``2 (n - 1) / n`` times it is received (what a ring all-reduce receives).
+        size before the sum, as DDP's reducer does. ``async_op``: return at once, the all-reduces running in the
+        background until :meth:`Averaging.wait` (Streaming DiLoCo's overlap). Bytes as the package's telemetry counts
+        an all-reduce, added when the exchange completes: the buffer is sent, and ``2 (n - 1) / n`` times it is
+        received (what a ring all-reduce receives).
         """
         if not (dist.is_available() and dist.is_initialized()):
-            return flats
+            return Averaging(flats, [], lambda: None)
         world = dist.get_world_size(self.process_group)
+        works = []
         for flat in flats:
             flat.div_(world)
-            dist.all_reduce(flat, group=self.process_group)
-            size = flat.numel() * flat.element_size()
+            works.append(dist.all_reduce(flat, group=self.process_group, async_op=async_op))
+        size = sum(flat.numel() * flat.element_size() for flat in flats)
+
+        def count() -> None:
             self.bytes_sent += size
             self.bytes_received += 2 * (world - 1) * size // world
-        return flats
+
+        return Averaging(flats, [w for w in works if w is not None], count)
 
     def average_buffers(self, buffers: Sequence[Tensor]) -> list[Tensor]:
         """The mean over the workers of the model's floating-point buffers (not counted: they are not compressed)."""

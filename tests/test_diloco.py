@@ -22,6 +22,8 @@ from tests.fit_worker import assert_same_weights, run_fits, run_name, train
 from tests.models import TinyNet, synthetic_classification
 
 RESUMED = "diloco-h3:epochs4+diloco-h3:epochs2"
+# the checkpoint after 8 steps holds fragment 1's exchange in flight
+RESUMED_IN_FLIGHT = "diloco-h4f2t1:epochs4+diloco-h4f2t1:epochs2"
 LAUNCH = [
     "ddp:eager",
     "diloco-h1:eager",
@@ -29,6 +31,11 @@ LAUNCH = [
     "diloco-h2:eager",
     "diloco-h2:manual",
     "diloco-h4f2:steps8",
+    "diloco-h4t1:steps8",
+    "diloco-h4f2t1:steps8",
+    "diloco-h4f2t1:epochs4",
+    "diloco-h4f2t1:epochs2",
+    RESUMED_IN_FLIGHT,
     "diloco-h4:nan",
     "diloco-h4:val",
     # 4 steps per epoch, a round of 3: the checkpoint after 2 epochs (8 steps) is 2 steps into a round
@@ -51,12 +58,15 @@ def launch(tmp_path_factory):
     return root, output, records
 
 
-def reference_diloco(world_size: int, sync_every: int, steps: int, sign: float = 1.0) -> list[torch.Tensor]:
+def reference_diloco(
+    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0
+) -> list[torch.Tensor]:
     """DiLoCo by hand: theta_global after ``steps`` steps (a partial last round ends with an outer step).
 
     TinyNet's inner SGD on each rank's shard (as Lightning's DistributedSampler deals it), the mean of
     ``sign * (theta_global - theta_local)``, outer Nesterov SGD. Written from the paper's Algorithm 1, independently
-    of the strategy's code.
+    of the strategy's code. ``overlap``: the mean is applied that many inner steps after it was taken, and replaces
+    the replicas' parameters then (Streaming DiLoCo with one fragment and mixing factor 0).
     """
     model = TinyNet()
     data = synthetic_classification(model.n)
@@ -68,9 +78,13 @@ def reference_diloco(world_size: int, sync_every: int, steps: int, sign: float =
     theta = [p.detach().clone() for p in model.parameters()]
     outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
 
-    def sync() -> None:
-        for i, g in enumerate(theta):
-            g.grad = sum(sign * (g - list(m.parameters())[i].detach()) / world_size for m in replicas)
+    def exchange() -> list[torch.Tensor]:
+        return [sum(sign * (g - list(m.parameters())[i].detach()) / world_size for m in replicas)
+                for i, g in enumerate(theta)]  # fmt: skip
+
+    def apply(mean: list[torch.Tensor]) -> None:
+        for g, d in zip(theta, mean):
+            g.grad = d
         outer.step()
         buffers = [[b for b in m.buffers() if b.is_floating_point()] for m in replicas]
         mean_buffers = [sum(bs) / world_size for bs in zip(*buffers)]
@@ -81,6 +95,7 @@ def reference_diloco(world_size: int, sync_every: int, steps: int, sign: float =
                 for b, mean in zip(own, mean_buffers):
                     b.copy_(mean)
 
+    pending, since_applied = None, 0  # (the mean in flight, steps until applied); inner steps since the last apply
     for step in range(steps):
         for m, optimizer, shard in zip(replicas, inner, shards):
             batch = shard[step * model.batch_size : (step + 1) * model.batch_size]
@@ -88,10 +103,20 @@ def reference_diloco(world_size: int, sync_every: int, steps: int, sign: float =
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+        since_applied += 1
+        if pending is not None and step + 1 == pending[1]:
+            apply(pending[0])
+            pending, since_applied = None, 0
         if (step + 1) % sync_every == 0:
-            sync()
-    if steps % sync_every:
-        sync()
+            pending = (exchange(), step + 1 + overlap)
+            if not overlap:
+                apply(pending[0])
+                pending, since_applied = None, 0
+    if pending is not None:
+        apply(pending[0])
+        since_applied = 0
+    if since_applied:
+        apply(exchange())
     return theta
 
 
@@ -175,6 +200,33 @@ def test_fragments_sync_every_parameter_exactly_once_per_round(launch):
         previous = step["global"]
     assert synced_times.max() <= 2, "at most once per round"
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+def test_an_overlapped_exchange_matches_diloco_computed_by_hand(launch):
+    """``overlap_steps=1``: each round's mean is applied one inner step later and replaces the local parameters."""
+    _, _, records = launch
+    ours = records["diloco-h4t1:steps8"]
+    expected = _flat(reference_diloco(2, 4, 8, overlap=1))
+    torch.testing.assert_close(ours[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    not_overlapped = _flat(reference_diloco(2, 4, 8))
+    assert (ours[0]["params"] - not_overlapped).abs().max() > 1e-4, "the reference can tell the overlap"
+    assert_replicas_identical(ours)
+    # the exchange is sent at steps 4 and 8 and applied at step 5 (buffers averaged) and at the end of fit
+    assert [s["collectives"] > 0 for s in ours[0]["steps"]] == [False, False, False, True, True, False, False, True]
+
+
+def test_streaming_with_overlap_trains_and_resumes_with_an_exchange_in_flight(launch):
+    """2 fragments, each exchange overlapped with one inner step; the checkpoint after 8 steps holds one in flight."""
+    root, _, records = launch
+    ranks = records["diloco-h4f2t1:steps8"]
+    assert_replicas_identical(ranks)
+    sent = [s["collectives"] > 0 for s in ranks[0]["steps"]]
+    assert sent == [False, True, True, True, True, True, True, True], "sent at 2, 4, 6, 8; applied at 3, 5, 7"
+    assert_same_weights(records["diloco-h4f2t1:epochs4"], records[RESUMED_IN_FLIGHT], "resumed in flight")
+    section = _saved(root, "diloco-h4f2t1:epochs2")["diloco"]
+    assert section["outer"]["pending"] == {"fragment": 1, "remaining": 1}
+    contributions = [rank["contribution"] for rank in section["ranks"]]
+    assert not torch.equal(contributions[0][0], contributions[1][0]), "each rank's own pseudo-gradient"
 
 
 def test_a_nan_on_one_rank_costs_one_round(launch):
