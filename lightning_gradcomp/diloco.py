@@ -9,6 +9,7 @@ pseudo-gradient ``theta_global - theta_local`` and an outer optimizer steps the 
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 from collections.abc import Mapping
 from datetime import timedelta
@@ -24,6 +25,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -38,29 +40,49 @@ CHECKPOINT_KEY = "diloco"
 _MiscError = MisconfigurationException
 #: DDPStrategy arguments that configure DDP's gradient all-reduce, which DiLoCo does not run
 _REFUSED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+#: DistributedDataParallel's arguments and their defaults (what LightningCLI passes when a recipe sets none)
+_DDP_DEFAULTS = {
+    n: p.default for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+    if n not in ("self", "module", "device_ids")
+}  # fmt: skip
 
 
-def _check_strategy_kwargs(kwargs: dict[str, Any]) -> None:
-    """DDPStrategy's own arguments only: DiLoCo does not wrap the model in ``DistributedDataParallel``."""
-    for name in kwargs:
+def _strategy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """DDPStrategy's own arguments, checked; ``DistributedDataParallel``'s refused unless left at their defaults.
+
+    DiLoCo does not wrap the model in ``DistributedDataParallel``, so its arguments would have no effect. Left at
+    their defaults they are dropped quietly: LightningCLI passes every argument it resolves, defaults included.
+    """
+    own = {}
+    for name, value in kwargs.items():
         if name in _REFUSED:
-            raise MisconfigurationException(
-                f"DiLoCo does not accept `{name}`: it runs no per-step gradient all-reduce to hook into."
-            )
-        if name not in _STRATEGY_KWARGS:
+            if value is not None:
+                raise MisconfigurationException(
+                    f"DiLoCo does not accept `{name}`: it runs no per-step gradient all-reduce to hook into."
+                )
+        elif name in _DDP_DEFAULTS:
+            if value is not _DDP_DEFAULTS[name] and value != _DDP_DEFAULTS[name]:
+                raise MisconfigurationException(
+                    f"DiLoCo does not accept `{name}`={value!r}: it does not wrap the model in"
+                    " DistributedDataParallel, whose arguments would have no effect."
+                )
+        elif name in _STRATEGY_KWARGS:
+            own[name] = value
+        else:
             valid = ["sync_every", "outer_optimizer", "fragments", "overlap_steps", "offload", *_STRATEGY_KWARGS]
             close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
             hint = f" Did you mean `{close[0]}`?" if close else ""
             raise MisconfigurationException(
-                f"DiLoCo got an unexpected keyword argument `{name}`: it takes DDPStrategy's own arguments, and does"
-                f" not wrap the model in DistributedDataParallel (whose arguments have no effect here).{hint}"
+                f"DiLoCo got an unexpected keyword argument `{name}`: it is not an argument of DiLoCo or"
+                f" DDPStrategy.{hint}"
             )
-    if kwargs.get("timeout") is not None and not isinstance(kwargs["timeout"], timedelta):
+    if own.get("timeout") is not None and not isinstance(own["timeout"], timedelta):
         raise MisconfigurationException(
-            f"Expected `timeout` to be a datetime.timedelta or None, got {kwargs['timeout']!r}."
+            f"Expected `timeout` to be a datetime.timedelta or None, got {own['timeout']!r}."
         )
-    if "start_method" in kwargs:
-        check_choice(kwargs["start_method"], "start_method", _START_METHODS, error=_MiscError)
+    if "start_method" in own:
+        check_choice(own["start_method"], "start_method", _START_METHODS, error=_MiscError)
+    return own
 
 
 def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
@@ -160,8 +182,7 @@ class DiLoCo(DDPStrategy):
                 f" torch.optim.Optimizer (e.g. functools.partial(torch.optim.SGD, lr=0.7)), got {outer_optimizer!r}."
             )
         check_bool(offload, "offload", error=_MiscError)
-        _check_strategy_kwargs(kwargs)
-        super().__init__(**kwargs)
+        super().__init__(**_strategy_kwargs(kwargs))
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload)
         self._fragments: list[list[int]] = []
