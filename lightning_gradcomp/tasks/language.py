@@ -123,7 +123,27 @@ class TextDataModule(pl.LightningDataModule):
         return DataLoader(self.val_set, batch_size=self.batch_size)
 
 
-class LSTMLanguageModel(pl.LightningModule):
+class _NextTokenModel(pl.LightningModule):
+    """Training and validation steps of a next-token language model (``forward`` gives logits per position)."""
+
+    def _loss(self, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        """Cross-entropy of the next token."""
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        """Held-out loss and perplexity."""
+        loss = self._loss(batch)
+        self.log("val_loss", loss, sync_dist=True)
+        self.log("val_ppl", torch.exp(loss), sync_dist=True, prog_bar=True)
+
+
+class LSTMLanguageModel(_NextTokenModel):
     """A multi-layer LSTM language model, input and output embeddings tied by default (Zaremba et al.; Press & Wolf).
 
     The shape of the model the PowerSGD and Pufferfish papers compress (2 layers, embedding = hidden, tied weights,
@@ -190,22 +210,6 @@ class LSTMLanguageModel(pl.LightningModule):
         out, _ = self.lstm(self.drop(self.embedding(x)))
         return self.decoder(self.drop(out))
 
-    def _loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Cross-entropy of the next byte."""
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """Held-out loss and perplexity."""
-        loss = self._loss(batch)
-        self.log("val_loss", loss, sync_dist=True)
-        self.log("val_ppl", torch.exp(loss), sync_dist=True, prog_bar=True)
-
     def configure_optimizers(self) -> Any:
         """The chosen optimizer (plain SGD: the papers' LSTM setting) with a step decay by 4."""
         hp = self.hparams
@@ -219,7 +223,7 @@ class LSTMLanguageModel(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "epoch"}}
 
 
-class GPTLanguageModel(pl.LightningModule):
+class GPTLanguageModel(_NextTokenModel):
     """A GPT-style transformer language model (nanoGPT's model and AdamW setting), on bytes by default.
 
     DiLoCo (arXiv 2311.08105) and its successors report on decoder-only transformers trained with AdamW, a linear
@@ -267,22 +271,6 @@ class GPTLanguageModel(pl.LightningModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Next-token logits for every position."""
         return self.model(x)
-
-    def _loss(self, batch: Any) -> torch.Tensor:
-        x, y = batch
-        return nn.functional.cross_entropy(self(x).flatten(0, 1), y.flatten())
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        """Cross-entropy of the next token."""
-        loss = self._loss(batch)
-        self.log("train_loss", loss, prog_bar=True)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        """Held-out loss and perplexity."""
-        loss = self._loss(batch)
-        self.log("val_loss", loss, sync_dist=True)
-        self.log("val_ppl", torch.exp(loss), sync_dist=True, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
         """AdamW (betas 0.9, 0.95; decay on matrices only), linear warm-up then cosine decay, stepped per step."""
