@@ -293,7 +293,7 @@ class DiLoCo(DDPStrategy):
         """Step theta_global with the exchange's average and set every worker's fragment to it.
 
         With ``overlap_steps`` the fragment's local progress since the exchange started is replaced by the new
-        theta_global (Streaming DiLoCo's merge with mixing factor 0, torchft's default).
+        theta_global (Streaming DiLoCo's merge with mixing factor 0).
         """
         outer, params, buffers = self._outer, self._params(), self._buffers()
         assert outer.pending is not None

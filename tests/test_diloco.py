@@ -46,6 +46,8 @@ LAUNCH = [
     "ddp:epochs2",
     "diloco-h3:epochs4+ddp:epochs2",
     "ddp:epochs4+diloco-h3:epochs2",
+    "identity:epochs4+diloco-h3:epochs2",
+    "diloco-h4:epochs4+diloco-h3:epochs2",
 ]
 
 
@@ -290,9 +292,19 @@ def test_checkpoints_pass_between_plain_ddp_and_diloco(launch):
     assert len(resumed[0]["steps"]) == 8
     assert resumed[0]["syncs"] == 3, "rounds start afresh at the resume: steps 3, 6 and the partial last one"
     # plain DDP keeps each rank's BatchNorm statistics apart (it broadcasts them before each forward): parameters only
-    ranks = records["ddp:epochs4+diloco-h3:epochs2"]
-    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
-    assert len(ranks[0]["steps"]) == 8
+    for run in ("ddp:epochs4+diloco-h3:epochs2", "identity:epochs4+diloco-h3:epochs2"):
+        ranks = records[run]
+        assert torch.equal(ranks[0]["params"], ranks[1]["params"]), run
+        assert len(ranks[0]["steps"]) == 8
+    assert "holds no CompressedDDP state" in output
+
+
+def test_a_checkpoint_of_another_schedule_starts_a_new_round_from_theta_global(launch):
+    _, output, records = launch
+    assert "synced every 3 steps in 1 fragments, this run every 4 in 1: a new round starts" in output
+    ranks = records["diloco-h4:epochs4+diloco-h3:epochs2"]
+    assert [s["phase"] for s in ranks[0]["steps"]] == [1, 2, 3, 0] * 2
+    assert_replicas_identical(ranks)
 
 
 def _assert_matches_reference(ranks: list[dict], world_size: int) -> None:
