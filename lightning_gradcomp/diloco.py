@@ -17,7 +17,6 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
@@ -472,5 +471,4 @@ class DiLoCo(DDPStrategy):
         super().teardown()
         self._attached = False
         self._local = None
-        if dist.is_available() and dist.is_initialized():
-            log.debug("DiLoCo: %d outer steps, %d skipped", self._outer.syncs, self._outer.skipped)
+        log.debug("DiLoCo: %d outer steps, %d skipped", self._outer.syncs, self._outer.skipped)

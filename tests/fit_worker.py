@@ -57,6 +57,7 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h3": _diloco(sync_every=3),
     "diloco-h4": _diloco(sync_every=4),
     "diloco-h4f2": _diloco(sync_every=4, fragments=2),
+    "diloco-h4-offload": _diloco(sync_every=4, offload=True),
     "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
 }

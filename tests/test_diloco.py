@@ -30,6 +30,8 @@ LAUNCH = [
     "diloco-h4:steps8",
     "diloco-h2:eager",
     "diloco-h2:manual",
+    "diloco-h2:accumulate2",
+    "diloco-h4-offload:steps8",
     "diloco-h4f2:steps8",
     "diloco-h4t1:steps8",
     "diloco-h4f2t1:steps8",
@@ -145,6 +147,21 @@ def test_manual_optimization_syncs_as_automatic_does(launch):
     _, _, records = launch
     assert_same_weights(records["diloco-h2:eager"], records["diloco-h2:manual"])
     assert records["diloco-h2:manual"][0]["syncs"] == 2
+
+
+def test_gradient_accumulation_counts_optimizer_steps(launch):
+    """4 optimizer steps of 2 micro-batches each, ``sync_every=2``: the syncs follow the 4th and 8th micro-batch."""
+    _, _, records = launch
+    ranks = records["diloco-h2:accumulate2"]
+    assert [s["collectives"] > 0 for s in ranks[0]["steps"]] == [False, False, False, True] * 2
+    assert ranks[0]["syncs"] == 2
+    assert_replicas_identical(ranks)
+
+
+def test_offload_gives_the_same_model(launch):
+    """theta_global and the outer state in CPU memory (on a CPU run the same memory: the code path, not the saving)."""
+    _, _, records = launch
+    assert_same_weights(records["diloco-h4:steps8"], records["diloco-h4-offload:steps8"])
 
 
 def test_sync_every_4_matches_diloco_computed_by_hand(launch):
