@@ -3,20 +3,27 @@
 Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))``.
 """
 
+from lightning.pytorch.strategies import StrategyRegistry
+
 from lightning_gradcomp import callbacks, comm, compressors, tasks, testing, transforms
 from lightning_gradcomp.callbacks import PacTrain
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.diloco import DiLoCo
 from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.transforms import Pufferfish
 
 __version__ = "0.1.0.dev0"
 
+# `Trainer(strategy="diloco")` after `import lightning_gradcomp` (Lightning discovers no third-party strategy itself)
+DiLoCo.register_strategies(StrategyRegistry)
+
 __all__ = [
     "BucketContext",
     "CompressedDDP",
     "CompressionState",
     "Compressor",
+    "DiLoCo",
     "Layer",
     "PacTrain",
     "Pufferfish",

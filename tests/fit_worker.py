@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,12 +30,19 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
 
-from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.callbacks import CompressionMonitor
 from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
 from tests.distributed import free_port
-from tests.models import RecordRanks, SparseEmbeddingNet, TinyNet
+from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
+
+
+def _diloco(**fixed: Any) -> Callable[..., DDPStrategy]:
+    """A DiLoCo factory that drops the DistributedDataParallel arguments of a variant (DiLoCo does not wrap in DDP)."""
+    return lambda **kwargs: DiLoCo(**fixed, **{k: v for k, v in kwargs.items() if k != "bucket_cap_mb"})
+
 
 # a fresh compressor for every fit: nothing carries over from one fit of a launch to the next but the checkpoint
 STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
@@ -43,6 +51,15 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "topk": lambda **kwargs: CompressedDDP(TopK(ratio=0.05), min_compress_numel=64, **kwargs),
     "powersgd-r1": lambda **kwargs: CompressedDDP(PowerSGD(rank=1), min_compress_numel=64, **kwargs),
     "powersgd-r2": lambda **kwargs: CompressedDDP(PowerSGD(rank=2), min_compress_numel=64, **kwargs),
+    # H = 1 with outer SGD(lr=1) is DDP (the inner step is linear in the gradient); H = 2, 3, 4: DiLoCo's defaults
+    "diloco-h1": _diloco(sync_every=1, outer_optimizer=partial(torch.optim.SGD, lr=1.0)),
+    "diloco-h2": _diloco(sync_every=2),
+    "diloco-h3": _diloco(sync_every=3),
+    "diloco-h4": _diloco(sync_every=4),
+    "diloco-h4f2": _diloco(sync_every=4, fragments=2),
+    "diloco-h4-offload": _diloco(sync_every=4, offload=True),
+    "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
+    "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
 }
 
 
@@ -92,6 +109,27 @@ class CheckpointedNet(TinyNet):
         return self.net[3:](checkpoint(self.net[:3], x, use_reentrant=False))
 
 
+class NaNNet(TinyNet):
+    """TinyNet whose loss is NaN on rank 1 at its sixth step (the second round of ``sync_every=4``)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_rank == 1 and self.trainer.global_step == 5:
+            loss = loss * float("nan")
+        return loss
+
+
+class ValNet(TinyNet):
+    """TinyNet with a validation loop (16 held-out samples)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(synthetic_classification(16, seed=1), batch_size=8)
+
+
 def _small_data() -> TinyNet:
     """64 samples, 8 per batch: 4 steps per epoch on 2 ranks."""
     return TinyNet(n=64, batch_size=8)
@@ -118,6 +156,10 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "frozen": (FrozenNet, {}, {}, False),
     "unused": (UnusedNet, {}, {"find_unused_parameters": True}, False),
     "checkpointed": (CheckpointedNet, {}, {}, False),
+    "steps6": (TinyNet, {"max_steps": 6}, {}, False),
+    "steps8": (TinyNet, {"max_steps": 8}, {}, False),
+    "nan": (NaNNet, {"max_steps": 12}, {}, False),
+    "val": (ValNet, {"max_steps": 8, "val_check_interval": 3, "num_sanity_val_steps": 0}, {}, False),
     "epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2}, _BUCKETS, False),
     "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
     "bf16-epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2, "precision": "bf16-true"}, _BUCKETS, False),
@@ -144,11 +186,13 @@ def train(run: str, root: str, devices: int) -> None:
         if stateless:
             # each rank edits a copy of its own: no rank reads a file that another is writing
             saved = torch.load(ckpt_path, weights_only=False)
-            saved.pop("gradcomp")
+            saved.pop("gradcomp", None)  # CompressedDDP's state
+            saved.pop("diloco", None)  # DiLoCo's
             ckpt_path = os.path.join(dirpath, f"stateless-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
             torch.save(saved, ckpt_path)
     strategy = STRATEGIES[name](**strategy_kwargs)
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
+    record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
     saving = [ModelCheckpoint(dirpath=dirpath, filename="last")] if trainer_kwargs.get("enable_checkpointing") else []
     trainer = pl.Trainer(
         **{
@@ -160,7 +204,7 @@ def train(run: str, root: str, devices: int) -> None:
             "enable_checkpointing": False,
             "enable_progress_bar": False,
             "enable_model_summary": False,
-            "callbacks": [*monitor, *saving, RecordRanks(dirpath)],
+            "callbacks": [*monitor, *saving, record],
             **trainer_kwargs,
         }
     )
