@@ -238,11 +238,16 @@ class DiLoCo(DDPStrategy):
         self._restored = None
         rank_zero_info(self._describe())
 
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("DiLoCo has no LightningModule yet: it is connected by the Trainer.")
+        return self.lightning_module
+
     def _params(self) -> list[Tensor]:
-        return [p for p in self.lightning_module.parameters() if p.requires_grad]
+        return [p for p in self._module().parameters() if p.requires_grad]
 
     def _buffers(self) -> list[Tensor]:
-        return list(self.lightning_module.buffers())
+        return list(self._module().buffers())
 
     def _describe(self) -> str:
         numel = sum(p.numel() for p in self._params())
@@ -260,7 +265,7 @@ class DiLoCo(DDPStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         """The inner optimizer's step on this rank's own gradients; every ``sync_every / fragments`` steps a sync."""
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._attached and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+        if self._attached and self._module().trainer.state.fn == TrainerFn.FITTING:
             self._after_inner_step()
         return output
 
@@ -372,7 +377,7 @@ class DiLoCo(DDPStrategy):
         state = super().lightning_module_state_dict()
         if not self._attached:
             return state
-        module = self.lightning_module
+        module = self._module()
         params = self._params()
         floats = [b for b in self._buffers() if b.is_floating_point()]
         shared = {id(p): g for p, g in zip(params, self._outer.params)}

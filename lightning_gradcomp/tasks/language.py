@@ -277,13 +277,13 @@ class GPTLanguageModel(_NextTokenModel):
         hp = self.hparams
         params = [p for p in self.parameters() if p.requires_grad]
         groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp.weight_decay},
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp["weight_decay"]},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
-        optimizer = torch.optim.AdamW(groups, lr=hp.lr, betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(groups, lr=hp["lr"], betas=(0.9, 0.95))
         total = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1
         schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, partial(_warmup_cosine, warmup=hp.warmup_steps, total=total, floor=hp.min_lr_ratio)
+            optimizer, partial(_warmup_cosine, warmup=hp["warmup_steps"], total=total, floor=hp["min_lr_ratio"])
         )
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
