@@ -532,6 +532,7 @@ def _strategy(variant):
     return CompressedDDP(lgc, min_compress_numel=64, bucket_cap_mb=0.01, start_method="spawn")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["ps", "allreduce", "allreduce-linear"])
 def test_two_processes_cross_every_stage_identically_and_resume_bitwise(tmp_path, variant):
     """Each variant (the all-reduce one with either encoder), checkpoints taken in stage 2 (pending data) and stage
