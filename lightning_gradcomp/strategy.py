@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_gradcomp.compression_checkpoint import restore_compression_state, save_compression_state
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.error_feedback import error_feedback_growth_warning
@@ -33,7 +34,8 @@ from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.model_transform import ModelTransform, carry_schedule
 from lightning_gradcomp.monitor import CompressionMonitor
 from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
-from lightning_gradcomp.process_groups import gather_objects, gather_rows, hand_off_gil, release_round_groups
+from lightning_gradcomp.process_groups import gather_rows, hand_off_gil, release_round_groups
+from lightning_gradcomp.rank_state import remove_rank_states
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,6 @@ _REFUSED = {
     "model_averaging_period": "post-local SGD model averaging needs torch's PostLocalSGDState hook, which"
     " CompressedDDP replaces",
 }
-_CHECKPOINT_KEY = "gradcomp"
 #: set by Lightning itself when it wraps the model, so not accepted from the user
 _SET_BY_LIGHTNING = {
     "module": "Lightning wraps the LightningModule itself",
@@ -482,46 +483,33 @@ class CompressedDDP(DDPStrategy):
             record_failure(self.global_rank, exception)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints: every rank's compressor state travels with the checkpoint
+    # Checkpoints: each rank's compressor state in a file of its own beside the checkpoint
     # ------------------------------------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Save like DDPStrategy, with every rank's compressor state gathered into ``checkpoint["gradcomp"]``."""
-        # Lightning calls this on every rank and writes on rank 0 only, so the other ranks' residuals are gathered
-        # here; a weights-only checkpoint (no "loops") carries no training state, on every rank alike
+        """Save like DDPStrategy; every rank writes its own compressor state beside ``filepath``, not through rank 0.
+
+        See :mod:`lightning_gradcomp.compression_checkpoint` and :mod:`lightning_gradcomp.rank_state`.
+        """
         structures = {cb.state_key: cb.structure_state() for cb in self._transforms()}
         if any(state is not None for state in structures.values()):
             checkpoint[_TRANSFORMS_KEY] = structures  # also in weights-only checkpoints: they need the structure too
-        if "loops" in checkpoint and dist.is_available() and dist.is_initialized():
-            # the checkpoint of the last step can be the run's last collective: gathered so that exit cannot abort
-            gathered = gather_objects(self._state.state_dict(), self.root_device)
-            if self.is_global_zero:
-                checkpoint[_CHECKPOINT_KEY] = {"format": 1, "world_size": self.world_size, "ranks": gathered}
+        if "loops" in checkpoint:  # a weights-only checkpoint (no "loops") carries no training state
+            save_compression_state(self._state, checkpoint, filepath, self.global_rank, self.world_size, self.barrier)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load like DDPStrategy, and restore this rank's compressor state from ``checkpoint["gradcomp"]``."""
+        """Load like DDPStrategy, and restore this rank's compressor state saved with the checkpoint."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        saved = checkpoint.get(_CHECKPOINT_KEY)
-        if saved is None:
-            if "loops" in checkpoint:
-                # what the step counter would be (DGC's warm-up, shared seeds): the optimizer steps taken
-                self._state.step = int(checkpoint.get("global_step", 0))
-                rank_zero_warn(
-                    "The checkpoint holds no CompressedDDP state (it was not written by CompressedDDP):"
-                    " error-feedback residuals and compressor state start empty."
-                )
-            return checkpoint
-        if saved["world_size"] != self.world_size:
-            rank_zero_warn(
-                f"The checkpoint's compressor state was saved by {saved['world_size']} processes, this run has"
-                f" {self.world_size}: per-rank error-feedback residuals cannot be mapped, so they and the"
-                " compressor state start empty."
-            )
-            return checkpoint
-        self._state.load_state_dict(saved["ranks"][self.global_rank])
+        restore_compression_state(self._state, checkpoint, checkpoint_path, self.global_rank, self.world_size)
         return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove the checkpoint (rank 0) and, on every rank, the state that rank saved beside it."""
+        super().remove_checkpoint(filepath)
+        remove_rank_states(filepath, self.global_rank)
 
     # ------------------------------------------------------------------------------------------------------------
     # Helpers
