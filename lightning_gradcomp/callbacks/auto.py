@@ -40,8 +40,8 @@ from lightning_gradcomp.auto.timeline import wire_bytes as _wire_bytes
 from lightning_gradcomp.compressors import Compressor, Identity, Planned
 from lightning_gradcomp.compressors.base import Layer, check_gradient_dtypes
 from lightning_gradcomp.hook import CompressionState
+from lightning_gradcomp.simulation import SimulatedHook
 from lightning_gradcomp.strategy import CompressedDDP
-from lightning_gradcomp.testing import SimulatedHook
 from lightning_gradcomp.validation import check_int, check_number
 
 log = logging.getLogger(__name__)
