@@ -24,14 +24,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives, when_all
-from lightning_gradcomp.compressors.base import (
-    BucketContext,
-    Compressor,
-    GradientRuns,
-    Layer,
-    check_gradient_dtypes,
-    ddp_scale_,
-)
+from lightning_gradcomp.compressors.base import Compressor, check_gradient_dtypes
+from lightning_gradcomp.compressors.context import BucketContext, GradientRuns, Layer, ddp_scale_
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
 from lightning_gradcomp.recovery import CUDA_LAG, NonfiniteRun
@@ -71,8 +65,8 @@ class _BucketPlan:
     def gather(self, buffer: Tensor, part: str, *, fill: bool = True) -> Tensor:
         """The ``"dense"`` or ``"compressed"`` layers of ``buffer``, contiguous: a view if they are, else a copy.
 
-        With ``fill=False`` a layout of several runs gets the plan's buffer unfilled (the compressor's accumulation
-        gathers into it, see :class:`~lightning_gradcomp.compressors.base.GradientRuns`).
+        With ``fill=False`` a layout of several runs gets the plan's buffer unfilled (the reduction's driver gathers
+        into it, see :class:`~lightning_gradcomp.compressors.base.GradientRuns`).
         """
         runs = self.runs(part)
         if len(runs) == 1:
@@ -401,11 +395,11 @@ class CompressionState:
         self.telemetry.add_bucket(gradient._indices().nbytes + gradient._values().nbytes)
         return self.comm.all_reduce_sparse(gradient)
 
-    def _context(self, index: int, layers: tuple[Layer, ...], like: Tensor, **fields: Any) -> BucketContext:
+    def _context(self, index: int, layers: tuple[Layer, ...], like: Tensor) -> BucketContext:
         comm = self.comm
         return BucketContext(index=index, step=self.step, rank=comm.rank, world_size=comm.world_size, layers=layers,
-                             dtype=like.dtype, device=like.device, seed=self.seed, comm=comm, updates=self._updates,
-                             **fields)  # fmt: skip
+                             dtype=like.dtype, device=like.device, seed=self.seed, comm=comm,
+                             updates=self._updates)  # fmt: skip
 
     def _all_reduce_dense(
         self, index: int, tensor: Tensor, layers: tuple[Layer, ...], compressor: Compressor
@@ -438,19 +432,17 @@ class CompressionState:
     def _reduce_split(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
         compressor = plan.compressor
         keep = self.uses_error_feedback(compressor)
-        # with error feedback, several runs of compressed layers are gathered by the accumulation, in the pass that
-        # adds the residual (GradientRuns); without it a debt may be paid into the gathered tensor first
+        # with error feedback, several runs of compressed layers are gathered by the driver, in the pass that adds the
+        # residual (GradientRuns); without it a debt may be paid into the gathered tensor first
         in_runs = keep and len(plan.compressed_runs) > 1
         dense = plan.gather(buffer, "dense") if plan.dense else None
         tensor = plan.gather(buffer, "compressed", fill=not in_runs) if plan.compressed else None
-        residual, new_residual = self.residuals.prepare(index, plan.compressed, tensor, plan.dense, dense, keep=keep)
+        memory = self.residuals.prepare(index, plan.compressed, tensor, plan.dense, dense, keep=keep)
         futures = [] if dense is None else [self._all_reduce_dense(index, dense, plan.dense, compressor)]
         if tensor is None:
             return futures[0].then(lambda fut: plan.scatter(buffer, None, fut.value()))
         runs = GradientRuns(buffer, plan.compressed_runs) if in_runs else None
-        ctx = self._context(index, plan.compressed, tensor, residual=residual, new_residual=new_residual,
-                            gradient_runs=runs)  # fmt: skip
-        reduced = compressor.reduce(tensor, ctx)
+        reduced = compressor.reduce(tensor, self._context(index, plan.compressed, tensor), memory, runs)
         if plan.whole_bucket:
             return reduced
         futures.append(reduced)

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm import Comm, ReduceOpName
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, ResidualBuffers
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.telemetry import Telemetry
 
@@ -193,11 +193,12 @@ def simulate_reduce(
             dtype=tensor.dtype,
             device=tensor.device,
             seed=seed,
-            residual=None if residuals is None else residuals[rank],
-            new_residual=None if residuals is None or new_residuals is None else new_residuals[rank],
             comm=comm,
         )
-        futures.append(compressor.reduce(tensor.clone(), ctx))
+        residual = None if residuals is None else residuals[rank]
+        twin = None if new_residuals is None else new_residuals[rank]
+        memory = None if residual is None else ResidualBuffers(residual, twin)
+        futures.append(compressor.reduce(tensor.clone(), ctx, memory))
     world.assert_quiescent()
     return [future.wait() for future in futures]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -25,12 +25,13 @@ from lightning_gradcomp.compressors.context import (
     GradientRuns,
     Layer,
     LayerBuffers,
+    ResidualBuffers,
     ddp_scale_,
     derive_seed,
     keep_count,
     layers_from_shapes,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
+from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentPayload
 
 __all__ = [
     "BucketContext",
@@ -40,13 +41,12 @@ __all__ = [
     "Layer",
     "LayerBuffers",
     "Payload",
+    "ResidualBuffers",
     "check_gradient_dtypes",
     "ddp_scale_",
     "derive_seed",
     "keep_count",
     "layers_from_shapes",
-    "sum_into_new_residual",
-    "summed_in_new_residual",
 ]
 
 
@@ -55,43 +55,64 @@ class Compressor(ABC):
 
     The contract, smallest first:
 
-    * every method implements :meth:`compress` and :meth:`decompress`; a single-round method (one all-reduce or
-      all-gather per bucket) needs nothing else: the base class runs error feedback, the collective, the averaging,
-      the timing and the non-finite guard (:meth:`reduce`);
+    * every method implements :meth:`compress` and :meth:`decompress`, and states its class facts
+      (:attr:`collective`, :attr:`unbiased`, ...: class attributes, or properties where they depend on the
+      instance); a single-round method (one all-reduce or all-gather per bucket) needs nothing else: the driver runs
+      error feedback, the collective, the averaging, the timing and the non-finite guard (:meth:`reduce`);
     * a method whose reduction takes several dependent rounds (PowerSGD's two projections, ScaleCom's shared indices,
       TernGrad's shared scaler, AdaComp's exchange of sizes) overrides :meth:`exchange`, a generator that *yields*
-      each collective it needs and receives its result, and declares how many with ``rounds``;
+      each collective it needs and receives its result, yields once what it sent (a declaration, from which the
+      driver settles error feedback's residual), and declares how many rounds with :attr:`rounds`;
     * a method that changes what is compressed before error feedback (DGC's momentum correction, Signum's momentum)
       overrides :meth:`accumulate`, and one whose update for densely averaged layers is not the average itself (DGC's
       momentum, signSGD's sign step) overrides :meth:`finish_dense`;
-    * state that a step changes (momentum buffers, warm-start factors) is *staged* with ``ctx.updates.stage`` and
+    * state that a step changes (momentum buffers, warm-start factors) is *staged* with ``ctx.stage`` and
       written only when the step is finite on every rank.
 
-    No compressor touches a future or a process group, and :meth:`reduce` cannot be overridden.
-
-    Attributes:
-        collective: ``"allreduce"`` if payloads can be summed: ``decompress(sum of payloads)`` is the sum of the
-            decompressed payloads (every rank must then use the same indices or projections). ``"allgather"``
-            otherwise: every rank's payload is gathered, decompressed and averaged locally.
-        unbiased: ``True`` if ``E[decompress(compress(x))] == x`` over the compressor's randomness.
-        rounds: how many dependent rounds of collectives one reduction needs (a process group is made for each).
-        level_attribute: the hyper-parameter that sets how hard a layer is compressed (``"ratio"`` for sparsifiers,
-            ``"rank"`` for PowerSGD), or ``None``. Compressors that have one can compress each layer at its own
-            level (:meth:`set_levels`), which is what Accordion switches.
-        propagates_nonfinite: the aggregate is a plain sum (Identity, the casts): a NaN on any rank reaches every
-            rank by itself, so without error feedback no guard is needed.
-        exchanges_sizes: payload sizes depend on the data and are exchanged in a first round (AdaComp).
-        optimizer_momentum_conflicts: the compressor applies momentum itself (DGC): an optimizer with momentum on
-            the gradient would apply it twice.
+    No compressor touches a future, a process group or a residual, and :meth:`reduce` cannot be overridden.
     """
 
-    collective: ClassVar[Collective] = "allgather"
-    unbiased: ClassVar[bool] = False
-    rounds: ClassVar[int] = 1
-    level_attribute: ClassVar[str | None] = None
-    propagates_nonfinite: ClassVar[bool] = False
-    exchanges_sizes: ClassVar[bool] = False
-    optimizer_momentum_conflicts: ClassVar[bool] = False
+    @property
+    def collective(self) -> Collective:
+        """How payloads travel: ``"allreduce"`` (summed) or ``"allgather"`` (gathered, decompressed, averaged).
+
+        ``"allreduce"`` needs ``decompress(sum of payloads)`` to be the sum of the decompressed payloads (every rank
+        then uses the same indices or projections).
+        """
+        return "allgather"
+
+    @property
+    def unbiased(self) -> bool:
+        """``True`` if ``E[decompress(compress(x))] == x`` over the compressor's randomness."""
+        return False
+
+    @property
+    def rounds(self) -> int:
+        """How many dependent rounds of collectives one reduction needs (a process group is made for each)."""
+        return 1
+
+    @property
+    def level_attribute(self) -> str | None:
+        """The hyper-parameter that sets how hard a layer is compressed (``"ratio"``, ``"rank"``), or ``None``.
+
+        Compressors that have one can compress each layer at its own level (:meth:`set_levels`, Accordion's switch).
+        """
+        return None
+
+    @property
+    def propagates_nonfinite(self) -> bool:
+        """The aggregate is a plain sum (Identity, the casts): a NaN reaches every rank; no guard without a residual."""
+        return False
+
+    @property
+    def exchanges_sizes(self) -> bool:
+        """Payload sizes depend on the data and are exchanged in a first round (AdaComp)."""
+        return False
+
+    @property
+    def optimizer_momentum_conflicts(self) -> bool:
+        """The compressor applies momentum itself (DGC): an optimizer's momentum would apply it twice."""
+        return False
 
     def __init__(self) -> None:
         self._layer_levels: dict[str, Any] = {}
@@ -227,64 +248,45 @@ class Compressor(ABC):
         """
         return self.aggregate(payloads, ctx, out=out).div_(ctx.world_size)
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """Turn the gradient into what is compressed, in place: error feedback's ``tensor += residual``.
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | Sequence[Tensor]:
+        """What is compressed before error feedback: ``tensor`` itself unless overridden.
 
-        ``ctx.residual`` is this rank's residual from the last finite step (read-only here). Override to accumulate
-        something else first (DGC's momentum correction); stage any state it changes with ``ctx.updates.stage``.
-
-        Returns:
-            ``None``: what is compressed is in ``tensor``. An override may write it elsewhere and return that tensor
-            instead, for its own :meth:`exchange` to read; the non-finite guard then checks it there. With
-            :attr:`accumulates_into_new_residual` (PowerSGD, TopK) this default writes ``g + e`` straight into
-            ``ctx.new_residual`` and returns it, and ``tensor`` is the output buffer.
-
-        This default also gathers the gradient from ``ctx.gradient_runs`` when the hook left it in DDP's bucket, in
-        the pass that adds the residual. An override is handed the gradient already gathered into ``tensor``.
+        Override to compress something else than the gradient (DGC's momentum correction, Signum's momentum): change
+        ``tensor`` in place and return it, or return one tensor per layer of ``ctx.layers`` (the driver then adds the
+        residual to each into its own buffer: no copy into ``tensor`` first). Stage any state it changes with
+        ``ctx.stage``. The driver adds error feedback's residual to what this returns, in one place.
         """
-        runs = ctx.gradient_runs
-        if self.accumulates_into_new_residual and summed_in_new_residual(ctx):
-            if runs is not None:
-                return runs.into(ctx.new_residual, plus=ctx.residual)
-            return sum_into_new_residual(tensor, ctx)
-        if runs is not None:
-            runs.into(tensor, plus=ctx.residual)
-        elif ctx.residual is not None:
-            tensor.add_(ctx.residual)
-        return None
+        return tensor
 
     @property
-    def accumulates_into_new_residual(self) -> bool:
-        """Whether error feedback's ``g + e`` is written straight into ``ctx.new_residual`` (default: into the tensor).
+    def keeps_input(self) -> bool:
+        """Whether :meth:`exchange` never writes the tensor it compresses (it writes its average into ``out``).
 
-        For methods whose new residual is ``g + e`` with something taken off in place (the sent entries, ``P Q^T``):
-        the copy of ``g + e`` into the residual's buffer is saved, one memory pass per step. Their :meth:`exchange`
-        then reads ``g + e`` from ``ctx.new_residual`` (where :func:`summed_in_new_residual` says it is) and uses the
-        tensor only as the output buffer: its content after :meth:`accumulate` is unspecified.
+        The driver then forms error feedback's ``x = g + e`` straight in the updated residual's buffer and settles it
+        there in place (the sent entries zeroed, ``P Q^T`` subtracted), where it would otherwise start as a copy of
+        ``x``: one memory pass less per step. ``out`` is then the gradient's buffer: it holds what an overridden
+        :meth:`accumulate` left there (AdaComp reads its ``dW``) until the exchange writes it.
         """
         return False
 
-    def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
-        """Write what compression lost into ``residual``: ``tensor - decompress(payload)`` (local reconstruction).
+    @property
+    def residual_beta(self) -> float:
+        """Error feedback's low-pass coefficient (ScaleCom): ``m <- (1 - beta) m + beta (x - sent)``; 1: plain."""
+        return 1.0
 
-        ``residual`` is a buffer of its own (``ctx.new_residual``); ``ctx.residual`` still holds the old residual.
-        """
-        # decoded straight into the residual's buffer (no gradient-sized temporary), then subtracted in place
-        torch.sub(tensor, self.decompress(payload, ctx, out=residual), out=residual)
+    def delegate(self, ctx: BucketContext) -> driver.Delegate | None:
+        """The compressor that runs this one's reduction of the bucket, for wrappers; ``None``: this one."""
+        return None
 
     def nonfinite_witness(self, payload: Payload) -> Tensor | None:
         """A tensor of ``payload`` that is non-finite whenever what was compressed holds a NaN or an infinity.
 
-        The non-finite guard reads the whole accumulated tensor, one read pass per step, unless the compressor
-        overrides this to name such a tensor of the payload of its first all-reduce or all-gather, smaller or narrower
-        than the input; the guard then reads only that tensor. Every element must reach it through sums, which carry a
-        NaN or an infinity: an L1 norm per layer does (EF-signSGD's scales), so does a bucket's L2 norm (QSGD's), and
-        so does the element itself cast to the wire (FP16's values). A product by factors that can be zero does not
-        (BLAS may skip a zero factor, and ``0 * inf`` is NaN only where it is computed), so PowerSGD's ``P`` is no
-        witness. A finite input whose witness overflows counts as non-finite, as the guard's own sum does; that is
-        also what keeps a finite value the payload cannot hold (beyond FP16's 65504, a bucket whose squared norm
-        exceeds fp32) out of the residual, where error feedback would carry its infinity to every later step. The
-        default names none.
+        The non-finite guard reads the whole input, one pass per step, unless this names such a tensor of the payload
+        of the first all-reduce or all-gather, smaller or narrower than the input. Every element must reach it through
+        sums, which carry a NaN or an infinity: an L1 norm per layer (EF-signSGD's scales), a bucket's L2 norm
+        (QSGD's), the element cast to the wire (FP16's values). A product by factors that can be zero does not (BLAS
+        may skip a zero factor), so PowerSGD's ``P`` is no witness. A witness that overflows counts as non-finite,
+        which keeps a finite value the payload cannot hold out of the residual. The default names none.
         """
         return None
 
@@ -294,7 +296,7 @@ class Compressor(ABC):
         Called for the layers a bucket averages densely (small layers, and every layer while compression is off, as
         during :class:`~lightning_gradcomp.callbacks.DenseWarmup`), so that a method whose update is not the averaged
         gradient keeps its semantics there (DGC's momentum correction, signSGD's sign step). ``average`` is identical
-        on every rank; stage state changes with ``ctx.updates.stage``.
+        on every rank; stage state changes with ``ctx.stage``.
         """
 
     @property
@@ -315,24 +317,25 @@ class Compressor(ABC):
     # ----------------------------------------------------------------------------------------------------------
     # Multi-round methods: the extension point
     # ----------------------------------------------------------------------------------------------------------
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
-        """The reduction as a generator: yield each collective, receive its result, return the flat average.
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
+        """The reduction as a generator: yield each collective and what was sent, receive results, return the average.
 
-        The default is the single-round method: ``payload = compress(tensor)``; the new residual is ``tensor -
-        decompress(payload)``; ``"allreduce"``: payloads are divided by the world size and summed (dividing first
-        keeps fp16 sums from overflowing, as torch's ``fp16_compress_hook`` does), then decompressed;
-        ``"allgather"``: payloads are gathered, decompressed and averaged in rank order (:meth:`average`, so every
-        rank computes bitwise the same average).
+        ``tensor`` is what is compressed (error feedback's ``x``); ``out`` is a buffer of its size for the average
+        (``tensor`` itself unless :attr:`keeps_input`: read what you need before writing it).
+
+        The default is the single-round method: ``payload = compress(tensor)``, declared as sent
+        (:class:`~lightning_gradcomp.compressors.exchange.SentPayload`); ``"allreduce"``: payloads are divided by the
+        world size and summed (dividing first keeps fp16 sums from overflowing, as torch's ``fp16_compress_hook``
+        does), then decompressed; ``"allgather"``: payloads are gathered, decompressed and averaged in rank order
+        (:meth:`average`, so every rank computes bitwise the same average).
 
         A multi-round method overrides it, yielding :class:`~lightning_gradcomp.compressors.exchange.AllReduce`,
         :class:`~lightning_gradcomp.compressors.exchange.AllGather` or
         :class:`~lightning_gradcomp.compressors.exchange.Broadcast` requests, at most ``rounds`` of them, the same
-        number on every rank. It writes the new residual into ``ctx.new_residual`` when that is set, and may use
-        ``tensor`` as the output buffer.
+        number on every rank, and once, before it writes over ``tensor``, the declaration of what went out of it.
         """
         payload = self.compress(tensor, ctx)
-        if ctx.new_residual is not None:
-            self.update_residual(ctx.new_residual, tensor, payload, ctx)
+        yield SentPayload(payload)
         if self.collective == "allreduce":
             for part in payload:
                 if not part.is_floating_point():
@@ -343,19 +346,25 @@ class Compressor(ABC):
                     )
                 part.div_(ctx.world_size)
             summed = yield AllReduce(payload)
-            return self.decompress(summed, ctx, out=tensor)  # the input is spent: decode into it
+            return self.decompress(summed, ctx, out=out)  # the input is spent: decode into it
         gathered = yield AllGather(payload)
-        return self.average(gathered, ctx, out=tensor)
+        return self.average(gathered, ctx, out=out)
 
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+    def reduce(
+        self,
+        tensor: Tensor,
+        ctx: BucketContext,
+        memory: ResidualBuffers | None = None,
+        runs: GradientRuns | None = None,
+    ) -> torch.futures.Future[Tensor]:
         """Average ``tensor`` across ranks through this compressor; returns a future of the flat average.
 
-        Runs :meth:`accumulate` (error feedback), then :meth:`exchange` round by round (round ``k`` on its own
-        process group, in bucket order on every rank), times encoding and decoding, and guards against non-finite
-        input (:mod:`lightning_gradcomp.compressors.exchange`). ``tensor`` may be modified in place. Not to be
-        overridden.
+        Error feedback with ``memory`` (``x = accumulate(g) + e``, then ``e = x - sent`` from what :meth:`exchange`
+        declares), :meth:`exchange` round by round (round ``k`` on its own process group, in bucket order on every
+        rank), timing and the non-finite guard: :func:`lightning_gradcomp.compressors.driver.reduce`, in one call.
+        ``tensor`` may be modified in place. Not to be overridden.
         """
-        return driver.reduce(self, tensor, ctx)
+        return driver.reduce(self, tensor, ctx, memory, runs)
 
     # ----------------------------------------------------------------------------------------------------------
     # Per-layer compression levels
@@ -438,26 +447,6 @@ class Compressor(ABC):
     def __repr__(self) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in self.hparams().items())
         return f"{type(self).__name__}({args})"
-
-
-def sum_into_new_residual(tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-    """Error feedback's ``g + e``, written into ``ctx.new_residual`` and returned (an :meth:`Compressor.accumulate`).
-
-    For compressors whose new residual is ``g + e`` with something taken off in place (the sent entries, ``P Q^T``).
-    That saves the copy of ``g + e`` into the residual's buffer (one memory pass per step); ``tensor`` keeps ``g`` and
-    becomes the output buffer. Without both residuals (no error feedback, or a call outside a reduction) it is the
-    default accumulation and returns ``None``; :func:`summed_in_new_residual` tells which happened.
-    """
-    if not summed_in_new_residual(ctx):
-        if ctx.residual is not None:
-            tensor.add_(ctx.residual)
-        return None
-    return torch.add(tensor, ctx.residual, out=ctx.new_residual)
-
-
-def summed_in_new_residual(ctx: BucketContext) -> bool:
-    """Whether :func:`sum_into_new_residual` put ``g + e`` into ``ctx.new_residual`` for this reduction."""
-    return ctx.residual is not None and ctx.new_residual is not None
 
 
 def check_gradient_dtypes(

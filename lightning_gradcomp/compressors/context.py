@@ -24,6 +24,7 @@ __all__ = [
     "GradientRuns",
     "Layer",
     "LayerBuffers",
+    "ResidualBuffers",
     "ddp_scale_",
     "derive_seed",
     "keep_count",
@@ -111,8 +112,8 @@ class GradientRuns:
 
     DDP interleaves a convolution's weight with its normalisation's parameters, which are averaged densely, so the
     compressed layers of a bucket are usually several runs. With error feedback the hook does not gather them into the
-    compressor's contiguous tensor first: :meth:`Compressor.accumulate` reads them from the bucket and writes
-    ``g + e`` in the same pass (:meth:`into`), where a gather and then ``+= e`` took one memory pass more per step.
+    compressor's contiguous tensor first: the driver reads them from the bucket and writes ``g + e`` in the same pass
+    (:meth:`into`), where a gather and then ``+= e`` took one memory pass more per step.
     The same sums, element by element, so the same bits.
     """
 
@@ -144,7 +145,7 @@ class BucketContext:
     """What a compressor may know about the tensor it compresses.
 
     Built by the communication hook for every bucket and step. Every field is identical on every rank except
-    ``rank`` and ``residual``, which is what lets compressors draw shared randomness without communicating.
+    ``rank``, which is what lets compressors draw shared randomness without communicating.
 
     Attributes:
         index: DDP's bucket index (changes when DDP rebuilds its buckets after the first step).
@@ -155,17 +156,12 @@ class BucketContext:
         dtype: the gradient's dtype; :meth:`Compressor.decompress` returns this dtype.
         device: the gradient's device.
         seed: the seed shared by all ranks (``CompressedDDP(seed=...)``).
-        residual: this rank's error-feedback memory for the flat tensor as of the last finite step (read-only during
-            a reduction), or ``None`` when error feedback is off.
         comm: the collectives (with byte accounting and round ordering); ``None`` outside a reduction.
-        new_residual: where a reduction writes the updated residual (committed when the step is finite on every
-            rank); set during :meth:`Compressor.reduce` when error feedback is on.
         updates: the step's staged state changes (:class:`~lightning_gradcomp.compressors.exchange.StepUpdates`);
             set during :meth:`Compressor.reduce` and :meth:`Compressor.finish_dense`.
-        gradient_runs: set by the hook when the compressed layers are not contiguous in DDP's bucket: the tensor
-            handed to :meth:`Compressor.reduce` is not filled yet, and the accumulation gathers the gradient from
-            these runs of the bucket (:class:`GradientRuns`). ``None`` (the tensor holds the gradient) from
-            :meth:`Compressor.accumulate` on.
+        error_feedback: whether the driver keeps an error-feedback residual for this reduction (it adds it to what is
+            compressed, and settles it from what :meth:`Compressor.exchange` declares it sent). A compressor reads
+            it only to skip work whose one use is that declaration.
     """
 
     index: int
@@ -176,16 +172,24 @@ class BucketContext:
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     seed: int = 0
-    residual: Tensor | None = None
     comm: Comm | None = None
-    new_residual: Tensor | None = None
     updates: StepUpdates | None = None
-    gradient_runs: GradientRuns | None = None
+    error_feedback: bool = False
 
     @property
     def numel(self) -> int:
         """Number of elements of the flat tensor (the sum over ``layers``)."""
         return sum(layer.numel for layer in self.layers)
+
+    def stage(self, target: Tensor, value: Tensor, *, swap: bool = False) -> None:
+        """Write ``value`` into ``target`` once the step is finite on every rank (``updates.stage``).
+
+        Raises:
+            RuntimeError: Outside a reduction (no ``updates``).
+        """
+        if self.updates is None:
+            raise RuntimeError("BucketContext.stage is for state changes during a reduction (`updates` is unset).")
+        self.updates.stage(target, value, swap=swap)
 
     def output(self, out: Tensor | None = None, *, zeros: bool = False) -> Tensor:
         """The flat result tensor of :meth:`Compressor.decompress`.
@@ -222,6 +226,20 @@ def ddp_scale_(tensor: Tensor, world_size: int) -> Tensor:
     plain DDP multiplies (its sparse gradients it divides). Plain averages that must be bitwise DDP's use this.
     """
     return tensor.mul_(1.0 / world_size)
+
+
+@dataclass(frozen=True)
+class ResidualBuffers:
+    """One rank's error-feedback memory for one reduction, as the hook (or a test) hands it to the driver.
+
+    Attributes:
+        residual: what compression has not yet sent, as of the last finite step (read-only during the reduction).
+        twin: where the reduction writes the updated residual, copied over (or swapped with) ``residual`` only when
+            the step is finite on every rank; ``None``: the driver allocates one.
+    """
+
+    residual: Tensor
+    twin: Tensor | None = None
 
 
 class LayerBuffers:
