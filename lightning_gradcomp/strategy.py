@@ -29,13 +29,14 @@ from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.error_feedback import error_feedback_growth_warning
 from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
 from lightning_gradcomp.fused_optim import FusedOptimizer, bind_fused_optimizer
-from lightning_gradcomp.hook import CompressionState, compression_hook, sparse_gradient_warning
+from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.model_transform import ModelTransform, carry_schedule
 from lightning_gradcomp.monitor import CompressionMonitor
 from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
 from lightning_gradcomp.process_groups import gather_rows, hand_off_gil, release_round_groups
 from lightning_gradcomp.rank_state import remove_rank_states
+from lightning_gradcomp.sparse_gradients import sparse_gradient_warning
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
 
 log = logging.getLogger(__name__)
@@ -324,7 +325,8 @@ class CompressedDDP(DDPStrategy):
 
         One if the compressor and the optimizer both apply momentum, one if error feedback is on where its residual
         can grow without bound (:meth:`Compressor.error_feedback_growth`), one if the compressor's update of densely
-        averaged layers skips the model's sparse gradients (:func:`~lightning_gradcomp.hook.sparse_gradient_warning`).
+        averaged layers skips the model's sparse gradients
+        (:func:`~lightning_gradcomp.sparse_gradients.sparse_gradient_warning`).
         """
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:

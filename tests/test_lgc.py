@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_gradcomp import CompressedDDP, CompressionState
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import LGC, ScaleCom
-from lightning_gradcomp.compressors.base import BucketContext, keep_count, layers_from_shapes
+from lightning_gradcomp.compressors.base import BucketContext, ResidualBuffers, keep_count, layers_from_shapes
 from lightning_gradcomp.process_groups import TorchCollectives
 from lightning_gradcomp.rank_state import load_rank_state
 from lightning_gradcomp.telemetry import Telemetry
@@ -224,10 +224,10 @@ def _both_forms_on_gloo(rank, world_size):
     for form in ("allgather", "gather"):
         compressor, residual, steps = _lgc("ps", ps_form=form), torch.zeros(NUMEL), []
         for step in range(6):
-            ctx = BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=LAYERS, residual=residual,
+            ctx = BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=LAYERS,
                                 comm=Comm(backend, Telemetry(), torch.device("cpu")))  # fmt: skip
             grad = _grads(world_size, 40 + step, torch.float32)[rank]
-            steps.append((compressor.reduce(grad, ctx).wait().clone(), residual.clone()))
+            steps.append((compressor.reduce(grad, ctx, ResidualBuffers(residual)).wait().clone(), residual.clone()))
         out[form] = steps
     return out
 
