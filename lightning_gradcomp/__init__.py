@@ -3,6 +3,8 @@
 Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))``.
 """
 
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
+
 from lightning_gradcomp import callbacks, comm, compressors, tasks, testing, transforms
 from lightning_gradcomp.callbacks import PacTrain
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
@@ -11,6 +13,9 @@ from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.transforms import Pufferfish
 
 __version__ = "0.1.0.dev0"
+
+# Trainer(strategy="compressed_ddp") and its presets; a name already taken (a user's own entry) is kept
+CompressedDDP.register_strategies(_StrategyRegistry)
 
 __all__ = [
     "BucketContext",
