@@ -18,7 +18,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
@@ -41,6 +41,14 @@ from lightning_gradcomp.validation import check_bool, check_int
 log = logging.getLogger(__name__)
 
 _CHECKPOINT_KEY = "gradcomp"
+#: torch's error when a parameter got no gradient, and the fix that keeps compression
+_UNUSED_PARAMETERS = ".*Expected to have finished reduction in the prior iteration.*"
+_UNUSED_PARAMETERS_ADVICE = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by"
+    " training_step. If this is intentional, enable the detection of unused parameters in DDP with"
+    " `strategy=CompressedDDP(..., find_unused_parameters=True)` (in a recipe: `find_unused_parameters: true` in the"
+    " strategy's init_args). `DDPStrategy(find_unused_parameters=True)` would train without compression."
+)
 _MiscError = MisconfigurationException
 
 
@@ -424,7 +432,12 @@ class CompressedDDP(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """DDPStrategy's message fixes, plus a note of this rank's own failure for the main process's report."""
+        """DDPStrategy's message fixes, plus a note of this rank's own failure for the main process's report.
+
+        An unused parameter gets the advice to pass ``find_unused_parameters=True`` to CompressedDDP: Lightning's own
+        advice names ``DDPStrategy``, which would train without compression.
+        """
+        _augment_message(exception, pattern=_UNUSED_PARAMETERS, new_message=_UNUSED_PARAMETERS_ADVICE)
         super().on_exception(exception)
         self._failed = True
         if not is_collective_failure(exception):  # a failed collective is a consequence of another rank's fault

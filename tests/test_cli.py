@@ -4,37 +4,114 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from lightning_gradcomp.cli import GradcompCLI, format_quickstart_table
+from lightning_gradcomp.cli import GradcompCLI, did_it_pay, format_quickstart_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+#: the console script's view: only its own directory on sys.path, never the current one (``-P``), as the installed
+#: ``lightning-gradcomp`` launcher has it
+CONSOLE_SCRIPT = [sys.executable, "-P", "-c", "from lightning_gradcomp.cli import main; main()"]
+
+
+def _run(*args: str, timeout: int = 300, cwd: str = ROOT, console_script: bool = False) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
-    return subprocess.run(
-        [sys.executable, "-m", "lightning_gradcomp", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=timeout,
-    )  # fmt: skip
+    command = CONSOLE_SCRIPT if console_script else [sys.executable, "-m", "lightning_gradcomp"]
+    return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def test_quickstart_trains_compressed_and_dense_and_prints_the_comparison():
-    result = _run("quickstart", "--trainer.max_epochs", "2", "--trainer.enable_progress_bar", "false")
+def test_quickstart_trains_compressed_and_dense_and_says_whether_it_paid():
+    result = _run("quickstart", "--trainer.max_epochs", "2")  # piped: the progress bar is off by itself
     assert result.returncode == 0, result.stderr[-4000:]
-    rows = re.findall(r"^\| (compressed|dense) \| (\S+) \| ([\d.]+)% \| ([+-][\d.]+) \| ([\d.]+) \| ([\d.]+)x \|$",
-                      result.stdout, flags=re.M)  # fmt: skip
+    number = r"([\d.]+)"
+    rows = re.findall(rf"^\| (compressed|dense) \| (\S+) \| {number}% \| ([+-][\d.]+) \| {number} \| {number}x \|"
+                      rf" {number} \| {number}x \|$", result.stdout, flags=re.M)  # fmt: skip
     assert [r[0] for r in rows] == ["compressed", "dense"], result.stdout[-3000:]
     compressed, dense = rows
     assert compressed[1] == "PowerSGD(rank=4)"
     assert dense[1] == "Identity"
-    assert float(compressed[5]) > 10
-    assert float(dense[5]) == 1.0
-    assert float(dense[4]) > 10 * float(compressed[4])
+    assert float(compressed[7]) > 10
+    assert float(dense[7]) == 1.0
+    assert float(dense[6]) > 10 * float(compressed[6])
     assert float(compressed[2]) > 80
     assert float(dense[2]) > 80
+    assert float(compressed[4]) > 0  # step times in ms
+    assert float(dense[4]) > 0
+    assert float(dense[5]) == 1.0
+    assert abs(float(compressed[5]) - float(compressed[4]) / float(dense[4])) < 0.01
+    verdict = re.search(r"^Compression (paid|did not pay|neither paid nor cost) on this machine's link: a step took"
+                        r" ([\d.]+)x plain DDP's time", result.stdout, flags=re.M)  # fmt: skip
+    assert verdict is not None, result.stdout[-3000:]
+    assert verdict[2] == compressed[5]
+    assert "lightning-gradcomp advise --config " in result.stdout
     assert "gradcomp summary" in result.stdout + result.stderr  # the end-of-fit table of each run
+    assert len(result.stdout) + len(result.stderr) < 5000  # no progress-bar redraws
+
+
+def test_the_verdict_follows_the_step_times():
+    def rows(compressed_ms: float) -> list[dict]:
+        return [{"run": "compressed", "val_acc": 0.95, "step_ms": compressed_ms},
+                {"run": "dense", "val_acc": 0.97, "step_ms": 100.0}]  # fmt: skip
+
+    assert did_it_pay(rows(80.0), "r.yaml").startswith("Compression paid on this machine's link: a step took 0.80x")
+    assert did_it_pay(rows(130.0), "r.yaml").startswith("Compression did not pay on this machine's link")
+    assert did_it_pay(rows(101.0), "r.yaml").startswith("Compression neither paid nor cost")
+    assert "-2.00 points" in did_it_pay(rows(80.0), "r.yaml")
+    assert did_it_pay(rows(80.0), "r.yaml").endswith("lightning-gradcomp advise --config r.yaml")
+
+
+def test_help_lists_every_subcommand_without_lightnings_args_warning():
+    result = _run("--help", timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in ("fit", "validate", "test", "quickstart", "advise"):
+        assert re.search(rf"^    {name} +\S", result.stdout, flags=re.M), result.stdout
+    assert "--overwrite-config" in result.stdout
+    assert "args parameter" not in result.stderr + result.stdout
+
+
+def test_a_refused_yaml_value_is_one_line_naming_its_key(tmp_path):
+    recipe = Path(ROOT, "recipes", "quickstart.yaml").read_text()
+    bad = recipe.replace("lightning_gradcomp.compressors.PowerSGD", "lightning_gradcomp.compressors.TopK")
+    (tmp_path / "bad.yaml").write_text(bad.replace("rank: 4", "ratio: 5"))
+    result = _run("fit", "--config", str(tmp_path / "bad.yaml"), timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lightning-gradcomp: error: trainer.strategy.init_args.compressor.init_args.ratio: Expected `ratio` to be a"
+        " finite number in (0, 1], got 5.0."
+    )
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr) < 300  # the line and Lightning's "Seed set to 0", no dump of the configuration
+    assert "args parameter" not in result.stderr + result.stdout
+
+
+def test_a_recipe_names_a_class_of_the_current_directory_under_the_console_script(tmp_path):
+    (tmp_path / "mymod.py").write_text(
+        "from lightning_gradcomp.tasks import ImageClassifier\n\n\nclass MyClassifier(ImageClassifier):\n    pass\n"
+    )
+    recipe = Path(ROOT, "recipes", "quickstart.yaml").read_text()
+    mine = recipe.replace("lightning_gradcomp.tasks.ImageClassifier", "mymod.MyClassifier")
+    (tmp_path / "mine.yaml").write_text(mine)
+    result = _run("fit", "--config", "mine.yaml", "--print_config", cwd=str(tmp_path), console_script=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "class_path: mymod.MyClassifier" in result.stdout
+
+
+def test_fit_keeps_an_earlier_runs_config_unless_told_to_overwrite(tmp_path):
+    (tmp_path / "config.yaml").write_text("earlier: run\n")
+    overrides = ["--trainer.default_root_dir", str(tmp_path), "--trainer.devices", "1", "--trainer.max_steps", "1",
+                 "--trainer.limit_val_batches", "0"]  # fmt: skip
+    refused = _run("fit", "--config", "recipes/quickstart.yaml", *overrides, timeout=180)
+    assert refused.returncode == 2
+    assert "config.yaml exists" in refused.stderr
+    assert "--overwrite-config" in refused.stderr
+    assert (tmp_path / "config.yaml").read_text() == "earlier: run\n"
+    replaced = _run("fit", "--config", "recipes/quickstart.yaml", *overrides, "--overwrite-config", timeout=180)
+    assert replaced.returncode == 0, replaced.stderr[-3000:]
+    assert "max_steps: 1" in (tmp_path / "config.yaml").read_text()
 
 
 def test_only_fit_validate_and_test_are_offered():
@@ -43,14 +120,16 @@ def test_only_fit_validate_and_test_are_offered():
     assert result.returncode != 0
 
 
-def test_quickstart_table_reports_points_against_dense():
+def test_quickstart_table_reports_points_and_time_against_dense():
     rows = [
-        {"run": "compressed", "compressor": "TopK(ratio=0.01)", "val_acc": 0.95, "steps": 4, "sent": 1e5, "dense": 2e6},
-        {"run": "dense", "compressor": "Identity", "val_acc": 0.97, "steps": 4, "sent": 2e6, "dense": 2e6},
-    ]
+        {"run": "compressed", "compressor": "TopK(ratio=0.01)", "val_acc": 0.95, "steps": 4, "sent": 1e5, "dense": 2e6,
+         "step_ms": 30.0},
+        {"run": "dense", "compressor": "Identity", "val_acc": 0.97, "steps": 4, "sent": 2e6, "dense": 2e6,
+         "step_ms": 40.0},
+    ]  # fmt: skip
     table = format_quickstart_table(rows)
-    assert "| compressed | TopK(ratio=0.01) | 95.00% | -2.00 | 0.100 | 20.0x |" in table
-    assert "| dense | Identity | 97.00% | +0.00 | 2.000 | 1.0x |" in table
+    assert "| compressed | TopK(ratio=0.01) | 95.00% | -2.00 | 30.0 | 0.75x | 0.100 | 20.0x |" in table
+    assert "| dense | Identity | 97.00% | +0.00 | 40.0 | 1.00x | 2.000 | 1.0x |" in table
 
 
 @pytest.mark.parametrize("missing", ["nonexistent.yaml"])

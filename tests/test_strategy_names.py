@@ -72,26 +72,27 @@ def test_lightnings_registry_holds_the_names_after_import():
     assert {"compressed_ddp", "compressed_ddp_auto", "ddp"} <= set(StrategyRegistry.available_strategies())
 
 
-def _fit_one_step(tmp_path: object, strategy: CompressedDDP, callbacks: list | None = None) -> Trainer:
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, callbacks=callbacks, max_steps=1,
+def _fit(tmp_path: object, strategy: CompressedDDP, callbacks: list | None = None, steps: int = 1,
+                  model: TinyNet | None = None) -> Trainer:  # fmt: skip
+    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, callbacks=callbacks, max_steps=steps,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False,
                       default_root_dir=str(tmp_path))  # fmt: skip
-    trainer.fit(TinyNet())
+    trainer.fit(model or TinyNet())
     return trainer
 
 
 def test_compressor_auto_adds_auto_compression_when_fitting(tmp_path, in_process_ddp):
     strategy = CompressedDDP(compressor="auto")
     assert isinstance(strategy.compressor, Identity)
-    trainer = _fit_one_step(tmp_path, strategy)
+    trainer = _fit(tmp_path, strategy)
     assert sum(isinstance(cb, AutoCompression) for cb in trainer.callbacks) == 1
-    plain = _fit_one_step(tmp_path, CompressedDDP())  # control: nothing is added without "auto"
+    plain = _fit(tmp_path, CompressedDDP())  # control: nothing is added without "auto"
     assert not any(isinstance(cb, AutoCompression) for cb in plain.callbacks)
 
 
 def test_compressor_auto_keeps_the_users_own_auto_compression(tmp_path, in_process_ddp):
     own = AutoCompression(calibration_steps=3)
-    trainer = _fit_one_step(tmp_path, CompressedDDP(compressor="auto"), callbacks=[own])
+    trainer = _fit(tmp_path, CompressedDDP(compressor="auto"), callbacks=[own])
     assert [cb for cb in trainer.callbacks if isinstance(cb, AutoCompression)] == [own]
 
 
@@ -126,5 +127,19 @@ def test_a_backend_registered_with_torch_passes_and_an_unknown_one_names_torchs_
 
 def test_an_unknown_backend_fails_before_the_process_group_starts(tmp_path, in_process_ddp):
     with pytest.raises(MisconfigurationException, match="`process_group_backend`.*got 'ncl'"):
-        _fit_one_step(tmp_path, CompressedDDP(process_group_backend="ncl"))
+        _fit(tmp_path, CompressedDDP(process_group_backend="ncl"))
     assert not torch.distributed.is_initialized()
+
+
+class _NetWithUnusedLayer(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.unused = torch.nn.Linear(4, 4)  # never in the loss: DDP fails in the second step
+
+
+def test_an_unused_parameter_suggests_find_unused_parameters_on_compressed_ddp(tmp_path, in_process_ddp):
+    with pytest.raises(RuntimeError) as info:
+        _fit(tmp_path, CompressedDDP(), steps=3, model=_NetWithUnusedLayer())
+    message = str(info.value)
+    assert "`strategy=CompressedDDP(..., find_unused_parameters=True)`" in message
+    assert "`strategy=DDPStrategy(find_unused_parameters=True)`" not in message  # Lightning's, which drops compression
