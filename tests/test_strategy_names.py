@@ -143,3 +143,12 @@ def test_an_unused_parameter_suggests_find_unused_parameters_on_compressed_ddp(t
     message = str(info.value)
     assert "`strategy=CompressedDDP(..., find_unused_parameters=True)`" in message
     assert "`strategy=DDPStrategy(find_unused_parameters=True)`" not in message  # Lightning's, which drops compression
+
+
+def test_a_recipe_names_the_strategy_by_its_registered_name():
+    from lightning_gradcomp.cli import GradcompCLI
+
+    cli = GradcompCLI(args=["--config", "recipes/quickstart.yaml", "--trainer.strategy", "compressed_ddp_powersgd"],
+                      run=False, save_config_callback=None)  # fmt: skip
+    assert type(cli.trainer.strategy) is CompressedDDP
+    assert type(cli.trainer.strategy.compressor) is PowerSGD
