@@ -32,6 +32,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 import lightning_gradcomp
 from lightning_gradcomp import callbacks, compressors, tasks  # noqa: F401  (registers short class names)
 from lightning_gradcomp.auto.report import advice, plot_speedup
+from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
+from lightning_gradcomp.auto.timeline import plan_greedy
 from lightning_gradcomp.callbacks import AutoCompression
 from lightning_gradcomp.compressors import Identity
 
@@ -264,6 +266,9 @@ class _AdviseReport(Callback):
         names, options = list(auto.candidates), auto.model_options
         print("\n" + advice(auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, **options),
               flush=True)  # fmt: skip
+        plan = plan_greedy(auto.buckets, names, auto.link, auto.timing, auto.margin, **options)  # at the measured link
+        print("\n" + apply_snippet(plan.assignment, auto.candidates) + "\n\n"
+              + accuracy_caveat(plan.assignment, auto.candidates), flush=True)  # fmt: skip
         if self.png:
             plot_speedup(self.png, auto.buckets, names, auto.link, auto.timing, **options)
             print(f"\npredicted speed-up against bandwidth: {self.png}", flush=True)
@@ -276,8 +281,10 @@ def advise(argv: list[str]) -> None:
     """
     parser = argparse.ArgumentParser(
         prog="lightning-gradcomp advise",
-        description="Measure the link, the backward pass and each candidate codec for a few steps (no training run);"
-        " print the predicted step time of each candidate at several bandwidths and the recommendation.",
+        description="Train the recipe for a few steps only (AutoCompression's skip steps and calibration steps, 7 by"
+        " default) while measuring the link, the backward pass and each candidate"
+        " codec; print each candidate's predicted step time at several bandwidths, the recommendation, the code that"
+        " applies it (Python and YAML) and what the prediction leaves out (accuracy).",
     )
     parser.add_argument("--config", required=True, help="recipe (a LightningCLI YAML)")
     parser.add_argument("--png", default="advise_speedup.png", help="where to write the plot ('' for none)")

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
 from lightning_gradcomp.cli import GradcompCLI, did_it_pay, format_quickstart_table
+from lightning_gradcomp.compressors import BF16, Identity, PowerSGD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,6 +122,26 @@ def test_only_fit_validate_and_test_are_offered():
     assert result.returncode != 0
 
 
+def test_advise_snippets_apply_the_plan_and_name_the_accuracy_cost(tmp_path):
+    compressors = {"dense": Identity(), "powersgd-r1": PowerSGD(rank=1), "bf16": BF16()}
+    one = apply_snippet(("powersgd-r1", "powersgd-r1"), compressors)
+    assert "strategy=CompressedDDP(compressor=PowerSGD(rank=1, " in one
+    assert "class_path: lightning_gradcomp.compressors.PowerSGD\n        init_args: {rank: 1}" in one
+    mixed = apply_snippet(("dense", "powersgd-r1", "bf16"), compressors)
+    assert "callbacks=[AutoCompression(candidates=['dense', 'bf16', 'powersgd-r1'])]" in mixed
+    assert "init_args: {candidates: [dense, bf16, powersgd-r1]}" in mixed
+    assert apply_snippet(("dense",), compressors).startswith("Plain DDP is the fastest here")
+    caveat = accuracy_caveat(("dense", "powersgd-r1"), compressors)
+    assert "- powersgd-r1: rank 4 ended 1.39 points below dense" in caveat
+    # the recipe's lines, in place of the quickstart's strategy, are a recipe LightningCLI accepts
+    recipe = Path(ROOT, "recipes", "quickstart.yaml").read_text()
+    strategy = one.split("or in a recipe:\n\n")[1].split("\n", 1)[1] + "\n"  # without its "trainer:" line
+    applied = recipe[: recipe.index("  strategy:")] + strategy + recipe[recipe.index("model:") :]
+    (tmp_path / "applied.yaml").write_text(applied)
+    cli = GradcompCLI(args=["--config", str(tmp_path / "applied.yaml")], run=False, save_config_callback=None)
+    assert repr(cli.trainer.strategy.compressor) == repr(PowerSGD(rank=1))
+
+
 def test_quickstart_table_reports_points_and_time_against_dense():
     rows = [
         {"run": "compressed", "compressor": "TopK(ratio=0.01)", "val_acc": 0.95, "steps": 4, "sent": 1e5, "dense": 2e6,
@@ -150,4 +172,11 @@ def test_advise_measures_a_few_steps_and_prints_the_prediction_and_the_recommend
     assert re.search(r"^\| \*\*auto\*\* \|( [\d.]+ \|){5}$", out, flags=re.M)
     for label in ("measured", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s", "100 Gbit/s"):
         assert f"recommendation at {label}: " in out
+    measured = re.search(r"^recommendation at measured: (.*);", out, flags=re.M)[1]
+    if measured.startswith("plain DDP"):
+        assert "Plain DDP is the fastest here" in out
+    else:
+        assert "To apply it in Python:" in out
+        assert "class_path: lightning_gradcomp" in out  # the recipe's lines
+    assert "Accuracy is not in this model: it predicts step time only." in out
     assert png.stat().st_size > 1000
