@@ -18,6 +18,7 @@ import os
 import re
 import statistics
 import sys
+import sysconfig
 import time
 import warnings
 from pathlib import Path
@@ -46,7 +47,8 @@ OWN_SUBCOMMANDS = {
 OVERWRITE_FLAG = "--overwrite-config"
 DESCRIPTION = (
     "Communication-efficient data-parallel training for PyTorch Lightning. fit, validate and test are LightningCLI's"
-    f" (a recipe: --config recipes/NAME.yaml); fit keeps an earlier run's config.yaml unless given {OVERWRITE_FLAG}."
+    " (a recipe: --config path/to/recipe.yaml, or --config NAME for one that ships with the package, e.g."
+    f" quickstart); fit keeps an earlier run's config.yaml unless given {OVERWRITE_FLAG}."
 )
 #: the one-line wording of every refused value (lightning_gradcomp.validation): `name`, what is accepted, what was given
 _REFUSAL = re.compile(r"Expected `(?P<name>[^`]+)` to be (?P<accepted>.+?), got (?P<given>.+?)\.$", re.M)
@@ -126,15 +128,30 @@ def _yaml_key(config: Any, name: str, given: str) -> str | None:
     return key.split(".", 1)[1] if key.split(".")[0] in ("fit", "validate", "test") else key
 
 
-def _find_recipe(name: str) -> str:
-    for base in (Path.cwd(), Path(lightning_gradcomp.__file__).resolve().parents[1]):
-        path = base / "recipes" / name
-        if path.is_file():
-            return str(path)
-    raise SystemExit(
-        f"lightning-gradcomp quickstart: recipes/{name} not found here or next to the package; pass --config"
-        " path/to/quickstart.yaml (it is in the repository's recipes/ folder)."
-    )
+def recipe_dirs() -> list[Path]:
+    """Where recipes are looked for: ``./recipes``, a clone's ``recipes/``, then where the package installed them."""
+    data = {sysconfig.get_path("data"), sysconfig.get_path("data", f"{os.name}_user")}
+    return [
+        Path.cwd() / "recipes",
+        Path(lightning_gradcomp.__file__).resolve().parents[1] / "recipes",
+        *(Path(d) / "share" / "lightning-gradcomp" / "recipes" for d in sorted(data)),
+    ]
+
+
+def find_recipe(name: str) -> str | None:
+    """The path of recipe ``name`` (``quickstart`` or ``quickstart.yaml``) in :func:`recipe_dirs`, or ``None``."""
+    filename = name if name.endswith((".yaml", ".yml")) else f"{name}.yaml"
+    return next((str(d / filename) for d in recipe_dirs() if (d / filename).is_file()), None)
+
+
+def _resolve_configs(argv: list[str]) -> list[str]:
+    """``--config NAME`` for a recipe that is not a file here becomes the path of the recipe of that name."""
+    resolved = list(argv)
+    for i, arg in enumerate(argv[:-1]):
+        value = argv[i + 1]
+        if arg in ("--config", "-c") and not Path(value).exists() and "/" not in value:
+            resolved[i + 1] = find_recipe(value) or value
+    return resolved
 
 
 def short_name(compressor: Any) -> str:
@@ -237,7 +254,10 @@ def quickstart(argv: list[str]) -> list[dict[str, Any]]:
     )
     parser.add_argument("--config", default=None, help="recipe (default: recipes/quickstart.yaml)")
     known, overrides = parser.parse_known_args(argv)
-    config = known.config or _find_recipe("quickstart.yaml")
+    config = known.config or find_recipe("quickstart.yaml")
+    if config is None:
+        raise SystemExit("lightning-gradcomp quickstart: the quickstart recipe is not installed; pass --config"
+                         " path/to/quickstart.yaml (it is in the repository's recipes/ folder).")  # fmt: skip
     rows = []
     for label in ("compressed", "dense"):
         cli = GradcompCLI(args=["--config", config, *overrides], run=False, save_config_callback=None)
@@ -315,6 +335,7 @@ def main(args: list[str] | None = None) -> None:
     # would have only its own bin directory on sys.path
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    argv = _resolve_configs(argv)
     if argv and argv[0] == "quickstart":
         quickstart(argv[1:])
         return

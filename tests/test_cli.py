@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
-from lightning_gradcomp.cli import GradcompCLI, did_it_pay, format_quickstart_table
+from lightning_gradcomp.cli import GradcompCLI, _resolve_configs, did_it_pay, find_recipe, format_quickstart_table
 from lightning_gradcomp.compressors import BF16, Identity, PowerSGD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,3 +180,35 @@ def test_advise_measures_a_few_steps_and_prints_the_prediction_and_the_recommend
         assert "class_path: lightning_gradcomp" in out  # the recipe's lines
     assert "Accuracy is not in this model: it predicts step time only." in out
     assert png.stat().st_size > 1000
+
+
+def test_a_recipe_is_found_by_name_where_the_package_installed_it(tmp_path, monkeypatch):
+    import sysconfig
+
+    installed = tmp_path / "prefix" / "share" / "lightning-gradcomp" / "recipes"
+    installed.mkdir(parents=True)
+    (installed / "only_installed.yaml").write_text("trainer: {}\n")
+    real = sysconfig.get_path
+    monkeypatch.setattr(sysconfig, "get_path", lambda name, *a: str(tmp_path / "prefix") if name == "data" else
+                        real(name, *a))  # fmt: skip
+    monkeypatch.chdir(tmp_path)
+    assert find_recipe("only_installed") == str(installed / "only_installed.yaml")
+    assert find_recipe("only_installed.yaml") == str(installed / "only_installed.yaml")
+    assert find_recipe("no_such_recipe") is None
+    assert _resolve_configs(["fit", "--config", "only_installed"]) == ["fit", "--config", find_recipe("only_installed")]
+    assert _resolve_configs(["fit", "--config", "./mine.yaml"]) == ["fit", "--config", "./mine.yaml"]  # a path
+
+
+def test_the_wheel_ships_every_recipe(tmp_path):
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md", "lightning_gradcomp", "recipes"):
+        (source / name).symlink_to(Path(ROOT, name))
+    build = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q"]
+    result = subprocess.run([*build, "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    import zipfile
+
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    shipped = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if "/share/lightning-gradcomp/recipes/" in n}
+    assert shipped == {p.name for p in Path(ROOT, "recipes").glob("*.yaml")}
