@@ -326,7 +326,7 @@ class CompressedDDP(DDPStrategy):
         self._state.attach(self.model, process_group=self._ddp_kwargs.get("process_group"))
         # registered on every device type: on CPU/gloo too, unlike DDPStrategy._register_ddp_hooks
         self.model.register_comm_hook(self._state, compression_hook)
-        rank_zero_info(self._describe())
+        rank_zero_info(_describe(self.lightning_module, self._state, self.world_size))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -465,24 +465,7 @@ class CompressedDDP(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
         """Load like DDPStrategy, and restore this rank's compressor state from ``checkpoint["gradcomp"]``."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        saved = checkpoint.get(_CHECKPOINT_KEY)
-        if saved is None:
-            if "loops" in checkpoint:
-                # what the step counter would be (DGC's warm-up, shared seeds): the optimizer steps taken
-                self._state.step = int(checkpoint.get("global_step", 0))
-                rank_zero_warn(
-                    "The checkpoint holds no CompressedDDP state (it was not written by CompressedDDP):"
-                    " error-feedback residuals and compressor state start empty."
-                )
-            return checkpoint
-        if saved["world_size"] != self.world_size:
-            rank_zero_warn(
-                f"The checkpoint's compressor state was saved by {saved['world_size']} processes, this run has"
-                f" {self.world_size}: per-rank error-feedback residuals cannot be mapped, so they and the"
-                " compressor state start empty."
-            )
-            return checkpoint
-        self._state.load_state_dict(saved["ranks"][self.global_rank])
+        _restore_compressor_state(self._state, checkpoint, self.world_size, self.global_rank)
         return checkpoint
 
     # ------------------------------------------------------------------------------------------------------------
@@ -494,26 +477,49 @@ class CompressedDDP(DDPStrategy):
         except ValueError as err:
             raise MisconfigurationException(f"`compressor` does not fit this model's gradients: {err}") from err
 
-    def _describe(self) -> str:
-        module = self.lightning_module
-        compressor = self._state.compressor
-        total = compressed = total_numel = compressed_numel = 0
-        for i, (name, p) in enumerate(module.named_parameters()):
-            if not p.requires_grad:
-                continue
-            total += 1
-            total_numel += p.numel()
-            if compressor.compresses(Layer(name, i, p.shape), self._state.min_compress_numel):
-                compressed += 1
-                compressed_numel += p.numel()
-        ef = "on" if self._state.uses_error_feedback() else "off"
-        rest = "; the rest are averaged densely" if compressed < total else ""
-        processes = "1 process" if self.world_size == 1 else f"{self.world_size} processes"
-        return (
-            f"CompressedDDP: {compressor!r} compresses {compressed} of {total} parameter tensors"
-            f" ({compressed_numel:,} of {total_numel:,} elements{rest});"
-            f" error feedback {ef}; {processes}."
+
+def _describe(module: pl.LightningModule, state: CompressionState, world_size: int) -> str:
+    """The setup line: what the compressor compresses, whether error feedback is on, how many processes."""
+    compressor = state.compressor
+    total = compressed = total_numel = compressed_numel = 0
+    for i, (name, p) in enumerate(module.named_parameters()):
+        if not p.requires_grad:
+            continue
+        total += 1
+        total_numel += p.numel()
+        if compressor.compresses(Layer(name, i, p.shape), state.min_compress_numel):
+            compressed += 1
+            compressed_numel += p.numel()
+    ef = "on" if state.uses_error_feedback() else "off"
+    rest = "; the rest are averaged densely" if compressed < total else ""
+    processes = "1 process" if world_size == 1 else f"{world_size} processes"
+    return (
+        f"CompressedDDP: {compressor!r} compresses {compressed} of {total} parameter tensors"
+        f" ({compressed_numel:,} of {total_numel:,} elements{rest});"
+        f" error feedback {ef}; {processes}."
+    )
+
+
+def _restore_compressor_state(state: CompressionState, checkpoint: dict[str, Any], world_size: int, rank: int) -> None:
+    """Restore this rank's compressor state from ``checkpoint["gradcomp"]``, or warn why it starts empty."""
+    saved = checkpoint.get(_CHECKPOINT_KEY)
+    if saved is None:
+        if "loops" in checkpoint:
+            # what the step counter would be (DGC's warm-up, shared seeds): the optimizer steps taken
+            state.step = int(checkpoint.get("global_step", 0))
+            rank_zero_warn(
+                "The checkpoint holds no CompressedDDP state (it was not written by CompressedDDP):"
+                " error-feedback residuals and compressor state start empty."
+            )
+        return
+    if saved["world_size"] != world_size:
+        rank_zero_warn(
+            f"The checkpoint's compressor state was saved by {saved['world_size']} processes, this run has"
+            f" {world_size}: per-rank error-feedback residuals cannot be mapped, so they and the"
+            " compressor state start empty."
         )
+        return
+    state.load_state_dict(saved["ranks"][rank])
 
 
 def _transforms(trainer: pl.Trainer | None) -> list[ModelTransform]:

@@ -152,3 +152,14 @@ def test_a_recipe_names_the_strategy_by_its_registered_name():
                       run=False, save_config_callback=None)  # fmt: skip
     assert type(cli.trainer.strategy) is CompressedDDP
     assert type(cli.trainer.strategy.compressor) is PowerSGD
+
+
+def test_the_setup_line_mentions_dense_layers_only_when_there_are_some():
+    from lightning_gradcomp.hook import CompressionState
+    from lightning_gradcomp.strategy import _describe
+
+    every = _describe(TinyNet(), CompressionState(Identity()), 2)
+    assert "elements);" in every
+    assert "averaged densely" not in every
+    some = _describe(TinyNet(), CompressionState(PowerSGD(rank=2), min_compress_numel=1024), 2)
+    assert "elements; the rest are averaged densely);" in some
