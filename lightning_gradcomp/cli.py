@@ -38,6 +38,12 @@ from lightning_gradcomp.auto.timeline import plan_greedy
 from lightning_gradcomp.callbacks import AutoCompression
 from lightning_gradcomp.compressors import Identity
 
+#: LightningCLI's subcommands, with their line in ``--help`` (Lightning's own cuts the one of ``test`` short)
+LIGHTNING_SUBCOMMANDS = {
+    "fit": "Train a recipe (LightningCLI's fit).",
+    "validate": "Evaluate a recipe's model on its validation set.",
+    "test": "Evaluate a recipe's model on its test set.",
+}
 #: the subcommands that are not LightningCLI's, with their line in ``--help``
 OWN_SUBCOMMANDS = {
     "quickstart": "Train a small CNN on two CPU processes with PowerSGD and densely; say whether compression paid.",
@@ -78,6 +84,8 @@ class GradcompCLI(LightningCLI):
     def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
         super()._add_subcommands(parser, **kwargs)
         assert parser._subcommands_action is not None
+        for choice in parser._subcommands_action._choices_actions:
+            choice.help = LIGHTNING_SUBCOMMANDS.get(choice.dest, choice.help)
         for name, line in OWN_SUBCOMMANDS.items():  # listed in --help; main() runs them before LightningCLI parses
             parser._subcommands_action.add_subcommand(name, ArgumentParser(description=line), help=line)
 

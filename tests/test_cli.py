@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
-from lightning_gradcomp.cli import GradcompCLI, _resolve_configs, did_it_pay, find_recipe, format_quickstart_table
+from lightning_gradcomp.cli import (
+    OWN_SUBCOMMANDS,
+    GradcompCLI,
+    _resolve_configs,
+    did_it_pay,
+    find_recipe,
+    format_quickstart_table,
+)
 from lightning_gradcomp.compressors import BF16, Identity, PowerSGD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,7 +77,9 @@ def test_help_lists_every_subcommand_without_lightnings_args_warning():
     result = _run("--help", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     for name in ("fit", "validate", "test", "quickstart", "advise"):
-        assert re.search(rf"^    {name} +\S", result.stdout, flags=re.M), result.stdout
+        line = re.search(rf"^    {name} +(\S.*)$", result.stdout, flags=re.M)
+        assert line, result.stdout
+        assert re.search(r"[.]$", line[1]) or name in OWN_SUBCOMMANDS, line[1]  # one whole line, not cut short
     assert "--overwrite-config" in result.stdout
     assert "args parameter" not in result.stderr + result.stdout
 
