@@ -74,7 +74,7 @@ class Sweep(AutoCompression):
         self.calibration_steps_times: list[float] = []
 
     def _calibrate_and_plan(self, trainer, pl_module):
-        self.calibration_steps_times = [r["step"] for r in self._records]
+        self.calibration_steps_times = [r.step for r in self._records]
         begin = time.perf_counter()
         super()._calibrate_and_plan(trainer, pl_module)
         self.plan_seconds = time.perf_counter() - begin  # what auto costs: the default measures the exposed tail only

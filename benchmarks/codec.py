@@ -86,7 +86,7 @@ def half_masks(layout: list[tuple[Layer, ...]], device: torch.device) -> dict[st
     generator = torch.Generator().manual_seed(1)
     return {layer.name: (torch.rand(layer.shape, generator=generator) < 0.5).to(device)
             for bucket in layout for layer in bucket}  # fmt: skip
-TARGETS = {  # issue 11's CPU targets, as a share of the backward pass
+TARGETS = {  # the codecs' CPU targets, as a share of the backward pass
     **dict.fromkeys(("fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom"), 0.10),
     **dict.fromkeys(("signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp"), 0.30),
     **dict.fromkeys(("qsgd-16bit-draws", "terngrad-16bit-draws"), 0.30),

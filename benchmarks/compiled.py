@@ -1,6 +1,6 @@
 """Whether ``torch.compile`` helps the codecs' elementwise work on this machine (a benchmark, not a test).
 
-Issue 11 asks for ``torch.compile`` "where it helps". This measures, on a gradient the size of ResNet-18's compressed
+Use ``torch.compile`` where it helps: this measures, on a gradient the size of ResNet-18's compressed
 layers (11.2M elements, one thread as each training worker has), the eager and the compiled versions of two
 representative chains, and whether they give the same bits:
 

@@ -1,6 +1,6 @@
 """SHA-256 of what every example compressor sends and keeps: the check that a speed change changes nothing.
 
-Issue 11's rule is that speed never changes what is sent. For each configuration of
+The rule is that speed never changes what is sent. For each configuration of
 ``lightning_gradcomp.testing.EXAMPLES`` (or those named), this runs ``--steps`` steps of ``simulate_reduce`` on
 ResNet-18's compressed layers, bucketed as DDP buckets them (``benchmarks/codec.py``'s layout), with ``--ranks``
 simulated ranks and fresh Gaussian gradients per rank, bucket and step (``--density``: each element kept non-zero with

@@ -8,20 +8,24 @@ from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 from lightning_gradcomp import callbacks, comm, compressors, tasks, testing, transforms
 from lightning_gradcomp.callbacks import PacTrain
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.diloco import DiLoCo
 from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.transforms import Pufferfish
 
 __version__ = "0.1.0.dev0"
 
-# Trainer(strategy="compressed_ddp") and its presets; a name already taken (a user's own entry) is kept
+# Trainer(strategy="compressed_ddp"), its presets and Trainer(strategy="diloco") (Lightning discovers no
+# third-party strategy itself); a name already taken (a user's own entry) is kept
 CompressedDDP.register_strategies(_StrategyRegistry)
+DiLoCo.register_strategies(_StrategyRegistry)
 
 __all__ = [
     "BucketContext",
     "CompressedDDP",
     "CompressionState",
     "Compressor",
+    "DiLoCo",
     "Layer",
     "PacTrain",
     "Pufferfish",

@@ -37,6 +37,7 @@ from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
 from lightning_gradcomp.auto.timeline import plan_greedy
 from lightning_gradcomp.callbacks import AutoCompression
 from lightning_gradcomp.compressors import Identity
+from lightning_gradcomp.strategy import CompressedDDP
 
 #: LightningCLI's subcommands, with their line in ``--help`` (Lightning's own cuts the one of ``test`` short)
 LIGHTNING_SUBCOMMANDS = {
@@ -270,7 +271,7 @@ def quickstart(argv: list[str]) -> list[dict[str, Any]]:
     for label in ("compressed", "dense"):
         cli = GradcompCLI(args=["--config", config, *overrides], run=False, save_config_callback=None)
         if label == "dense":
-            cli.trainer.strategy.compressor = Identity()
+            CompressedDDP.require(cli.trainer, cli).compressor = Identity()
         cli.trainer.callbacks.append(StepTimer())
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         rows.append(_summary_row(label, cli.trainer))
@@ -321,12 +322,13 @@ def advise(argv: list[str]) -> None:
     known, overrides = parser.parse_known_args(argv)
     cli = GradcompCLI(args=["--config", known.config, *overrides], run=False, save_config_callback=None)
     trainer = cli.trainer
-    auto = next((cb for cb in trainer.callbacks if isinstance(cb, AutoCompression)), None)
+    trainer_callbacks: list[Callback] = getattr(trainer, "callbacks")  # set at init, undeclared on Trainer
+    auto = next((cb for cb in trainer_callbacks if isinstance(cb, AutoCompression)), None)
     if auto is None:
         auto = AutoCompression(candidates=known.candidates, calibration_steps=known.calibration_steps)
-        trainer.callbacks.append(auto)
+        trainer_callbacks.append(auto)
     auto.measure = "all"  # the report predicts every candidate at other bandwidths: time them on every bucket
-    trainer.callbacks.append(_AdviseReport(auto, known.png or None))
+    trainer_callbacks.append(_AdviseReport(auto, known.png or None))
     trainer.fit_loop.epoch_loop.max_steps = auto.skip_steps + auto.calibration_steps  # a few steps, not a run
     trainer.fit(cli.model, datamodule=cli.datamodule)
 

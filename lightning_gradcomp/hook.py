@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 
-from lightning_gradcomp.comm import CollectiveBackend, Comm, TorchCollectives, when_all
+from lightning_gradcomp.comm import CollectiveBackend, Comm, when_all
 from lightning_gradcomp.compressors.base import (
     BucketContext,
     Compressor,
@@ -34,8 +34,9 @@ from lightning_gradcomp.compressors.base import (
 )
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
+from lightning_gradcomp.process_groups import TorchCollectives
 from lightning_gradcomp.recovery import CUDA_LAG, NonfiniteRun
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.telemetry import BucketRecord, Telemetry
 from lightning_gradcomp.validation import check_int
 
 log = logging.getLogger(__name__)
@@ -181,10 +182,9 @@ class CompressionState:
         # called with (bucket, future of its average) for every bucket; its future is what DDP receives (the
         # strategy sets it to a fused optimizer's bucket_step; runtime binding, not pickled)
         self.after_reduce: Callable[[dist.GradBucket, torch.futures.Future], torch.futures.Future] | None = None
-        # a list while a measurement runs (AutoCompression's calibration): each bucket appends
-        # [host time at the hook's entry, its layer names, its numel, host time its reduction finished]; None otherwise
-        # (then the hook does nothing extra). On CUDA the times are of the host's view (issue, not kernel completion)
-        self.recorder: list[list[Any]] | None = None
+        # a list while a measurement runs (start_recording): one BucketRecord per bucket; None otherwise (then the
+        # hook does nothing extra)
+        self.recorder: list[BucketRecord] | None = None
         self.layout_version = 0  # counts DDP's bucket layouts (rebuilds, resumes), for callbacks that measure them
         self.telemetry = Telemetry()
         self.residuals = ErrorFeedback()
@@ -246,7 +246,7 @@ class CompressionState:
 
         The configuration, the residuals and the telemetry stay (they are training state); :meth:`attach` binds
         again. ``CompressedDDP.teardown`` calls it so that nothing that gloo's worker threads may still touch
-        outlives training (see :func:`lightning_gradcomp.comm.release_round_groups`).
+        outlives training (see :func:`lightning_gradcomp.process_groups.release_round_groups`).
         """
         if self._comm is not None and isinstance(self._comm.backend, TorchCollectives):
             # a failed step's collectives end now, not during interpreter shutdown
@@ -352,6 +352,19 @@ class CompressionState:
             compressor=compressor,
         )
 
+    def start_recording(self) -> None:
+        """From the next bucket on, record when each bucket reaches the hook and when its reduction finishes."""
+        self.recorder = []
+
+    def stop_recording(self) -> list[BucketRecord] | None:
+        """Stop recording; what was recorded since :meth:`start_recording` (``None`` when nothing was recording)."""
+        records, self.recorder = self.recorder, None
+        return records
+
+    def bucket_layouts(self) -> set[tuple[str, ...]]:
+        """The layer names of every bucket DDP has handed the hook in its current layout (see ``layout_version``)."""
+        return {tuple(layer.name for layer in plan.every) for plan in self._plans.values()}
+
     # ------------------------------------------------------------------------------------------------------------
     # The reduction of one bucket
     # ------------------------------------------------------------------------------------------------------------
@@ -380,9 +393,9 @@ class CompressionState:
         if self.recorder is not None:  # the layers' names only while a measurement runs, not on every step
             names = (tuple(layer.name for layer in plan.every) if plan is not None
                      else tuple(self._names.get(id(p), (-1, "unnamed"))[1] for p in bucket.parameters()))  # fmt: skip
-            entry = [entered, names, buffer.numel(), None]
+            entry = BucketRecord(entered, names, buffer.numel())
             self.recorder.append(entry)
-            reduced = reduced.then(lambda fut, entry=entry: _stamp(fut, entry))
+            reduced = reduced.then(lambda fut: _stamp(fut, entry))
         self._in_flight.append(reduced)
         if not bucket.is_last():
             return reduced
@@ -577,8 +590,8 @@ def check_bucketed_reducer(model: Module) -> None:
     )
 
 
-def _stamp(fut: torch.futures.Future[Tensor], entry: list[Any]) -> Tensor:
-    entry[3] = time.perf_counter()
+def _stamp(fut: torch.futures.Future[Tensor], entry: BucketRecord) -> Tensor:
+    entry.finished = time.perf_counter()
     return fut.value()
 
 

@@ -15,8 +15,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_gradcomp.comm import gather_rows
 from lightning_gradcomp.hook import CompressionState
+from lightning_gradcomp.process_groups import gather_rows
 from lightning_gradcomp.validation import check_bool
 
 
@@ -44,29 +44,37 @@ class CompressionMonitor(Callback):
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Check that the strategy is CompressedDDP (has the compression state this callback reads)."""
-        if not isinstance(getattr(trainer.strategy, "compression_state", None), CompressionState):
+        self._state(trainer)
+
+    def _state(self, trainer: pl.Trainer) -> CompressionState:
+        state = getattr(trainer.strategy, "compression_state", None)
+        if not isinstance(state, CompressionState):
             raise MisconfigurationException(
                 f"`{type(self).__name__}` requires `Trainer(strategy=CompressedDDP(...))`,"
                 f" got `{type(trainer.strategy).__name__}`."
             )
+        return state
 
     @override
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         """Log the finished step's telemetry (nothing on micro-steps that did not communicate)."""
-        stats = trainer.strategy.compression_state.telemetry.pop_step()
+        telemetry = self._state(trainer).telemetry
+        stats = telemetry.pop_step()
         if stats is None:  # a gradient-accumulation micro-step: nothing was communicated
             return
-        log = {"on_step": True, "on_epoch": False, "batch_size": 1}
-        pl_module.log("gradcomp/bytes_sent", float(stats.bytes_sent), **log)
-        pl_module.log("gradcomp/bytes_dense", float(stats.bytes_dense), **log)
-        pl_module.log("gradcomp/compression_ratio", stats.compression_ratio, prog_bar=self.prog_bar, **log)
-        pl_module.log("gradcomp/encode_ms", stats.encode_ms, **log)
-        pl_module.log("gradcomp/decode_ms", stats.decode_ms, **log)
-        telemetry = trainer.strategy.compression_state.telemetry
-        pl_module.log("gradcomp/nonfinite_steps", float(telemetry.total_nonfinite_steps), **log)
-        pl_module.log("gradcomp/state_resets", float(telemetry.total_state_resets), **log)
+
+        def log(name: str, value: float, prog_bar: bool = False) -> None:
+            pl_module.log(name, value, prog_bar=prog_bar, on_step=True, on_epoch=False, batch_size=1)
+
+        log("gradcomp/bytes_sent", float(stats.bytes_sent))
+        log("gradcomp/bytes_dense", float(stats.bytes_dense))
+        log("gradcomp/compression_ratio", stats.compression_ratio, prog_bar=self.prog_bar)
+        log("gradcomp/encode_ms", stats.encode_ms)
+        log("gradcomp/decode_ms", stats.decode_ms)
+        log("gradcomp/nonfinite_steps", float(telemetry.total_nonfinite_steps))
+        log("gradcomp/state_resets", float(telemetry.total_state_resets))
         if not stats.finite and telemetry.total_nonfinite_steps == 1:
             rank_zero_warn(
                 f"gradcomp: step {trainer.global_step} had a non-finite gradient on some rank. Its aggregate is"
@@ -77,7 +85,8 @@ class CompressionMonitor(Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Print the per-rank summary table and put the totals in the callback metrics."""
-        telemetry = trainer.strategy.compression_state.telemetry
+        state = self._state(trainer)
+        telemetry = state.telemetry
         totals = torch.tensor(
             [telemetry.total_steps, telemetry.total_bytes_sent, telemetry.total_bytes_dense,
              telemetry.total_encode_ms, telemetry.total_decode_ms],
@@ -92,7 +101,7 @@ class CompressionMonitor(Callback):
         names = ("total_steps", "total_bytes_sent", "total_bytes_dense", "total_encode_ms", "total_decode_ms")
         trainer.callback_metrics.update({f"gradcomp/{n}": v for n, v in zip(names, totals)})
         if telemetry.total_steps:
-            rank_zero_info(format_summary(per_rank.tolist(), repr(trainer.strategy.compressor)))
+            rank_zero_info(format_summary(per_rank.tolist(), repr(state.compressor)))
 
 
 def format_summary(per_rank: list[list[float]], compressor: str) -> str:

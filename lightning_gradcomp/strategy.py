@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from lightning_gradcomp.comm import gather_objects, gather_rows, hand_off_gil, release_round_groups
+from lightning_gradcomp.compression_checkpoint import restore_compression_state, save_compression_state
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.error_feedback import error_feedback_growth_warning
@@ -31,16 +31,17 @@ from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, rec
 from lightning_gradcomp.fused_optim import FusedOptimizer, bind_fused_optimizer
 from lightning_gradcomp.hook import CompressionState, compression_hook, sparse_gradient_warning
 from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
-from lightning_gradcomp.model_transform import ModelTransform
+from lightning_gradcomp.model_transform import ModelTransform, carry_schedule
 from lightning_gradcomp.monitor import CompressionMonitor
 from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
+from lightning_gradcomp.process_groups import gather_rows, hand_off_gil, release_round_groups
+from lightning_gradcomp.rank_state import remove_rank_states
 from lightning_gradcomp.strategy_args import AUTO, check_backend, check_compressor, check_kwargs, check_refused
 from lightning_gradcomp.strategy_names import register_presets
 from lightning_gradcomp.validation import check_bool, check_int
 
 log = logging.getLogger(__name__)
 
-_CHECKPOINT_KEY = "gradcomp"
 #: torch's error when a parameter got no gradient, and the fix that keeps compression
 _UNUSED_PARAMETERS = ".*Expected to have finished reduction in the prior iteration.*"
 _UNUSED_PARAMETERS_ADVICE = (
@@ -303,7 +304,7 @@ class CompressedDDP(DDPStrategy):
         super().setup_optimizers(trainer)
         self._unbind_fused()
         scaler = getattr(self.precision_plugin, "scaler", None)
-        self._fused = bind_fused_optimizer(self.optimizers, trainer, self.lightning_module, scaler)
+        self._fused = bind_fused_optimizer(self.optimizers, trainer, self._module(), scaler)
         if self._fused is not None:
             self._state.after_reduce = self._fused.bind()
 
@@ -326,7 +327,7 @@ class CompressedDDP(DDPStrategy):
         self._state.attach(self.model, process_group=self._ddp_kwargs.get("process_group"))
         # registered on every device type: on CPU/gloo too, unlike DDPStrategy._register_ddp_hooks
         self.model.register_comm_hook(self._state, compression_hook)
-        rank_zero_info(_describe(self.lightning_module, self._state, self.world_size))
+        rank_zero_info(_describe(self._module(), self._state, self.world_size))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -342,7 +343,8 @@ class CompressedDDP(DDPStrategy):
         """Whether ``tensors`` are bitwise equal on every rank (call on every rank: a collective).
 
         Each rank reduces every tensor to a CRC32 of its bytes and the checksums are all-gathered (one small
-        collective, whatever the tensors' size, safe as a run's last: :func:`~lightning_gradcomp.comm.gather_rows`).
+        collective, whatever the tensors' size, safe as a run's last:
+        :func:`~lightning_gradcomp.process_groups.gather_rows`).
         For the transforms that rebuild or mask the model on every rank from equal replicas and must check that they
         came out equal.
         """
@@ -371,8 +373,8 @@ class CompressedDDP(DDPStrategy):
                 the current learning rate) over to the rebuilt ones, so the schedule goes on where it was instead of
                 starting again. Needs the same number of optimizers, schedulers and parameter groups as before.
         """
-        trainer = self.lightning_module.trainer
-        module = self.lightning_module
+        module = self._module()
+        trainer = module.trainer
         old_ddp = self.model
         old_optimizers, old_schedulers = list(self.optimizers), list(self.lr_scheduler_configs)
         if isinstance(old_ddp, DistributedDataParallel) and hasattr(old_ddp, "_remove_autograd_hooks"):
@@ -386,7 +388,7 @@ class CompressedDDP(DDPStrategy):
         self.setup_precision_plugin()
         _optimizers_to_device(self.optimizers, self.root_device)
         if keep_lr_schedule:
-            _carry_schedule(old_optimizers, self.optimizers, old_schedulers, self.lr_scheduler_configs)
+            carry_schedule(old_optimizers, self.optimizers, old_schedulers, self.lr_scheduler_configs)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -399,7 +401,7 @@ class CompressedDDP(DDPStrategy):
         # a transformed structure (a factorized model) must exist before its weights load into it
         structures = checkpoint.get(_TRANSFORMS_KEY, {})
         for callback in self._transforms():
-            callback.restore_structure(self.lightning_module, structures.get(callback.state_key))
+            callback.restore_structure(self._module(), structures.get(callback.state_key))
         super().load_model_state_dict(checkpoint, strict=strict)
 
     def _transforms(self) -> list[ModelTransform]:
@@ -408,9 +410,9 @@ class CompressedDDP(DDPStrategy):
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if type(self._launcher) is _MultiProcessingLauncher:
+        if type(self._launcher) is _MultiProcessingLauncher and self._start_method != "popen":
             self._launcher = _Launcher(self, start_method=self._start_method)
-        elif type(self._launcher) is _SubprocessScriptLauncher:
+        elif type(self._launcher) is _SubprocessScriptLauncher and self.cluster_environment is not None:
             # stops every rank when one fails, and names it (see lightning_gradcomp.faults)
             self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
@@ -419,8 +421,8 @@ class CompressedDDP(DDPStrategy):
         """DDPStrategy's teardown, then release the hook's collectives and the extra process groups of its rounds.
 
         Released here, on the main thread while the interpreter is alive: left to interpreter finalisation, a gloo
-        worker thread touching a Python object then aborts the process at exit (see ``comm.release_round_groups`` and
-        ``comm.hand_off_gil``).
+        worker thread touching a Python object then aborts the process at exit (see
+        ``process_groups.release_round_groups`` and ``process_groups.hand_off_gil``).
         """
         super().teardown()
         self._unbind_fused()
@@ -444,38 +446,47 @@ class CompressedDDP(DDPStrategy):
             record_failure(self.global_rank, exception)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints: every rank's compressor state travels with the checkpoint
+    # Checkpoints: each rank's compressor state in a file of its own beside the checkpoint
     # ------------------------------------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Save like DDPStrategy, with every rank's compressor state gathered into ``checkpoint["gradcomp"]``."""
-        # Lightning calls this on every rank and writes on rank 0 only, so the other ranks' residuals are gathered
-        # here; a weights-only checkpoint (no "loops") carries no training state, on every rank alike
+        """Save like DDPStrategy; every rank writes its own compressor state beside ``filepath``, not through rank 0.
+
+        See :mod:`lightning_gradcomp.compression_checkpoint` and :mod:`lightning_gradcomp.rank_state`.
+        """
         structures = {cb.state_key: cb.structure_state() for cb in self._transforms()}
         if any(state is not None for state in structures.values()):
             checkpoint[_TRANSFORMS_KEY] = structures  # also in weights-only checkpoints: they need the structure too
-        if "loops" in checkpoint and dist.is_available() and dist.is_initialized():
-            # the checkpoint of the last step can be the run's last collective: gathered so that exit cannot abort
-            gathered = gather_objects(self._state.state_dict(), self.root_device)
-            if self.is_global_zero:
-                checkpoint[_CHECKPOINT_KEY] = {"format": 1, "world_size": self.world_size, "ranks": gathered}
+        if "loops" in checkpoint:  # a weights-only checkpoint (no "loops") carries no training state
+            save_compression_state(self._state, checkpoint, filepath, self.global_rank, self.world_size, self.barrier)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load like DDPStrategy, and restore this rank's compressor state from ``checkpoint["gradcomp"]``."""
+        """Load like DDPStrategy, and restore this rank's compressor state saved with the checkpoint."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        _restore_compressor_state(self._state, checkpoint, self.world_size, self.global_rank)
+        restore_compression_state(self._state, checkpoint, checkpoint_path, self.global_rank, self.world_size)
         return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove the checkpoint (rank 0) and, on every rank, the state that rank saved beside it."""
+        super().remove_checkpoint(filepath)
+        remove_rank_states(filepath, self.global_rank)
 
     # ------------------------------------------------------------------------------------------------------------
     # Helpers
     # ------------------------------------------------------------------------------------------------------------
     def _check_gradient_dtypes(self, compressor: Compressor) -> None:
         try:
-            self._state.check_gradient_dtypes(self.model, compressor)
+            self._state.check_gradient_dtypes(self._module() if self.model is None else self.model, compressor)
         except ValueError as err:
             raise MisconfigurationException(f"`compressor` does not fit this model's gradients: {err}") from err
+
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("CompressedDDP has no LightningModule yet: it is connected by the Trainer.")
+        return self.lightning_module
 
 
 def _describe(module: pl.LightningModule, state: CompressionState, world_size: int) -> str:
@@ -500,30 +511,9 @@ def _describe(module: pl.LightningModule, state: CompressionState, world_size: i
     )
 
 
-def _restore_compressor_state(state: CompressionState, checkpoint: dict[str, Any], world_size: int, rank: int) -> None:
-    """Restore this rank's compressor state from ``checkpoint["gradcomp"]``, or warn why it starts empty."""
-    saved = checkpoint.get(_CHECKPOINT_KEY)
-    if saved is None:
-        if "loops" in checkpoint:
-            # what the step counter would be (DGC's warm-up, shared seeds): the optimizer steps taken
-            state.step = int(checkpoint.get("global_step", 0))
-            rank_zero_warn(
-                "The checkpoint holds no CompressedDDP state (it was not written by CompressedDDP):"
-                " error-feedback residuals and compressor state start empty."
-            )
-        return
-    if saved["world_size"] != world_size:
-        rank_zero_warn(
-            f"The checkpoint's compressor state was saved by {saved['world_size']} processes, this run has"
-            f" {world_size}: per-rank error-feedback residuals cannot be mapped, so they and the"
-            " compressor state start empty."
-        )
-        return
-    state.load_state_dict(saved["ranks"][rank])
-
-
 def _transforms(trainer: pl.Trainer | None) -> list[ModelTransform]:
-    return [cb for cb in trainer.callbacks if isinstance(cb, ModelTransform)] if trainer is not None else []
+    callbacks: list[pl.Callback] = getattr(trainer, "callbacks", [])  # set at init, undeclared on Trainer
+    return [cb for cb in callbacks if isinstance(cb, ModelTransform)]
 
 
 class _Launcher(_MultiProcessingLauncher):
@@ -545,27 +535,3 @@ class _Launcher(_MultiProcessingLauncher):
         for callback in _transforms(trainer):
             callback.restore_structure(trainer.lightning_module, structures.get(callback.state_key))
         super()._recover_results_in_main_process(worker_output, trainer)
-
-
-def _carry_schedule(old_optimizers: list, new_optimizers: list, old_configs: list, new_configs: list) -> None:
-    """Continue the LR schedule of ``old_*`` in the rebuilt ``new_*`` (learning rates and scheduler positions)."""
-    shapes_match = len(old_optimizers) == len(new_optimizers) and all(
-        len(a.param_groups) == len(b.param_groups) for a, b in zip(old_optimizers, new_optimizers)
-    )
-    if not shapes_match or len(old_configs) != len(new_configs):
-        rank_zero_warn(
-            "rewrap_model(keep_lr_schedule=True): configure_optimizers returned a different number of optimizers,"
-            " parameter groups or schedulers than before; the rebuilt ones start from their initial state."
-        )
-        return
-    for old, new in zip(old_optimizers, new_optimizers):
-        for old_group, new_group in zip(old.param_groups, new.param_groups):
-            new_group.update({k: v for k, v in old_group.items() if k != "params"})
-    for old, new in zip(old_configs, new_configs):
-        if type(old.scheduler) is type(new.scheduler):
-            new.scheduler.load_state_dict(old.scheduler.state_dict())
-        else:
-            rank_zero_warn(
-                f"rewrap_model(keep_lr_schedule=True): the rebuilt scheduler {type(new.scheduler).__name__} is not"
-                f" a {type(old.scheduler).__name__}; it starts from its initial state."
-            )

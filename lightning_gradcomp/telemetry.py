@@ -16,6 +16,25 @@ from dataclasses import dataclass
 import torch
 
 
+@dataclass
+class BucketRecord:
+    """When one bucket's reduction ran, recorded by the hook while a measurement runs (``CompressionState.recorder``).
+
+    The times are the host's ``time.perf_counter()`` (on CUDA, when the host issued the work, not when kernels ended).
+
+    Attributes:
+        entered: when the hook was called for the bucket (its gradients were ready).
+        layers: the names of the bucket's parameters.
+        numel: the elements in the bucket.
+        finished: when its reduction finished; ``None`` until then.
+    """
+
+    entered: float
+    layers: tuple[str, ...]
+    numel: int
+    finished: float | None = None
+
+
 @dataclass(frozen=True)
 class StepStats:
     """What one rank sent in one optimizer step.

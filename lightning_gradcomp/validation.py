@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 __all__ = [
     "check_bool",
@@ -41,6 +41,32 @@ def _interval(low: float | None, high: float | None, low_open: bool, high_open: 
     return ""
 
 
+@overload
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float | None = ...,
+    high: float | None = ...,
+    low_open: bool = ...,
+    high_open: bool = ...,
+    allow_none: Literal[False] = ...,
+    allow_inf: bool = ...,
+    error: ErrorType = ...,
+) -> float: ...
+@overload
+def check_number(
+    value: Any,
+    name: str,
+    *,
+    low: float | None = ...,
+    high: float | None = ...,
+    low_open: bool = ...,
+    high_open: bool = ...,
+    allow_none: bool,
+    allow_inf: bool = ...,
+    error: ErrorType = ...,
+) -> float | None: ...
 def check_number(
     value: Any,
     name: str,
@@ -75,6 +101,20 @@ def check_number(
     return number
 
 
+@overload
+def check_int(
+    value: Any,
+    name: str,
+    *,
+    low: int | None = ...,
+    high: int | None = ...,
+    allow_none: Literal[False] = ...,
+    error: ErrorType = ...,
+) -> int: ...
+@overload
+def check_int(
+    value: Any, name: str, *, low: int | None = ..., high: int | None = ..., allow_none: bool, error: ErrorType = ...
+) -> int | None: ...
 def check_int(
     value: Any,
     name: str,
@@ -99,6 +139,10 @@ def check_int(
     return value
 
 
+@overload
+def check_bool(value: Any, name: str, *, allow_none: Literal[False] = ..., error: ErrorType = ...) -> bool: ...
+@overload
+def check_bool(value: Any, name: str, *, allow_none: bool, error: ErrorType = ...) -> bool | None: ...
 def check_bool(value: Any, name: str, *, allow_none: bool = False, error: ErrorType = ValueError) -> bool | None:
     """``True`` or ``False`` (``None`` too when ``allow_none``); truthy stand-ins such as ``1`` are refused.
 
@@ -125,17 +169,17 @@ def check_choice(value: T, name: str, choices: Collection[Any], *, error: ErrorT
 
 def check_ratio(value: Any, name: str = "ratio", *, error: ErrorType = ValueError) -> float:
     """A keep-ratio (fraction of elements kept) in (0, 1]."""
-    return check_number(value, name, low=0.0, high=1.0, low_open=True, error=error)  # type: ignore[return-value]
+    return check_number(value, name, low=0.0, high=1.0, low_open=True, error=error)
 
 
 def check_positive_int(value: Any, name: str, *, error: ErrorType = ValueError) -> int:
     """An integer >= 1."""
-    return check_int(value, name, low=1, error=error)  # type: ignore[return-value]
+    return check_int(value, name, low=1, error=error)
 
 
 def check_momentum(value: Any, name: str = "momentum", *, error: ErrorType = ValueError) -> float:
     """A momentum coefficient in [0, 1)."""
-    return check_number(value, name, low=0.0, high=1.0, high_open=True, error=error)  # type: ignore[return-value]
+    return check_number(value, name, low=0.0, high=1.0, high_open=True, error=error)
 
 
 def sgd_defaults(lr: Any, momentum: Any, dampening: Any, weight_decay: Any, nesterov: Any) -> dict[str, Any]:

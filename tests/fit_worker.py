@@ -10,16 +10,16 @@ seconds, a fit of TinyNet a fraction of one), each recorded in its own folder of
 A ``RUN`` is ``STRATEGY:VARIANT``, recorded in ``DIRPATH/STRATEGY-VARIANT``: a fresh model trained from scratch.
 ``STRATEGY`` is one of :data:`STRATEGIES`, ``VARIANT`` one of :data:`VARIANTS` (the configurations a user of
 ``DDPStrategy`` may turn on, and the runs that save a checkpoint). ``STRATEGY:VARIANT+EARLIER`` resumes instead from
-the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless``: with the compressor state
-taken out, as a checkpoint of plain ``DDPStrategy`` holds none), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIER``
-(every ``:`` a ``-``). ``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model
-is wrapped.
+the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless`` or ``EARLIER:gathered``: from
+a copy edited by :func:`_edited`), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIER`` (every ``:`` a ``-``).
+``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model is wrapped.
 """
 
 import os
 import subprocess
 import sys
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,12 +29,20 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.data import DataLoader
 
-from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.callbacks import CompressionMonitor
 from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
+from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
-from tests.models import RecordRanks, SparseEmbeddingNet, TinyNet
+from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
+
+
+def _diloco(**fixed: Any) -> Callable[..., DDPStrategy]:
+    """A DiLoCo factory that drops the DistributedDataParallel arguments of a variant (DiLoCo does not wrap in DDP)."""
+    return lambda **kwargs: DiLoCo(**fixed, **{k: v for k, v in kwargs.items() if k != "bucket_cap_mb"})
+
 
 # a fresh compressor for every fit: nothing carries over from one fit of a launch to the next but the checkpoint
 STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
@@ -43,6 +51,15 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "topk": lambda **kwargs: CompressedDDP(TopK(ratio=0.05), min_compress_numel=64, **kwargs),
     "powersgd-r1": lambda **kwargs: CompressedDDP(PowerSGD(rank=1), min_compress_numel=64, **kwargs),
     "powersgd-r2": lambda **kwargs: CompressedDDP(PowerSGD(rank=2), min_compress_numel=64, **kwargs),
+    # H = 1 with outer SGD(lr=1) is DDP (the inner step is linear in the gradient); H = 2, 3, 4: DiLoCo's defaults
+    "diloco-h1": _diloco(sync_every=1, outer_optimizer=partial(torch.optim.SGD, lr=1.0)),
+    "diloco-h2": _diloco(sync_every=2),
+    "diloco-h3": _diloco(sync_every=3),
+    "diloco-h4": _diloco(sync_every=4),
+    "diloco-h4f2": _diloco(sync_every=4, fragments=2),
+    "diloco-h4-offload": _diloco(sync_every=4, offload=True),
+    "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
+    "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
 }
 
 
@@ -92,6 +109,27 @@ class CheckpointedNet(TinyNet):
         return self.net[3:](checkpoint(self.net[:3], x, use_reentrant=False))
 
 
+class NaNNet(TinyNet):
+    """TinyNet whose loss is NaN on rank 1 at its sixth step (the second round of ``sync_every=4``)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        if self.trainer.global_rank == 1 and self.trainer.global_step == 5:
+            loss = loss * float("nan")
+        return loss
+
+
+class ValNet(TinyNet):
+    """TinyNet with a validation loop (16 held-out samples)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(synthetic_classification(16, seed=1), batch_size=8)
+
+
 def _small_data() -> TinyNet:
     """64 samples, 8 per batch: 4 steps per epoch on 2 ranks."""
     return TinyNet(n=64, batch_size=8)
@@ -118,10 +156,21 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "frozen": (FrozenNet, {}, {}, False),
     "unused": (UnusedNet, {}, {"find_unused_parameters": True}, False),
     "checkpointed": (CheckpointedNet, {}, {}, False),
+    "steps6": (TinyNet, {"max_steps": 6}, {}, False),
+    "steps8": (TinyNet, {"max_steps": 8}, {}, False),
+    "nan": (NaNNet, {"max_steps": 12}, {}, False),
+    "val": (ValNet, {"max_steps": 8, "val_check_interval": 3, "num_sanity_val_steps": 0}, {}, False),
     "epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2}, _BUCKETS, False),
     "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
     "bf16-epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2, "precision": "bf16-true"}, _BUCKETS, False),
     "bf16-epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4, "precision": "bf16-true"}, _BUCKETS, False),
+    # a checkpoint per epoch, the older removed (save_top_k=1), last.ckpt a link to the newest
+    "rotate": (
+        _small_data,
+        {**_EPOCHS, "max_epochs": 2, "checkpointing": {"filename": "{epoch}", "save_top_k": 1, "save_last": "link"}},
+        _BUCKETS,
+        False,
+    ),
 }
 
 
@@ -139,17 +188,16 @@ def train(run: str, root: str, devices: int) -> None:
     os.makedirs(dirpath, exist_ok=True)
     ckpt_path = None
     if earlier:
-        stateless = earlier.endswith(":stateless")
-        ckpt_path = os.path.join(root, run_name(earlier.removesuffix(":stateless")), "last.ckpt")
-        if stateless:
-            # each rank edits a copy of its own: no rank reads a file that another is writing
-            saved = torch.load(ckpt_path, weights_only=False)
-            saved.pop("gradcomp")
-            ckpt_path = os.path.join(dirpath, f"stateless-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
-            torch.save(saved, ckpt_path)
+        saved_name, saved_variant, *edit = earlier.split(":")
+        ckpt_path = os.path.join(root, run_name(f"{saved_name}:{saved_variant}"), "last.ckpt")
+        if edit:
+            ckpt_path = _edited(ckpt_path, edit[0], dirpath)
     strategy = STRATEGIES[name](**strategy_kwargs)
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
-    saving = [ModelCheckpoint(dirpath=dirpath, filename="last")] if trainer_kwargs.get("enable_checkpointing") else []
+    trainer_kwargs = dict(trainer_kwargs)
+    checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
+    record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
+    saving = [ModelCheckpoint(dirpath=dirpath, **checkpointing)] if trainer_kwargs.get("enable_checkpointing") else []
     trainer = pl.Trainer(
         **{
             "accelerator": "cpu",
@@ -160,12 +208,34 @@ def train(run: str, root: str, devices: int) -> None:
             "enable_checkpointing": False,
             "enable_progress_bar": False,
             "enable_model_summary": False,
-            "callbacks": [*monitor, *saving, RecordRanks(dirpath)],
+            "callbacks": [*monitor, *saving, record],
             **trainer_kwargs,
         }
     )
     model = make_model()
     trainer.fit(torch.compile(model) if compiled else model, ckpt_path=ckpt_path)
+
+
+def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
+    """A copy of the checkpoint at ``ckpt_path`` edited as ``edit`` says, in ``dirpath``; its path.
+
+    ``stateless``: without the compressor state (as a checkpoint of plain ``DDPStrategy``); ``gathered``: every rank's
+    compressor state inside the checkpoint, as ``CompressedDDP`` wrote checkpoints before each rank had a file. Each
+    rank edits a copy of its own: no rank reads a file that another is writing.
+    """
+    saved = torch.load(ckpt_path, weights_only=False)
+    if edit == "stateless":
+        saved.pop("gradcomp", None)  # CompressedDDP's state
+        saved.pop("diloco", None)  # DiLoCo's
+    elif edit == "gathered":
+        world_size = saved["gradcomp"]["world_size"]
+        ranks = [load_rank_state(ckpt_path, "gradcomp", rank).state for rank in range(world_size)]
+        saved["gradcomp"] = {"format": 1, "world_size": world_size, "ranks": ranks}
+    else:
+        raise ValueError(f"unknown edit of a checkpoint: {edit!r}")
+    edited = os.path.join(dirpath, f"{edit}-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
+    torch.save(saved, edited)
+    return edited
 
 
 def assert_same_weights(a: list[dict], b: list[dict], what: str = "") -> None:

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp.comm import hand_off_gil
+from lightning_gradcomp.process_groups import hand_off_gil
 
 
 def synthetic_classification(n: int = 128, seed: int = 0) -> TensorDataset:
@@ -151,3 +151,64 @@ def fit(strategy: Any, dirpath: str, model: pl.LightningModule | None = None, ca
     world = trainer.world_size
     records = [torch.load(os.path.join(dirpath, f"rank{r}.pt"), weights_only=False) for r in range(world)]
     return model, trainer, records
+
+
+def collectives_so_far() -> int:
+    """How many collectives the default process group has run (its own sequence number: C++ callers count too)."""
+    return torch.distributed.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+
+
+class RecordRounds(Callback):
+    """Save what every rank of a ``DiLoCo`` run did at each step and ends with to ``dirpath/rank{r}.pt``.
+
+    Per step: the collectives it ran, the phase in the round, the rank's parameters and theta_global. Per validation
+    batch: the parameters evaluated and theta_global. At the end of ``fit`` (after DiLoCo's last outer step), the
+    parameters, the state dict and the outer loop's counters.
+    """
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+        self.steps: list[dict] = []
+        self.validated: list[dict] = []
+
+    @staticmethod
+    def _flat(tensors) -> torch.Tensor:
+        return torch.cat([t.detach().flatten().clone() for t in tensors])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._before = collectives_so_far()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        outer = trainer.strategy.outer_state
+        self.steps.append(
+            {
+                "global_step": trainer.global_step,
+                "collectives": collectives_so_far() - self._before,
+                "phase": outer.phase,
+                "params": self._flat(pl_module.parameters()),
+                "global": self._flat(outer.params),
+            }
+        )
+
+    def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
+        if trainer.state.fn == "fit":
+            flat = self._flat(pl_module.parameters())
+            self.validated.append({"params": flat, "global": self._flat(trainer.strategy.outer_state.params)})
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        outer = trainer.strategy.outer_state
+        torch.save(
+            {
+                "params": self._flat(pl_module.parameters()),
+                "state_dict": {k: v.detach().clone() for k, v in pl_module.state_dict().items()},
+                "steps": self.steps,
+                "validated": self.validated,
+                "world_size": trainer.world_size,
+                "syncs": outer.syncs,
+                "skipped": outer.skipped,
+                "bytes_sent": outer.bytes_sent,
+                "outer_state": outer.optimizer.state_dict(),
+            },
+            os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
+        )
+        hand_off_gil()

@@ -9,8 +9,8 @@ teardown:
   ``ModelCheckpoint`` every step, two CPU processes, Lightning's default launcher (rank 1 is a child script);
 - ``static``: Lightning's plain ``DDPStrategy(static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=0.01)``
   with spawned workers, the control run of ``tests/test_strategy.py::test_static_graph_and_bucket_views_pass_through``
-  (``tests.models.fit``, whose ``RecordRanks`` calls ``comm.hand_off_gil`` at the end of training). Under torch 2.15
-  it aborted at exit in 1 run of 40 before that call and in none of 40 after (docs/concepts.md, "Failures");
+  (``tests.models.fit``, whose ``RecordRanks`` calls ``process_groups.hand_off_gil`` at the end of training). Under
+  torch 2.15 it aborted at exit in 1 run of 40 before that call and in none of 40 after (docs/concepts.md, "Failures");
 - ``inflight``: the mechanism, made deterministic: rank 0 issues a round-1 all-reduce through ``Comm`` (Python
   ``.then`` callbacks on a gloo future) and exits at once, rank 1 joins the collective a second later, so the
   collective completes while rank 0's interpreter shuts down. Before ``release_round_groups`` ran at exit, rank 0
@@ -56,7 +56,8 @@ def _inflight_rank(rank: int, world_size: int) -> None:
 
     import torch
 
-    from lightning_gradcomp.comm import Comm, TorchCollectives
+    from lightning_gradcomp.comm import Comm
+    from lightning_gradcomp.process_groups import TorchCollectives
     from lightning_gradcomp.telemetry import Telemetry
 
     backend = TorchCollectives()

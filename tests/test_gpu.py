@@ -1,7 +1,7 @@
 """The GPU path: every compressor on CUDA tensors, the hook through DDP with NCCL and with gloo, no host syncs.
 
 Skipped without a GPU (CI has none); run on a GPU machine with ``pytest tests/test_gpu.py``. Without one, the last
-test runs what these tests do on the CPU instead, so that they cannot break unseen between GPU sessions. The
+test runs what these tests do on the CPU instead, so that they cannot break unseen between runs on a GPU. The
 host-sync checks use ``torch.cuda.set_sync_debug_mode("error")``: any operation on the codec path that makes the CPU
 wait for the GPU (``.item()``, ``nonzero``, a device-to-host copy) raises, so the hook never stalls the backward
 pass it overlaps.
@@ -245,7 +245,7 @@ def test_the_run_of_non_finite_steps_is_counted_on_cuda_without_a_host_sync():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests above run")
 def test_this_file_still_runs_where_its_gpu_tests_are_skipped(in_process_ddp):
     """CI has no GPU, so the tests above are skipped there and could break unseen (a renamed configuration, a changed
-    signature) until the next GPU session. Their parts run here on the CPU: every configuration they name exists and
+    signature) until the next run on a GPU. Their parts run here on the CPU: every configuration they name exists and
     reduces (finite, the same on both ranks), the DDP helper trains (Identity bitwise plain DDP, as on NCCL), and the
     Lightning fit trains."""
     for name in sorted({*DETERMINISTIC, *SYNCS, *NO_SYNC_METHODS}):

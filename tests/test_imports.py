@@ -103,8 +103,22 @@ FORBIDDEN = {
         "lightning_gradcomp.strategy", "lightning_gradcomp.callbacks", "lightning_gradcomp.transforms",
     ),
     "lightning_gradcomp.hook": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
+    # the payload layer knows no process group; the process groups know no compressor, hook or strategy
+    "lightning_gradcomp.comm": ("lightning_gradcomp.process_groups", "lightning_gradcomp.hook"),
+    "lightning_gradcomp.process_groups": (
+        "lightning_gradcomp.compressors", "lightning_gradcomp.hook", "lightning_gradcomp.strategy",
+        "lightning_gradcomp.callbacks",
+    ),
+    # AutoCompression's model, measurements and reports sit below the callback that drives them
+    "lightning_gradcomp.auto": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     "lightning_gradcomp.model_transform": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     "lightning_gradcomp.monitor": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
+    # per-rank files beside a checkpoint serve every strategy: they know none of them
+    "lightning_gradcomp.rank_state": (
+        "lightning_gradcomp.strategy", "lightning_gradcomp.hook", "lightning_gradcomp.compressors",
+        "lightning_gradcomp.callbacks", "lightning_gradcomp.compression_checkpoint",
+    ),
+    "lightning_gradcomp.compression_checkpoint": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     # the fused optimizers know nothing of the hook or the strategy: the hook calls them through a callable
     "lightning_gradcomp.fused_optim": (
         "lightning_gradcomp.strategy", "lightning_gradcomp.hook", "lightning_gradcomp.callbacks",

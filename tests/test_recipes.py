@@ -5,9 +5,10 @@ import os
 import re
 
 import pytest
+import torch
 import yaml
 
-from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.cli import GradcompCLI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,11 +25,17 @@ def test_recipe_parses_and_instantiates(path, monkeypatch, tmp_path):
     cli = GradcompCLI(args=["--config", path, "--trainer.accelerator", "cpu", "--trainer.devices", "1"], run=False)
     with open(path) as f:
         config = yaml.safe_load(f)
-    assert isinstance(cli.trainer.strategy, CompressedDDP), "every recipe trains with CompressedDDP"
-    # the compressor the recipe names is the one the strategy holds (Identity when it names none)
-    named = config["trainer"]["strategy"].get("init_args", {}).get("compressor", {}).get("class_path", "Identity")
-    assert type(cli.trainer.strategy.compressor).__name__ == named.rpartition(".")[2]
+    strategy = config["trainer"]["strategy"]
+    if strategy["class_path"].endswith("DiLoCo"):
+        assert isinstance(cli.trainer.strategy, DiLoCo)
+        assert cli.trainer.strategy.sync_every == strategy["init_args"]["sync_every"]
+    else:
+        assert isinstance(cli.trainer.strategy, CompressedDDP), "the other recipes train with CompressedDDP"
+        # the compressor the recipe names is the one the strategy holds (Identity when it names none)
+        named = strategy.get("init_args", {}).get("compressor", {}).get("class_path", "Identity")
+        assert type(cli.trainer.strategy.compressor).__name__ == named.rpartition(".")[2]
     assert cli.trainer.max_epochs == config["trainer"]["max_epochs"]
+    assert cli.trainer.max_steps == config["trainer"].get("max_steps", -1)
     assert cli.model is not None
     assert cli.datamodule is not None
 
@@ -65,3 +72,14 @@ def test_cifar_recipes_decay_the_learning_rate_at_the_documented_epochs(path, mo
     assert lrs[first] == pytest.approx(base / 10)
     assert lrs[second] == pytest.approx(base / 100)
     assert lrs[-1] == pytest.approx(base / 100)
+
+
+def test_the_diloco_recipe_builds_the_outer_optimizer_it_names(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    path = os.path.join(ROOT, "recipes", "lm_diloco.yaml")
+    cli = GradcompCLI(args=["--config", path, "--trainer.accelerator", "cpu", "--trainer.devices", "1"], run=False)
+    outer = cli.trainer.strategy.outer_state.outer_optimizer([torch.zeros(3, requires_grad=True)])
+    assert isinstance(outer, torch.optim.SGD)
+    assert outer.defaults["lr"] == 0.7
+    assert outer.defaults["momentum"] == 0.9
+    assert outer.defaults["nesterov"] is True

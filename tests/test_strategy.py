@@ -183,6 +183,7 @@ def test_static_graph_and_bucket_views_pass_through(fits):
     assert all(s["stats"].compression_ratio > 1 for s in powersgd[0]["steps"])
 
 
+@pytest.mark.slow
 def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
     """``trainer.fit(torch.compile(model))`` (Lightning's default launcher; its spawn launcher cannot pickle a
     compiled model, for DDPStrategy too): Identity is bitwise plain DDPStrategy on the compiled model, and TopK runs
@@ -436,8 +437,8 @@ class _NaNOnce(TinyNet):
 
 @pytest.mark.parametrize("compressor", [TopK(ratio=0.05), PowerSGD(rank=2)], ids=["topk", "powersgd"])
 def test_one_nan_costs_one_step_and_is_counted(tmp_path, compressor):
-    """The issue's scenario under Lightning: after the NaN step every step is finite again (it was 5 of 5 non-finite
-    with TopK and PowerSGD: the residual kept the NaN); the monitor counts the step; replicas stay identical."""
+    """One NaN step under Lightning: after it every step is finite again (a residual that kept the NaN once made 5 of 5
+    later steps non-finite with TopK and PowerSGD); the monitor counts the step; replicas stay identical."""
     strategy = CompressedDDP(compressor, min_compress_numel=64, **SPAWN)
     model, trainer, ranks = fit(strategy, str(tmp_path), model=_NaNOnce(), max_steps=8)
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])

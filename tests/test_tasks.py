@@ -8,6 +8,7 @@ from torch import nn
 from lightning_gradcomp.tasks import (
     CIFAR10DataModule,
     DigitsDataModule,
+    GPTLanguageModel,
     ImageClassifier,
     LSTMLanguageModel,
     TextDataModule,
@@ -101,3 +102,54 @@ def test_language_model_refuses_fused_clipping_for_other_optimizers():
         LSTMLanguageModel(hidden=8, optimizer="sgd", clip_grad_norm=0.25)
     with pytest.raises(MisconfigurationException, match="`optimizer`"):
         LSTMLanguageModel(hidden=8, optimizer="adam")
+
+
+def test_gpt_has_a_few_million_parameters_and_is_causal():
+    model = GPTLanguageModel()
+    assert 3_000_000 < sum(p.numel() for p in model.parameters()) < 4_000_000
+    assert model.model.head.weight is model.model.wte.weight, "output layer tied to the token embedding"
+    x = torch.randint(0, 256, (2, 128), generator=torch.Generator().manual_seed(0))
+    changed = x.clone()
+    changed[:, 64:] = (changed[:, 64:] + 1) % 256
+    model.eval()
+    with torch.no_grad():
+        before, after = model(x), model(changed)
+    assert torch.equal(before[:, :64], after[:, :64]), "no position sees a later one"
+    assert not torch.allclose(before[:, 64:], after[:, 64:])
+
+
+def test_gpt_learns_the_next_byte_of_pythons_sources():
+    torch.manual_seed(0)
+    data = TextDataModule(max_bytes=20_000, seq_len=32, batch_size=8)
+    data.setup()
+    x, y = data.train_set.tensors[0][:8], data.train_set.tensors[1][:8]
+    model = GPTLanguageModel(block_size=32, n_layer=1, n_head=2, n_embd=32, lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(40):
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    assert losses[0] == pytest.approx(torch.log(torch.tensor(256.0)).item(), abs=0.3), "starts at chance"
+    assert losses[-1] < 0.6 * losses[0]
+
+
+def test_gpt_schedule_warms_up_linearly_then_decays_by_cosine_to_its_floor():
+    from lightning_gradcomp.tasks.language import _warmup_cosine
+
+    factors = [_warmup_cosine(step, warmup=4, total=20, floor=0.1) for step in range(25)]
+    assert factors[:4] == pytest.approx([0.2, 0.4, 0.6, 0.8])
+    assert factors[4] == pytest.approx(1.0)
+    assert factors[12] == pytest.approx(0.55)  # half-way down the cosine
+    assert factors[20:] == pytest.approx([0.1] * 5)
+    assert all(a >= b for a, b in zip(factors[4:], factors[5:]))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"), [({"n_head": 3}, "`n_head` to divide `n_embd` \\(256\\)"), ({"lr": 0}, "`lr`")]
+)
+def test_gpt_refuses_bad_arguments(kwargs, match):
+    with pytest.raises(MisconfigurationException, match=match):
+        GPTLanguageModel(**kwargs)

@@ -1,10 +1,10 @@
-"""What ``lightning-gradcomp advise`` prints and plots, from the measurements of :class:`AutoCompression`."""
+"""What ``AutoCompression`` reports of its plans, and what ``lightning-gradcomp advise`` prints and plots."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from lightning_gradcomp.auto.timeline import DENSE, Bucket, Link, Timing, plan_greedy, predict, speedup_curve
+from lightning_gradcomp.auto.timeline import DENSE, Bucket, Link, Plan, Timing, plan_greedy, predict, speedup_curve
 
 #: the bandwidths the table shows besides the measured one (bytes per second of all-reduce payload)
 BANDWIDTHS = {"100 Mbit/s": 100e6 / 8, "1 Gbit/s": 1e9 / 8, "10 Gbit/s": 10e9 / 8, "100 Gbit/s": 100e9 / 8}
@@ -102,3 +102,84 @@ def plot_speedup(
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def describe_plan(
+    plan: Plan,
+    buckets: Sequence[Bucket],
+    link: Link,
+    timing: Timing,
+    measured_dense: float | None,
+    options: Mapping[str, bool],
+) -> str:
+    """A plan as a table: per bucket its size, ready time, candidate and predicted finish (``AutoCompression``)."""
+    pred = predict(buckets, list(plan.assignment), link, timing, **options)
+    lines = [
+        f"gradcomp auto: link alpha {link.alpha * 1e3:.3f} ms, beta {link.beta * 8 / 1e9:.3f} Gbit/s;"
+        f" forward {timing.forward * 1e3:.1f} ms, backward {timing.backward_end * 1e3:.1f} ms,"
+        f" optimizer {timing.optimizer * 1e3:.1f} ms",
+        f"predicted step: {plan.predicted * 1e3:.1f} ms (dense {plan.dense_predicted * 1e3:.1f} ms,"
+        f" measured dense {measured_dense * 1e3 if measured_dense else float('nan'):.1f} ms)",
+        "| bucket | MB | ready (ms) | method | predicted finish (ms) |",
+        "|---|---|---|---|---|",
+    ]
+    for b, (bucket, name) in enumerate(zip(buckets, plan.assignment)):
+        lines.append(f"| {b} | {bucket.costs[DENSE].nbytes / 1e6:.2f} | {bucket.ready * 1e3:.1f} | {name} |"
+                     f" {pred.finish[b] * 1e3:.1f} |")  # fmt: skip
+    lines.extend(f"  {reason}" for reason in plan.reasons)
+    return "\n".join(lines)
+
+
+def plan_metrics(
+    plan: Plan,
+    buckets: Sequence[Bucket],
+    candidates: Sequence[str],
+    link: Link,
+    timing: Timing,
+    measured_dense: float | None,
+    measured_finish: Sequence[float | None],
+    options: Mapping[str, bool],
+) -> dict[str, float]:
+    """A plan as logger metrics: predicted and measured step times and the link.
+
+    Per bucket: its method (the index of its candidate in ``candidates``), its predicted finish and, where
+    ``measured_finish`` has it, its measured dense finish.
+    """
+    pred = predict(buckets, list(plan.assignment), link, timing, **options)
+    dense = predict(buckets, [DENSE] * len(buckets), link, timing, **options)
+    metrics = {"auto/predicted_step_ms": plan.predicted * 1e3, "auto/dense_predicted_step_ms": dense.step * 1e3,
+               "auto/dense_measured_step_ms": (measured_dense or 0) * 1e3, "auto/alpha_ms": link.alpha * 1e3,
+               "auto/beta_gbit": link.beta * 8 / 1e9}  # fmt: skip
+    for b, name in enumerate(plan.assignment):
+        metrics[f"auto/bucket{b}/method"] = float(candidates.index(name))
+        metrics[f"auto/bucket{b}/predicted_finish_ms"] = pred.finish[b] * 1e3
+        finish = measured_finish[b] if b < len(measured_finish) else None
+        if finish is not None:
+            metrics[f"auto/bucket{b}/measured_dense_finish_ms"] = finish * 1e3
+    return metrics
+
+
+def plan_event(
+    plan: Plan,
+    buckets: Sequence[Bucket],
+    link: Link,
+    timing: Timing,
+    measured_dense: float,
+    options: Mapping[str, bool],
+) -> dict[str, object]:
+    """A new plan as an entry of ``AutoCompression.history``.
+
+    What it predicts, and how far the model's dense step is from the measured one (``dense_error``).
+    """
+    dense = predict(buckets, [DENSE] * len(buckets), link, timing, **options)
+    error = (dense.step - measured_dense) / measured_dense
+    return {"event": "plan", "link": {"alpha": link.alpha, "beta": link.beta}, "dense_predicted": dense.step,
+            "dense_measured": measured_dense, "dense_error": error, "predicted": plan.predicted,
+            "assignment": list(plan.assignment), "reasons": list(plan.reasons)}  # fmt: skip
+
+
+def compressed_share(buckets: Sequence[Bucket], assignment: Mapping[str, str]) -> float:
+    """The share of the buckets' elements that ``assignment`` (layer name -> candidate) compresses."""
+    total = sum(b.numel for b in buckets) or 1
+    compressed = sum(b.numel for b in buckets if b.layers and assignment.get(b.layers[0], DENSE) != DENSE)
+    return compressed / total

@@ -27,8 +27,9 @@ the term (and with the candidates timed through the real hook) the worst error a
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 DENSE = "dense"
 
@@ -126,6 +127,16 @@ class Bucket:
     layers: tuple[str, ...]
     costs: Mapping[str, Cost]
 
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> Bucket:
+        """The bucket ``dataclasses.asdict`` made ``state`` of (as checkpointed)."""
+        costs = {name: Cost(**cost) for name, cost in state["costs"].items()}
+        return cls(state["ready"], state["numel"], tuple(state["layers"]), costs)
+
+    def restricted(self, allowed: Collection[str]) -> Bucket:
+        """This bucket with the costs of the ``allowed`` candidates only."""
+        return Bucket(self.ready, self.numel, self.layers, {n: c for n, c in self.costs.items() if n in allowed})
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -222,6 +233,11 @@ class Plan:
     predicted: float
     dense_predicted: float
     reasons: tuple[str, ...] = field(default=())
+
+    @classmethod
+    def from_dict(cls, state: Mapping[str, Any]) -> Plan:
+        """The plan ``dataclasses.asdict`` made ``state`` of (as checkpointed)."""
+        return cls(tuple(state["assignment"]), state["predicted"], state["dense_predicted"], tuple(state["reasons"]))
 
     def layer_assignment(self, buckets: Sequence[Bucket]) -> dict[str, str]:
         """Layer name -> candidate, for every layer of every bucket."""

@@ -255,7 +255,8 @@ class Accordion(Callback):
             self._levels = self._resolve_levels(compressor)
             self._candidate_names = list(compressor.candidates) if isinstance(compressor, Planned) else []
         if self.switches_batch_size:
-            if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+            callbacks: list[Callback] = getattr(trainer, "callbacks", [])  # set at init, undeclared on Trainer
+            if any(isinstance(cb, GradientAccumulationScheduler) for cb in callbacks):
                 raise MisconfigurationException(
                     "`Accordion(mode='batch_size')` sets `accumulate_grad_batches` itself and cannot be combined with"
                     " a `GradientAccumulationScheduler`."
@@ -286,6 +287,8 @@ class Accordion(Callback):
                 " switch (use PowerSGD, TopK or RandomK, or mode='batch_size'; with AutoCompression, list it before"
                 " Accordion in `callbacks`)."
             )
+        default_low: Any
+        default_high: Any
         if isinstance(compressor, Planned):  # AutoCompression's: critical regimes plan without compression
             default_low, default_high = next(iter(compressor.candidates)), compressor.limit
         else:
@@ -386,7 +389,7 @@ class Accordion(Callback):
         epoch = trainer.current_epoch
         in_force = self.levels
         was_critical = dict(self.critical)
-        message = None
+        message: dict[str, Any] | None = None
         if trainer.is_global_zero:
             assert self._sums is not None
             norms = self._sums.norms()
@@ -398,10 +401,11 @@ class Accordion(Callback):
             else:
                 changes = None
             message = {"epoch": epoch, "norms": norms, "changes": changes, "critical": decision}
-        message = trainer.strategy.broadcast(message, src=0)  # rank 0 decides for every rank
-        self.norms[epoch] = message["norms"]
-        if message["critical"] is not None:
-            self.critical = {name: bool(message["critical"].get(name, True)) for name in self._layers}
+        shared = trainer.strategy.broadcast(message, src=0)  # rank 0 decides for every rank
+        assert shared is not None  # rank 0's message
+        self.norms[epoch] = shared["norms"]
+        if shared["critical"] is not None:
+            self.critical = {name: bool(shared["critical"].get(name, True)) for name in self._layers}
         if self._lr_decay_epoch == epoch:
             # the reference (auto_scale.py) applies the decay rule after the regime check, so the decay wins: a
             # check in the decay's own epoch must not switch back to high compression after one epoch
@@ -413,13 +417,13 @@ class Accordion(Callback):
                 "critical": was_critical,
                 "levels": in_force,
                 "accumulate_grad_batches": trainer.accumulate_grad_batches,
-                "norms": message["norms"],
-                "changes": message["changes"],
+                "norms": shared["norms"],
+                "changes": shared["changes"],
                 "next_critical": dict(self.critical),
             }
         )
         self._apply(trainer)
-        self._log(pl_module, was_critical, in_force, message["changes"], trainer.accumulate_grad_batches)
+        self._log(pl_module, was_critical, in_force, shared["changes"], trainer.accumulate_grad_batches)
 
     def _log(
         self,
@@ -430,23 +434,25 @@ class Accordion(Callback):
         accumulation: int,
     ) -> None:
         # the values are the same on every rank (broadcast decisions): syncing averages identical numbers
-        log = {"on_step": False, "on_epoch": True, "batch_size": 1, "sync_dist": True}
+        def log(name: str, value: float) -> None:
+            pl_module.log(name, value, on_step=False, on_epoch=True, batch_size=1, sync_dist=True)
+
         for name in self._layers:
-            pl_module.log(f"accordion/critical/{name}", float(critical.get(name, True)), **log)
+            log(f"accordion/critical/{name}", float(critical.get(name, True)))
             if name in levels:
                 level = levels[name]
                 # a limit (AutoCompression's candidates) is logged as its position from the least lossy
                 value = float(self._candidate_names.index(level)) if isinstance(level, str) else float(level)
-                pl_module.log(f"accordion/level/{name}", value, **log)
+                log(f"accordion/level/{name}", value)
             if changes is not None and changes.get(name, float("inf")) != float("inf"):
-                pl_module.log(f"accordion/norm_change/{name}", changes[name], **log)
+                log(f"accordion/norm_change/{name}", changes[name])
         if self.switches_batch_size:
-            pl_module.log("accordion/accumulate_grad_batches", float(accumulation), **log)
+            log("accordion/accumulate_grad_batches", float(accumulation))
 
     def _apply(self, trainer: pl.Trainer) -> None:
         """Set the compressor's per-layer levels and the accumulation from :attr:`critical` (on every rank)."""
         if self.switches_levels:
-            compressor = trainer.strategy.compressor
+            compressor = CompressedDDP.require(trainer, self).compressor
             levels = self.levels
             if compressor.layer_levels != levels:
                 compressor.set_levels(levels)  # the hook re-plans its buckets at the next step

@@ -175,7 +175,7 @@ class PacTrain(Callback):
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit" and self._inner is not None:
-            trainer.strategy.compressor, self._inner = self._inner, None
+            CompressedDDP.require(trainer, self).compressor, self._inner = self._inner, None
 
     # ------------------------------------------------------------------------------------------------------------
     # Masks

@@ -178,7 +178,7 @@ class TracIn(Callback):
             self._save(trainer, pl_module)
 
     def _save(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._lr_steps == 0 or trainer.global_step == self._saved_step:
+        if self._lr_steps == 0 or self._lr_last is None or trainer.global_step == self._saved_step:
             return  # no optimizer step since the last checkpoint: nothing to trace
         lr = self._lr_sum / self._lr_steps if self.learning_rate == "mean" else self._lr_last
         path = os.path.join(self.dirpath, f"tracin-epoch={trainer.current_epoch}-step={trainer.global_step}.pt")
@@ -186,7 +186,7 @@ class TracIn(Callback):
             os.makedirs(self.dirpath, exist_ok=True)
             save_tracin_checkpoint(pl_module, path, lr, epoch=trainer.current_epoch, global_step=trainer.global_step)
         self.checkpoints.append(path)
-        self.learning_rates.append(float(lr))  # type: ignore[arg-type]
+        self.learning_rates.append(float(lr))
         self._lr_sum, self._lr_steps, self._saved_step = 0.0, 0, trainer.global_step
 
     # ------------------------------------------------------------------------------------------------------------

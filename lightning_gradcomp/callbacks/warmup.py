@@ -186,7 +186,8 @@ class DenseWarmup(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         what = f"the first {self.length} {self.unit}" if self.length else "no"
         ramp = f", then keep-ratios {list(self.ramp)} for {self.ramp_length} {self.unit} each" if self.ramp else ""
-        rank_zero_info(f"DenseWarmup: dense all-reduce for {what}{ramp}, then {trainer.strategy.compressor!r}.")
+        compressor = CompressedDDP.require(trainer, self).compressor
+        rank_zero_info(f"DenseWarmup: dense all-reduce for {what}{ramp}, then {compressor!r}.")
 
     @override
     def on_train_batch_start(
@@ -194,23 +195,24 @@ class DenseWarmup(Callback):
     ) -> None:
         position = trainer.current_epoch if self.epochs is not None else trainer.global_step
         compress, stage = self.phase(position)
-        strategy = trainer.strategy
+        strategy = CompressedDDP.require(trainer, self)
         strategy.compression_enabled = compress
         if self.ramp is None:
             return
         compressor = strategy.compressor
         if self._target is None or self._target[0] is not compressor:
-            # the configured ratio, remembered once per compressor (the ramp overwrites the attribute)
-            self._target = (compressor, compressor.ratio)
+            # the configured ratio, remembered once per compressor (the ramp overwrites the attribute; setup checked
+            # that the compressor's level is its keep-ratio ``ratio``)
+            self._target = (compressor, getattr(compressor, "ratio"))
         target = self._target[1]
         ratio = target if stage is None else max(self.ramp[stage], target)
-        if compressor.ratio != ratio:
-            compressor.ratio = compressor.check_level(ratio)  # the hook re-plans when the level changes
+        if getattr(compressor, "ratio") != ratio:
+            setattr(compressor, "ratio", compressor.check_level(ratio))  # the hook re-plans when the level changes
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         # leave the compressor as configured (a run that ends inside the ramp must not change a later fit)
         if self._target is not None:
             compressor, ratio = self._target
-            compressor.ratio = ratio
+            setattr(compressor, "ratio", ratio)
             self._target = None

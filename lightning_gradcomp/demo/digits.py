@@ -139,10 +139,13 @@ class RecordRun(pl.Callback):
         """Save this rank's record."""
         import os
 
-        states = {type(cb).__name__: cb.state_dict() for cb in trainer.callbacks if cb is not self}
+        from lightning_gradcomp.callbacks import TracIn
+
+        callbacks: list[pl.Callback] = getattr(trainer, "callbacks", [])  # set at init, undeclared on Trainer
+        states = {type(cb).__name__: cb.state_dict() for cb in callbacks if cb is not self}
         extra = {}
-        for cb in trainer.callbacks:
-            if type(cb).__name__ == "TracIn":
+        for cb in callbacks:
+            if isinstance(cb, TracIn):
                 extra["tracin_scores"] = cb.scores
                 extra["tracin_losses"] = cb.final_losses
         state = getattr(trainer.strategy, "compression_state", None)
@@ -233,7 +236,7 @@ class DigitsNet(pl.LightningModule):
     def configure_optimizers(self):
         """SGD with momentum (and the learning-rate schedule)."""
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
-        steps = self.trainer.estimated_stepping_batches
+        steps = int(self.trainer.estimated_stepping_batches)  # finite: the demo sets max_epochs
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(
             optimizer, steps), "interval": "step"}}  # fmt: skip
 

@@ -139,7 +139,7 @@ class NovoGrad(Optimizer):
         """The same arithmetic over every tensor of one device and dtype at once."""
         beta1, beta2 = group["betas"]
         states = [self.state[p] for p in params]
-        grads = [p.grad for p in params]
+        grads = [p.grad for p in params if p.grad is not None]  # all of them (the caller's filter)
         v_list = [s["exp_avg_sq"] for s in states]
         m_list = [s["exp_avg"] for s in states]
         norm_sq = torch.stack(torch._foreach_norm(grads)).square()

@@ -165,15 +165,15 @@ class ImageClassifier(pl.LightningModule):
         """SGD with the step decay (and optional linear warm-up), stepped every epoch."""
         hp = self.hparams
         factory = DGCSGD if hp.get("optimizer", "sgd") == "dgc_sgd" else torch.optim.SGD
-        optimizer = factory(self.parameters(), lr=hp.lr, momentum=hp.momentum, nesterov=hp.nesterov,
-                            weight_decay=hp.weight_decay)  # fmt: skip
+        optimizer = factory(self.parameters(), lr=hp["lr"], momentum=hp["momentum"], nesterov=hp["nesterov"],
+                            weight_decay=hp["weight_decay"])  # fmt: skip
         # SequentialLR restarts the decay scheduler's epoch counter when the warm-up ends, so its milestones are
         # counted from there: shifted by the warm-up, the decay lands on the epochs given in `milestones`
-        shift = hp.warmup_epochs
-        decay = torch.optim.lr_scheduler.MultiStepLR(
-            optimizer, milestones=[m - shift for m in hp.milestones or []], gamma=hp.gamma
+        shift = hp["warmup_epochs"]
+        decay: torch.optim.lr_scheduler.LRScheduler = torch.optim.lr_scheduler.MultiStepLR(
+            optimizer, milestones=[m - shift for m in hp["milestones"] or []], gamma=hp["gamma"]
         )
-        if hp.warmup_epochs:
-            warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=hp.warmup_epochs)
-            decay = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, decay], milestones=[hp.warmup_epochs])
+        if hp["warmup_epochs"]:
+            warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=hp["warmup_epochs"])
+            decay = torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, decay], milestones=[hp["warmup_epochs"]])
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "epoch"}}

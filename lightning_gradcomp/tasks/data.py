@@ -7,7 +7,7 @@ import os
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_gradcomp.validation import check_bool, check_int, check_number, check_positive_int
 
@@ -26,6 +26,13 @@ def flip_labels(
     noisy[flipped] = (noisy[flipped] + shift) % num_classes
     return noisy, flipped
 
+
+
+def _set_up(dataset: Dataset | None, name: str) -> Dataset:
+    """``dataset``, which ``setup`` makes: a clear error when a loader is asked for before it ran."""
+    if dataset is None:
+        raise RuntimeError(f"`{name}` is made in `setup()`: call it before asking for a data loader.")
+    return dataset
 
 class DigitsDataModule(pl.LightningDataModule):
     """The 1,797 8x8 handwritten digits that ship with scikit-learn: a small, real, offline image dataset.
@@ -84,11 +91,11 @@ class DigitsDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled each epoch (Lightning's DistributedSampler shards it across ranks)."""
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True)
+        return DataLoader(_set_up(self.train_set, "train_set"), batch_size=self.batch_size, shuffle=True)
 
     def val_dataloader(self) -> DataLoader:
         """The held-out images."""
-        return DataLoader(self.val_set, batch_size=256)
+        return DataLoader(_set_up(self.val_set, "val_set"), batch_size=256)
 
     def test_dataloader(self) -> DataLoader:
         """The held-out images (digits has no separate test set)."""
@@ -128,7 +135,7 @@ class CIFAR10DataModule(pl.LightningDataModule):
         self.data_dir, self.batch_size, self.num_workers = data_dir, batch_size, num_workers
         self.download, self.augment = download, augment
 
-    def _dataset(self, train: bool, transform: object) -> object:
+    def _dataset(self, train: bool, transform: object) -> Dataset:
         from torchvision.datasets import CIFAR10
 
         return CIFAR10(self.data_dir, train=train, transform=transform, download=False)

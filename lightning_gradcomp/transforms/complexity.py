@@ -32,7 +32,7 @@ def count_parameters(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-def _linear(module: nn.Module, out: Tensor) -> tuple[int, int]:
+def _linear(module: nn.Linear | FactorizedLinear, out: Tensor) -> tuple[int, int]:
     tokens = out.numel() // module.out_features
     full = tokens * module.in_features * module.out_features
     if isinstance(module, FactorizedLinear):
@@ -40,7 +40,7 @@ def _linear(module: nn.Module, out: Tensor) -> tuple[int, int]:
     return full, full
 
 
-def _conv(module: nn.Module, out: Tensor) -> tuple[int, int]:
+def _conv(module: nn.modules.conv._ConvNd | FactorizedConv, out: Tensor) -> tuple[int, int]:
     positions = out.numel() // module.out_channels
     taps = math.prod(module.kernel_size)
     if isinstance(module, FactorizedConv):
@@ -67,7 +67,9 @@ def _lstm(module: nn.LSTM, inputs: Tensor | PackedSequence) -> tuple[int, int]:
     return full, full + compose
 
 
-def _attention(module: nn.Module, query: Tensor, key: Tensor, batch_first: bool) -> tuple[int, int]:
+def _attention(
+    module: nn.MultiheadAttention | FactorizedMultiheadAttention, query: Tensor, key: Tensor, batch_first: bool
+) -> tuple[int, int]:
     e = module.embed_dim
     tgt = query.shape[1 if batch_first else 0] if query.dim() == 3 else query.shape[0]
     src = key.shape[1 if batch_first else 0] if key.dim() == 3 else key.shape[0]
@@ -117,10 +119,12 @@ class MacCounter:
                 full, now = _conv(mod, output)
             elif isinstance(mod, nn.LSTM):
                 full, now = _lstm(mod, args[0] if args else kwargs["input"])
-            else:
+            elif isinstance(mod, (nn.MultiheadAttention, FactorizedMultiheadAttention)):
                 query = args[0] if args else kwargs["query"]
                 key = args[1] if len(args) > 1 else kwargs["key"]
                 full, now = _attention(mod, query, key, mod.batch_first)
+            else:  # not a unit (_UNITS): never hooked
+                return
             self.full_rank += full
             self.total += now
 

@@ -55,12 +55,6 @@ def svd_factors(matrix: Tensor, rank: int) -> tuple[Tensor, Tensor]:
     return left.to(matrix.dtype).contiguous(), right.to(matrix.dtype).contiguous()
 
 
-def full_rank_of(weight_shape: torch.Size | tuple[int, ...]) -> int:
-    """``min(m, n)`` for a weight viewed as ``shape[0] x rest``."""
-    rows = weight_shape[0]
-    return min(rows, math.prod(weight_shape[1:]))
-
-
 class FactorizedLinear(nn.Module):
     """``Linear(in, r, bias=False)`` then ``Linear(r, out)``: a rank-``r`` linear layer.
 
@@ -124,7 +118,7 @@ class FactorizedConv(nn.Module):
         super().__init__()
         if isinstance(conv, nn.modules.conv._ConvTransposeNd) or conv.groups != 1:
             raise ValueError("Only ordinary convolutions with groups=1 can be factorized.")
-        cls = type(conv)
+        cls: Callable[..., nn.modules.conv._ConvNd] = type(conv)  # Conv1d, Conv2d or Conv3d: one signature
         w = conv.weight
         self.in_channels, self.out_channels, self.rank = conv.in_channels, conv.out_channels, rank
         self.kernel_size = conv.kernel_size
@@ -145,7 +139,7 @@ class FactorizedConv(nn.Module):
         with torch.no_grad():
             out.u.weight.copy_(right.view_as(out.u.weight))
             out.v.weight.copy_(left.view_as(out.v.weight))
-            if conv.bias is not None:
+            if conv.bias is not None and out.v.bias is not None:  # v has a bias exactly when conv has one
                 out.v.bias.copy_(conv.bias)
         return out
 
@@ -192,6 +186,7 @@ class FactorizedLSTM(nn.LSTM):
             raise ValueError("LSTMs with projections (proj_size > 0) are not factorized.")
         out = copy.deepcopy(lstm)
         out.__class__ = cls
+        assert isinstance(out, cls)
         out._factor_ranks = {}
         h = lstm.hidden_size
         for name in lstm._flat_weights_names:

@@ -162,6 +162,8 @@ def plan(model: nn.Module, rank_ratio: float, full_rank: Sequence[str | int] | N
     decisions = []
     for i, (name, module) in enumerate(layers):
         kind = _kind(module)
+        if kind is None:  # candidates() lists only layers of a factorizable kind
+            continue
         matched = next((p for p in patterns if fnmatch.fnmatchcase(name, p)), None)
         if matched is not None:
             decisions.append(Decision(name, kind, False, f"full-rank by pattern {matched!r}"))
@@ -301,10 +303,11 @@ class Pufferfish(ModelTransform):
     def on_train_batch_end(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._counting is None:
+        counter = self._counter
+        if self._counting is None or counter is None:
             return
         self._counting.__exit__(None, None, None)
-        counter, self._counter, self._counting = self._counter, None, None
+        self._counter, self._counting = None, None
         self.report.update(macs_full_rank=counter.full_rank, macs=counter.total)
         rank_zero_info(
             f"Pufferfish: multiply-accumulates of one training batch (rank 0): {counter.full_rank:,} full-rank ->"

@@ -1,0 +1,479 @@
+"""``DiLoCo``: periodic synchronization for slow links, as a Lightning strategy on ``torch.distributed``.
+
+DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models", arXiv 2311.08105)
+and Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512). Each worker trains its own replica with the module's
+optimizer (the inner optimizer) and exchanges nothing for ``sync_every`` steps; then the workers average the
+pseudo-gradient ``theta_global - theta_local`` and an outer optimizer steps the shared parameters theta_global.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import logging
+from collections.abc import Mapping
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp.outer import OuterOptimizerCallable, OuterState, all_finite, default_outer_optimizer
+from lightning_gradcomp.process_groups import gather_objects
+from lightning_gradcomp.strategy_args import _START_METHODS, _STRATEGY_KWARGS
+from lightning_gradcomp.validation import check_bool, check_choice, check_int
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_KEY = "diloco"
+_MiscError = MisconfigurationException
+#: DDPStrategy arguments that configure DDP's gradient all-reduce, which DiLoCo does not run
+_REFUSED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+#: DistributedDataParallel's arguments and their defaults (what LightningCLI passes when a recipe sets none)
+_DDP_DEFAULTS = {
+    n: p.default for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+    if n not in ("self", "module", "device_ids")
+}  # fmt: skip
+
+
+def _strategy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """DDPStrategy's own arguments, checked; ``DistributedDataParallel``'s refused unless left at their defaults.
+
+    DiLoCo does not wrap the model in ``DistributedDataParallel``, so its arguments would have no effect. Left at
+    their defaults they are dropped quietly: LightningCLI passes every argument it resolves, defaults included.
+    """
+    own = {}
+    for name, value in kwargs.items():
+        if name in _REFUSED:
+            if value is not None:
+                raise MisconfigurationException(
+                    f"DiLoCo does not accept `{name}`: it runs no per-step gradient all-reduce to hook into."
+                )
+        elif name in _DDP_DEFAULTS:
+            if value is not _DDP_DEFAULTS[name] and value != _DDP_DEFAULTS[name]:
+                raise MisconfigurationException(
+                    f"DiLoCo does not accept `{name}`={value!r}: it does not wrap the model in"
+                    " DistributedDataParallel, whose arguments would have no effect."
+                )
+        elif name in _STRATEGY_KWARGS:
+            own[name] = value
+        else:
+            valid = ["sync_every", "outer_optimizer", "fragments", "overlap_steps", "offload", *_STRATEGY_KWARGS]
+            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
+            hint = f" Did you mean `{close[0]}`?" if close else ""
+            raise MisconfigurationException(
+                f"DiLoCo got an unexpected keyword argument `{name}`: it is not an argument of DiLoCo or"
+                f" DDPStrategy.{hint}"
+            )
+    if own.get("timeout") is not None and not isinstance(own["timeout"], timedelta):
+        raise MisconfigurationException(
+            f"Expected `timeout` to be a datetime.timedelta or None, got {own['timeout']!r}."
+        )
+    if "start_method" in own:
+        check_choice(own["start_method"], "start_method", _START_METHODS, error=_MiscError)
+    return own
+
+
+def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
+    """Parameter indices cut into ``fragments`` consecutive runs of about equal size (in elements).
+
+    Consecutive, as Streaming DiLoCo's fragments are consecutive transformer blocks.
+    """
+    total = sum(numels)
+    cuts, seen, out, current = 1, 0, [], []
+    for i, n in enumerate(numels):
+        current.append(i)
+        seen += n
+        left_tensors, left_fragments = len(numels) - i - 1, fragments - cuts
+        if cuts < fragments and (seen >= cuts * total / fragments or left_tensors == left_fragments):
+            out.append(current)
+            current, cuts = [], cuts + 1
+    out.append(current)
+    return out
+
+
+def gather_rank_states(state: Any, device: torch.device) -> list[Any] | None:
+    """Every rank's ``state`` on rank 0 (``None`` elsewhere): how per-rank training state reaches the checkpoint."""
+    return gather_objects(state, device)
+
+
+class DiLoCo(DDPStrategy):
+    """DiLoCo: inner steps on each worker with no communication, an outer step on the averaged pseudo-gradient.
+
+    Each worker steps the module's own optimizer (the inner optimizer, e.g. AdamW) and LR schedulers on its local
+    gradients; nothing crosses the wire between syncs: no gradient all-reduce, no buffer broadcast (the model is not
+    wrapped in ``DistributedDataParallel``). Every ``sync_every`` optimizer steps:
+
+    1. each worker forms the pseudo-gradient ``theta_global - theta_local`` (theta_global: the parameters every worker
+       started the round from);
+    2. the workers average it with one all-reduce;
+    3. the outer optimizer steps theta_global with ``.grad`` set to that average;
+    4. every worker is set to the new theta_global, and floating-point buffers (BatchNorm's running statistics) are
+       averaged.
+
+    After ``fit`` every rank holds theta_global: a partial last round ends with an outer step of its own. Validation
+    during ``fit`` runs on theta_global, and a checkpoint's ``state_dict`` holds theta_global; the rest of the training
+    state (every rank's local parameters and inner optimizer state, the outer optimizer's state, the phase in the
+    round) travels in ``checkpoint["diloco"]``, so a run resumes bit for bit, also in the middle of a round.
+
+    A pseudo-gradient that is not finite on some rank skips that outer step: every worker goes back to theta_global,
+    a rank whose inner optimizer state holds non-finite values forgets that state, and the skip is logged and counted.
+
+    Args:
+        sync_every: inner optimizer steps per round (``H``; 500 in the paper, 20-100 for small models).
+        outer_optimizer: builds the outer optimizer from theta_global's tensors (a callable such as
+            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, the default, or what
+            LightningCLI passes for an ``OptimizerCallable``).
+        fragments: Streaming DiLoCo: the model is cut into this many fragments of consecutive parameters, synced in
+            turn every ``sync_every / fragments`` steps, so that each is synced once per ``sync_every`` steps and the
+            peak traffic is ``1 / fragments`` of the model. Must divide ``sync_every``.
+        overlap_steps: Streaming DiLoCo: a fragment's exchange runs in the background during this many inner steps,
+            and its outer step is applied then (the fragment's local progress over those steps is replaced by the
+            new theta_global). Below ``sync_every / fragments``.
+        offload: keep theta_global and the outer optimizer's state in CPU memory.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
+            ``timeout``, ``start_method``, ...).
+
+    Raises:
+        MisconfigurationException: If an argument is out of range or of the wrong type, or a keyword is not
+            DDPStrategy's own (``DistributedDataParallel``'s arguments have no effect here); when fitting starts, if
+            ``configure_optimizers`` returns more than one optimizer or the model has fewer parameter tensors than
+            ``fragments``.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradcomp import DiLoCo
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=DiLoCo(sync_every=100))
+    """
+
+    strategy_name = "diloco"
+
+    def __init__(
+        self,
+        sync_every: int = 500,
+        outer_optimizer: OuterOptimizerCallable | None = None,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        offload: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        check_int(sync_every, "sync_every", low=1, error=_MiscError)
+        check_int(fragments, "fragments", low=1, error=_MiscError)
+        if sync_every % fragments:
+            raise MisconfigurationException(
+                f"Expected `fragments` to be an integer >= 1 that divides `sync_every` ({sync_every}), got {fragments}."
+            )
+        check_int(overlap_steps, "overlap_steps", low=0, high=sync_every // fragments - 1, error=_MiscError)
+        if outer_optimizer is not None and not callable(outer_optimizer):
+            raise MisconfigurationException(
+                "Expected `outer_optimizer` to be a callable that takes the parameters and returns a"
+                f" torch.optim.Optimizer (e.g. functools.partial(torch.optim.SGD, lr=0.7)), got {outer_optimizer!r}."
+            )
+        check_bool(offload, "offload", error=_MiscError)
+        super().__init__(**_strategy_kwargs(kwargs))
+        self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
+        self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload)
+        self._fragments: list[list[int]] = []
+        self._attached = False
+        self._restored: Mapping[str, Any] | None = None  # the checkpoint's DiLoCo section, applied at setup
+        self._local: list[Tensor] | None = None  # this rank's parameters and buffers while validation runs on global
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"diloco"`` (unless the registry already has that name: a user's own entry is kept)."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="DiLoCo: periodic synchronization with an outer optimizer"
+            )
+
+    @property
+    def outer_state(self) -> OuterState:
+        """theta_global, the outer optimizer, the phase in the round and the outer exchange's counters."""
+        return self._outer
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Setup: no DDP wrapper, rank 0's model everywhere, theta_global taken
+    # ------------------------------------------------------------------------------------------------------------
+    @override
+    def configure_ddp(self) -> None:
+        """Start every replica from rank 0's parameters and buffers, as DDP's wrapper would, but do not wrap.
+
+        Without the wrapper no gradient is all-reduced and no buffer is broadcast on a step.
+        """
+        assert isinstance(self.model, pl.LightningModule)
+        _sync_module_states(self.model)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """DDPStrategy's setup (without the wrapper), then theta_global and, when resuming, this rank's own state."""
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        if len(self.optimizers) != 1:
+            raise MisconfigurationException(
+                f"DiLoCo steps one inner optimizer; `configure_optimizers` returned {len(self.optimizers)}."
+            )
+        params = self._params()
+        if len(params) < self.fragments:
+            raise MisconfigurationException(
+                f"Expected `fragments` to be at most the model's {len(params)} parameter tensors, got {self.fragments}."
+            )
+        self._fragments = _split_fragments([p.numel() for p in params], self.fragments)
+        self._outer.attach(params, self._buffers(), fragments=len(self._fragments))
+        self._attached = True
+        if self._restored is not None:
+            self._restore(self._restored)
+        self._restored = None
+        rank_zero_info(self._describe())
+
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("DiLoCo has no LightningModule yet: it is connected by the Trainer.")
+        return self.lightning_module
+
+    def _params(self) -> list[Tensor]:
+        return [p for p in self._module().parameters() if p.requires_grad]
+
+    def _buffers(self) -> list[Tensor]:
+        return list(self._module().buffers())
+
+    def _describe(self) -> str:
+        numel = sum(p.numel() for p in self._params())
+        processes = "1 process" if self.world_size == 1 else f"{self.world_size} processes"
+        streaming = f" in {self.fragments} fragments" if self.fragments > 1 else ""
+        return (
+            f"DiLoCo: {numel:,} parameters synced{streaming} every {self.sync_every} optimizer steps"
+            f" (outer optimizer {type(self._outer.optimizer).__name__}); {processes}."
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The inner step and the sync
+    # ------------------------------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The inner optimizer's step on this rank's own gradients; every ``sync_every / fragments`` steps a sync."""
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._attached and self._module().trainer.state.fn == TrainerFn.FITTING:
+            self._after_inner_step()
+        return output
+
+    def _after_inner_step(self) -> None:
+        outer = self._outer
+        outer.phase += 1
+        outer.dirty = [True] * self.fragments
+        if outer.pending is not None:
+            outer.pending["remaining"] -= 1
+            if outer.pending["remaining"] == 0:
+                self._finish_exchange()
+        period = self.sync_every // self.fragments
+        if outer.phase % period == 0:
+            self._start_exchange(outer.phase // period - 1, overlapped=self.overlap_steps > 0)
+        if outer.phase == self.sync_every:
+            outer.phase = 0
+
+    def _start_exchange(self, fragment: int, overlapped: bool) -> None:
+        """Send fragment ``fragment``'s pseudo-gradient; apply it now, or (``overlapped``) after ``overlap_steps``."""
+        outer = self._outer
+        flats = outer.pseudo_gradients(self._params(), self._fragments[fragment])
+        outer.contribution = [f.clone() for f in flats] if overlapped else None
+        outer.in_flight = outer.average(flats, async_op=overlapped)
+        outer.pending = {"fragment": fragment, "remaining": self.overlap_steps}
+        if not overlapped:
+            self._finish_exchange()
+
+    def _finish_exchange(self) -> None:
+        """Step theta_global with the exchange's average and set every worker's fragment to it.
+
+        With ``overlap_steps`` the fragment's local progress since the exchange started is replaced by the new
+        theta_global (Streaming DiLoCo's merge with mixing factor 0).
+        """
+        outer, params, buffers = self._outer, self._params(), self._buffers()
+        assert outer.pending is not None
+        assert outer.in_flight is not None
+        fragment, indices = outer.pending["fragment"], self._fragments[outer.pending["fragment"]]
+        averaged = outer.in_flight.wait()
+        outer.pending = outer.in_flight = outer.contribution = None
+        averaged_buffers = outer.average_buffers(buffers)
+        if all_finite([*averaged, *averaged_buffers]):
+            outer.step(averaged, params, indices)
+            outer.set_buffers(buffers, averaged_buffers)
+            outer.syncs += 1
+        else:
+            outer.skipped += 1
+            outer.restore_buffers(buffers)
+            self._forget_nonfinite_state(params)
+            rank_zero_warn(
+                f"DiLoCo: the averaged pseudo-gradient is not finite (a rank's inner steps diverged): outer step"
+                f" skipped, every worker reset to theta_global ({outer.skipped} skipped so far)."
+            )
+        outer.copy_to(params, indices)
+        outer.dirty[fragment] = False
+
+    def _forget_nonfinite_state(self, params: list[Tensor]) -> None:
+        """After a skipped round, leave no non-finite value in this rank's own state.
+
+        Its non-finite parameters go back to theta_global, and the inner optimizer forgets the state (momenta) of
+        parameters whose state is not finite (host reads: only on a skipped round).
+        """
+        self._outer.copy_to(params, [i for i, p in enumerate(params) if not bool(p.isfinite().all())])
+        for optimizer in self.optimizers:
+            for p in list(optimizer.state):
+                values = [v for v in optimizer.state[p].values() if isinstance(v, Tensor) and v.is_floating_point()]
+                if not all_finite(values):
+                    del optimizer.state[p]
+
+    @override
+    def on_train_end(self) -> None:
+        """A partial last round ends with an outer step, so that every rank holds the same theta_global."""
+        super().on_train_end()
+        if self._attached:
+            if self._outer.pending is not None:
+                self._finish_exchange()
+            for k in range(self.fragments):
+                if self._outer.dirty[k]:  # trained since its last sync
+                    self._start_exchange(k, overlapped=False)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Validation during fit runs on theta_global
+    # ------------------------------------------------------------------------------------------------------------
+    @override
+    def on_validation_start(self) -> None:
+        """Keep this rank's parameters and buffers aside and evaluate theta_global (the model a checkpoint holds)."""
+        super().on_validation_start()
+        if self._attached and self._local is None:
+            params, buffers = self._params(), self._buffers()
+            self._local = [t.detach().clone() for t in (*params, *buffers)]
+            self._outer.copy_to(params, range(len(params)))
+            self._outer.restore_buffers(buffers)
+
+    @override
+    def on_validation_end(self) -> None:
+        """Give this rank its own parameters and buffers back."""
+        super().on_validation_end()
+        if self._local is not None:
+            with torch.no_grad():
+                for mine, saved in zip((*self._params(), *self._buffers()), self._local, strict=True):
+                    mine.copy_(saved)
+            self._local = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpoints: theta_global in state_dict, the rest in checkpoint["diloco"]
+    # ------------------------------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with theta_global (and the buffers of the last sync) in place of this rank's own."""
+        state = super().lightning_module_state_dict()
+        if not self._attached:
+            return state
+        module = self._module()
+        params = self._params()
+        floats = [b for b in self._buffers() if b.is_floating_point()]
+        shared = {id(p): g for p, g in zip(params, self._outer.params)}
+        shared.update({id(b): g for b, g in zip(floats, self._outer.buffers)})
+        for name, value in module.state_dict(keep_vars=True).items():
+            if id(value) in shared and name in state:
+                state[name] = shared[id(value)].detach().clone().to(state[name].device)
+        return state
+
+    def _rank_state(self) -> dict[str, Any]:
+        tensors = self._local or [t.detach().clone() for t in (*self._params(), *self._buffers())]
+        return {
+            "tensors": tensors,
+            "optimizer_states": [o.state_dict() for o in self.optimizers],
+            "contribution": self._outer.contribution,  # this rank's pseudo-gradient in flight, if one is
+        }
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Save like DDPStrategy, with every rank's local state and the outer state in ``checkpoint["diloco"]``.
+
+        Lightning calls this on every rank and writes on rank 0 only, so every rank's parameters and inner optimizer
+        state are gathered here (a weights-only checkpoint, with no ``"loops"``, carries no training state).
+        """
+        if self._attached and "loops" in checkpoint:
+            ranks = gather_rank_states(self._rank_state(), self.root_device)
+            if self.is_global_zero:
+                checkpoint[CHECKPOINT_KEY] = {
+                    "format": 1,
+                    "world_size": self.world_size,
+                    "sync_every": self.sync_every,
+                    "fragments": self.fragments,
+                    "outer": self._outer.state_dict(),
+                    "ranks": ranks,
+                }
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load theta_global (the checkpoint's ``state_dict``); this rank's own state is applied at setup."""
+        super().load_model_state_dict(checkpoint, strict=strict)
+        section = checkpoint.get(CHECKPOINT_KEY)
+        if section is None:
+            if "loops" in checkpoint:
+                rank_zero_info(
+                    "DiLoCo: the checkpoint was not written by DiLoCo (no 'diloco' state): its weights become"
+                    " theta_global, every rank starts a new round from them with the checkpoint's optimizer state,"
+                    " and the outer optimizer starts afresh."
+                )
+            return
+        if section["world_size"] != self.world_size:
+            rank_zero_warn(
+                f"DiLoCo: the checkpoint was saved by {section['world_size']} processes, this run has"
+                f" {self.world_size}: every rank starts a new round from its theta_global, with rank 0's optimizer"
+                " state; the outer optimizer's state is kept."
+            )
+            section = {**section, "ranks": None}
+        self._restored = section
+
+    def _restore(self, section: Mapping[str, Any]) -> None:
+        outer = dict(section["outer"])
+        same_schedule = section["sync_every"] == self.sync_every and section["fragments"] == self.fragments
+        if section["ranks"] is None or not same_schedule:
+            if not same_schedule:
+                rank_zero_warn(
+                    f"DiLoCo: the checkpoint synced every {section['sync_every']} steps in {section['fragments']}"
+                    f" fragments, this run every {self.sync_every} in {self.fragments}: a new round starts from"
+                    " its theta_global."
+                )
+            outer["phase"], outer["dirty"], outer["pending"] = 0, [False] * self.fragments, None
+            self._outer.load_state_dict(outer)
+            self._outer.copy_to(self._params(), range(len(self._params())))
+            self._outer.restore_buffers(self._buffers())
+            return
+        self._outer.load_state_dict(outer)
+        own = section["ranks"][self.global_rank]
+        with torch.no_grad():
+            for mine, saved in zip((*self._params(), *self._buffers()), own["tensors"], strict=True):
+                mine.copy_(saved)
+        if self._outer.pending is not None:  # the exchange that was in flight is sent again, with the same values
+            contribution = [t.to(self.root_device) for t in own["contribution"]]
+            self._outer.contribution = [t.clone() for t in contribution]
+            self._outer.in_flight = self._outer.average(contribution, async_op=True)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load this rank's own inner optimizer state (Lightning's ``optimizer_states`` holds rank 0's only)."""
+        section = checkpoint.get(CHECKPOINT_KEY)
+        if section is not None and section["world_size"] == self.world_size and section["ranks"] is not None:
+            checkpoint = {**checkpoint, "optimizer_states": section["ranks"][self.global_rank]["optimizer_states"]}
+        super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def teardown(self) -> None:
+        """DDPStrategy's teardown; the outer state stays readable (``outer_state``) for inspection after ``fit``."""
+        super().teardown()
+        self._attached = False
+        self._local = None
+        log.debug("DiLoCo: %d outer steps, %d skipped", self._outer.syncs, self._outer.skipped)

@@ -1,0 +1,400 @@
+"""DiLoCo: inner steps without communication, the outer step on the averaged pseudo-gradient, exact resume.
+
+The fits run under Lightning's default launcher through tests/fit_worker.py: one launch of two processes for most
+tests (a launch costs seconds, a fit of TinyNet a fraction of one), one of three processes and one of one. The
+reference DiLoCo is computed in the test process, from the same data, model and optimizers.
+"""
+
+import copy
+import os
+from functools import partial
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+from lightning_gradcomp import DiLoCo
+from lightning_gradcomp.diloco import _split_fragments
+from tests.fit_worker import assert_same_weights, run_fits, run_name, train
+from tests.models import TinyNet, synthetic_classification
+
+RESUMED = "diloco-h3:epochs4+diloco-h3:epochs2"
+# the checkpoint after 8 steps holds fragment 1's exchange in flight
+RESUMED_IN_FLIGHT = "diloco-h4f2t1:epochs4+diloco-h4f2t1:epochs2"
+LAUNCH = [
+    "ddp:eager",
+    "diloco-h1:eager",
+    "diloco-h4:steps8",
+    "diloco-h2:eager",
+    "diloco-h2:manual",
+    "diloco-h2:accumulate2",
+    "diloco-h4-offload:steps8",
+    "diloco-h4f2:steps8",
+    "diloco-h4t1:steps8",
+    "diloco-h4f2t1:steps8",
+    "diloco-h4f2t1:epochs4",
+    "diloco-h4f2t1:epochs2",
+    RESUMED_IN_FLIGHT,
+    "diloco-h4:nan",
+    "diloco-h4:val",
+    # 4 steps per epoch, a round of 3: the checkpoint after 2 epochs (8 steps) is 2 steps into a round
+    "diloco-h3:epochs4",
+    "diloco-h3:epochs2",
+    RESUMED,
+    f"{RESUMED}:stateless",
+    "ddp:epochs2",
+    "diloco-h3:epochs4+ddp:epochs2",
+    "ddp:epochs4+diloco-h3:epochs2",
+    "identity:epochs4+diloco-h3:epochs2",
+    "diloco-h4:epochs4+diloco-h3:epochs2",
+]
+
+
+@pytest.fixture(scope="module")
+def launch(tmp_path_factory):
+    """The launch's folder, output and every run's records."""
+    root = tmp_path_factory.mktemp("diloco")
+    code, output, records = run_fits(root, 2, LAUNCH)
+    assert code == 0, output[-3000:]
+    return root, output, records
+
+
+def reference_diloco(
+    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0
+) -> list[torch.Tensor]:
+    """DiLoCo by hand: theta_global after ``steps`` steps (a partial last round ends with an outer step).
+
+    TinyNet's inner SGD on each rank's shard (as Lightning's DistributedSampler deals it), the mean of
+    ``sign * (theta_global - theta_local)``, outer Nesterov SGD. Written from the paper's Algorithm 1, independently
+    of the strategy's code. ``overlap``: the mean is applied that many inner steps after it was taken, and replaces
+    the replicas' parameters then (Streaming DiLoCo with one fragment and mixing factor 0).
+    """
+    model = TinyNet()
+    data = synthetic_classification(model.n)
+    x, y = data.tensors
+    # Lightning's sampler for TinyNet's loader: shuffled with seed 0, epoch 0, padded to a multiple of world_size
+    shards = [list(DistributedSampler(data, num_replicas=world_size, rank=r, seed=0)) for r in range(world_size)]
+    replicas = [copy.deepcopy(model) for _ in range(world_size)]
+    inner = [torch.optim.SGD(m.parameters(), lr=model.lr, momentum=0.9) for m in replicas]
+    theta = [p.detach().clone() for p in model.parameters()]
+    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
+
+    def exchange() -> list[torch.Tensor]:
+        return [sum(sign * (g - list(m.parameters())[i].detach()) / world_size for m in replicas)
+                for i, g in enumerate(theta)]  # fmt: skip
+
+    def apply(mean: list[torch.Tensor]) -> None:
+        for g, d in zip(theta, mean):
+            g.grad = d
+        outer.step()
+        buffers = [[b for b in m.buffers() if b.is_floating_point()] for m in replicas]
+        mean_buffers = [sum(bs) / world_size for bs in zip(*buffers)]
+        with torch.no_grad():
+            for m, own in zip(replicas, buffers):
+                for p, g in zip(m.parameters(), theta):
+                    p.copy_(g)
+                for b, mean in zip(own, mean_buffers):
+                    b.copy_(mean)
+
+    pending, since_applied = None, 0  # (the mean in flight, steps until applied); inner steps since the last apply
+    for step in range(steps):
+        for m, optimizer, shard in zip(replicas, inner, shards):
+            batch = shard[step * model.batch_size : (step + 1) * model.batch_size]
+            loss = nn.functional.cross_entropy(m(x[batch]), y[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        since_applied += 1
+        if pending is not None and step + 1 == pending[1]:
+            apply(pending[0])
+            pending, since_applied = None, 0
+        if (step + 1) % sync_every == 0:
+            pending = (exchange(), step + 1 + overlap)
+            if not overlap:
+                apply(pending[0])
+                pending, since_applied = None, 0
+    if pending is not None:
+        apply(pending[0])
+        since_applied = 0
+    if since_applied:
+        apply(exchange())
+    return theta
+
+
+def assert_replicas_identical(ranks: list[dict], what: str = "") -> None:
+    """Every rank ends with rank 0's parameters and buffers, bit for bit."""
+    assert_same_weights(ranks[:1] * len(ranks), ranks, what)
+
+
+def _flat(tensors):
+    return torch.cat([t.flatten() for t in tensors])
+
+
+def test_sync_every_1_with_outer_sgd_lr_1_is_plain_ddp(launch):
+    """H = 1, inner SGD with momentum, outer SGD(lr=1): the average of the inner steps is DDP's step (linearity)."""
+    _, _, records = launch
+    ddp, ours = records["ddp:eager"], records["diloco-h1:eager"]
+    torch.testing.assert_close(ours[0]["params"], ddp[0]["params"], rtol=1e-5, atol=1e-6)
+    assert torch.equal(ours[0]["params"], ours[1]["params"])
+    assert not torch.equal(ours[0]["params"], _flat(TinyNet().parameters()).detach()), "it trained"
+
+
+def test_manual_optimization_syncs_as_automatic_does(launch):
+    """Every ``optimizer.step()`` of a manual ``training_step`` is an inner step."""
+    _, _, records = launch
+    assert_same_weights(records["diloco-h2:eager"], records["diloco-h2:manual"])
+    assert records["diloco-h2:manual"][0]["syncs"] == 2
+
+
+def test_gradient_accumulation_counts_optimizer_steps(launch):
+    """4 optimizer steps of 2 micro-batches each, ``sync_every=2``: the syncs follow the 4th and 8th micro-batch."""
+    _, _, records = launch
+    ranks = records["diloco-h2:accumulate2"]
+    assert [s["collectives"] > 0 for s in ranks[0]["steps"]] == [False, False, False, True] * 2
+    assert ranks[0]["syncs"] == 2
+    assert_replicas_identical(ranks)
+
+
+def test_offload_gives_the_same_model(launch):
+    """theta_global and the outer state in CPU memory (on a CPU run the same memory: the code path, not the saving)."""
+    _, _, records = launch
+    assert_same_weights(records["diloco-h4:steps8"], records["diloco-h4-offload:steps8"])
+
+
+def test_sync_every_4_matches_diloco_computed_by_hand(launch):
+    """Two rounds of H = 4 with the default outer optimizer (Nesterov, lr 0.7): the sign of the pseudo-gradient."""
+    _, _, records = launch
+    expected = _flat(reference_diloco(2, 4, 8))
+    ours = records["diloco-h4:steps8"]
+    torch.testing.assert_close(ours[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    reversed_sign = _flat(reference_diloco(2, 4, 8, sign=-1.0))
+    assert (ours[0]["params"] - reversed_sign).abs().max() > 1e-3, "the reference can tell the sign"
+    assert ours[0]["syncs"] == 2
+    assert ours[0]["bytes_sent"] == 2 * ours[0]["params"].numel() * 4, "one fp32 all-reduce of the model per sync"
+
+
+def test_no_collective_on_an_inner_step_and_replicas_identical_after_every_sync(launch):
+    """The process group's own sequence number (C++ callers count too) does not move on an inner step."""
+    _, _, records = launch
+    ranks = records["diloco-h4:steps8"]
+    for i, (mine, theirs) in enumerate(zip(ranks[0]["steps"], ranks[1]["steps"])):
+        if (i + 1) % 4:
+            assert mine["collectives"] == 0, f"step {i + 1} is an inner step"
+            assert not torch.equal(mine["params"], theirs["params"]), "each rank trains on its own data"
+        else:
+            assert mine["collectives"] > 0, f"step {i + 1} syncs"
+            assert torch.equal(mine["params"], theirs["params"])
+            assert torch.equal(mine["params"], mine["global"])
+    assert_replicas_identical(ranks, "the ranks after fit")
+
+
+def test_fragments_sync_every_parameter_exactly_once_per_round(launch):
+    """Streaming: 2 fragments of H = 4 sync at steps 2 and 4 of each round; each parameter changes globally once."""
+    _, _, records = launch
+    ranks = records["diloco-h4f2:steps8"]
+    steps = ranks[0]["steps"]
+    fragments = _split_fragments([p.numel() for p in TinyNet().parameters()], 2)
+    sizes = [p.numel() for p in TinyNet().parameters()]
+    bounds = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
+    owner = torch.empty(bounds[-1], dtype=torch.long)
+    for k, fragment in enumerate(fragments):
+        for i in fragment:
+            owner[bounds[i] : bounds[i + 1]] = k
+    previous = _flat(TinyNet().parameters()).detach()
+    synced_times = torch.zeros_like(owner)
+    for i, step in enumerate(steps):
+        changed = step["global"] != previous
+        due = {1: 0, 3: 1, 5: 0, 7: 1}.get(i)  # the fragment that syncs after step i + 1, if any
+        assert (step["collectives"] > 0) == (due is not None)
+        if due is not None:
+            assert not changed[owner != due].any(), f"step {i + 1}: only fragment {due} moves"
+            mine = owner == due
+            assert torch.equal(step["params"][mine], ranks[1]["steps"][i]["params"][mine])
+        else:
+            assert not changed.any()
+        synced_times += changed
+        previous = step["global"]
+    assert synced_times.max() <= 2, "at most once per round"
+    assert torch.equal(ranks[0]["params"], ranks[1]["params"])
+
+
+def test_an_overlapped_exchange_matches_diloco_computed_by_hand(launch):
+    """``overlap_steps=1``: each round's mean is applied one inner step later and replaces the local parameters."""
+    _, _, records = launch
+    ours = records["diloco-h4t1:steps8"]
+    expected = _flat(reference_diloco(2, 4, 8, overlap=1))
+    torch.testing.assert_close(ours[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    not_overlapped = _flat(reference_diloco(2, 4, 8))
+    assert (ours[0]["params"] - not_overlapped).abs().max() > 1e-4, "the reference can tell the overlap"
+    assert_replicas_identical(ours)
+    # the exchange is sent at steps 4 and 8 and applied at step 5 (buffers averaged) and at the end of fit
+    assert [s["collectives"] > 0 for s in ours[0]["steps"]] == [False, False, False, True, True, False, False, True]
+
+
+def test_streaming_with_overlap_trains_and_resumes_with_an_exchange_in_flight(launch):
+    """2 fragments, each exchange overlapped with one inner step; the checkpoint after 8 steps holds one in flight."""
+    root, _, records = launch
+    ranks = records["diloco-h4f2t1:steps8"]
+    assert_replicas_identical(ranks)
+    sent = [s["collectives"] > 0 for s in ranks[0]["steps"]]
+    assert sent == [False, True, True, True, True, True, True, True], "sent at 2, 4, 6, 8; applied at 3, 5, 7"
+    assert_same_weights(records["diloco-h4f2t1:epochs4"], records[RESUMED_IN_FLIGHT], "resumed in flight")
+    section = _saved(root, "diloco-h4f2t1:epochs2")["diloco"]
+    assert section["outer"]["pending"] == {"fragment": 1, "remaining": 1}
+    contributions = [rank["contribution"] for rank in section["ranks"]]
+    assert not torch.equal(contributions[0][0], contributions[1][0]), "each rank's own pseudo-gradient"
+
+
+def test_a_nan_on_one_rank_costs_one_round(launch):
+    """Rank 1's loss is NaN in round 2: that outer step is skipped, theta_global and the outer state stay finite."""
+    _, output, records = launch
+    ranks = records["diloco-h4:nan"]
+    steps = ranks[0]["steps"]
+    assert ranks[0]["skipped"] == 1
+    assert ranks[0]["syncs"] == 2
+    assert "not finite" in output
+    assert torch.equal(steps[7]["global"], steps[3]["global"]), "the skipped round leaves theta_global"
+    assert torch.equal(steps[7]["params"], steps[3]["global"]), "every worker reset to theta_global"
+    assert not torch.equal(steps[11]["global"], steps[7]["global"]), "round 3 trains again"
+    assert torch.isfinite(steps[11]["global"]).all()
+    for state in ranks[0]["outer_state"]["state"].values():
+        assert torch.isfinite(state["momentum_buffer"]).all()
+    assert_replicas_identical(ranks)
+    assert all(torch.isfinite(v).all() for v in ranks[1]["state_dict"].values() if v.is_floating_point())
+
+
+def test_validation_runs_on_theta_global_and_leaves_the_local_training_alone(launch):
+    _, _, records = launch
+    ranks = records["diloco-h4:val"]
+    assert len(ranks[0]["validated"]) == 2  # one batch per rank after steps 3 and 6, mid-round
+    for seen in ranks[0]["validated"]:
+        assert torch.equal(seen["params"], seen["global"])
+    assert not torch.equal(ranks[0]["validated"][0]["params"], ranks[0]["steps"][2]["params"])
+    assert_same_weights(records["diloco-h4:steps8"], ranks, "validation changed training")
+
+
+def _saved(root, run):
+    return torch.load(os.path.join(root, run_name(run), "last.ckpt"), weights_only=False)
+
+
+def test_resume_in_the_middle_of_a_round_is_bitwise(launch):
+    root, _, records = launch
+    assert_same_weights(records["diloco-h3:epochs4"], records[RESUMED], "resumed mid-round")
+    assert len(records[RESUMED][0]["steps"]) == 8
+    saved = _saved(root, "diloco-h3:epochs2")
+    section = saved["diloco"]
+    assert section["world_size"] == 2
+    assert section["outer"]["phase"] == 2, "saved 2 steps into a round"
+    local = [rank["tensors"] for rank in section["ranks"]]
+    assert not all(torch.equal(a, b) for a, b in zip(*local)), "each rank's own parameters are saved"
+    momenta = [rank["optimizer_states"][0]["state"][0]["momentum_buffer"] for rank in section["ranks"]]
+    assert not torch.equal(*momenta), "each rank's own inner optimizer state is saved"
+    model = TinyNet()
+    params = dict(model.named_parameters())
+    for name, g in zip(params, section["outer"]["params"]):
+        assert torch.equal(saved["state_dict"][name], g), "the checkpoint's state_dict is theta_global"
+    # the state matters: without it the resumed run differs
+    stateless = records[f"{RESUMED}:stateless"]
+    assert not torch.equal(stateless[0]["params"], records[RESUMED][0]["params"])
+
+
+def test_checkpoints_pass_between_plain_ddp_and_diloco(launch):
+    _, output, records = launch
+    assert "not written by DiLoCo" in output
+    resumed = records["diloco-h3:epochs4+ddp:epochs2"]
+    assert_replicas_identical(resumed)
+    assert len(resumed[0]["steps"]) == 8
+    assert resumed[0]["syncs"] == 3, "rounds start afresh at the resume: steps 3, 6 and the partial last one"
+    # plain DDP keeps each rank's BatchNorm statistics apart (it broadcasts them before each forward): parameters only
+    for run in ("ddp:epochs4+diloco-h3:epochs2", "identity:epochs4+diloco-h3:epochs2"):
+        ranks = records[run]
+        assert torch.equal(ranks[0]["params"], ranks[1]["params"]), run
+        assert len(ranks[0]["steps"]) == 8
+    assert "holds no CompressedDDP state" in output
+
+
+def test_a_checkpoint_of_another_schedule_starts_a_new_round_from_theta_global(launch):
+    _, output, records = launch
+    assert "synced every 3 steps in 1 fragments, this run every 4 in 1: a new round starts" in output
+    ranks = records["diloco-h4:epochs4+diloco-h3:epochs2"]
+    assert [s["phase"] for s in ranks[0]["steps"]] == [1, 2, 3, 0] * 2
+    assert_replicas_identical(ranks)
+
+
+def _assert_matches_reference(ranks: list[dict], world_size: int) -> None:
+    expected = _flat(reference_diloco(world_size, 2, 6))
+    for rank in ranks:
+        torch.testing.assert_close(rank["params"], expected, rtol=1e-5, atol=1e-6)
+    assert_replicas_identical(ranks)
+
+
+def test_three_processes_match_the_reference(tmp_path):
+    code, output, records = run_fits(tmp_path, 3, ["diloco-h2:steps6"])
+    assert code == 0, output[-3000:]
+    _assert_matches_reference(records["diloco-h2:steps6"], 3)
+
+
+def test_one_process_matches_the_reference(in_process_ddp, tmp_path):
+    """One process (in this one: no launch): the pseudo-gradient's average is itself."""
+    train("diloco-h2:steps6", str(tmp_path), 1)
+    _assert_matches_reference([torch.load(tmp_path / "diloco-h2-steps6" / "rank0.pt", weights_only=False)], 1)
+
+
+def test_registered_by_name():
+    trainer = Trainer(strategy="diloco", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, DiLoCo)
+    assert trainer.strategy.sync_every == 500
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"sync_every": 0}, "Expected `sync_every` to be an integer >= 1, got 0."),
+        ({"sync_every": 4, "fragments": 3}, "divides `sync_every` (4), got 3."),
+        ({"sync_every": 4, "fragments": 2, "overlap_steps": 2}, "`overlap_steps` to be an integer in [0, 1], got 2"),
+        ({"outer_optimizer": 0.7}, "Expected `outer_optimizer` to be a callable"),
+        ({"offload": 1}, "Expected `offload` to be True or False, got 1."),
+        ({"bucket_cap_mb": 25}, "DiLoCo does not accept `bucket_cap_mb`=25"),
+        ({"sync_evry": 5}, "Did you mean `sync_every`?"),
+        ({"ddp_comm_hook": print}, "DiLoCo does not accept `ddp_comm_hook`"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs, message):
+    with pytest.raises(MisconfigurationException) as error:
+        DiLoCo(**kwargs)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+class TwoOptimizers(TinyNet):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.net[:3].parameters(), lr=0.1), torch.optim.SGD(self.net[3:].parameters(), lr=0.1)
+
+
+def test_more_than_one_optimizer_is_refused_when_fitting_starts(in_process_ddp, tmp_path):
+    trainer = Trainer(
+        strategy=DiLoCo(sync_every=2), accelerator="cpu", devices=1, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(MisconfigurationException, match="DiLoCo steps one inner optimizer; .* returned 2"):
+        trainer.fit(TwoOptimizers())
+
+
+def test_outer_optimizer_is_a_callable_of_the_parameters():
+    strategy = DiLoCo(outer_optimizer=partial(torch.optim.Adam, lr=1e-3))
+    assert strategy.outer_state.outer_optimizer.func is torch.optim.Adam
+
+
+def test_fragments_are_consecutive_and_cover_every_parameter():
+    numels = [100, 10, 100, 10, 100, 10]
+    fragments = _split_fragments(numels, 3)
+    assert fragments == [[0, 1], [2, 3], [4, 5]]
+    assert _split_fragments([5, 5], 2) == [[0], [1]]
+    assert _split_fragments([1000, 1, 1], 3) == [[0], [1], [2]]

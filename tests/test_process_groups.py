@@ -1,0 +1,89 @@
+"""The round groups' lifetime and exit safety: settling at teardown, gather_rows (real gloo groups)."""
+
+import time
+
+import torch
+
+
+def _settle_on_one_rank(rank, world_size):
+    """On a real one-rank gloo group: ``settle`` waits for a tracked collective that ends later on another thread,
+    and returns (with a warning) when one never ends."""
+    import logging
+    import threading
+
+    from lightning_gradcomp import process_groups
+
+    collectives = process_groups.TorchCollectives()
+    later = torch.futures.Future()
+    collectives._track(later)
+    timer = threading.Timer(0.2, later.set_result, args=(None,))
+    timer.start()
+    collectives.settle()
+    ended_on_return = later.done()
+    timer.join()
+    never = torch.futures.Future()
+    collectives._track(never)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    process_groups.log.addHandler(handler)
+    collectives.settle(timeout_s=0.1)
+    process_groups.log.removeHandler(handler)
+    never.set_result(None)
+    return {"ended_on_return": ended_on_return, "warnings": [r.getMessage() for r in records],
+            "left": len(collectives._running)}  # fmt: skip
+
+
+def test_settle_waits_for_the_collectives_still_running():
+    from tests.distributed import run_distributed
+
+    (result,) = run_distributed(_settle_on_one_rank, world_size=1)
+    assert result["ended_on_return"], "settle returned before the tracked collective ended"
+    assert len(result["warnings"]) == 1
+    assert "still running" in result["warnings"][0]
+    assert result["left"] == 0
+
+
+def _gather_rows_released_late(rank: int, world_size: int) -> dict:
+    """gather_rows on two ranks, with torch's late release of a collective's tensors made slow on purpose."""
+    import threading
+    import weakref
+
+    from lightning_gradcomp import process_groups
+
+    real, held = process_groups._all_gather_single, []
+
+    def gather_then_hold(out, mine, group):
+        real(out, mine, group=group)
+        held.extend([weakref.ref(out), weakref.ref(mine)])
+        # like gloo's worker thread, which drops its references a moment after the collective completed
+        keeper = threading.Thread(target=lambda tensors: time.sleep(0.3), args=((out, mine),))
+        keeper.start()
+
+    process_groups._all_gather_single = gather_then_hold
+    started = time.monotonic()
+    rows = process_groups.gather_rows(torch.arange(6, dtype=torch.float64).reshape(2, 3) + 100 * rank)
+    return {"rows": rows, "seconds": time.monotonic() - started, "alive": sum(ref() is not None for ref in held)}
+
+
+def test_gather_rows_returns_every_ranks_rows_once_the_collectives_tensors_are_released():
+    from tests.distributed import run_distributed
+
+    results = run_distributed(_gather_rows_released_late, world_size=2)
+    expected = torch.stack([torch.arange(6, dtype=torch.float64).reshape(2, 3) + 100 * r for r in range(2)])
+    for result in results:
+        assert torch.equal(result["rows"], expected)
+        # the collective's own tensors were gone when it returned: no thread of torch's can drop them at exit
+        assert result["alive"] == 0
+        assert result["seconds"] >= 0.3
+
+
+def test_gather_rows_without_a_process_group_is_the_tensor_as_one_row():
+    from lightning_gradcomp.process_groups import gather_rows
+
+    tensor = torch.arange(4.0)
+    rows = gather_rows(tensor)
+    assert rows.shape == (1, 4)
+    assert torch.equal(rows[0], tensor)
+    rows[0, 0] = 7.0
+    assert tensor[0] == 0.0  # a copy: the caller's tensor is never handed to a collective
