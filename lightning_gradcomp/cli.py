@@ -120,7 +120,7 @@ class GradcompCLI(LightningCLI):
         path = Path(self.trainer.default_root_dir) / self.save_config_kwargs.get("config_filename", "config.yaml")
         unversioned = self.trainer.logger is None  # a logger writes the config into a new version directory
         # rank 0 only: the other ranks of a script launch run this after rank 0 has written the file
-        first = rank_zero_only.rank == 0
+        first = getattr(rank_zero_only, "rank", 0) == 0  # set from RANK/LOCAL_RANK/SLURM_PROCID at import
         if first and self.save_config_callback and unversioned and path.exists() and not self.overwrite_config:
             print(f"lightning-gradcomp: error: {path} exists (an earlier run's configuration); pass {OVERWRITE_FLAG}"
                   " to replace it, or --trainer.default_root_dir DIR to write elsewhere", file=sys.stderr, flush=True)
@@ -272,7 +272,8 @@ def quickstart(argv: list[str]) -> list[dict[str, Any]]:
         cli = GradcompCLI(args=["--config", config, *overrides], run=False, save_config_callback=None)
         if label == "dense":
             CompressedDDP.require(cli.trainer, cli).compressor = Identity()
-        cli.trainer.callbacks.append(StepTimer())
+        trainer_callbacks: list[Callback] = getattr(cli.trainer, "callbacks")  # set at init, undeclared on Trainer
+        trainer_callbacks.append(StepTimer())
         cli.trainer.fit(cli.model, datamodule=cli.datamodule)
         rows.append(_summary_row(label, cli.trainer))
     _print_rank_zero("\n" + format_quickstart_table(rows) + "\n\n" + did_it_pay(rows, config) + "\n")

@@ -157,9 +157,9 @@ class CompressedDDP(DDPStrategy):
         check_refused({**hooks, "model_averaging_period": model_averaging_period})
         check_compressor(compressor, allow_auto=True)
         self._auto = isinstance(compressor, str) and compressor == AUTO  # AutoCompression is added in connect
-        compressor = Identity() if compressor is None or self._auto else compressor
+        chosen = compressor if isinstance(compressor, Compressor) else Identity()
         check_bool(error_feedback, "error_feedback", allow_none=True, error=_MiscError)
-        _check_error_feedback(compressor, error_feedback)
+        _check_error_feedback(chosen, error_feedback)
         check_int(min_compress_numel, "min_compress_numel", low=0, error=_MiscError)
         check_int(seed, "seed", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
@@ -170,7 +170,7 @@ class CompressedDDP(DDPStrategy):
         self._fused: FusedOptimizer | None = None
         self._failed = False  # training ended with an exception (on_exception): teardown lets the collectives settle
         self._state = CompressionState(
-            compressor,
+            chosen,
             error_feedback=error_feedback,
             min_compress_numel=min_compress_numel,
             seed=seed,
