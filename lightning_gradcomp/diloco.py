@@ -30,7 +30,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.outer import OuterOptimizerCallable, OuterState, all_finite, default_outer_optimizer
 from lightning_gradcomp.process_groups import gather_objects
-from lightning_gradcomp.strategy import _START_METHODS, _STRATEGY_KWARGS
+from lightning_gradcomp.strategy_args import _START_METHODS, _STRATEGY_KWARGS
 from lightning_gradcomp.validation import check_bool, check_choice, check_int
 
 log = logging.getLogger(__name__)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -70,6 +71,16 @@ class Planned(Compressor):
         self.assignment: dict[str, str] = {}
         self._version = 0
         self.set_assignment(assignment or {})
+
+    def __repr__(self) -> str:
+        """The candidates' names and how many layers each is assigned; their settings are in ``candidates``.
+
+        Short: it is printed in the setup line and the end-of-fit summary, where every candidate's full repr would
+        be several hundred characters.
+        """
+        used = Counter(self.assignment.values())
+        assigned = ", ".join(f"{name}: {used[name]}" for name in self.candidates if used[name])
+        return f"Planned(candidates={list(self.candidates)}, default={self.default!r}, layers assigned={{{assigned}}})"
 
     def _check_name(self, name: str, argument: str) -> str:
         if name not in self.candidates:
