@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.outer import OuterOptimizerCallable, OuterState, all_finite, default_outer_optimizer
+from lightning_gradcomp.outer_monitor import OuterMonitor
 from lightning_gradcomp.process_groups import gather_objects
 from lightning_gradcomp.strategy import _START_METHODS, _STRATEGY_KWARGS
 from lightning_gradcomp.validation import check_bool, check_choice, check_int
@@ -37,6 +38,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "diloco"
 _MiscError = MisconfigurationException
+_OWN_ARGUMENTS = ("sync_every", "outer_optimizer", "fragments", "overlap_steps", "offload", "monitor", "replica_group")
 #: DDPStrategy arguments that configure DDP's gradient all-reduce, which DiLoCo does not run
 _REFUSED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 #: DistributedDataParallel's arguments and their defaults (what LightningCLI passes when a recipe sets none)
@@ -68,7 +70,7 @@ def _strategy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif name in _STRATEGY_KWARGS:
             own[name] = value
         else:
-            valid = ["sync_every", "outer_optimizer", "fragments", "overlap_steps", "offload", *_STRATEGY_KWARGS]
+            valid = [*_OWN_ARGUMENTS, *_STRATEGY_KWARGS]
             close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
             hint = f" Did you mean `{close[0]}`?" if close else ""
             raise MisconfigurationException(
@@ -141,6 +143,8 @@ class DiLoCo(DDPStrategy):
             and its outer step is applied then (the fragment's local progress over those steps is replaced by the
             new theta_global). Below ``sync_every / fragments``.
         offload: keep theta_global and the outer optimizer's state in CPU memory.
+        monitor: add an :class:`~lightning_gradcomp.callbacks.OuterMonitor` (logs ``gradcomp/*`` every optimizer
+            step and a summary line at the end of ``fit``) unless the trainer has one.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``start_method``, ...).
 
@@ -166,6 +170,7 @@ class DiLoCo(DDPStrategy):
         fragments: int = 1,
         overlap_steps: int = 0,
         offload: bool = False,
+        monitor: bool = True,
         **kwargs: Any,
     ) -> None:
         check_int(sync_every, "sync_every", low=1, error=_MiscError)
@@ -181,8 +186,10 @@ class DiLoCo(DDPStrategy):
                 f" torch.optim.Optimizer (e.g. functools.partial(torch.optim.SGD, lr=0.7)), got {outer_optimizer!r}."
             )
         check_bool(offload, "offload", error=_MiscError)
+        check_bool(monitor, "monitor", error=_MiscError)
         super().__init__(**_strategy_kwargs(kwargs))
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
+        self._monitor = monitor
         self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload)
         self._fragments: list[list[int]] = []
         self._attached = False
@@ -206,6 +213,19 @@ class DiLoCo(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     # Setup: no DDP wrapper, rank 0's model everywhere, theta_global taken
     # ------------------------------------------------------------------------------------------------------------
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        """Connect the model; when fitting, add an :class:`OuterMonitor` unless the trainer has one.
+
+        Added here, not in :meth:`setup`: Lightning calls the callbacks' ``setup`` before the strategy's.
+        """
+        super().connect(model)
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not self._monitor:
+            return
+        if not any(isinstance(cb, OuterMonitor) for cb in trainer.callbacks):
+            trainer.callbacks.append(OuterMonitor())
+
     @override
     def configure_ddp(self) -> None:
         """Start every replica from rank 0's parameters and buffers, as DDP's wrapper would, but do not wrap.

@@ -161,15 +161,15 @@ class OuterState:
             flat.div_(world)
             works.append(dist.all_reduce(flat, group=self.process_group, async_op=async_op))
         size = sum(flat.numel() * flat.element_size() for flat in flats)
+        return Averaging(flats, [w for w in works if w is not None], lambda: self._count(size, world))
 
-        def count() -> None:
-            self.bytes_sent += size
-            self.bytes_received += 2 * (world - 1) * size // world
-
-        return Averaging(flats, [w for w in works if w is not None], count)
+    def _count(self, size: int, world: int) -> None:
+        """Count one all-reduce of ``size`` bytes over ``world`` ranks as the telemetry does (docs/concepts.md)."""
+        self.bytes_sent += size
+        self.bytes_received += 2 * (world - 1) * size // world
 
     def average_buffers(self, buffers: Sequence[Tensor]) -> list[Tensor]:
-        """The mean over the workers of the model's floating-point buffers (not counted: they are not compressed)."""
+        """The mean over the workers of the model's floating-point buffers, its bytes counted as :meth:`average`'s."""
         floats = _flat_float_buffers(buffers)
         if not floats or not (dist.is_available() and dist.is_initialized()):
             return [b.detach().clone() for b in floats]
@@ -179,6 +179,7 @@ class OuterState:
             flat = torch.cat([floats[i].detach().flatten() for i in group]).div_(world)
             dist.all_reduce(flat, group=self.process_group)
             flats.append((group, flat))
+        self._count(sum(flat.numel() * flat.element_size() for _, flat in flats), world)
         averaged: list[Tensor] = [torch.empty(0)] * len(floats)
         for group, flat in flats:
             for i, piece in zip(group, flat.split([floats[i].numel() for i in group])):

@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from lightning_gradcomp import CompressedDDP, DiLoCo
-from lightning_gradcomp.callbacks import CompressionMonitor
+from lightning_gradcomp.callbacks import CompressionMonitor, OuterMonitor
 from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
@@ -191,7 +191,9 @@ def train(run: str, root: str, devices: int) -> None:
             ckpt_path = os.path.join(dirpath, f"stateless-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
             torch.save(saved, ckpt_path)
     strategy = STRATEGIES[name](**strategy_kwargs)
+    # DiLoCo's monitor given before the recorder, whose on_fit_end then sees the monitor's totals
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
+    monitor += [OuterMonitor()] if isinstance(strategy, DiLoCo) else []
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
     saving = [ModelCheckpoint(dirpath=dirpath, filename="last")] if trainer_kwargs.get("enable_checkpointing") else []
     trainer = pl.Trainer(

@@ -173,7 +173,35 @@ def test_sync_every_4_matches_diloco_computed_by_hand(launch):
     reversed_sign = _flat(reference_diloco(2, 4, 8, sign=-1.0))
     assert (ours[0]["params"] - reversed_sign).abs().max() > 1e-3, "the reference can tell the sign"
     assert ours[0]["syncs"] == 2
-    assert ours[0]["bytes_sent"] == 2 * ours[0]["params"].numel() * 4, "one fp32 all-reduce of the model per sync"
+    numel = ours[0]["params"].numel() + _float_buffer_numel()
+    assert ours[0]["bytes_sent"] == 2 * numel * 4, "one fp32 all-reduce of the model (and its buffers) per sync"
+
+
+def _float_buffer_numel() -> int:
+    return sum(b.numel() for b in TinyNet().buffers() if b.is_floating_point())
+
+
+def test_logged_bytes_are_the_bytes_of_the_all_reduced_tensors(launch):
+    """``gradcomp/bytes_sent`` per step is what the outer loop handed to ``all_reduce``; amortised, the running mean."""
+    _, output, records = launch
+    ranks = records["diloco-h4:steps8"]
+    sync_bytes = (ranks[0]["params"].numel() + _float_buffer_numel()) * 4  # fp32 parameters and BatchNorm statistics
+    for rank in ranks:
+        total = 0
+        for i, step in enumerate(rank["steps"]):
+            logged = step["logged"]
+            synced = (i + 1) % 4 == 0
+            assert step["all_reduced"] == (sync_bytes if synced else 0), f"step {i + 1}"
+            assert logged["gradcomp/bytes_sent"] == step["all_reduced"], f"step {i + 1}"
+            assert logged["gradcomp/bytes_received"] == step["all_reduced"], "2 ranks: a ring receives the buffer once"
+            total += step["all_reduced"]
+            assert logged["gradcomp/bytes_sent_per_step"] == pytest.approx(total / (i + 1))
+            assert logged["gradcomp/syncs"] == (i + 1) // 4
+            assert logged["gradcomp/skipped_syncs"] == 0
+        assert rank["logged"]["gradcomp/total_bytes_sent"] == total == rank["bytes_sent"]
+        assert rank["logged"]["gradcomp/total_syncs"] == 2
+    assert "gradcomp summary (DiLoCo): 8 optimizer steps, 2 syncs (0 skipped)" in output
+    assert records["diloco-h4:nan"][0]["logged"]["gradcomp/total_skipped_syncs"] == 1
 
 
 def test_no_collective_on_an_inner_step_and_replicas_identical_after_every_sync(launch):

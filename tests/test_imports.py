@@ -113,6 +113,9 @@ FORBIDDEN = {
     "lightning_gradcomp.auto": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     "lightning_gradcomp.model_transform": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     "lightning_gradcomp.monitor": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
+    "lightning_gradcomp.outer_monitor": (
+        "lightning_gradcomp.diloco", "lightning_gradcomp.strategy", "lightning_gradcomp.callbacks",
+    ),
     # the fused optimizers know nothing of the hook or the strategy: the hook calls them through a callable
     "lightning_gradcomp.fused_optim": (
         "lightning_gradcomp.strategy", "lightning_gradcomp.hook", "lightning_gradcomp.callbacks",
