@@ -60,6 +60,9 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4-offload": _diloco(sync_every=4, offload=True),
     "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
+    # two levels: dense inside groups of 2 ranks, DiLoCo across the groups
+    "diloco-h1-g2": _diloco(sync_every=1, outer_optimizer=partial(torch.optim.SGD, lr=1.0), replica_group=2),
+    "diloco-h2-g2": _diloco(sync_every=2, replica_group=2),
 }
 
 

@@ -63,20 +63,23 @@ def launch(tmp_path_factory):
 
 
 def reference_diloco(
-    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0
+    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0, group: int = 1
 ) -> list[torch.Tensor]:
     """DiLoCo by hand: theta_global after ``steps`` steps (a partial last round ends with an outer step).
 
     TinyNet's inner SGD on each rank's shard (as Lightning's DistributedSampler deals it), the mean of
     ``sign * (theta_global - theta_local)``, outer Nesterov SGD. Written from the paper's Algorithm 1, independently
     of the strategy's code. ``overlap``: the mean is applied that many inner steps after it was taken, and replaces
-    the replicas' parameters then (Streaming DiLoCo with one fragment and mixing factor 0).
+    the replicas' parameters then (Streaming DiLoCo with one fragment and mixing factor 0). ``group``: consecutive
+    ranks per replica, whose inner step takes the mean of their shards' gradients (dense data parallelism).
     """
     model = TinyNet()
     data = synthetic_classification(model.n)
     x, y = data.tensors
     # Lightning's sampler for TinyNet's loader: shuffled with seed 0, epoch 0, padded to a multiple of world_size
     shards = [list(DistributedSampler(data, num_replicas=world_size, rank=r, seed=0)) for r in range(world_size)]
+    shards_of = [shards[g * group : (g + 1) * group] for g in range(world_size // group)]
+    world_size //= group  # the replicas from here on
     replicas = [copy.deepcopy(model) for _ in range(world_size)]
     inner = [torch.optim.SGD(m.parameters(), lr=model.lr, momentum=0.9) for m in replicas]
     theta = [p.detach().clone() for p in model.parameters()]
@@ -101,11 +104,11 @@ def reference_diloco(
 
     pending, since_applied = None, 0  # (the mean in flight, steps until applied); inner steps since the last apply
     for step in range(steps):
-        for m, optimizer, shard in zip(replicas, inner, shards):
-            batch = shard[step * model.batch_size : (step + 1) * model.batch_size]
-            loss = nn.functional.cross_entropy(m(x[batch]), y[batch])
+        for m, optimizer, own in zip(replicas, inner, shards_of):
             optimizer.zero_grad()
-            loss.backward()
+            for shard in own:  # each rank's forward on its own batch (its own BatchNorm statistics)
+                batch = shard[step * model.batch_size : (step + 1) * model.batch_size]
+                (nn.functional.cross_entropy(m(x[batch]), y[batch]) / group).backward()
             optimizer.step()
         since_applied += 1
         if pending is not None and step + 1 == pending[1]:
@@ -359,6 +362,38 @@ def _assert_matches_reference(ranks: list[dict], world_size: int) -> None:
     assert_replicas_identical(ranks)
 
 
+GROUPED = ["ddp:eager", "diloco-h1-g2:eager", "diloco-h2-g2:eager"]
+
+
+def test_two_levels_dense_inside_a_group_diloco_across(tmp_path):
+    """4 processes as 2 groups of 2: identical inside a group at every step, everywhere after a sync; H = 1 with outer
+    SGD(lr=1) is plain DDP over the 4 ranks; H = 2 (4 steps, one epoch) matches DiLoCo by hand with each group's mean
+    gradient."""
+    code, output, records = run_fits(tmp_path, 4, GROUPED)
+    assert code == 0, output[-3000:]
+    assert "2 replicas of 2 ranks" in output
+    torch.testing.assert_close(
+        records["diloco-h1-g2:eager"][0]["params"], records["ddp:eager"][0]["params"], rtol=1e-5, atol=1e-6
+    )
+    ranks = records["diloco-h2-g2:eager"]
+    for i, steps in enumerate(zip(*(rank["steps"] for rank in ranks))):
+        params = [step["params"] for step in steps]
+        assert torch.equal(params[0], params[1]), f"step {i + 1}: inside group 0"
+        assert torch.equal(params[2], params[3]), f"step {i + 1}: inside group 1"
+        if (i + 1) % 2:
+            assert not torch.equal(params[0], params[2]), f"step {i + 1}: each group trains on its own data"
+        else:
+            assert all(torch.equal(p, steps[0]["global"]) for p in params), f"step {i + 1}: synced"
+    assert_replicas_identical(ranks)
+    expected = _flat(reference_diloco(4, 2, 4, group=2))
+    torch.testing.assert_close(ranks[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    ungrouped = _flat(reference_diloco(4, 2, 4))
+    assert (ranks[0]["params"] - ungrouped).abs().max() > 1e-4, "the reference can tell the groups"
+    # each sync: every rank all-reduces half of the model with its peer and all-gathers the other half in its group
+    half = (ranks[0]["params"].numel() + _float_buffer_numel()) // 2 * 4
+    assert ranks[0]["bytes_sent"] == 2 * 2 * half
+
+
 def test_three_processes_match_the_reference(tmp_path):
     code, output, records = run_fits(tmp_path, 3, ["diloco-h2:steps6"])
     assert code == 0, output[-3000:]
@@ -388,6 +423,9 @@ def test_registered_by_name():
         ({"bucket_cap_mb": 25}, "DiLoCo does not accept `bucket_cap_mb`=25"),
         ({"sync_evry": 5}, "Did you mean `sync_every`?"),
         ({"ddp_comm_hook": print}, "DiLoCo does not accept `ddp_comm_hook`"),
+        ({"replica_group": "nodes"}, "Expected `replica_group` to be None (every rank its own replica), \"node\""),
+        ({"replica_group": 0}, "or an integer >= 1 (ranks per group), got 0."),
+        ({"replica_group": True}, "or an integer >= 1 (ranks per group), got True."),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
@@ -413,6 +451,15 @@ def test_more_than_one_optimizer_is_refused_when_fitting_starts(in_process_ddp, 
     )  # fmt: skip
     with pytest.raises(MisconfigurationException, match="DiLoCo steps one inner optimizer; .* returned 2"):
         trainer.fit(TwoOptimizers())
+
+
+def test_a_replica_group_that_does_not_divide_the_processes_is_refused(in_process_ddp, tmp_path):
+    trainer = Trainer(
+        strategy=DiLoCo(sync_every=2, replica_group=2), accelerator="cpu", devices=1, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(MisconfigurationException, match="`replica_group` to divide the 1 processes .* got 2 ranks"):
+        trainer.fit(TinyNet())
 
 
 def test_outer_optimizer_is_a_callable_of_the_parameters():
