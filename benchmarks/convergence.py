@@ -244,7 +244,7 @@ def _worker(
 
 def run(configs: list[str], epochs: int, world_size: int = 2, seed: int = 0, task: str = "digits") -> dict[str, dict]:
     """Every configuration on ``world_size`` spawned gloo processes; rank 0's results."""
-    from tests.distributed import free_port
+    from lightning_gradcomp.demo.ports import free_port
 
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_worker, args=(world_size, free_port(), configs, epochs, seed, out, task), nprocs=world_size)

@@ -51,7 +51,7 @@ import torch.multiprocessing as mp
 
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import DGC, LGC, Compressor, ScaleCom, TopK
-from lightning_gradcomp.compressors.base import BucketContext, Layer
+from lightning_gradcomp.compressors.base import BucketContext, Layer, ResidualBuffers
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes
 from lightning_gradcomp.models import CifarResNet18
 from lightning_gradcomp.process_groups import TorchCollectives
@@ -131,11 +131,11 @@ def _time_worker(rank: int, world_size: int, port: int, args: argparse.Namespace
             telemetry = Telemetry()
             telemetry.add_bucket(4 * numel)
             ctx = BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=layers,
-                                residual=residual, comm=Comm(backend, telemetry, grad.device))  # fmt: skip
+                                comm=Comm(backend, telemetry, grad.device))  # fmt: skip
             tensor = grad.clone()
             dist.barrier()
             begin = time.perf_counter()
-            compressor.reduce(tensor, ctx).wait()
+            compressor.reduce(tensor, ctx, ResidualBuffers(residual)).wait()
             elapsed = time.perf_counter() - begin
             stats = telemetry.pop_step()
             if step >= 3:

@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--json", default=None, help="also write every factor and accuracy here")
     args = parser.parse_args()
-    from tests.distributed import free_port
+    from lightning_gradcomp.demo.ports import free_port
 
     runs = {}
     for seed in args.seeds:

@@ -148,7 +148,7 @@ def _memory_worker(rank: int, world: int, port: int, workload: str, config: str,
 
 
 def memory(configs: list[str], workloads: list[str], steps: int) -> dict:
-    from tests.distributed import free_port
+    from lightning_gradcomp.demo.ports import free_port
 
     results: dict[str, dict] = {}
     for workload in workloads:
@@ -243,7 +243,7 @@ def _convergence_worker(rank: int, world: int, port: int, jobs: list[tuple], out
 
 
 def convergence(jobs: list[tuple]) -> dict:
-    from tests.distributed import free_port
+    from lightning_gradcomp.demo.ports import free_port
 
     with tempfile.TemporaryDirectory() as out:
         mp.spawn(_convergence_worker, args=(2, free_port(), jobs, out), nprocs=2)

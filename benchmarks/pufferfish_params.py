@@ -11,6 +11,8 @@ layers.
 
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torchvision
 
@@ -27,6 +29,7 @@ MODELS = {
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()  # no options; --help describes it
     print("| model | parameters | factorized | fewer | factorized layers | MACs per image | factorized | fewer |")
     print("|---|---|---|---|---|---|---|---|")
     for name, (factory, size) in MODELS.items():

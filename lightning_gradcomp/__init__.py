@@ -3,7 +3,7 @@
 Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))``.
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_gradcomp import callbacks, comm, compressors, tasks, testing, transforms
 from lightning_gradcomp.callbacks import PacTrain
@@ -15,8 +15,10 @@ from lightning_gradcomp.transforms import Pufferfish
 
 __version__ = "0.1.0.dev0"
 
-# `Trainer(strategy="diloco")` after `import lightning_gradcomp` (Lightning discovers no third-party strategy itself)
-DiLoCo.register_strategies(StrategyRegistry)
+# Trainer(strategy="compressed_ddp"), its presets and Trainer(strategy="diloco") (Lightning discovers no
+# third-party strategy itself); a name already taken (a user's own entry) is kept
+CompressedDDP.register_strategies(_StrategyRegistry)
+DiLoCo.register_strategies(_StrategyRegistry)
 
 __all__ = [
     "BucketContext",

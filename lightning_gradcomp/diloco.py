@@ -32,7 +32,7 @@ from lightning_gradcomp.outer import OuterOptimizerCallable, OuterState, all_fin
 from lightning_gradcomp.outer_monitor import OuterMonitor
 from lightning_gradcomp.process_groups import gather_objects
 from lightning_gradcomp.replica_groups import ReplicaGroups, average_in_group, check_replica_group, replica_groups_for
-from lightning_gradcomp.strategy import _START_METHODS, _STRATEGY_KWARGS
+from lightning_gradcomp.strategy_args import _START_METHODS, _STRATEGY_KWARGS
 from lightning_gradcomp.validation import check_bool, check_choice, check_int
 
 log = logging.getLogger(__name__)

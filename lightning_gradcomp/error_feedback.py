@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import Compressor, Layer
+from lightning_gradcomp.compressors.base import Compressor, Layer, ResidualBuffers
 
 
 class ErrorFeedback:
@@ -45,7 +45,7 @@ class ErrorFeedback:
         dense_tensor: Tensor | None = None,
         *,
         keep: bool,
-    ) -> tuple[Tensor | None, Tensor | None]:
+    ) -> ResidualBuffers | None:
         """Everything error feedback does to one bucket before its reduction, in one call.
 
         Debts of layers that are now averaged densely (``dense``, laid out in ``dense_tensor``) are paid into it; with
@@ -53,23 +53,23 @@ class ErrorFeedback:
         into ``tensor`` too.
 
         Returns:
-            ``(residual, new_residual)`` for the compressed layers, or ``(None, None)`` without ``keep``.
+            The compressed layers' residual and its twin, or ``None`` without ``keep``.
         """
         if self and dense and dense_tensor is not None:
             self._drain_into(dense_tensor, dense)
         if tensor is None:
-            return None, None
+            return None
         if not keep:
             if self:  # error feedback was on for a previous compressor: pay what is owed, once
                 self._drain_into(tensor, compressed)
-            return None, None
+            return None
         return self._buffers(bucket_index, compressed, tensor)
 
-    def _buffers(self, bucket_index: int, layers: tuple[Layer, ...], like: Tensor) -> tuple[Tensor, Tensor]:
+    def _buffers(self, bucket_index: int, layers: tuple[Layer, ...], like: Tensor) -> ResidualBuffers:
         key = tuple(layer.name for layer in layers)
         entry = self._flat.get(bucket_index)
         if entry is not None and entry[0] == key:
-            return entry[2], entry[3]
+            return ResidualBuffers(entry[2], entry[3])
         if entry is not None:
             self.spill()
         flat = torch.zeros(sum(layer.numel for layer in layers), dtype=like.dtype, device=like.device)
@@ -78,7 +78,7 @@ class ErrorFeedback:
             if owed is not None:
                 layer.flat(flat).copy_(owed.reshape(-1))
         self._flat[bucket_index] = (key, layers, flat, torch.empty_like(flat))
-        return flat, self._flat[bucket_index][3]
+        return ResidualBuffers(flat, self._flat[bucket_index][3])
 
     def spill(self) -> None:
         """Move every flat residual into per-parameter pieces (after DDP re-buckets or the plan changes)."""

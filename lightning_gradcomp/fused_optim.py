@@ -34,9 +34,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from torch import Tensor, nn
+from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradcomp.sparse_gradients import sparse_gradient_modules
 from lightning_gradcomp.validation import check_number, sgd_defaults
 
 __all__ = ["FusedAdaLomo", "FusedOptimizer", "FusedSGD", "bind_fused_optimizer"]
@@ -400,8 +401,7 @@ def bind_fused_optimizer(
             f" {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}. Freeze them (requires_grad=False) or"
             " pass them to the optimizer."
         )
-    # the test DDP makes when it gives a parameter a bucket of its own for a sparse gradient
-    sparse = [n for n, m in module.named_modules() if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse]
+    sparse = sparse_gradient_modules(module)
     if sparse:
         raise MisconfigurationException(
             f"{name} updates each bucket from its flat averaged gradient, and a sparse gradient has none: the"

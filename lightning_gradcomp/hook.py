@@ -24,14 +24,8 @@ from torch import Tensor
 from torch.nn import Module
 
 from lightning_gradcomp.comm import CollectiveBackend, Comm, when_all
-from lightning_gradcomp.compressors.base import (
-    BucketContext,
-    Compressor,
-    GradientRuns,
-    Layer,
-    check_gradient_dtypes,
-    ddp_scale_,
-)
+from lightning_gradcomp.compressors.base import Compressor, check_gradient_dtypes
+from lightning_gradcomp.compressors.context import BucketContext, GradientRuns, Layer, ddp_scale_
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.error_feedback import ErrorFeedback
 from lightning_gradcomp.process_groups import TorchCollectives
@@ -62,7 +56,7 @@ class _BucketPlan:
     dense_runs: tuple[tuple[int, int], ...]
     numel: int
     #: the compressor that reduces this bucket (the strategy's, or the candidate a Planned compressor hands it to)
-    compressor: Compressor | None = field(default=None, compare=False)
+    compressor: Compressor = field(compare=False)
     buffers: dict[str, Tensor] = field(default_factory=dict, compare=False)
 
     @property
@@ -72,8 +66,8 @@ class _BucketPlan:
     def gather(self, buffer: Tensor, part: str, *, fill: bool = True) -> Tensor:
         """The ``"dense"`` or ``"compressed"`` layers of ``buffer``, contiguous: a view if they are, else a copy.
 
-        With ``fill=False`` a layout of several runs gets the plan's buffer unfilled (the compressor's accumulation
-        gathers into it, see :class:`~lightning_gradcomp.compressors.base.GradientRuns`).
+        With ``fill=False`` a layout of several runs gets the plan's buffer unfilled (the reduction's driver gathers
+        into it, see :class:`~lightning_gradcomp.compressors.base.GradientRuns`).
         """
         runs = self.runs(part)
         if len(runs) == 1:
@@ -329,7 +323,9 @@ class CompressionState:
     def _make_plan(
         self, signature: tuple[int, ...], params: list[Tensor], numel: int, compressor: Compressor
     ) -> _BucketPlan:
-        every, compressed, dense = [], [], []
+        every: list[Layer] = []
+        compressed: list[Layer] = []
+        dense: list[Layer] = []
         offset = 0
         for p in params:
             index, name = self._names.get(id(p), (-1, f"unnamed{len(every)}"))
@@ -414,11 +410,11 @@ class CompressionState:
         self.telemetry.add_bucket(gradient._indices().nbytes + gradient._values().nbytes)
         return self.comm.all_reduce_sparse(gradient)
 
-    def _context(self, index: int, layers: tuple[Layer, ...], like: Tensor, **fields: Any) -> BucketContext:
+    def _context(self, index: int, layers: tuple[Layer, ...], like: Tensor) -> BucketContext:
         comm = self.comm
         return BucketContext(index=index, step=self.step, rank=comm.rank, world_size=comm.world_size, layers=layers,
-                             dtype=like.dtype, device=like.device, seed=self.seed, comm=comm, updates=self._updates,
-                             **fields)  # fmt: skip
+                             dtype=like.dtype, device=like.device, seed=self.seed, comm=comm,
+                             updates=self._updates)  # fmt: skip
 
     def _all_reduce_dense(
         self, index: int, tensor: Tensor, layers: tuple[Layer, ...], compressor: Compressor
@@ -432,13 +428,13 @@ class CompressionState:
         averaged = self.comm.all_reduce((ddp_scale_(tensor, self.comm.world_size),)).then(lambda fut: fut.value()[0])
         if not compressor.has_dense_update:
             return averaged
-        ctx = self._context(index, layers, tensor)
+        ctx, updates = self._context(index, layers, tensor), self._updates
 
         def finish(fut: torch.futures.Future[Tensor]) -> Tensor:
             average = fut.value()
             # the average is the same on every rank, and a NaN anywhere reaches it: no flag needs to travel
             # the step's own updates, captured at issue time: this callback may run after the next step began
-            ctx.updates.observe(torch.isfinite(torch.sum(average, dtype=torch.float64)))
+            updates.observe(torch.isfinite(torch.sum(average, dtype=torch.float64)))
             compressor.finish_dense(average, ctx)
             return average
 
@@ -451,19 +447,17 @@ class CompressionState:
     def _reduce_split(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
         compressor = plan.compressor
         keep = self.uses_error_feedback(compressor)
-        # with error feedback, several runs of compressed layers are gathered by the accumulation, in the pass that
-        # adds the residual (GradientRuns); without it a debt may be paid into the gathered tensor first
+        # with error feedback, several runs of compressed layers are gathered by the driver, in the pass that adds the
+        # residual (GradientRuns); without it a debt may be paid into the gathered tensor first
         in_runs = keep and len(plan.compressed_runs) > 1
         dense = plan.gather(buffer, "dense") if plan.dense else None
         tensor = plan.gather(buffer, "compressed", fill=not in_runs) if plan.compressed else None
-        residual, new_residual = self.residuals.prepare(index, plan.compressed, tensor, plan.dense, dense, keep=keep)
+        memory = self.residuals.prepare(index, plan.compressed, tensor, plan.dense, dense, keep=keep)
         futures = [] if dense is None else [self._all_reduce_dense(index, dense, plan.dense, compressor)]
         if tensor is None:
             return futures[0].then(lambda fut: plan.scatter(buffer, None, fut.value()))
         runs = GradientRuns(buffer, plan.compressed_runs) if in_runs else None
-        ctx = self._context(index, plan.compressed, tensor, residual=residual, new_residual=new_residual,
-                            gradient_runs=runs)  # fmt: skip
-        reduced = compressor.reduce(tensor, ctx)
+        reduced = compressor.reduce(tensor, self._context(index, plan.compressed, tensor), memory, runs)
         if plan.whole_bucket:
             return reduced
         futures.append(reduced)
@@ -536,35 +530,6 @@ class CompressionState:
         self.__init__(**{k: v for k, v in state.items() if k != "step"})  # type: ignore[misc]
         self.step = state["step"]
         self.residuals.load_state_dict(residuals)
-
-
-def sparse_gradient_modules(module: Module) -> list[str]:
-    """The names of ``module``'s submodules whose weight gets a sparse gradient (``sparse=True`` embeddings).
-
-    The same test DDP makes when it gives a parameter a bucket of its own for a sparse gradient.
-    """
-    kinds = (torch.nn.Embedding, torch.nn.EmbeddingBag)
-    return [name for name, m in module.named_modules() if isinstance(m, kinds) and m.sparse]
-
-
-def sparse_gradient_warning(compressor: Compressor, module: Module) -> str | None:
-    """A warning when ``compressor`` changes densely averaged layers and ``module`` has sparse gradients; else ``None``.
-
-    The hook averages sparse gradients as plain DDP does (:meth:`CompressionState.reduce`), without the compressor's
-    update of densely averaged layers (:meth:`Compressor.finish_dense`: DGC's momentum correction, signSGD's sign
-    step), which would make the embedding's rows dense.
-    """
-    if not compressor.has_dense_update:
-        return None
-    sparse = sparse_gradient_modules(module)
-    if not sparse:
-        return None
-    return (
-        f"{compressor!r} also changes the average of the layers it does not compress (its `finish_dense`), but the"
-        f" sparse gradients of {', '.join(sparse[:5])}{' ...' if len(sparse) > 5 else ''} are averaged as plain DDP"
-        " averages them, without it (it would make them dense). Build the embeddings with `sparse=False` to give"
-        " them the compressor's treatment."
-    )
 
 
 def check_bucketed_reducer(model: Module) -> None:

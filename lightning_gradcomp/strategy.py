@@ -2,115 +2,56 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 import zlib
 from collections.abc import Callable, Mapping, Sequence
-from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.exceptions import MisconfigurationException, _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_gradcomp.compression_checkpoint import restore_compression_state, save_compression_state
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.error_feedback import error_feedback_growth_warning
 from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
 from lightning_gradcomp.fused_optim import FusedOptimizer, bind_fused_optimizer
-from lightning_gradcomp.hook import CompressionState, compression_hook, sparse_gradient_warning
+from lightning_gradcomp.hook import CompressionState, compression_hook
 from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.model_transform import ModelTransform, carry_schedule
 from lightning_gradcomp.monitor import CompressionMonitor
 from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
-from lightning_gradcomp.process_groups import gather_objects, gather_rows, hand_off_gil, release_round_groups
-from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number
+from lightning_gradcomp.process_groups import gather_rows, hand_off_gil, release_round_groups
+from lightning_gradcomp.rank_state import remove_rank_states
+from lightning_gradcomp.sparse_gradients import sparse_gradient_warning
+from lightning_gradcomp.strategy_args import AUTO, check_backend, check_compressor, check_kwargs, check_refused
+from lightning_gradcomp.strategy_names import register_presets
+from lightning_gradcomp.validation import check_bool, check_int
 
 log = logging.getLogger(__name__)
 
-_REFUSED = {
-    "ddp_comm_hook": "CompressedDDP registers its own communication hook; pass `compressor=` instead",
-    "ddp_comm_state": "the hook's state is built from `compressor=`, `error_feedback=` and `seed=`",
-    "ddp_comm_wrapper": "compose by choosing a compressor (e.g. FP16, BF16) instead of wrapping a hook",
-    "model_averaging_period": "post-local SGD model averaging needs torch's PostLocalSGDState hook, which"
-    " CompressedDDP replaces",
-}
-_CHECKPOINT_KEY = "gradcomp"
-#: set by Lightning itself when it wraps the model, so not accepted from the user
-_SET_BY_LIGHTNING = {
-    "module": "Lightning wraps the LightningModule itself",
-    "device_ids": "Lightning sets it from `Trainer(devices=...)`",
-}
-#: every keyword ``**kwargs`` may carry: DDPStrategy's own, then DistributedDataParallel's
-_STRATEGY_KWARGS = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
-_DDP_KWARGS = [
-    n for n in inspect.signature(DistributedDataParallel.__init__).parameters
-    if n != "self" and n not in _SET_BY_LIGHTNING
-]  # fmt: skip
-#: Lightning's DDPStrategy(start_method=...): "popen" runs the script again per process, the others are
-#: multiprocessing's start methods
-_START_METHODS = ("popen", "spawn", "fork", "forkserver")
-#: single backends by name (the ones this torch knows)
-_BACKENDS = tuple(b for b in ("gloo", "nccl", "mpi", "ucc", "xccl") if b in dist.Backend.backend_list)
+#: torch's error when a parameter got no gradient, and the fix that keeps compression
+_UNUSED_PARAMETERS = ".*Expected to have finished reduction in the prior iteration.*"
+_UNUSED_PARAMETERS_ADVICE = (
+    "It looks like your LightningModule has parameters that were not used in producing the loss returned by"
+    " training_step. If this is intentional, enable the detection of unused parameters in DDP with"
+    " `strategy=CompressedDDP(..., find_unused_parameters=True)` (in a recipe: `find_unused_parameters: true` in the"
+    " strategy's init_args). `DDPStrategy(find_unused_parameters=True)` would train without compression."
+)
 _MiscError = MisconfigurationException
-
-
-def _check_kwargs(kwargs: dict[str, Any], own: list[str]) -> None:
-    """Refuse keywords that neither DDPStrategy nor DistributedDataParallel accept (a misspelling) and bad values.
-
-    Without this a misspelt ``compresor=`` lands in DDP's keyword arguments and fails, if at all, deep inside DDP
-    with an unrelated message once training starts.
-    """
-    for name in kwargs:
-        if name in _SET_BY_LIGHTNING:
-            raise MisconfigurationException(f"CompressedDDP does not accept `{name}`: {_SET_BY_LIGHTNING[name]}.")
-        if name not in _STRATEGY_KWARGS and name not in _DDP_KWARGS:
-            valid = own + _STRATEGY_KWARGS + _DDP_KWARGS
-            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-            hint = f" Did you mean `{close[0]}`?" if close else ""
-            raise MisconfigurationException(
-                f"CompressedDDP got an unexpected keyword argument `{name}`: it is not an argument of CompressedDDP,"
-                f" DDPStrategy or DistributedDataParallel.{hint}"
-            )
-    if "timeout" in kwargs and kwargs["timeout"] is not None and not isinstance(kwargs["timeout"], timedelta):
-        raise MisconfigurationException(
-            f"Expected `timeout` to be a datetime.timedelta (e.g. `timedelta(minutes=30)`) or None,"
-            f" got {kwargs['timeout']!r}."
-        )
-    if "start_method" in kwargs:
-        check_choice(kwargs["start_method"], "start_method", _START_METHODS, error=_MiscError)
-    backend = kwargs.get("process_group_backend")
-    # a single backend by name; torch also takes per-device lists such as "cpu:gloo,cuda:nccl"
-    if backend is not None and (not isinstance(backend, str) or (":" not in backend and backend not in _BACKENDS)):
-        raise MisconfigurationException(
-            f"Expected `process_group_backend` to be None or one of {', '.join(map(repr, _BACKENDS))} (or a"
-            f" per-device list such as 'cpu:gloo,cuda:nccl'), got {backend!r}."
-        )
-    if "bucket_cap_mb" in kwargs:
-        check_number(kwargs["bucket_cap_mb"], "bucket_cap_mb", low=0, low_open=True, allow_none=True, error=_MiscError)
-    for name in ("static_graph", "gradient_as_bucket_view", "find_unused_parameters", "broadcast_buffers"):
-        if name in kwargs:
-            check_bool(kwargs[name], name, allow_none=True, error=_MiscError)  # None: DDP decides (broadcast_buffers)
-
-
-def _check_compressor(compressor: Any) -> Compressor:
-    if not isinstance(compressor, Compressor):
-        raise MisconfigurationException(
-            "`compressor` must be a lightning_gradcomp compressor (an instance of"
-            " `lightning_gradcomp.Compressor`, e.g. `PowerSGD(rank=2)` or `TopK(ratio=0.01)`),"
-            f" got {compressor!r} of type {type(compressor).__name__}."
-        )
-    return compressor
 
 
 def _check_error_feedback(compressor: Compressor, error_feedback: bool | None) -> None:
@@ -152,7 +93,9 @@ class CompressedDDP(DDPStrategy):
 
     Args:
         compressor: how gradients are compressed. Defaults to :class:`~lightning_gradcomp.compressors.Identity`
-            (plain DDP averaging).
+            (plain DDP averaging). ``"auto"``: :class:`~lightning_gradcomp.callbacks.AutoCompression` with its
+            defaults, added to the trainer's callbacks when fitting unless it has one (it starts dense, measures, and
+            compresses only the buckets where it pays).
         error_feedback: keep each rank's compression error and add it to the next step's gradient. ``None`` (the
             default) turns it on for biased compressors (top-k, PowerSGD, ...) and off for unbiased ones.
         min_compress_numel: layers with fewer elements (and all 1-D layers: biases, normalisation weights) are
@@ -173,12 +116,14 @@ class CompressedDDP(DDPStrategy):
             ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``find_unused_parameters``, ...).
 
     Raises:
-        MisconfigurationException: If ``compressor`` is not a compressor, another argument is out of range (also
-            those passed on in ``**kwargs``: ``timeout`` must be a ``timedelta``, ``bucket_cap_mb`` > 0,
+        MisconfigurationException: If ``compressor`` is neither a compressor nor ``"auto"``, another argument is out
+            of range (also those passed on in ``**kwargs``: ``timeout`` must be a ``timedelta``, ``bucket_cap_mb`` > 0,
             ``start_method`` one of Lightning's), a keyword is neither CompressedDDP's, DDPStrategy's nor
             DistributedDataParallel's (a misspelling: the closest valid name is suggested), or
             ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper`` or ``model_averaging_period`` is passed;
-            before the process group is created, if ``process_group_backend="nccl"`` and the run is not on CUDA.
+            before the process group is created, if ``process_group_backend`` is not a backend torch knows then
+            (``torch.distributed.Backend.backend_list``, where third-party packages register theirs), or is
+            ``"nccl"`` and the run is not on CUDA.
 
     Example::
 
@@ -188,9 +133,14 @@ class CompressedDDP(DDPStrategy):
         >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=CompressedDDP(compressor=PowerSGD(rank=2)))
     """
 
+    strategy_name = "compressed_ddp"
+    #: the callback ``compressor="auto"`` adds; set by :mod:`lightning_gradcomp.callbacks.auto`, which sits above
+    #: this module (the strategy never imports its callbacks)
+    auto_callback: ClassVar[type[Callback] | None] = None
+
     def __init__(
         self,
-        compressor: Compressor | None = None,
+        compressor: Compressor | Literal["auto"] | None = None,
         error_feedback: bool | None = None,
         min_compress_numel: int = 1024,
         seed: int = 0,
@@ -204,29 +154,24 @@ class CompressedDDP(DDPStrategy):
     ) -> None:
         # named here (not left in **kwargs) so that they are refused, and so that LightningCLI, which passes every
         # parameter it resolves with its default, can still follow **kwargs into DDPStrategy and DDP
-        refused = {
-            "ddp_comm_state": ddp_comm_state,
-            "ddp_comm_hook": ddp_comm_hook,
-            "ddp_comm_wrapper": ddp_comm_wrapper,
-            "model_averaging_period": model_averaging_period,
-        }
-        for name, value in refused.items():
-            if value is not None:
-                raise MisconfigurationException(f"CompressedDDP does not accept `{name}`: {_REFUSED[name]}.")
-        compressor = _check_compressor(Identity() if compressor is None else compressor)
+        hooks = {"ddp_comm_state": ddp_comm_state, "ddp_comm_hook": ddp_comm_hook, "ddp_comm_wrapper": ddp_comm_wrapper}
+        check_refused({**hooks, "model_averaging_period": model_averaging_period})
+        check_compressor(compressor, allow_auto=True)
+        self._auto = isinstance(compressor, str) and compressor == AUTO  # AutoCompression is added in connect
+        chosen = compressor if isinstance(compressor, Compressor) else Identity()
         check_bool(error_feedback, "error_feedback", allow_none=True, error=_MiscError)
-        _check_error_feedback(compressor, error_feedback)
+        _check_error_feedback(chosen, error_feedback)
         check_int(min_compress_numel, "min_compress_numel", low=0, error=_MiscError)
         check_int(seed, "seed", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
         check_int(reset_state_after, "reset_state_after", low=1, allow_none=True, error=_MiscError)
-        _check_kwargs(kwargs, own=list(inspect.signature(CompressedDDP.__init__).parameters))
+        check_kwargs(kwargs, own=list(inspect.signature(CompressedDDP.__init__).parameters))
         super().__init__(**kwargs)
         self._monitor = monitor
         self._fused: FusedOptimizer | None = None
         self._failed = False  # training ended with an exception (on_exception): teardown lets the collectives settle
         self._state = CompressionState(
-            compressor,
+            chosen,
             error_feedback=error_feedback,
             min_compress_numel=min_compress_numel,
             seed=seed,
@@ -243,7 +188,7 @@ class CompressedDDP(DDPStrategy):
 
     @compressor.setter
     def compressor(self, compressor: Compressor) -> None:
-        _check_error_feedback(_check_compressor(compressor), self._state.error_feedback)
+        _check_error_feedback(check_compressor(compressor), self._state.error_feedback)  # type: ignore[arg-type]
         if isinstance(self.model, DistributedDataParallel):  # set up: the gradients' dtypes are final
             self._check_gradient_dtypes(compressor)
             _warn_if_error_feedback_grows(compressor, self._state.error_feedback)  # setup warns for the first one
@@ -264,6 +209,15 @@ class CompressedDDP(DDPStrategy):
     def compression_state(self) -> CompressionState:
         """The hook's state: compressor, switches, residuals and telemetry."""
         return self._state
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        """Register ``compressed_ddp`` and its presets (:mod:`lightning_gradcomp.strategy_names`).
+
+        As Lightning's own strategies do, except that a name already in ``strategy_registry`` (a user's own entry) is
+        left as it is.
+        """
+        register_presets(cls, strategy_registry)
 
     @staticmethod
     def require(trainer: pl.Trainer, who: object) -> CompressedDDP:
@@ -290,6 +244,8 @@ class CompressedDDP(DDPStrategy):
     def connect(self, model: pl.LightningModule) -> None:
         """Connect the model; when fitting, add a :class:`CompressionMonitor` unless the trainer has one.
 
+        For ``compressor="auto"``, add an ``AutoCompression`` with its defaults likewise.
+
         Added here, not in :meth:`setup`: Lightning calls the callbacks' ``setup`` between ``connect`` and the
         strategy's ``setup``, so a monitor appended in ``setup`` would never have its own ``setup`` called.
         """
@@ -299,16 +255,20 @@ class CompressedDDP(DDPStrategy):
             return
         if not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks):
             trainer.callbacks.append(CompressionMonitor())
+        auto = type(self).auto_callback
+        if self._auto and auto is not None and not any(isinstance(cb, auto) for cb in trainer.callbacks):
+            trainer.callbacks.append(auto())
 
     @override
     def setup_environment(self) -> None:
-        """Refuse NCCL without CUDA before the process group is created, then set up as DDPStrategy does.
+        """Refuse an unknown backend, or NCCL without CUDA, before the process group is created; then set up.
 
         Checked here rather than at construction: a strategy may be built on a machine that does not train (a login
         node checking a config), but the process group is created on the training machine, with the accelerator
         known.
         """
         backend = self._process_group_backend
+        check_backend(backend)
         if backend == "nccl" and (self.root_device.type != "cuda" or not torch.cuda.is_available()):
             raise MisconfigurationException(
                 f"`process_group_backend='nccl'` needs CUDA devices, but this run trains on"
@@ -323,7 +283,8 @@ class CompressedDDP(DDPStrategy):
 
         One if the compressor and the optimizer both apply momentum, one if error feedback is on where its residual
         can grow without bound (:meth:`Compressor.error_feedback_growth`), one if the compressor's update of densely
-        averaged layers skips the model's sparse gradients (:func:`~lightning_gradcomp.hook.sparse_gradient_warning`).
+        averaged layers skips the model's sparse gradients
+        (:func:`~lightning_gradcomp.sparse_gradients.sparse_gradient_warning`).
         """
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
@@ -368,7 +329,7 @@ class CompressedDDP(DDPStrategy):
         self._state.attach(self.model, process_group=self._ddp_kwargs.get("process_group"))
         # registered on every device type: on CPU/gloo too, unlike DDPStrategy._register_ddp_hooks
         self.model.register_comm_hook(self._state, compression_hook)
-        rank_zero_info(self._describe())
+        rank_zero_info(_describe(self._module(), self._state, self.world_size))
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -475,53 +436,45 @@ class CompressedDDP(DDPStrategy):
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """DDPStrategy's message fixes, plus a note of this rank's own failure for the main process's report."""
+        """DDPStrategy's message fixes, plus a note of this rank's own failure for the main process's report.
+
+        An unused parameter gets the advice to pass ``find_unused_parameters=True`` to CompressedDDP: Lightning's own
+        advice names ``DDPStrategy``, which would train without compression.
+        """
+        _augment_message(exception, pattern=_UNUSED_PARAMETERS, new_message=_UNUSED_PARAMETERS_ADVICE)
         super().on_exception(exception)
         self._failed = True
         if not is_collective_failure(exception):  # a failed collective is a consequence of another rank's fault
             record_failure(self.global_rank, exception)
 
     # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints: every rank's compressor state travels with the checkpoint
+    # Checkpoints: each rank's compressor state in a file of its own beside the checkpoint
     # ------------------------------------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Save like DDPStrategy, with every rank's compressor state gathered into ``checkpoint["gradcomp"]``."""
-        # Lightning calls this on every rank and writes on rank 0 only, so the other ranks' residuals are gathered
-        # here; a weights-only checkpoint (no "loops") carries no training state, on every rank alike
+        """Save like DDPStrategy; every rank writes its own compressor state beside ``filepath``, not through rank 0.
+
+        See :mod:`lightning_gradcomp.compression_checkpoint` and :mod:`lightning_gradcomp.rank_state`.
+        """
         structures = {cb.state_key: cb.structure_state() for cb in self._transforms()}
         if any(state is not None for state in structures.values()):
             checkpoint[_TRANSFORMS_KEY] = structures  # also in weights-only checkpoints: they need the structure too
-        if "loops" in checkpoint and dist.is_available() and dist.is_initialized():
-            # the checkpoint of the last step can be the run's last collective: gathered so that exit cannot abort
-            gathered = gather_objects(self._state.state_dict(), self.root_device)
-            if self.is_global_zero:
-                checkpoint[_CHECKPOINT_KEY] = {"format": 1, "world_size": self.world_size, "ranks": gathered}
+        if "loops" in checkpoint:  # a weights-only checkpoint (no "loops") carries no training state
+            save_compression_state(self._state, checkpoint, filepath, self.global_rank, self.world_size, self.barrier)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load like DDPStrategy, and restore this rank's compressor state from ``checkpoint["gradcomp"]``."""
+        """Load like DDPStrategy, and restore this rank's compressor state saved with the checkpoint."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        saved = checkpoint.get(_CHECKPOINT_KEY)
-        if saved is None:
-            if "loops" in checkpoint:
-                # what the step counter would be (DGC's warm-up, shared seeds): the optimizer steps taken
-                self._state.step = int(checkpoint.get("global_step", 0))
-                rank_zero_warn(
-                    "The checkpoint holds no CompressedDDP state (it was not written by CompressedDDP):"
-                    " error-feedback residuals and compressor state start empty."
-                )
-            return checkpoint
-        if saved["world_size"] != self.world_size:
-            rank_zero_warn(
-                f"The checkpoint's compressor state was saved by {saved['world_size']} processes, this run has"
-                f" {self.world_size}: per-rank error-feedback residuals cannot be mapped, so they and the"
-                " compressor state start empty."
-            )
-            return checkpoint
-        self._state.load_state_dict(saved["ranks"][self.global_rank])
+        restore_compression_state(self._state, checkpoint, checkpoint_path, self.global_rank, self.world_size)
         return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove the checkpoint (rank 0) and, on every rank, the state that rank saved beside it."""
+        super().remove_checkpoint(filepath)
+        remove_rank_states(filepath, self.global_rank)
 
     # ------------------------------------------------------------------------------------------------------------
     # Helpers
@@ -537,25 +490,27 @@ class CompressedDDP(DDPStrategy):
             raise RuntimeError("CompressedDDP has no LightningModule yet: it is connected by the Trainer.")
         return self.lightning_module
 
-    def _describe(self) -> str:
-        module = self._module()
-        compressor = self._state.compressor
-        total = compressed = total_numel = compressed_numel = 0
-        for i, (name, p) in enumerate(module.named_parameters()):
-            if not p.requires_grad:
-                continue
-            total += 1
-            total_numel += p.numel()
-            if compressor.compresses(Layer(name, i, p.shape), self._state.min_compress_numel):
-                compressed += 1
-                compressed_numel += p.numel()
-        ef = "on" if self._state.uses_error_feedback() else "off"
-        processes = "1 process" if self.world_size == 1 else f"{self.world_size} processes"
-        return (
-            f"CompressedDDP: {compressor!r} compresses {compressed} of {total} parameter tensors"
-            f" ({compressed_numel:,} of {total_numel:,} elements; the rest are averaged densely);"
-            f" error feedback {ef}; {processes}."
-        )
+
+def _describe(module: pl.LightningModule, state: CompressionState, world_size: int) -> str:
+    """The setup line: what the compressor compresses, whether error feedback is on, how many processes."""
+    compressor = state.compressor
+    total = compressed = total_numel = compressed_numel = 0
+    for i, (name, p) in enumerate(module.named_parameters()):
+        if not p.requires_grad:
+            continue
+        total += 1
+        total_numel += p.numel()
+        if compressor.compresses(Layer(name, i, p.shape), state.min_compress_numel):
+            compressed += 1
+            compressed_numel += p.numel()
+    ef = "on" if state.uses_error_feedback() else "off"
+    rest = "; the rest are averaged densely" if compressed < total else ""
+    processes = "1 process" if world_size == 1 else f"{world_size} processes"
+    return (
+        f"CompressedDDP: {compressor!r} compresses {compressed} of {total} parameter tensors"
+        f" ({compressed_numel:,} of {total_numel:,} elements{rest});"
+        f" error feedback {ef}; {processes}."
+    )
 
 
 def _transforms(trainer: pl.Trainer | None) -> list[ModelTransform]:

@@ -10,10 +10,9 @@ seconds, a fit of TinyNet a fraction of one), each recorded in its own folder of
 A ``RUN`` is ``STRATEGY:VARIANT``, recorded in ``DIRPATH/STRATEGY-VARIANT``: a fresh model trained from scratch.
 ``STRATEGY`` is one of :data:`STRATEGIES`, ``VARIANT`` one of :data:`VARIANTS` (the configurations a user of
 ``DDPStrategy`` may turn on, and the runs that save a checkpoint). ``STRATEGY:VARIANT+EARLIER`` resumes instead from
-the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless``: with the compressor state
-taken out, as a checkpoint of plain ``DDPStrategy`` holds none), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIER``
-(every ``:`` a ``-``). ``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model
-is wrapped.
+the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless`` or ``EARLIER:gathered``: from
+a copy edited by :func:`_edited`), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIER`` (every ``:`` a ``-``).
+``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model is wrapped.
 """
 
 import os
@@ -35,6 +34,7 @@ from torch.utils.data import DataLoader
 from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.callbacks import CompressionMonitor, OuterMonitor
 from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
+from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
 
@@ -167,6 +167,13 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
     "bf16-epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2, "precision": "bf16-true"}, _BUCKETS, False),
     "bf16-epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4, "precision": "bf16-true"}, _BUCKETS, False),
+    # a checkpoint per epoch, the older removed (save_top_k=1), last.ckpt a link to the newest
+    "rotate": (
+        _small_data,
+        {**_EPOCHS, "max_epochs": 2, "checkpointing": {"filename": "{epoch}", "save_top_k": 1, "save_last": "link"}},
+        _BUCKETS,
+        False,
+    ),
 }
 
 
@@ -184,21 +191,18 @@ def train(run: str, root: str, devices: int) -> None:
     os.makedirs(dirpath, exist_ok=True)
     ckpt_path = None
     if earlier:
-        stateless = earlier.endswith(":stateless")
-        ckpt_path = os.path.join(root, run_name(earlier.removesuffix(":stateless")), "last.ckpt")
-        if stateless:
-            # each rank edits a copy of its own: no rank reads a file that another is writing
-            saved = torch.load(ckpt_path, weights_only=False)
-            saved.pop("gradcomp", None)  # CompressedDDP's state
-            saved.pop("diloco", None)  # DiLoCo's
-            ckpt_path = os.path.join(dirpath, f"stateless-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
-            torch.save(saved, ckpt_path)
+        saved_name, saved_variant, *edit = earlier.split(":")
+        ckpt_path = os.path.join(root, run_name(f"{saved_name}:{saved_variant}"), "last.ckpt")
+        if edit:
+            ckpt_path = _edited(ckpt_path, edit[0], dirpath)
     strategy = STRATEGIES[name](**strategy_kwargs)
     # DiLoCo's monitor given before the recorder, whose on_fit_end then sees the monitor's totals
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
     monitor += [OuterMonitor()] if isinstance(strategy, DiLoCo) else []
+    trainer_kwargs = dict(trainer_kwargs)
+    checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
-    saving = [ModelCheckpoint(dirpath=dirpath, filename="last")] if trainer_kwargs.get("enable_checkpointing") else []
+    saving = [ModelCheckpoint(dirpath=dirpath, **checkpointing)] if trainer_kwargs.get("enable_checkpointing") else []
     trainer = pl.Trainer(
         **{
             "accelerator": "cpu",
@@ -215,6 +219,28 @@ def train(run: str, root: str, devices: int) -> None:
     )
     model = make_model()
     trainer.fit(torch.compile(model) if compiled else model, ckpt_path=ckpt_path)
+
+
+def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
+    """A copy of the checkpoint at ``ckpt_path`` edited as ``edit`` says, in ``dirpath``; its path.
+
+    ``stateless``: without the compressor state (as a checkpoint of plain ``DDPStrategy``); ``gathered``: every rank's
+    compressor state inside the checkpoint, as ``CompressedDDP`` wrote checkpoints before each rank had a file. Each
+    rank edits a copy of its own: no rank reads a file that another is writing.
+    """
+    saved = torch.load(ckpt_path, weights_only=False)
+    if edit == "stateless":
+        saved.pop("gradcomp", None)  # CompressedDDP's state
+        saved.pop("diloco", None)  # DiLoCo's
+    elif edit == "gathered":
+        world_size = saved["gradcomp"]["world_size"]
+        ranks = [load_rank_state(ckpt_path, "gradcomp", rank).state for rank in range(world_size)]
+        saved["gradcomp"] = {"format": 1, "world_size": world_size, "ranks": ranks}
+    else:
+        raise ValueError(f"unknown edit of a checkpoint: {edit!r}")
+    edited = os.path.join(dirpath, f"{edit}-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
+    torch.save(saved, edited)
+    return edited
 
 
 def assert_same_weights(a: list[dict], b: list[dict], what: str = "") -> None:

@@ -104,6 +104,7 @@ def test_every_rank_applies_rank_zeros_plan_and_calibrates_inside_a_dense_warmup
     assert plan["step"] < 7 <= verify["step"] - FAST["verify_steps"] + 1
 
 
+@pytest.mark.slow
 def test_a_slower_link_after_the_switch_falls_back_with_the_reason(tmp_path):
     # the "slow link" is the model's input: on the real loopback TinyNet's codecs cost more than they save (2-3x the
     # dense step), hence the tolerance of 5x; 30 ms per collective (6+ per step) puts the step far beyond it
@@ -140,6 +141,7 @@ def _first_run_with_a_checkpoint(tmp_path):
     return [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)], ckpt
 
 
+@pytest.mark.slow
 def test_a_resumed_run_keeps_its_plan_and_measurements(tmp_path):
     before, ckpt = _first_run_with_a_checkpoint(tmp_path)
     assert before[0]["assignment"], "the first run compresses"
@@ -182,6 +184,7 @@ def test_bad_arguments_name_the_argument(kwargs, match):
         AutoCompression(**kwargs)
 
 
+@pytest.mark.slow
 def test_periodic_replanning_calibrates_again_from_a_compressed_plan(tmp_path):
     auto = AutoCompression(link=SLOW, tolerance=10.0, replan_every=4, **FAST)
     ranks = _run(tmp_path, auto, max_steps=24)
@@ -205,6 +208,7 @@ class SlowSteps(Callback):
             time.sleep(self.seconds)
 
 
+@pytest.mark.slow
 def test_a_step_time_that_drifts_calibrates_again(tmp_path):
     # calibrate steps 2-4, verify 6-8, steady from 9; drift checks every 3 steps against the verified time; from step
     # 12 every step is 0.5 s longer (TinyNet's step is tens of ms): the check of steps 12-14 re-plans from step 15
@@ -218,6 +222,7 @@ def test_a_step_time_that_drifts_calibrates_again(tmp_path):
     assert ranks[0]["history"] == ranks[1]["history"]
 
 
+@pytest.mark.slow
 def test_a_resume_on_other_buckets_calibrates_again(tmp_path):
     """The checkpoint's plan was measured on 0.01 MB buckets; resumed with one bucket, DDP's layout differs."""
     before, ckpt = _first_run_with_a_checkpoint(tmp_path)

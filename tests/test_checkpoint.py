@@ -7,10 +7,12 @@ one, and both CI stages run this file.
 """
 
 import os
+import shutil
 
 import pytest
 import torch
 
+from lightning_gradcomp.rank_state import load_rank_state
 from tests.fit_worker import assert_same_weights, run_fits, run_name
 
 COMPRESSORS = ["topk", "powersgd-r1", "powersgd-r2"]
@@ -26,6 +28,9 @@ RUNS = [
     *(run for name in COMPRESSORS for run in _resumable(name)),
     *_resumable("powersgd-r2", "bf16-"),
     "topk:epochs4+topk:epochs2:stateless",
+    "topk:epochs4+topk:epochs2:gathered",
+    "topk:rotate",
+    "topk:epochs4+topk:rotate",
     *_resumable("ddp"),
     "identity:epochs2",
     "identity:epochs4+ddp:epochs2",
@@ -47,6 +52,12 @@ def _saved(root, run):
     return torch.load(os.path.join(root, run_name(run), "last.ckpt"), weights_only=False)
 
 
+def _saved_ranks(root, run, world_size=2):
+    """What each rank saved beside the run's last checkpoint (its compressor state)."""
+    path = os.path.join(root, run_name(run), "last.ckpt")
+    return [load_rank_state(path, "gradcomp", rank).state for rank in range(world_size)]
+
+
 @pytest.mark.parametrize("name", COMPRESSORS)
 def test_resumed_run_ends_bitwise_equal_to_uninterrupted_run(launch, name):
     root, _, records = launch
@@ -55,15 +66,15 @@ def test_resumed_run_ends_bitwise_equal_to_uninterrupted_run(launch, name):
     assert len(records[resumed][0]["steps"]) == 8, "the resumed run trains epochs 3 and 4"
 
     saved = _saved(root, first)["gradcomp"]
-    assert saved["world_size"] == 2
-    assert len(saved["ranks"]) == 2
-    residuals = [entry["residuals"] for entry in saved["ranks"]]
+    assert saved == {"format": 2, "world_size": 2, "step": 8}, "rank 0's checkpoint holds no rank's state"
+    ranks = _saved_ranks(root, first)
+    residuals = [entry["residuals"] for entry in ranks]
     assert residuals[0].keys() == residuals[1].keys()
     assert residuals[0]
     assert any(not torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0]), "each rank owes its own error"
-    assert saved["ranks"][0]["step"] == 8
+    assert ranks[0]["step"] == ranks[1]["step"] == 8
     if name.startswith("powersgd"):
-        assert saved["ranks"][0]["compressor"]["queries"], "warm-start queries are saved"
+        assert ranks[0]["compressor"]["queries"], "warm-start queries are saved"
 
 
 def test_a_16_bit_run_resumes_bitwise_with_its_16_bit_residuals(launch):
@@ -72,7 +83,7 @@ def test_a_16_bit_run_resumes_bitwise_with_its_16_bit_residuals(launch):
     straight, first, resumed = _resumable("powersgd-r2", "bf16-")
     assert records[resumed][0]["params"].dtype == torch.bfloat16
     assert_same_weights(records[straight], records[resumed])
-    residuals = _saved(root, first)["gradcomp"]["ranks"][0]["residuals"]
+    residuals = _saved_ranks(root, first)[0]["residuals"]
     assert residuals
     assert {r.dtype for r in residuals.values()} == {torch.bfloat16}
 
@@ -101,3 +112,38 @@ def test_checkpoints_pass_between_plain_ddp_and_compressed_ddp(launch):
     assert len(topk[0]["steps"]) == 8
     assert all(s["stats"].compression_ratio > 2 for s in topk[0]["steps"])
     assert not torch.equal(topk[0]["params"], dense[0]["params"]), "TopK sent less than all"
+
+
+def test_a_checkpoint_with_every_ranks_state_inside_still_resumes_bitwise(launch):
+    """Checkpoints written before each rank had a file of its own hold every rank's state in ``checkpoint["gradcomp"]``
+    (rebuilt here from the per-rank files): they resume as before."""
+    _, _, records = launch
+    assert_same_weights(records["topk:epochs4"], records["topk:epochs4+topk:epochs2:gathered"])
+
+
+def test_checkpoints_removed_by_model_checkpoint_take_their_rank_files_along(launch):
+    """``ModelCheckpoint(save_top_k=1, save_last="link")``: the older checkpoint's per-rank files go with it, and a run
+    resumed from the ``last.ckpt`` link finds the files of the checkpoint it points to."""
+    root, _, records = launch
+    folder = os.path.join(root, run_name("topk:rotate"))
+    checkpoints = {name for name in os.listdir(folder) if not name.startswith("rank")}
+    assert checkpoints == {"epoch=1.ckpt", "epoch=1.ckpt.ranks", "last.ckpt"}
+    assert os.path.islink(os.path.join(folder, "last.ckpt"))
+    assert sorted(os.listdir(os.path.join(folder, "epoch=1.ckpt.ranks"))) == ["gradcomp.rank0.pt", "gradcomp.rank1.pt"]
+    assert_same_weights(records["topk:epochs4"], records["topk:epochs4+topk:rotate"])
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_one_with_a_warning(launch, tmp_path):
+    """On another world size the step and the compressor's state carry over; the per-rank residuals cannot be mapped
+    to the new ranks: they start empty, and the run says so."""
+    root, _, _ = launch
+    shutil.copytree(os.path.join(root, run_name("powersgd-r2:epochs2")), tmp_path / run_name("powersgd-r2:epochs2"))
+    run = "powersgd-r2:epochs4+powersgd-r2:epochs2"
+    code, output, records = run_fits(tmp_path, 1, [run])
+    assert code == 0, output[-3000:]
+    assert "saved by 2 processes, this run has 1" in output
+    assert "per-rank error-feedback residuals cannot be mapped" in output
+    assert len(records[run][0]["steps"]) == 16, "epochs 3 and 4 at 8 steps each"
+    assert torch.isfinite(records[run][0]["params"]).all()
+    resumed = _saved_ranks(tmp_path, run, world_size=1)[0]
+    assert resumed["step"] == 8 + 16, "the step counter carried over"

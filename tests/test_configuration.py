@@ -49,7 +49,6 @@ CASES: dict[str, tuple[Callable[[], Any], str]] = {
     "bucket-cap-negative": (lambda: CompressedDDP(bucket_cap_mb=-1), "bucket_cap_mb"),
     "bucket-cap-nan": (lambda: CompressedDDP(bucket_cap_mb=math.nan), "bucket_cap_mb"),
     "start-method-threads": (lambda: CompressedDDP(start_method="threads"), "start_method"),
-    "backend-unknown": (lambda: CompressedDDP(process_group_backend="ncl"), "process_group_backend"),
     "device-ids": (lambda: CompressedDDP(device_ids=[0]), "device_ids"),
     "static-graph-not-bool": (lambda: CompressedDDP(static_graph="yes"), "static_graph"),
     "monitor-not-bool": (lambda: CompressedDDP(monitor=1), "monitor"),

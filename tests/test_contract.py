@@ -26,6 +26,7 @@ from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_fro
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, SimulatedWorld, exported_compressor_classes, simulate_reduce
+from tests.contract_examples import BucketTopK, ScaledSign
 
 # GRADCOMP_TEST_DEVICE=cuda runs the whole contract on CUDA tensors (tests/test_gpu.py does, on a GPU machine)
 DEVICE = torch.device(os.environ.get("GRADCOMP_TEST_DEVICE", "cpu"))
@@ -55,6 +56,9 @@ COMPRESSORS = {name: factory() for name, factory in EXAMPLES.items()}
 COMPRESSORS["masked-pruned"] = MaskedCompressor(Identity(), _pruning_masks())
 COMPRESSORS["masked-pruned-topk"] = MaskedCompressor(TopK(ratio=0.2), _pruning_masks())
 COMPRESSORS["masked-pruned-powersgd"] = MaskedCompressor(PowerSGD(rank=2), _pruning_masks())
+# the smallest sparsifier and quantizer of docs/concepts.md: compress, decompress and class facts are the whole method
+COMPRESSORS["doc-bucket-topk"] = BucketTopK(ratio=0.1)
+COMPRESSORS["doc-scaled-sign"] = ScaledSign()
 # half-precision casts round: compare them loosely, everything else tightly
 TOLERANCE = {"fp16": {"rtol": 2e-3, "atol": 1e-3}, "bf16": {"rtol": 2e-2, "atol": 1e-2}}
 # PowerSGD's orthogonalisation adds epsilon (1e-8) to column norms: the sum of P over ranks and P of the average differ

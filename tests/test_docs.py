@@ -78,3 +78,65 @@ def test_anchors_resolve(path):
         if "://" in target or not page.endswith(".md") or not os.path.exists(page):
             continue  # external links; a missing page is test_relative_links_resolve's to report
         assert anchor in _heading_anchors(page), f"{path}: no heading for #{anchor} in {os.path.relpath(page, ROOT)}"
+
+
+def _documented_defaults(page: str) -> list[tuple[str | None, str, str]]:
+    """``(class or None, argument, default cell)`` of every row of a page's table of arguments and defaults."""
+    rows, header = [], None
+    with open(os.path.join(ROOT, "docs", page)) as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is None:
+            header = None
+        elif header is None and "argument" in cells and "default" in cells:
+            header = cells
+        elif header is not None and not set(line) <= set("|- "):
+            row = dict(zip(header, cells))
+            rows.append((row.get("compressor", "").strip("`") or None, row["argument"].strip("`"), row["default"]))
+    return rows
+
+
+#: the page that documents each class's arguments and defaults
+DEFAULTS_PAGES = {
+    "accordion.md": "callbacks.Accordion", "adacomp.md": "compressors.AdaComp", "dense_warmup.md":
+    "callbacks.DenseWarmup", "dgc.md": "compressors.DGC", "index.md": "CompressedDDP", "optimizers.md":
+    "optim.NovoGrad", "pactrain.md": "callbacks.PacTrain", "powersgd.md": "compressors.PowerSGD", "pufferfish.md":
+    "transforms.Pufferfish", "qsgd.md": "compressors.QSGD", "randomk.md": "compressors.RandomK", "scalecom.md":
+    "compressors.ScaleCom", "signsgd.md": "compressors.SignSGD", "terngrad.md": "compressors.TernGrad", "topk.md":
+    "compressors.TopK", "tracin.md": "callbacks.TracIn",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("page", sorted(DEFAULTS_PAGES))
+def test_every_documented_default_is_the_signatures(page):
+    import ast
+    import importlib
+
+    module, _, name = DEFAULTS_PAGES[page].rpartition(".")
+    owner = importlib.import_module(f"lightning_gradcomp.{module}" if module else "lightning_gradcomp")
+    checked = 0
+    for cls_name, argument, cell in _documented_defaults(page):
+        cls = getattr(importlib.import_module("lightning_gradcomp.compressors"), cls_name) if cls_name else None
+        parameters = inspect.signature(cls or getattr(owner, name)).parameters
+        if argument not in parameters:
+            continue  # a row of another kind ("**kwargs", "(none)")
+        default = parameters[argument].default
+        text = cell.split("(")[0].strip().strip("`") if cell.startswith("`None` (") else cell.strip("`")
+        try:
+            documented = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            assert default is not inspect.Parameter.empty or "required" in cell, (argument, cell)
+            continue  # not a literal (`Identity()`, "(required)"): not compared
+        expected = list(default) if isinstance(default, tuple) and isinstance(documented, list) else default
+        assert documented == expected, f"{page}: `{argument}` is documented as {cell}, the signature says {default!r}"
+        checked += 1
+    assert checked > 0
+
+
+@pytest.mark.parametrize("path", ["README.md", *sorted(glob.glob("docs/*.md", root_dir=ROOT))])
+def test_docs_carry_no_project_history(path):
+    # a user cannot act on "issue 11's target" or "the next session": that history belongs in CHANGELOG.md
+    with open(os.path.join(ROOT, path)) as f:
+        found = re.findall(r".{0,40}\b(?:issue \d+|issue's|session)\b.{0,40}", f.read(), flags=re.I)
+    assert not found, found

@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from lightning_gradcomp.rank_state import load_rank_state
 from tests.fault_worker import MAX_STEPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +83,8 @@ def test_a_rank_that_raises_ends_every_rank_naming_it_and_the_last_checkpoint_re
     last = tmp_path / "failed" / "ckpt" / "last.ckpt"
     checkpoint = torch.load(last, weights_only=False)
     assert checkpoint["global_step"] == STEP  # written after the last step that every rank finished
-    assert len(checkpoint["gradcomp"]["ranks"]) == 2
+    assert checkpoint["gradcomp"]["world_size"] == 2
+    assert [load_rank_state(last, "gradcomp", rank).state["global_step"] for rank in range(2)] == [STEP, STEP]
     returncode, output, _ = _run(tmp_path / "resumed", "none", rank=1, ckpt_path=str(last))
     assert returncode == 0, output[-4000:]
     assert int(_read(tmp_path / "resumed" / "finished")) == MAX_STEPS

@@ -8,6 +8,9 @@ import pytest
 
 from benchmarks import compression_ratios, convergence
 
+# real workloads and trainings of minutes: the slow part of the suite (`pytest -m slow`)
+pytestmark = pytest.mark.slow
+
 STEPS = 5
 
 

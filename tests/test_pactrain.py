@@ -277,6 +277,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_pruned_training_on_two_processes_then_resume(tmp_path, case):
     """Gradual pruning to 90% within the run: bytes per step follow the masks' density exactly, pruned weights stay
@@ -323,6 +324,7 @@ def test_pruned_training_on_two_processes_then_resume(tmp_path, case):
         assert torch.equal(resumed[r]["params"], straight[r]["params"]), f"rank {r} differs after the resume"
 
 
+@pytest.mark.slow
 def test_accuracy_at_90_percent_sparsity_is_within_1_5_points_of_dense(tmp_path):
     """The short version of benchmarks/pactrain_accuracy.py (digits, 2 processes, 10 epochs instead of 30; the full
     table, where per-layer 90% is within 1.5 points too, is in docs/pactrain.md). Global magnitude pruning: at this

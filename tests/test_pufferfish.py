@@ -305,6 +305,7 @@ def _epoch_losses(record, steps_per_epoch):
     return [sum(losses[i : i + steps_per_epoch]) / steps_per_epoch for i in range(0, len(losses), steps_per_epoch)]
 
 
+@pytest.mark.slow
 def test_factorization_mid_training_with_two_processes_then_resume(tmp_path):
     """Full-rank epoch 0, factorized from epoch 1; replicas identical; loss keeps falling; the LR schedule goes on;
     a checkpoint written after the factorization resumes into the factorized model, bitwise like the straight run."""

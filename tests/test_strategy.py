@@ -183,6 +183,7 @@ def test_static_graph_and_bucket_views_pass_through(fits):
     assert all(s["stats"].compression_ratio > 1 for s in powersgd[0]["steps"])
 
 
+@pytest.mark.slow
 def test_a_compiled_model_trains_compressed_as_its_eager_self_does(tmp_path):
     """``trainer.fit(torch.compile(model))`` (Lightning's default launcher; its spawn launcher cannot pickle a
     compiled model, for DDPStrategy too): Identity is bitwise plain DDPStrategy on the compiled model, and TopK runs

@@ -439,3 +439,6 @@ class AutoCompression(Callback):
             self._records = []  # a window cut by the checkpoint starts again
         if self._planned is not None:
             self.planned.set_assignment(self.assignment)
+
+
+CompressedDDP.auto_callback = AutoCompression  # what CompressedDDP(compressor="auto") adds when fitting

@@ -15,12 +15,11 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     Layer,
     Payload,
-    summed_in_new_residual,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, Exchange
+from lightning_gradcomp.compressors.exchange import AllGather, Exchange, SentAt
 from lightning_gradcomp.compressors.packing import flat_nonzero, numpy_floats, pack_bits, unpack_bits
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
-from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
+from lightning_gradcomp.compressors.transport import TRANSPORTS, SparseTransport, sparse_transport_sum
 from lightning_gradcomp.validation import check_choice, check_positive_int
 
 _WIRE = torch.float32
@@ -61,7 +60,7 @@ class _Selection:
         self.indices, self.positive, self.scale = indices, positive, scale
 
 
-class AdaComp(Compressor):
+class AdaComp(SparseTransport, Compressor):
     """AdaComp: in every bin of a layer, send the elements whose residue-plus-gradient beats the bin's largest residue.
 
     Chen, Choi, Brand, Agrawal, Zhang & Gopalakrishnan, "AdaComp: Adaptive Residual Gradient Compression for
@@ -111,18 +110,14 @@ class AdaComp(Compressor):
 
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = False
-    exchanges_sizes: ClassVar[bool] = True  # payload sizes depend on the data; exchanged in round 0
+    gather_rounds: ClassVar[int] = 2  # over the all-gather: sizes, then the payloads padded to the largest
+    gather_exchanges_sizes: ClassVar[bool] = True  # payload sizes depend on the data; exchanged in round 0
 
     def __init__(self, bin_size_conv: int = 50, bin_size_fc: int = 500, transport: str = "allgather") -> None:
         super().__init__()
         self.bin_size_conv = check_positive_int(bin_size_conv, "bin_size_conv")
         self.bin_size_fc = check_positive_int(bin_size_fc, "bin_size_fc")
         self.transport = check_choice(transport, "transport", TRANSPORTS)
-
-    @property
-    def rounds(self) -> int:  # type: ignore[override]
-        """Two over the all-gather (sizes, payloads); Zen's four otherwise."""
-        return transport_rounds(self.transport, 2)
 
     def bin_size(self, layer: Layer) -> int:
         """The bin length of ``layer``: convolutions (>= 3-D) vs fully-connected and recurrent weights."""
@@ -141,10 +136,10 @@ class AdaComp(Compressor):
             size = self.bin_size(layer)
             full = layer.numel // size * size
             # bin maxima of |G| on 2-D views (the last bin may be short)
-            gmax = [_abs_max(g[:full].view(-1, size), scratch[:full])] if full else []
+            maxima = [_abs_max(g[:full].view(-1, size), scratch[:full])] if full else []
             if full < layer.numel:
-                gmax.append(_abs_max(g[full:].view(1, -1), scratch[full : layer.numel]))
-            gmax = torch.cat(gmax)
+                maxima.append(_abs_max(g[full:].view(1, -1), scratch[full : layer.numel]))
+            gmax = torch.cat(maxima)
             # an all-zero bin sends nothing (its maximum would select every element)
             threshold = torch.where(gmax > 0, gmax, torch.full_like(gmax, float("inf"))).to(h.dtype)
             chosen = torch.empty(layer.numel, dtype=torch.bool, device=g.device)
@@ -179,24 +174,16 @@ class AdaComp(Compressor):
             positive = signs[segment.value_at : segment.value_at + idx.numel()]
             out.index_add_(0, idx, _signed(positive, scales[i], out.dtype))  # distinct indices: deterministic
 
-    def _residual(self, residual: Tensor, residue_plus_grad: Tensor, selections: Sequence[_Selection],
-                  ctx: BucketContext) -> None:  # fmt: skip
-        """``R <- G - sent`` (in place where ``residual`` already holds ``G``)."""
-        if residual is not residue_plus_grad:
-            residual.copy_(residue_plus_grad)
-        for layer, chosen in zip(ctx.layers, selections):
-            layer.flat(residual).index_add_(0, chosen.indices, _signed(chosen.positive, -chosen.scale, residual.dtype))
-
     # ------------------------------------------------------------------------------------------------------------
     # The contract (one rank on its own: slots = its own counts)
     # ------------------------------------------------------------------------------------------------------------
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """This rank alone: ``(counts, index blob, sign bits, scales)``; ``tensor`` is ``G = R + dW``.
 
-        The soft threshold needs the latest gradient: ``dW = G - R`` from ``ctx.residual`` (``H = 2 G`` without one).
-        :meth:`exchange` has ``dW`` itself and uses it exactly.
+        The soft threshold needs the latest gradient ``dW``, which only :meth:`exchange` has; alone, ``H = 2 G`` (as
+        without error feedback, where ``G = dW``).
         """
-        soft = tensor + tensor if ctx.residual is None else tensor + (tensor - ctx.residual)
+        soft = tensor + tensor
         selections = self.select(tensor, soft, ctx)
         counts = [s.indices.numel() for s in selections]
         layout = sparse_layout(ctx.layers, counts)
@@ -212,34 +199,31 @@ class AdaComp(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: sizes first, then the payloads padded to the largest size
     # ------------------------------------------------------------------------------------------------------------
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """``G = R + dW`` into the updated residue's buffer (later ``G - sent``, in place); ``tensor`` keeps ``dW``.
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor:
+        """``dW`` itself, kept in ``tensor``: the soft threshold reads it there (:meth:`exchange`'s ``out``)."""
+        return tensor
 
-        :meth:`exchange` needs the latest gradient ``dW`` as well as ``G``. Without both residue buffers nothing
-        happens here and :meth:`exchange` forms ``G`` itself.
-        """
-        if summed_in_new_residual(ctx):
-            return torch.add(tensor, ctx.residual, out=ctx.new_residual)
-        return None
+    @property
+    def keeps_input(self) -> bool:
+        """Yes: ``G = R + dW`` is only read; ``out`` holds ``dW`` until ``H = G + dW`` is formed in it."""
+        return True
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Round 0: all-gather the counts per layer. Round 1: all-gather the padded payloads; sum in rank order."""
-        grad = tensor
-        if summed_in_new_residual(ctx):  # G is in the new residue's buffer (accumulate)
-            residue_plus_grad = ctx.new_residual
-            soft = grad.add_(residue_plus_grad)  # H = G + dW in place: dW is not needed again, the input is spent
-        elif ctx.residual is not None:
-            residue_plus_grad = grad + ctx.residual
-            soft = residue_plus_grad + grad
-        else:
-            residue_plus_grad, soft = grad, grad + grad
+        residue_plus_grad = tensor  # G = R + dW
+        # with error feedback ``out`` holds dW (see keeps_input): H = G + dW in place, dW is not needed again;
+        # without it G is dW
+        soft = out.add_(residue_plus_grad) if ctx.error_feedback else residue_plus_grad + residue_plus_grad
         selections = self.select(residue_plus_grad, soft, ctx)
-        if ctx.new_residual is not None:
-            self._residual(ctx.new_residual, residue_plus_grad, selections, ctx)
-        if self.transport != "allgather":
+        indices = values = None
+        if self.transport != "allgather" or ctx.error_feedback:
             indices = torch.cat([s.indices + layer.offset for layer, s in zip(ctx.layers, selections)])
             values = torch.cat([_signed(s.positive, s.scale, tensor.dtype) for s in selections])
-            summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, tensor)
+            yield SentAt(indices, values)  # R <- G - sent
+        if self.transport != "allgather":
+            assert indices is not None
+            assert values is not None
+            summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, out)
             return summed.div_(ctx.world_size)
         counts = torch.tensor([s.indices.numel() for s in selections], dtype=torch.int32, device=ctx.device)
         gathered_counts = yield AllGather((counts,))
@@ -248,7 +232,7 @@ class AdaComp(Compressor):
         slots = [max(column) for column in zip(*every)] if every and every[0] else []
         layout = sparse_layout(ctx.layers, slots)
         gathered = yield AllGather(self._payload(selections, layout, residue_plus_grad))
-        out = tensor.zero_()
+        out.zero_()
         for counts_r, payload in zip(every, gathered):
             self._add(payload, layout, counts_r, out)
         return out.div_(ctx.world_size)

@@ -1,231 +1,53 @@
 """The compressor contract: one small interface that every gradient compression method implements.
 
 A :class:`Compressor` turns one flat gradient tensor (the compressible layers of a DDP bucket, concatenated) into a
-*payload* (a tuple of tensors) and back. The base class owns everything else (error feedback, the collective, the
-averaging and the telemetry), so a method is usually just :meth:`Compressor.compress` and
-:meth:`Compressor.decompress`.
+*payload* (a tuple of tensors) and back. The driver (:mod:`lightning_gradcomp.compressors.driver`) owns everything
+else (error feedback, the collective, the averaging and the telemetry), so a method is usually just
+:meth:`Compressor.compress` and :meth:`Compressor.decompress`. The contract's data types live in
+:mod:`lightning_gradcomp.compressors.context` and are re-exported here.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.comm import Payload
-from lightning_gradcomp.compressors.exchange import (
-    AllGather,
-    AllGatherV,
-    AllReduce,
-    AllToAll,
-    Broadcast,
-    Exchange,
-    Request,
-    StepUpdates,
-    nonfinite_flag,
+from lightning_gradcomp.compressors import driver
+from lightning_gradcomp.compressors.context import (
+    BucketContext,
+    Collective,
+    GradientRuns,
+    Layer,
+    LayerBuffers,
+    ResidualBuffers,
+    ddp_scale_,
+    derive_seed,
+    keep_count,
+    layers_from_shapes,
 )
+from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentPayload
 
-if TYPE_CHECKING:
-    from lightning_gradcomp.comm import Comm
-
-Collective = Literal["allreduce", "allgather"]
-
-_MASK64 = (1 << 64) - 1
-
-
-def _splitmix64(x: int) -> int:
-    """One round of SplitMix64: a cheap, well-mixed integer hash (Steele et al., 2014)."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def derive_seed(*parts: int) -> int:
-    """Mix integers into one 63-bit seed; the same parts give the same seed on every rank and every run."""
-    h = 0
-    for part in parts:
-        h = _splitmix64(h ^ (part & _MASK64))
-    return h >> 1
-
-
-@dataclass(frozen=True)
-class Layer:
-    """One parameter's gradient inside the flat tensor handed to a compressor.
-
-    Attributes:
-        name: the parameter's name in the module (``"layer1.0.conv1.weight"``).
-        index: the parameter's position in ``module.parameters()``. It is the same on every rank, across DDP's bucket
-            rebuild and across a resume, so per-layer randomness and memory are keyed by it (or by ``name``).
-        shape: the parameter's shape.
-        offset: where the layer starts in the flat tensor handed to the compressor.
-    """
-
-    name: str
-    index: int
-    shape: torch.Size
-    offset: int = 0
-
-    @property
-    def numel(self) -> int:
-        """Number of elements of the layer."""
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def ndim(self) -> int:
-        """Number of dimensions of the layer."""
-        return len(self.shape)
-
-    def flat(self, tensor: Tensor) -> Tensor:
-        """The layer's elements in ``tensor`` as a 1-D view."""
-        return tensor[self.offset : self.offset + self.numel]
-
-    def view(self, tensor: Tensor) -> Tensor:
-        """The layer's elements in ``tensor`` as a view with the parameter's shape."""
-        return self.flat(tensor).view(self.shape)
-
-    def matrix(self, tensor: Tensor) -> Tensor:
-        """The layer's elements viewed as a matrix ``(shape[0], -1)``, as PowerSGD and torch's hook do."""
-        return self.flat(tensor).view(self.shape[0], -1)
-
-
-def layers_from_shapes(shapes: Sequence[Sequence[int]], names: Sequence[str] | None = None) -> tuple[Layer, ...]:
-    """Build consecutive :class:`Layer` entries for tensors of the given shapes (handy outside DDP and in tests)."""
-    layers = []
-    offset = 0
-    for i, shape in enumerate(shapes):
-        layer = Layer(name=names[i] if names else f"param{i}", index=i, shape=torch.Size(shape), offset=offset)
-        layers.append(layer)
-        offset += layer.numel
-    return tuple(layers)
-
-
-@dataclass(frozen=True)
-class GradientRuns:
-    """Where a bucket's compressed layers still are: ``[start, end)`` ranges of DDP's bucket buffer, in layer order.
-
-    DDP interleaves a convolution's weight with its normalisation's parameters, which are averaged densely, so the
-    compressed layers of a bucket are usually several runs. With error feedback the hook does not gather them into the
-    compressor's contiguous tensor first: :meth:`Compressor.accumulate` reads them from the bucket and writes
-    ``g + e`` in the same pass (:meth:`into`), where a gather and then ``+= e`` took one memory pass more per step.
-    The same sums, element by element, so the same bits.
-    """
-
-    buffer: Tensor
-    runs: tuple[tuple[int, int], ...]
-
-    def into(self, out: Tensor, plus: Tensor | None = None, *, per_run: bool | None = None) -> Tensor:
-        """Write the runs, concatenated, into ``out`` (plus ``plus``, element by element, when given).
-
-        ``per_run`` (``None``: on the CPU) sums each run straight from the bucket. Otherwise the runs are gathered,
-        then ``plus`` is added: two kernel launches, where a sum per run is a launch each (a GPU codec is bound by
-        its launches, not by the memory pass this saves). The same values either way.
-        """
-        if per_run is None:
-            per_run = out.device.type == "cpu"
-        if plus is None or not per_run:
-            gathered = torch.cat([self.buffer[start:end] for start, end in self.runs], out=out)
-            return gathered if plus is None else gathered.add_(plus)
-        offset = 0
-        for start, end in self.runs:
-            size = end - start
-            torch.add(self.buffer[start:end], plus[offset : offset + size], out=out[offset : offset + size])
-            offset += size
-        return out
-
-
-@dataclass(frozen=True)
-class BucketContext:
-    """What a compressor may know about the tensor it compresses.
-
-    Built by the communication hook for every bucket and step. Every field is identical on every rank except
-    ``rank`` and ``residual``, which is what lets compressors draw shared randomness without communicating.
-
-    Attributes:
-        index: DDP's bucket index (changes when DDP rebuilds its buckets after the first step).
-        step: the optimizer step (``trainer.global_step`` under Lightning), the same on every rank.
-        rank: this process's rank in the process group.
-        world_size: the number of processes that average the gradient.
-        layers: the layers in the flat tensor, in order, with offsets into it.
-        dtype: the gradient's dtype; :meth:`Compressor.decompress` returns this dtype.
-        device: the gradient's device.
-        seed: the seed shared by all ranks (``CompressedDDP(seed=...)``).
-        residual: this rank's error-feedback memory for the flat tensor as of the last finite step (read-only during
-            a reduction), or ``None`` when error feedback is off.
-        comm: the collectives (with byte accounting and round ordering); ``None`` outside a reduction.
-        new_residual: where a reduction writes the updated residual (committed when the step is finite on every
-            rank); set during :meth:`Compressor.reduce` when error feedback is on.
-        updates: the step's staged state changes (:class:`~lightning_gradcomp.compressors.exchange.StepUpdates`);
-            set during :meth:`Compressor.reduce` and :meth:`Compressor.finish_dense`.
-        gradient_runs: set by the hook when the compressed layers are not contiguous in DDP's bucket: the tensor
-            handed to :meth:`Compressor.reduce` is not filled yet, and the accumulation gathers the gradient from
-            these runs of the bucket (:class:`GradientRuns`). ``None`` (the tensor holds the gradient) from
-            :meth:`Compressor.accumulate` on.
-    """
-
-    index: int
-    step: int
-    rank: int
-    world_size: int
-    layers: tuple[Layer, ...]
-    dtype: torch.dtype = torch.float32
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    seed: int = 0
-    residual: Tensor | None = None
-    comm: Comm | None = None
-    new_residual: Tensor | None = None
-    updates: StepUpdates | None = None
-    gradient_runs: GradientRuns | None = None
-
-    @property
-    def numel(self) -> int:
-        """Number of elements of the flat tensor (the sum over ``layers``)."""
-        return sum(layer.numel for layer in self.layers)
-
-    def output(self, out: Tensor | None = None, *, zeros: bool = False) -> Tensor:
-        """The flat result tensor of :meth:`Compressor.decompress`.
-
-        ``out`` if given (zeroed when ``zeros``), else a new one of ``numel`` elements, ``dtype`` and ``device``.
-        """
-        if out is None:
-            factory = torch.zeros if zeros else torch.empty
-            return factory(self.numel, dtype=self.dtype, device=self.device)
-        return out.zero_() if zeros else out
-
-    def layer_seed(self, layer: Layer, *salt: int, per_rank: bool = False) -> int:
-        """A seed for ``layer`` at this step: shared by all ranks unless ``per_rank``.
-
-        Keyed by the layer's stable ``index`` (not the bucket), so results do not depend on how DDP buckets the
-        parameters; this is what makes a resumed run bitwise equal to an uninterrupted one.
-        """
-        parts = (self.seed, self.step, layer.index, *salt)
-        if per_rank:
-            parts = (*parts, 0x5EED, self.rank)
-        return derive_seed(*parts)
-
-    def generator(
-        self, layer: Layer, *salt: int, per_rank: bool = False, device: str | torch.device = "cpu"
-    ) -> torch.Generator:
-        """A fresh generator seeded with :meth:`layer_seed` (on the CPU by default, so draws match across devices)."""
-        return torch.Generator(device=device).manual_seed(self.layer_seed(layer, *salt, per_rank=per_rank))
-
-
-def ddp_scale_(tensor: Tensor, world_size: int) -> Tensor:
-    """``tensor`` times ``1 / world_size``, in place: how DDP's reducer scales a bucket before its sum.
-
-    Not a division: at world sizes that are not powers of two, ``x * (1 / n)`` and ``x / n`` round differently, and
-    plain DDP multiplies (its sparse gradients it divides). Plain averages that must be bitwise DDP's use this.
-    """
-    return tensor.mul_(1.0 / world_size)
+__all__ = [
+    "BucketContext",
+    "Collective",
+    "Compressor",
+    "GradientRuns",
+    "Layer",
+    "LayerBuffers",
+    "Payload",
+    "ResidualBuffers",
+    "check_gradient_dtypes",
+    "ddp_scale_",
+    "derive_seed",
+    "keep_count",
+    "layers_from_shapes",
+]
 
 
 class Compressor(ABC):
@@ -233,43 +55,64 @@ class Compressor(ABC):
 
     The contract, smallest first:
 
-    * every method implements :meth:`compress` and :meth:`decompress`; a single-round method (one all-reduce or
-      all-gather per bucket) needs nothing else: the base class runs error feedback, the collective, the averaging,
-      the timing and the non-finite guard (:meth:`reduce`);
+    * every method implements :meth:`compress` and :meth:`decompress`, and states its class facts
+      (:attr:`collective`, :attr:`unbiased`, ...: class attributes, or properties where they depend on the
+      instance); a single-round method (one all-reduce or all-gather per bucket) needs nothing else: the driver runs
+      error feedback, the collective, the averaging, the timing and the non-finite guard (:meth:`reduce`);
     * a method whose reduction takes several dependent rounds (PowerSGD's two projections, ScaleCom's shared indices,
       TernGrad's shared scaler, AdaComp's exchange of sizes) overrides :meth:`exchange`, a generator that *yields*
-      each collective it needs and receives its result, and declares how many with ``rounds``;
+      each collective it needs and receives its result, yields once what it sent (a declaration, from which the
+      driver settles error feedback's residual), and declares how many rounds with :attr:`rounds`;
     * a method that changes what is compressed before error feedback (DGC's momentum correction, Signum's momentum)
       overrides :meth:`accumulate`, and one whose update for densely averaged layers is not the average itself (DGC's
       momentum, signSGD's sign step) overrides :meth:`finish_dense`;
-    * state that a step changes (momentum buffers, warm-start factors) is *staged* with ``ctx.updates.stage`` and
+    * state that a step changes (momentum buffers, warm-start factors) is *staged* with ``ctx.stage`` and
       written only when the step is finite on every rank.
 
-    No compressor touches a future or a process group, and :meth:`reduce` cannot be overridden.
-
-    Attributes:
-        collective: ``"allreduce"`` if payloads can be summed: ``decompress(sum of payloads)`` is the sum of the
-            decompressed payloads (every rank must then use the same indices or projections). ``"allgather"``
-            otherwise: every rank's payload is gathered, decompressed and averaged locally.
-        unbiased: ``True`` if ``E[decompress(compress(x))] == x`` over the compressor's randomness.
-        rounds: how many dependent rounds of collectives one reduction needs (a process group is made for each).
-        level_attribute: the hyper-parameter that sets how hard a layer is compressed (``"ratio"`` for sparsifiers,
-            ``"rank"`` for PowerSGD), or ``None``. Compressors that have one can compress each layer at its own
-            level (:meth:`set_levels`), which is what Accordion switches.
-        propagates_nonfinite: the aggregate is a plain sum (Identity, the casts): a NaN on any rank reaches every
-            rank by itself, so without error feedback no guard is needed.
-        exchanges_sizes: payload sizes depend on the data and are exchanged in a first round (AdaComp).
-        optimizer_momentum_conflicts: the compressor applies momentum itself (DGC): an optimizer with momentum on
-            the gradient would apply it twice.
+    No compressor touches a future, a process group or a residual, and :meth:`reduce` cannot be overridden.
     """
 
-    collective: ClassVar[Collective] = "allgather"
-    unbiased: ClassVar[bool] = False
-    rounds: ClassVar[int] = 1
-    level_attribute: ClassVar[str | None] = None
-    propagates_nonfinite: ClassVar[bool] = False
-    exchanges_sizes: ClassVar[bool] = False
-    optimizer_momentum_conflicts: ClassVar[bool] = False
+    @property
+    def collective(self) -> Collective:
+        """How payloads travel: ``"allreduce"`` (summed) or ``"allgather"`` (gathered, decompressed, averaged).
+
+        ``"allreduce"`` needs ``decompress(sum of payloads)`` to be the sum of the decompressed payloads (every rank
+        then uses the same indices or projections).
+        """
+        return "allgather"
+
+    @property
+    def unbiased(self) -> bool:
+        """``True`` if ``E[decompress(compress(x))] == x`` over the compressor's randomness."""
+        return False
+
+    @property
+    def rounds(self) -> int:
+        """How many dependent rounds of collectives one reduction needs (a process group is made for each)."""
+        return 1
+
+    @property
+    def level_attribute(self) -> str | None:
+        """The hyper-parameter that sets how hard a layer is compressed (``"ratio"``, ``"rank"``), or ``None``.
+
+        Compressors that have one can compress each layer at its own level (:meth:`set_levels`, Accordion's switch).
+        """
+        return None
+
+    @property
+    def propagates_nonfinite(self) -> bool:
+        """The aggregate is a plain sum (Identity, the casts): a NaN reaches every rank; no guard without a residual."""
+        return False
+
+    @property
+    def exchanges_sizes(self) -> bool:
+        """Payload sizes depend on the data and are exchanged in a first round (AdaComp)."""
+        return False
+
+    @property
+    def optimizer_momentum_conflicts(self) -> bool:
+        """The compressor applies momentum itself (DGC): an optimizer's momentum would apply it twice."""
+        return False
 
     def __init__(self) -> None:
         self._layer_levels: dict[str, Any] = {}
@@ -405,64 +248,45 @@ class Compressor(ABC):
         """
         return self.aggregate(payloads, ctx, out=out).div_(ctx.world_size)
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """Turn the gradient into what is compressed, in place: error feedback's ``tensor += residual``.
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | Sequence[Tensor]:
+        """What is compressed before error feedback: ``tensor`` itself unless overridden.
 
-        ``ctx.residual`` is this rank's residual from the last finite step (read-only here). Override to accumulate
-        something else first (DGC's momentum correction); stage any state it changes with ``ctx.updates.stage``.
-
-        Returns:
-            ``None``: what is compressed is in ``tensor``. An override may write it elsewhere and return that tensor
-            instead, for its own :meth:`exchange` to read; the non-finite guard then checks it there. With
-            :attr:`accumulates_into_new_residual` (PowerSGD, TopK) this default writes ``g + e`` straight into
-            ``ctx.new_residual`` and returns it, and ``tensor`` is the output buffer.
-
-        This default also gathers the gradient from ``ctx.gradient_runs`` when the hook left it in DDP's bucket, in
-        the pass that adds the residual. An override is handed the gradient already gathered into ``tensor``.
+        Override to compress something else than the gradient (DGC's momentum correction, Signum's momentum): change
+        ``tensor`` in place and return it, or return one tensor per layer of ``ctx.layers`` (the driver then adds the
+        residual to each into its own buffer: no copy into ``tensor`` first). Stage any state it changes with
+        ``ctx.stage``. The driver adds error feedback's residual to what this returns, in one place.
         """
-        runs = ctx.gradient_runs
-        if self.accumulates_into_new_residual and summed_in_new_residual(ctx):
-            if runs is not None:
-                return runs.into(ctx.new_residual, plus=ctx.residual)
-            return sum_into_new_residual(tensor, ctx)
-        if runs is not None:
-            runs.into(tensor, plus=ctx.residual)
-        elif ctx.residual is not None:
-            tensor.add_(ctx.residual)
-        return None
+        return tensor
 
     @property
-    def accumulates_into_new_residual(self) -> bool:
-        """Whether error feedback's ``g + e`` is written straight into ``ctx.new_residual`` (default: into the tensor).
+    def keeps_input(self) -> bool:
+        """Whether :meth:`exchange` never writes the tensor it compresses (it writes its average into ``out``).
 
-        For methods whose new residual is ``g + e`` with something taken off in place (the sent entries, ``P Q^T``):
-        the copy of ``g + e`` into the residual's buffer is saved, one memory pass per step. Their :meth:`exchange`
-        then reads ``g + e`` from ``ctx.new_residual`` (where :func:`summed_in_new_residual` says it is) and uses the
-        tensor only as the output buffer: its content after :meth:`accumulate` is unspecified.
+        The driver then forms error feedback's ``x = g + e`` straight in the updated residual's buffer and settles it
+        there in place (the sent entries zeroed, ``P Q^T`` subtracted), where it would otherwise start as a copy of
+        ``x``: one memory pass less per step. ``out`` is then the gradient's buffer: it holds what an overridden
+        :meth:`accumulate` left there (AdaComp reads its ``dW``) until the exchange writes it.
         """
         return False
 
-    def update_residual(self, residual: Tensor, tensor: Tensor, payload: Payload, ctx: BucketContext) -> None:
-        """Write what compression lost into ``residual``: ``tensor - decompress(payload)`` (local reconstruction).
+    @property
+    def residual_beta(self) -> float:
+        """Error feedback's low-pass coefficient (ScaleCom): ``m <- (1 - beta) m + beta (x - sent)``; 1: plain."""
+        return 1.0
 
-        ``residual`` is a buffer of its own (``ctx.new_residual``); ``ctx.residual`` still holds the old residual.
-        """
-        # decoded straight into the residual's buffer (no gradient-sized temporary), then subtracted in place
-        torch.sub(tensor, self.decompress(payload, ctx, out=residual), out=residual)
+    def delegate(self, ctx: BucketContext) -> driver.Delegate | None:
+        """The compressor that runs this one's reduction of the bucket, for wrappers; ``None``: this one."""
+        return None
 
     def nonfinite_witness(self, payload: Payload) -> Tensor | None:
         """A tensor of ``payload`` that is non-finite whenever what was compressed holds a NaN or an infinity.
 
-        The non-finite guard reads the whole accumulated tensor, one read pass per step, unless the compressor
-        overrides this to name such a tensor of the payload of its first all-reduce or all-gather, smaller or narrower
-        than the input; the guard then reads only that tensor. Every element must reach it through sums, which carry a
-        NaN or an infinity: an L1 norm per layer does (EF-signSGD's scales), so does a bucket's L2 norm (QSGD's), and
-        so does the element itself cast to the wire (FP16's values). A product by factors that can be zero does not
-        (BLAS may skip a zero factor, and ``0 * inf`` is NaN only where it is computed), so PowerSGD's ``P`` is no
-        witness. A finite input whose witness overflows counts as non-finite, as the guard's own sum does; that is
-        also what keeps a finite value the payload cannot hold (beyond FP16's 65504, a bucket whose squared norm
-        exceeds fp32) out of the residual, where error feedback would carry its infinity to every later step. The
-        default names none.
+        The non-finite guard reads the whole input, one pass per step, unless this names such a tensor of the payload
+        of the first all-reduce or all-gather, smaller or narrower than the input. Every element must reach it through
+        sums, which carry a NaN or an infinity: an L1 norm per layer (EF-signSGD's scales), a bucket's L2 norm
+        (QSGD's), the element cast to the wire (FP16's values). A product by factors that can be zero does not (BLAS
+        may skip a zero factor), so PowerSGD's ``P`` is no witness. A witness that overflows counts as non-finite,
+        which keeps a finite value the payload cannot hold out of the residual. The default names none.
         """
         return None
 
@@ -472,8 +296,18 @@ class Compressor(ABC):
         Called for the layers a bucket averages densely (small layers, and every layer while compression is off, as
         during :class:`~lightning_gradcomp.callbacks.DenseWarmup`), so that a method whose update is not the averaged
         gradient keeps its semantics there (DGC's momentum correction, signSGD's sign step). ``average`` is identical
-        on every rank; stage state changes with ``ctx.updates.stage``.
+        on every rank; stage state changes with ``ctx.stage``.
         """
+
+    @property
+    def has_nonfinite_witness(self) -> bool:
+        """Whether :meth:`nonfinite_witness` is overridden (the guard then reads the payload, not the input)."""
+        return type(self).nonfinite_witness is not Compressor.nonfinite_witness
+
+    @property
+    def has_own_accumulation(self) -> bool:
+        """Whether :meth:`accumulate` is overridden (the driver then hands it the gradient gathered)."""
+        return type(self).accumulate is not Compressor.accumulate
 
     @property
     def has_dense_update(self) -> bool:
@@ -483,24 +317,25 @@ class Compressor(ABC):
     # ----------------------------------------------------------------------------------------------------------
     # Multi-round methods: the extension point
     # ----------------------------------------------------------------------------------------------------------
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
-        """The reduction as a generator: yield each collective, receive its result, return the flat average.
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
+        """The reduction as a generator: yield each collective and what was sent, receive results, return the average.
 
-        The default is the single-round method: ``payload = compress(tensor)``; the new residual is ``tensor -
-        decompress(payload)``; ``"allreduce"``: payloads are divided by the world size and summed (dividing first
-        keeps fp16 sums from overflowing, as torch's ``fp16_compress_hook`` does), then decompressed;
-        ``"allgather"``: payloads are gathered, decompressed and averaged in rank order (:meth:`average`, so every
-        rank computes bitwise the same average).
+        ``tensor`` is what is compressed (error feedback's ``x``); ``out`` is a buffer of its size for the average
+        (``tensor`` itself unless :attr:`keeps_input`: read what you need before writing it).
+
+        The default is the single-round method: ``payload = compress(tensor)``, declared as sent
+        (:class:`~lightning_gradcomp.compressors.exchange.SentPayload`); ``"allreduce"``: payloads are divided by the
+        world size and summed (dividing first keeps fp16 sums from overflowing, as torch's ``fp16_compress_hook``
+        does), then decompressed; ``"allgather"``: payloads are gathered, decompressed and averaged in rank order
+        (:meth:`average`, so every rank computes bitwise the same average).
 
         A multi-round method overrides it, yielding :class:`~lightning_gradcomp.compressors.exchange.AllReduce`,
         :class:`~lightning_gradcomp.compressors.exchange.AllGather` or
         :class:`~lightning_gradcomp.compressors.exchange.Broadcast` requests, at most ``rounds`` of them, the same
-        number on every rank. It writes the new residual into ``ctx.new_residual`` when that is set, and may use
-        ``tensor`` as the output buffer.
+        number on every rank, and once, before it writes over ``tensor``, the declaration of what went out of it.
         """
         payload = self.compress(tensor, ctx)
-        if ctx.new_residual is not None:
-            self.update_residual(ctx.new_residual, tensor, payload, ctx)
+        yield SentPayload(payload)
         if self.collective == "allreduce":
             for part in payload:
                 if not part.is_floating_point():
@@ -511,19 +346,25 @@ class Compressor(ABC):
                     )
                 part.div_(ctx.world_size)
             summed = yield AllReduce(payload)
-            return self.decompress(summed, ctx, out=tensor)  # the input is spent: decode into it
+            return self.decompress(summed, ctx, out=out)  # the input is spent: decode into it
         gathered = yield AllGather(payload)
-        return self.average(gathered, ctx, out=tensor)
+        return self.average(gathered, ctx, out=out)
 
-    def reduce(self, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
+    def reduce(
+        self,
+        tensor: Tensor,
+        ctx: BucketContext,
+        memory: ResidualBuffers | None = None,
+        runs: GradientRuns | None = None,
+    ) -> torch.futures.Future[Tensor]:
         """Average ``tensor`` across ranks through this compressor; returns a future of the flat average.
 
-        Runs :meth:`accumulate` (error feedback), then :meth:`exchange` round by round (round ``k`` on its own
-        process group, in bucket order on every rank), times encoding and decoding, and guards against non-finite
-        input (:mod:`lightning_gradcomp.compressors.exchange`). ``tensor`` may be modified in place. Not to be
-        overridden.
+        Error feedback with ``memory`` (``x = accumulate(g) + e``, then ``e = x - sent`` from what :meth:`exchange`
+        declares), :meth:`exchange` round by round (round ``k`` on its own process group, in bucket order on every
+        rank), timing and the non-finite guard: :func:`lightning_gradcomp.compressors.driver.reduce`, in one call.
+        ``tensor`` may be modified in place. Not to be overridden.
         """
-        return _run_exchange(self, tensor, ctx)
+        return driver.reduce(self, tensor, ctx, memory, runs)
 
     # ----------------------------------------------------------------------------------------------------------
     # Per-layer compression levels
@@ -608,63 +449,6 @@ class Compressor(ABC):
         return f"{type(self).__name__}({args})"
 
 
-class LayerBuffers:
-    """Per-layer tensors a compressor keeps between steps (its momentum, say), keyed by parameter name.
-
-    Keyed by name, not by bucket, so they follow their layer across DDP's bucket rebuild and into checkpoints.
-    """
-
-    def __init__(self) -> None:
-        self._tensors: dict[str, Tensor] = {}
-
-    def get(self, layer: Layer, like: Tensor) -> Tensor:
-        """``layer``'s buffer, zero-initialised like ``like`` when missing or no longer matching it."""
-        buffer = self._tensors.get(layer.name)
-        if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = self._tensors[layer.name] = torch.zeros_like(like)
-        elif buffer.device != like.device:  # loaded from a checkpoint on another device: moved, not lost
-            buffer = self._tensors[layer.name] = buffer.to(like.device)
-        return buffer
-
-    def __getitem__(self, name: str) -> Tensor:
-        return self._tensors[name]
-
-    def __bool__(self) -> bool:
-        return bool(self._tensors)
-
-    def state_dict(self) -> dict[str, Tensor]:
-        """A copy of every buffer."""
-        return {name: t.detach().clone() for name, t in self._tensors.items()}
-
-    def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
-        """Replace the buffers with copies of ``state_dict``'s."""
-        self._tensors = {name: t.clone() for name, t in state_dict.items()}
-
-    def clear(self) -> None:
-        """Forget every buffer (each starts again from zeros at its next :meth:`get`)."""
-        self._tensors.clear()
-
-
-def sum_into_new_residual(tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-    """Error feedback's ``g + e``, written into ``ctx.new_residual`` and returned (an :meth:`Compressor.accumulate`).
-
-    For compressors whose new residual is ``g + e`` with something taken off in place (the sent entries, ``P Q^T``).
-    That saves the copy of ``g + e`` into the residual's buffer (one memory pass per step); ``tensor`` keeps ``g`` and
-    becomes the output buffer. Without both residuals (no error feedback, or a call outside a reduction) it is the
-    default accumulation and returns ``None``; :func:`summed_in_new_residual` tells which happened.
-    """
-    if not summed_in_new_residual(ctx):
-        if ctx.residual is not None:
-            tensor.add_(ctx.residual)
-        return None
-    return torch.add(tensor, ctx.residual, out=ctx.new_residual)
-
-
-def summed_in_new_residual(ctx: BucketContext) -> bool:
-    """Whether :func:`sum_into_new_residual` put ``g + e`` into ``ctx.new_residual`` for this reduction."""
-    return ctx.residual is not None and ctx.new_residual is not None
-
-
 def check_gradient_dtypes(
     compressor: Compressor, layers: Iterable[tuple[Layer, torch.dtype]], min_numel: int
 ) -> None:
@@ -678,223 +462,3 @@ def check_gradient_dtypes(
     for layer, dtype in layers:
         if compressor.compresses(layer, min_numel):
             compressor.check_gradient_dtype(layer, dtype)
-
-
-def keep_count(numel: int, ratio: float) -> int:
-    """How many of ``numel`` elements a keep-ratio selects: ``max(1, int(numel * ratio))`` (GRACE's rule)."""
-    return max(1, min(numel, int(numel * ratio)))
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# The driver of Compressor.reduce: rounds as futures, the non-finite guard (see compressors/exchange.py)
-# ----------------------------------------------------------------------------------------------------------------
-class _Done:
-    """A reduction that returned before its last declared round (every rank alike): later rounds pass it on."""
-
-    __slots__ = ("result",)
-
-    def __init__(self, result: Tensor) -> None:
-        self.result = result
-
-
-class _Run:
-    """One reduction in flight: the generator, the guard's flag, the staged updates."""
-
-    def __init__(self, compressor: Compressor, tensor: Tensor, ctx: BucketContext, comm: Comm) -> None:
-        self.compressor = compressor
-        self.tensor = tensor
-        self.ctx = ctx
-        self.comm = comm
-        self.generator: Exchange | None = None
-        self.flag: Tensor | None = None  # this rank's 0/1, until it has been sent
-        self.awaits_witness = False  # the flag is to be read from the first carrier's witness (nonfinite_witness)
-        self.flag_at: tuple[int, type] | None = None  # (round, request type) that carried it
-        self.ok: Tensor | None = None
-
-    # ------------------------------------------------------------------------------------------------------------
-    def issue(self, request: Request, round: int) -> torch.futures.Future:
-        """Start ``request``'s collective on ``round``, with the flag if it is the first one that can carry it."""
-        comm = self.comm
-        payload = tuple(request.payload)
-        if self.awaits_witness and isinstance(request, (AllReduce, AllGather)):
-            witness = self.compressor.nonfinite_witness(payload)
-            if witness is None:
-                raise RuntimeError(
-                    f"{type(self.compressor).__name__}.nonfinite_witness named no tensor of its first all-reduce or"
-                    " all-gather payload; a compressor that overrides it must name one there (the non-finite guard"
-                    " reads only that tensor)."
-                )
-            self.flag = nonfinite_flag(witness)
-            self.awaits_witness = False
-        carries = self.flag is not None and isinstance(request, (AllReduce, AllGather))
-        if carries:
-            flag = self._flag_like(payload, request)
-            comm.telemetry.add_guard(_flag_nbytes(payload, flag, isinstance(request, AllGather)))
-            payload = (*payload, flag)
-            self.flag_at = (round, type(request))
-            self.flag = None
-        if isinstance(request, AllReduce):
-            return comm.all_reduce(payload, round=round, op=request.op)
-        if isinstance(request, AllGather):
-            return comm.all_gather(payload, round=round)
-        if isinstance(request, Broadcast):
-            return comm.broadcast(payload, src=request.src, round=round)
-        if isinstance(request, AllToAll):
-            return comm.all_to_all(payload, request.send_counts, request.recv_counts, round=round)
-        if isinstance(request, AllGatherV):
-            return comm.all_gather_v(payload, request.counts, round=round)
-        raise TypeError(
-            f"{type(self.compressor).__name__}.exchange yielded {request!r}; it must yield AllReduce, AllGather,"
-            " Broadcast, AllToAll or AllGatherV requests (lightning_gradcomp.compressors.exchange)."
-        )
-
-    def _flag_like(self, payload: Payload, request: Request) -> Tensor:
-        assert self.flag is not None
-        # an all-reduce groups its tensors by dtype: in the payload's own dtype the flag costs no extra collective
-        # (0 and 1 are exact in every dtype, summed or maxed); an all-gather packs bytes, any dtype will do
-        dtype = payload[0].dtype if isinstance(request, AllReduce) and payload else torch.float32
-        if dtype == torch.bool:
-            dtype = torch.uint8
-        return self.flag.to(dtype).reshape(1)
-
-    def received(self, value: Any, round: int) -> Any:
-        """The collective's result as the compressor sent it: the flag is taken off (and read) if it rode here."""
-        if self.flag_at is None or self.flag_at[0] != round:
-            return value
-        if self.flag_at[1] is AllReduce:
-            *payload, flag = value
-            bad = flag.reshape(())
-            value = tuple(payload)
-        else:
-            bad = torch.stack([rank_payload[-1].reshape(()) for rank_payload in value]).sum()
-            value = [tuple(rank_payload[:-1]) for rank_payload in value]
-        self.ok = bad == 0
-        return value
-
-    # ------------------------------------------------------------------------------------------------------------
-    def start(self) -> torch.futures.Future:
-        ctx, comm = self.ctx, self.comm
-        with comm.timed("encode"):
-            runs = ctx.gradient_runs
-            if runs is not None and type(self.compressor).accumulate is not Compressor.accumulate:
-                runs.into(self.tensor)  # an accumulation of its own is handed the gradient gathered
-                ctx = self.ctx = dataclasses.replace(ctx, gradient_runs=None)
-            accumulated = self.compressor.accumulate(self.tensor, ctx)
-            if ctx.gradient_runs is not None:  # gathered by the default accumulation, into what it returned
-                ctx = self.ctx = dataclasses.replace(ctx, gradient_runs=None)
-            if _needs_guard(self.compressor, ctx):
-                if _witnessed(self.compressor):
-                    self.awaits_witness = True  # read from the payload when it is issued: no pass over the tensor
-                else:
-                    self.flag = nonfinite_flag(self.tensor if accumulated is None else accumulated)
-            if ctx.residual is not None and ctx.new_residual is not None:
-                ctx.updates.stage(ctx.residual, ctx.new_residual, swap=True)
-            self.generator = self.compressor.exchange(self.tensor, ctx)
-            try:
-                request = next(self.generator)
-            except StopIteration as stop:
-                raise TypeError(
-                    f"{type(self.compressor).__name__}.exchange returned without a collective: every reduction must"
-                    " communicate (yield AllReduce, AllGather or Broadcast)."
-                ) from stop
-        fut = self.issue(request, 0)
-        for round in range(1, self.compressor.rounds):
-            fut = comm.after(fut, lambda done, round=round: self.resume(done, round), round=round)
-        return fut.then(self.finish)
-
-    def resume(self, done: torch.futures.Future, round: int) -> torch.futures.Future:
-        """Hand round ``round - 1``'s result to the generator and issue what it yields on round ``round``."""
-        value = done.value()
-        if isinstance(value, _Done):
-            return _completed(self.comm, value)
-        value = self.received(value, round - 1)
-        assert self.generator is not None
-        with self.comm.timed("encode"):
-            try:
-                request = self.generator.send(value)
-            except StopIteration as stop:
-                return _completed(self.comm, _Done(stop.value))
-        return self.issue(request, round)
-
-    def finish(self, done: torch.futures.Future) -> Tensor:
-        value = done.value()
-        if isinstance(value, _Done):
-            out = value.result
-        else:
-            value = self.received(value, self.compressor.rounds - 1)
-            assert self.generator is not None
-            with self.comm.timed("decode"):
-                try:
-                    self.generator.send(value)
-                except StopIteration as stop:
-                    out = stop.value
-                else:
-                    raise RuntimeError(
-                        f"{type(self.compressor).__name__}.exchange yielded more collectives than its declared"
-                        f" `rounds = {self.compressor.rounds}`; declare every round (process groups are created"
-                        " for them before training)."
-                    )
-        if self.flag is not None or self.awaits_witness:
-            raise RuntimeError(
-                f"{type(self.compressor).__name__}.exchange yielded no AllReduce or AllGather to carry the non-finite"
-                " flag; every reduction needs one (a Broadcast alone cannot tell every rank that one rank failed)."
-            )
-        if self.ok is not None:
-            with self.comm.timed("decode"):
-                # one NaN is enough for "the gradient is not finite" on every rank (the user's or AMP's check)
-                nan = torch.full((), float("nan"), dtype=out.dtype, device=out.device)
-                out[:1].add_(torch.where(self.ok, torch.zeros_like(nan), nan))
-            self.ctx.updates.observe(self.ok)
-        return out
-
-
-def _flag_nbytes(payload: Payload, flag: Tensor, gathered: bool) -> int:
-    """What the flag adds to the bytes handed to the collective (the byte-packed all-gather pads to 8 bytes)."""
-    if not gathered:
-        return flag.element_size()
-    if len(payload) == 1:  # a lone tensor is sent unpacked; with the flag it is packed, so padded too
-        nbytes = payload[0].numel() * payload[0].element_size()
-        return -(-nbytes // 8) * 8 - nbytes + 8
-    return 8
-
-
-def _completed(comm: Comm, value: Any) -> torch.futures.Future:
-    fut = comm.new_future()
-    fut.set_result(value)
-    return fut
-
-
-def _witnessed(compressor: Compressor) -> bool:
-    """Whether ``compressor`` names a witness of non-finite input in its payload (``nonfinite_witness``)."""
-    return type(compressor).nonfinite_witness is not Compressor.nonfinite_witness
-
-
-def _needs_guard(compressor: Compressor, ctx: BucketContext) -> bool:
-    # a plain sum (Identity, the casts) carries a NaN to every rank by itself; with no state to protect there is
-    # nothing to do, and Identity stays bitwise plain DDP
-    return not (compressor.propagates_nonfinite and ctx.residual is None)
-
-
-def _run_exchange(compressor: Compressor, tensor: Tensor, ctx: BucketContext) -> torch.futures.Future[Tensor]:
-    """Run ``compressor``'s reduction of ``tensor`` (see :meth:`Compressor.reduce`); ``ctx.comm`` must be set."""
-    if ctx.comm is None:
-        raise RuntimeError("Compressor.reduce needs `ctx.comm` (the hook sets it); use compress/decompress directly.")
-    owns_updates = ctx.updates is None
-    changes: dict[str, Any] = {}
-    if owns_updates:
-        changes["updates"] = StepUpdates()
-    if ctx.residual is not None and ctx.new_residual is None:
-        changes["new_residual"] = torch.empty_like(ctx.residual)
-    if changes:
-        ctx = dataclasses.replace(ctx, **changes)
-    fut = _Run(compressor, tensor, ctx, ctx.comm).start()
-    if not owns_updates:
-        return fut
-    updates = ctx.updates
-
-    def commit(done: torch.futures.Future[Tensor]) -> Tensor:
-        out = done.value()
-        updates.commit()
-        return out
-
-    return fut.then(commit)

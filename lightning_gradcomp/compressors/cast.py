@@ -102,7 +102,7 @@ class BF16(_Cast):
 
     wire_dtype: ClassVar[torch.dtype] = torch.bfloat16
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Cast, divide by the world size, all-reduce, cast back (the CPU at power-of-two world sizes: divide first).
 
         Dividing by a power of two commutes with rounding to bfloat16, which has fp32's exponent range: both orders
@@ -112,9 +112,9 @@ class BF16(_Cast):
         devices, and gradients narrower than fp32 (fp16's own subnormals start at ``2**-14``) take the default path.
         """
         n = ctx.world_size
-        if (ctx.new_residual is not None or tensor.device.type != "cpu" or n & (n - 1)
+        if (ctx.error_feedback or tensor.device.type != "cpu" or n & (n - 1)
                 or tensor.dtype not in (torch.float32, torch.float64)):  # fmt: skip
-            return (yield from super().exchange(tensor, ctx))
+            return (yield from super().exchange(tensor, ctx, out))
         payload = (tensor.mul_(1.0 / n).to(self.wire_dtype),)  # the input is spent: scale it in place
         summed = yield AllReduce(payload)
-        return self.decompress(summed, ctx, out=tensor)
+        return self.decompress(summed, ctx, out=out)

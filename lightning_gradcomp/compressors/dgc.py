@@ -16,14 +16,12 @@ from lightning_gradcomp.compressors.base import (
     Layer,
     LayerBuffers,
     Payload,
-    sum_into_new_residual,
-    summed_in_new_residual,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, Exchange
+from lightning_gradcomp.compressors.exchange import AllGather, Exchange, SentExactly
 from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import top_k_among
-from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
+from lightning_gradcomp.compressors.transport import TRANSPORTS, SparseTransport, sparse_transport_sum
 from lightning_gradcomp.validation import (
     check_bool,
     check_choice,
@@ -65,7 +63,7 @@ def sample_plan(numel: int, ratio: float, sample_ratio: float) -> tuple[int, int
     return samples, math.ceil(samples * ratio), stride
 
 
-class DGC(Compressor):
+class DGC(SparseTransport, Compressor):
     """Deep Gradient Compression: send the 0.1% largest accumulated momentum-corrected gradients (all-gather).
 
     Lin, Han, Mao, Wang & Dally, "Deep Gradient Compression: Reducing the Communication Bandwidth for Distributed
@@ -172,16 +170,6 @@ class DGC(Compressor):
         self._momenta = self.layer_state("momentum")  # u, per layer (checkpointed)
         self._next_momenta = LayerBuffers()  # this step's u, staged until the step is known finite
 
-    @property
-    def rounds(self) -> int:  # type: ignore[override]
-        """One over the all-gather; Zen's four otherwise."""
-        return transport_rounds(self.transport, 1)
-
-    @property
-    def exchanges_sizes(self) -> bool:  # type: ignore[override]
-        """Over Zen, sizes depend on the data and are exchanged first."""
-        return self.transport != "allgather"
-
     # ------------------------------------------------------------------------------------------------------------
     # Which layers, how sparse
     # ------------------------------------------------------------------------------------------------------------
@@ -242,7 +230,9 @@ class DGC(Compressor):
             for layer in ctx.layers
         ]
         values = [layer.flat(tensor).index_select(0, idx) for layer, idx in zip(ctx.layers, picked)]
-        return encode_sparse(layout, picked, values, tensor), picked
+        blob, slotted = encode_sparse(layout, picked, values, tensor)
+        assert slotted is not None  # values were given
+        return (blob, slotted), picked
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Index blob and slot values of every layer."""
@@ -290,51 +280,51 @@ class DGC(Compressor):
             torch.add(u, g, out=new_u).mul_(self.momentum)
         else:
             torch.add(g, u, alpha=self.momentum, out=new_u)
-        ctx.updates.stage(u, new_u, swap=True)  # the next buffer is rewritten whole
+        ctx.stage(u, new_u, swap=True)  # the next buffer is rewritten whole
         return new_u
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """Local clipping, then ``u <- momentum u + g`` per layer, then ``v <- v + u`` (``v`` is the residual).
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | tuple[Tensor, ...]:
+        """Local clipping, then ``u <- momentum u + g`` per layer: ``u`` is what error feedback's ``v`` accumulates.
 
-        The new ``v`` is written straight into the updated residual's buffer, where :meth:`exchange` then clears the
-        sent entries in place (no copy of ``v``); ``tensor`` only receives the average after this. With plain momentum
-        ``v + u`` is summed from ``u``'s own buffer, so ``u`` is not copied into ``tensor`` first (one memory pass per
-        step; the same sums); otherwise ``tensor`` takes what is accumulated and ``v + tensor`` is summed.
+        With error feedback and plain momentum it returns each layer's new ``u`` in its own buffer, and the driver
+        sums ``v + u`` from there straight into the updated residual's buffer (``u`` is not copied into ``tensor``
+        first: one memory pass per step; the same sums). Otherwise ``tensor`` takes what is accumulated.
         """
-        direct = (
-            summed_in_new_residual(ctx) and bool(self.momentum) and not self.nesterov and tensor.numel() == ctx.numel
-        )
+        direct = ctx.error_feedback and bool(self.momentum) and not self.nesterov and tensor.numel() == ctx.numel
+        momenta = []
         for layer in ctx.layers:
             g = layer.flat(tensor)
             if self.clip_norm is not None:
                 _clip_norm_(g, self.clip_norm / math.sqrt(ctx.world_size))
             if direct:
-                new_u = self._next_momentum(layer, g, ctx)
-                torch.add(new_u, layer.flat(ctx.residual), out=layer.flat(ctx.new_residual))
+                momenta.append(self._next_momentum(layer, g, ctx))
             else:
                 self._correct(layer, g, ctx)
-        return ctx.new_residual if direct else sum_into_new_residual(tensor, ctx)
+        return tuple(momenta) if direct else tensor
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+    @property
+    def keeps_input(self) -> bool:
+        """Yes: ``v`` is only read (the selected values are copied out), and the average is written into ``out``."""
+        return True
+
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Select, clear ``v`` (and ``u``) where sent, all-gather; the average is the sum over ranks ``/ n``."""
         layout = self._layout(ctx)
-        in_residual = summed_in_new_residual(ctx)
-        v = ctx.new_residual if in_residual else tensor
-        payload, picked = self._encode(v, ctx, layout)
+        payload, picked = self._encode(tensor, ctx, layout)
         pairs = None
-        if self.transport != "allgather":  # read before v is cleared where sent
+        if self.transport != "allgather" or ctx.error_feedback:
             indices = torch.cat([idx + layer.offset for layer, idx in zip(ctx.layers, picked)])
-            pairs = (indices, v.index_select(0, indices))
-        for layer, idx in zip(ctx.layers, picked):
-            if in_residual:
-                layer.flat(ctx.new_residual).index_fill_(0, idx, 0)  # v is cleared where it was sent
-            if self.momentum_masking and self.momentum:
+            if self.transport != "allgather":  # read before v is cleared where sent
+                pairs = (indices, tensor.index_select(0, indices))
+            yield SentExactly(indices)  # v is cleared where it was sent
+        if self.momentum_masking and self.momentum:
+            for layer, idx in zip(ctx.layers, picked):
                 self._next_momenta[layer.name].index_fill_(0, idx, 0)
         if pairs is not None:
-            summed = yield from sparse_transport_sum(self, self.transport, *pairs, ctx, tensor)
+            summed = yield from sparse_transport_sum(self, self.transport, *pairs, ctx, out)
             return summed.div_(ctx.world_size)
         gathered = yield AllGather(payload)
-        out = tensor.zero_()
+        out.zero_()
         for blob, values in gathered:
             self._add_sparse(layout, blob, values, out)
         return out.div_(ctx.world_size)

@@ -1,19 +1,27 @@
-"""How a compressor's rounds of communication run: the requests it yields, and the driver that issues them.
+"""How a compressor's rounds of communication run: the requests it yields, and what it declares it sent.
 
 A compressor describes its reduction as a generator (:meth:`Compressor.exchange`) that *yields* the collectives it
 needs (:class:`AllReduce`, :class:`AllGather`, :class:`Broadcast`, and for payloads whose sizes depend on the data
-:class:`AllToAll` and :class:`AllGatherV`) and receives their results::
+:class:`AllToAll` and :class:`AllGatherV`) and receives their results, yields once what went out of the tensor it
+compresses (a *declaration*: :class:`Lossless`, :class:`SentExactly`, :class:`SentPayload`, :class:`SentValue`,
+:class:`SentAt`, :class:`OwedAt`), and returns the average::
 
-    def exchange(self, tensor, ctx):
+    def exchange(self, tensor, ctx, out):
         summed = yield AllReduce((self.project(tensor),))   # round 0
         shared = yield AllReduce((self.second(summed),))    # round 1
-        return self.reconstruct(shared, out=tensor)
+        average = self.reconstruct(shared, out=out)
+        yield SentValue(average)                            # what error feedback keeps: tensor - average
+        return average
 
-The driver (:meth:`Compressor.reduce`, in ``base.py``) turns that into futures: round 0 is issued at once (in the
-hook, so in bucket order), round ``k`` through :meth:`~lightning_gradcomp.comm.Comm.after` on round ``k``'s process
-group, so every rank issues every round's collectives in the same order (the reason torch's ``powerSGD_hook`` aborts
-under gloo on multi-bucket models, and ours does not). Compressors never see a future or a process group; the driver
-also times encoding and decoding and runs the non-finite guard.
+A declaration costs no round: the driver settles error feedback's residual from it at once (``e = x - sent``, with
+the in-place operation that fits it) and resumes the generator. It is yielded where it holds, before ``tensor``'s
+memory is written over (``out`` may be ``tensor`` itself); without error feedback the driver ignores it.
+
+The driver (:func:`lightning_gradcomp.compressors.driver.reduce`) turns that into futures: round 0 is issued at
+once (in the hook, so in bucket order), round ``k`` through :meth:`~lightning_gradcomp.comm.Comm.after` on round
+``k``'s process group, so every rank issues every round's collectives in the same order (the reason torch's
+``powerSGD_hook`` aborts under gloo on multi-bucket models, and ours does not). Compressors never see a future, a
+process group or a residual; the driver also times encoding and decoding and runs the non-finite guard.
 
 **The non-finite guard.** A NaN or an infinity on any rank must never enter a compressor's state (an error-feedback
 residual that keeps a NaN adds it back every step, forever), and the step's aggregate must be non-finite on every
@@ -43,7 +51,14 @@ __all__ = [
     "AllToAll",
     "Broadcast",
     "Exchange",
+    "Lossless",
+    "OwedAt",
     "Request",
+    "Sent",
+    "SentAt",
+    "SentExactly",
+    "SentPayload",
+    "SentValue",
     "StepUpdates",
     "nonfinite_flag",
 ]
@@ -108,8 +123,64 @@ class AllGatherV:
 
 
 Request = Union[AllReduce, AllGather, Broadcast, AllToAll, AllGatherV]  # noqa: UP007 (a runtime alias, also on Python 3.10)
-#: What :meth:`Compressor.exchange` returns: yields requests, receives their results, returns the flat average.
-Exchange = Generator[Request, Any, Tensor]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Declarations: what went out of the tensor an exchange compressed (``x``); error feedback keeps the rest
+# ----------------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Lossless:
+    """``x`` went out whole and exactly (Identity, Zen, a dense stage): nothing is owed."""
+
+
+@dataclass(frozen=True)
+class SentExactly:
+    """``x`` went out exactly at these flat ``indices`` and not at all elsewhere (top-k, random-k, DGC, ScaleCom)."""
+
+    indices: Tensor
+
+
+@dataclass(frozen=True)
+class SentPayload:
+    """``x`` went out as ``decompress(payload)``: this rank's own payload, as compressed (the single-round default).
+
+    The driver decodes it straight into the residual's buffer, so the declaration costs no gradient-sized temporary.
+    """
+
+    payload: Payload
+
+
+@dataclass(frozen=True)
+class SentValue:
+    """``x`` went out as this flat local ``value`` (PowerSGD's ``P Q^T``, TernGrad's ``s t``)."""
+
+    value: Tensor
+
+
+@dataclass(frozen=True)
+class SentAt:
+    """``x`` went out as ``values`` at ``indices`` (distinct), exactly at ``exactly``, and not at all elsewhere.
+
+    AdaComp's signed scales; LGC's decoded values at the leader's indices and its innovation at its own.
+    """
+
+    indices: Tensor
+    values: Tensor
+    exactly: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class OwedAt:
+    """At ``indices`` (distinct) what is still owed is ``owed``; elsewhere nothing went out (LGC's own accounting)."""
+
+    indices: Tensor
+    owed: Tensor
+
+
+Sent = Union[Lossless, SentExactly, SentPayload, SentValue, SentAt, OwedAt]  # noqa: UP007 (a runtime alias)
+#: What :meth:`Compressor.exchange` is: yields requests (receiving their results) and one declaration of what it sent
+#: (receiving ``None``), returns the flat average.
+Exchange = Generator[Union[Request, Sent], Any, Tensor]  # noqa: UP007
 
 
 class StepUpdates:
@@ -175,7 +246,7 @@ class StepUpdates:
 
 def _swappable(a: Tensor, b: Tensor) -> bool:
     """Whether ``a`` and ``b`` can exchange storage: whole, dense, alike, and not sharing memory."""
-    return (
+    return bool(
         a._base is None
         and b._base is None
         and a.shape == b.shape

@@ -7,7 +7,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload, ddp_scale_
-from lightning_gradcomp.compressors.exchange import AllReduce, Exchange
+from lightning_gradcomp.compressors.exchange import AllReduce, Exchange, Lossless
 
 
 class Identity(Compressor):
@@ -44,9 +44,8 @@ class Identity(Compressor):
             return tensor
         return out.copy_(tensor)
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """The default all-reduce, with the payload scaled by ``1 / world_size`` as DDP scales it, not divided."""
-        if ctx.new_residual is not None:
-            self.update_residual(ctx.new_residual, tensor, (tensor,), ctx)
+        yield Lossless()
         summed = yield AllReduce((ddp_scale_(tensor, ctx.world_size),))
-        return self.decompress(summed, ctx, out=tensor)
+        return self.decompress(summed, ctx, out=out)

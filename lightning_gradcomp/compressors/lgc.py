@@ -9,8 +9,25 @@ import torch
 from torch import Tensor
 from torch.nn import functional as F  # noqa: N812 (the usual alias)
 
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload, derive_seed, keep_count
-from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Broadcast, Exchange
+from lightning_gradcomp.compressors.base import (
+    BucketContext,
+    Collective,
+    Compressor,
+    Layer,
+    Payload,
+    derive_seed,
+    keep_count,
+)
+from lightning_gradcomp.compressors.exchange import (
+    AllGather,
+    AllReduce,
+    Broadcast,
+    Exchange,
+    Lossless,
+    OwedAt,
+    SentAt,
+    SentExactly,
+)
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder, latent_numel, optimizer_state, optimizer_step
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes, top_k_blob
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, sparse_layout
@@ -34,7 +51,7 @@ def _pad8(nbytes: int) -> int:
 def _channels(value: Any, name: str) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not value:
         raise ValueError(f"Expected `{name}` to be a non-empty sequence of positive integers, got {value!r}.")
-    return tuple(check_int(c, name, low=1) for c in value)  # type: ignore[misc]
+    return tuple(check_int(c, name, low=1) for c in value)
 
 
 def _top_k(values: Tensor, k: int) -> Tensor:
@@ -349,7 +366,7 @@ class LGC(Compressor):
                 )
 
     @property
-    def collective(self) -> str:  # type: ignore[override]
+    def collective(self) -> Collective:
         """``"allgather"`` for the parameter-server variant, ``"allreduce"`` for the all-reduce one."""
         return "allgather" if self.variant == "ps" else "allreduce"
 
@@ -474,9 +491,9 @@ class LGC(Compressor):
                 for name, p in params.items():
                     p.copy_(new[name])
             for key, value in new.items():
-                ctx.updates.stage(self._committed[key], value)
+                ctx.stage(self._committed[key], value)
         for _, entry in entries:
-            ctx.updates.stage(entry["fresh"], torch.zeros_like(entry["fresh"]))
+            ctx.stage(entry["fresh"], torch.zeros_like(entry["fresh"]))
 
     def _loss(self, model: LGCAutoencoder, entry: dict[str, Tensor], generator: torch.Generator) -> Tensor:
         values = entry["values"]  # [n, k]: every rank's values (PS: at its own indices; all-reduce: shared ones)
@@ -531,8 +548,8 @@ class LGC(Compressor):
             entry["fresh"] = torch.zeros((), dtype=torch.bool, device=ctx.device)
             self._pending[key] = entry
         for name, value in data.items():
-            ctx.updates.stage(entry[name], value.clone())  # a buffer of its own
-        ctx.updates.stage(entry["fresh"], torch.ones_like(entry["fresh"]))
+            ctx.stage(entry[name], value.clone())  # a buffer of its own
+        ctx.stage(entry["fresh"], torch.ones_like(entry["fresh"]))
 
     def _innovation_of(self, values: Tensor, ctx: BucketContext) -> Tensor:
         """Rows of top-k ``values`` with everything but each layer's top ``innovation_ratio`` zeroed."""
@@ -681,12 +698,20 @@ class LGC(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # The reduction
     # ------------------------------------------------------------------------------------------------------------
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
-        """One of the five reductions (stage 1; stages 2 and 3 of each variant), see the class docstring."""
+    @property
+    def residual_beta(self) -> float:
+        """:attr:`memory_beta`: ScaleCom's low-pass filtered memory (the driver's), 1 without ``beta``."""
+        return self.memory_beta
+
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
+        """One of the five reductions (stage 1; stages 2 and 3 of each variant), see the class docstring.
+
+        ``out`` is ``tensor`` itself (LGC does not keep its input): each reduction declares what went out before it
+        writes the average there.
+        """
         stage, n = self.stage(ctx.step), ctx.world_size
         if stage == 1:
-            if ctx.new_residual is not None:
-                ctx.new_residual.zero_()  # everything is sent
+            yield Lossless()  # everything is sent
             (summed,) = yield AllReduce((tensor.div_(n),))
             return summed
         # first thing of the step (in bucket order, on the main thread): train on the previous step's data
@@ -703,8 +728,7 @@ class LGC(Compressor):
         layout = self._layout(ctx)
         indices = self._top(tensor, ctx, [s.slots for s in layout.segments])
         values = tensor.index_select(0, indices)
-        if ctx.new_residual is not None:
-            ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0)
+        yield SentExactly(indices)
         gathered = yield AllGather((values, indices.to(self._index_dtype(ctx))))
         out = tensor.zero_()
         for vals, idx in gathered:  # rank order: the same sum on every rank
@@ -723,8 +747,7 @@ class LGC(Compressor):
         (shared,) = yield Broadcast((blob,), src=leader)
         indices = torch.cat(decode_sparse(layout, shared))
         values = tensor.index_select(0, indices)
-        if ctx.new_residual is not None:
-            self._low_pass(ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0), ctx)
+        yield SentExactly(indices)  # with ``beta``, low-pass filtered by the driver
         gathered = yield AllGather((values,))
         total = gathered[0][0].to(ctx.dtype).clone()
         for (vals,) in gathered[1:]:
@@ -748,11 +771,9 @@ class LGC(Compressor):
             self._ps_contribution(model, j, code, indices, values, idx.long(), ctx)
             for j, (values, idx) in enumerate(gathered)
         ]
-        if ctx.new_residual is not None:
-            # what the aggregate used for this rank: its decoded values at the leader's indices, its innovation
-            # exactly at its own
-            decoded = parts[ctx.rank][0]
-            ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1).index_fill_(0, own, 0)
+        # what the aggregate used for this rank: its decoded values at the leader's indices, its innovation exactly
+        # at its own
+        yield SentAt(indices, parts[ctx.rank][0], exactly=own)
         out = tensor.zero_()
         for (decoded, correction), (_, idx) in zip(parts, gathered):
             out.index_add_(0, indices, decoded).index_add_(0, idx.long(), correction)
@@ -783,10 +804,10 @@ class LGC(Compressor):
             averaged = torch.zeros(k + touched.numel(), dtype=ctx.dtype, device=ctx.device)
         code, shared, averaged = yield Broadcast((code, blob, averaged), src=leader)
         indices = torch.cat(decode_sparse(layout, shared))
-        if ctx.new_residual is not None:
+        if ctx.error_feedback:
             if mine is None:  # this rank's own decoder only: what the aggregate used for it
                 mine = self._ps_contribution(model, ctx.rank, code, indices, tensor.index_select(0, own), own, ctx)[0]
-            ctx.new_residual.copy_(tensor).index_add_(0, indices, mine, alpha=-1).index_fill_(0, own, 0)
+            yield SentAt(indices, mine, exactly=own)
         out = tensor.zero_().index_copy_(0, indices, averaged[:k])
         return out.index_copy_(0, touched, averaged[k:])
 
@@ -812,25 +833,17 @@ class LGC(Compressor):
             factors = self._factors(decoded, dots, ctx)
             decoded = self._projected(decoded, factors, ctx)
         decoded = decoded.to(ctx.dtype)
-        if ctx.new_residual is not None:
+        if ctx.error_feedback:  # with ``beta``, low-pass filtered by the driver
             if self.residual_accounting == "own":
                 # ScaleCom's accounting: the aggregate carried a share `factor` of the average, so every rank counts
                 # that share of its own values as sent and keeps the rest; its deviation from the average, which no
                 # code of the average can carry, is not owed (see the class docstring)
                 kept = torch.cat([(1.0 - f).expand(k) for f, (_, _, k) in zip(factors, self._segments(ctx))])
-                kept_values = tensor.index_select(0, indices) * kept.to(ctx.dtype)
-                lost = ctx.new_residual.copy_(tensor).index_copy_(0, indices, kept_values)
+                yield OwedAt(indices, tensor.index_select(0, indices) * kept.to(ctx.dtype))
             else:
                 # every rank's share of the aggregate is the aggregate: sum of updates + mean residual telescopes
-                lost = ctx.new_residual.copy_(tensor).index_add_(0, indices, decoded, alpha=-1)
-            self._low_pass(lost, ctx)
+                yield SentAt(indices, decoded)
         return tensor.zero_().index_copy_(0, indices, decoded)
-
-    def _low_pass(self, lost: Tensor, ctx: BucketContext) -> None:
-        """ScaleCom's low-pass filtered memory, in place: ``m <- (1 - beta) m + beta lost`` (nothing when beta = 1)."""
-        beta = self.memory_beta
-        if beta != 1.0 and ctx.residual is not None:
-            lost.mul_(beta).add_(ctx.residual, alpha=1.0 - beta)
 
     @property
     def _projects(self) -> bool:

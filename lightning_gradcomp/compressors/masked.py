@@ -25,7 +25,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
-from lightning_gradcomp.compressors.exchange import Exchange
+from lightning_gradcomp.compressors.driver import Delegate
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.validation import check_number
@@ -114,6 +114,13 @@ class _Entry:
     mask: Tensor | None = None  # "masked": the mask, flat
     index: Tensor | None = None  # "elements": kept flat positions; "rows": kept rows
 
+    @property
+    def kept(self) -> Tensor:
+        """The mask (``"masked"``), or the kept positions or rows (``"elements"``, ``"rows"``)."""
+        kept = self.mask if self.mode == "masked" else self.index
+        assert kept is not None, self.mode
+        return kept
+
 
 @dataclass(frozen=True)
 class _Layout:
@@ -174,17 +181,17 @@ class MaskedCompressor(Compressor):
 
     # the inner compressor decides how payloads travel and what it needs
     @property
-    def collective(self) -> Collective:  # type: ignore[override]
+    def collective(self) -> Collective:
         """The inner compressor's collective."""
         return self.inner.collective
 
     @property
-    def rounds(self) -> int:  # type: ignore[override]
+    def rounds(self) -> int:
         """The inner compressor's rounds."""
         return self.inner.rounds
 
     @property
-    def propagates_nonfinite(self) -> bool:  # type: ignore[override]
+    def propagates_nonfinite(self) -> bool:
         """As for the inner compressor.
 
         A NaN in a kept entry reaches every rank through a plain sum; one in a pruned entry is discarded with the
@@ -193,12 +200,12 @@ class MaskedCompressor(Compressor):
         return self.inner.propagates_nonfinite
 
     @property
-    def exchanges_sizes(self) -> bool:  # type: ignore[override]
+    def exchanges_sizes(self) -> bool:
         """Whether the inner compressor exchanges payload sizes."""
         return self.inner.exchanges_sizes
 
     @property
-    def optimizer_momentum_conflicts(self) -> bool:  # type: ignore[override]
+    def optimizer_momentum_conflicts(self) -> bool:
         """Whether the inner compressor applies momentum itself."""
         return self.inner.optimizer_momentum_conflicts
 
@@ -279,11 +286,11 @@ class MaskedCompressor(Compressor):
             if e.mode == "whole":
                 target.copy_(e.layer.flat(tensor))
             elif e.mode == "masked":
-                torch.mul(e.layer.flat(tensor), e.mask, out=target)
+                torch.mul(e.layer.flat(tensor), e.kept, out=target)
             elif e.mode == "elements":
-                torch.index_select(e.layer.flat(tensor), 0, e.index, out=target)
+                torch.index_select(e.layer.flat(tensor), 0, e.kept, out=target)
             else:
-                torch.index_select(e.layer.matrix(tensor), 0, e.index, out=target.view(e.index.numel(), -1))
+                torch.index_select(e.layer.matrix(tensor), 0, e.kept, out=target.view(e.kept.numel(), -1))
         return compact
 
     def _buffer(self, layout: _Layout, name: str, like: Tensor) -> Tensor:
@@ -301,17 +308,15 @@ class MaskedCompressor(Compressor):
             if e.mode == "whole":
                 e.layer.flat(out).copy_(source)
             elif e.mode == "masked":
-                torch.mul(source, e.mask, out=e.layer.flat(out))
+                torch.mul(source, e.kept, out=e.layer.flat(out))
             elif e.mode == "elements":
-                e.layer.flat(out).zero_().index_copy_(0, e.index, source)
+                e.layer.flat(out).zero_().index_copy_(0, e.kept, source)
             else:
-                e.layer.matrix(out).zero_().index_copy_(0, e.index, source.view(e.index.numel(), -1))
+                e.layer.matrix(out).zero_().index_copy_(0, e.kept, source.view(e.kept.numel(), -1))
         return out
 
-    def _inner_ctx(
-        self, ctx: BucketContext, layout: _Layout, residual: Tensor | None = None, new_residual: Tensor | None = None
-    ) -> BucketContext:
-        return dataclasses.replace(ctx, layers=layout.layers, residual=residual, new_residual=new_residual)
+    def _inner_ctx(self, ctx: BucketContext, layout: _Layout) -> BucketContext:
+        return dataclasses.replace(ctx, layers=layout.layers)
 
     # ------------------------------------------------------------------------------------------------------------
     # The contract
@@ -335,28 +340,16 @@ class MaskedCompressor(Compressor):
         out = ctx.output(out)
         return self._scatter(compact, layout, out)
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """Nothing here when a layer is compacted: the inner compressor accumulates the compact buffer."""
-        if not self._layout(ctx).partial:  # nothing pruned here: exactly the inner compressor
-            return self.inner.accumulate(tensor, ctx)
-        return None
+    def delegate(self, ctx: BucketContext) -> Delegate:
+        """``inner`` reduces the bucket: itself where nothing is pruned, else the compact buffer of kept entries.
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
-        """Compact, let ``inner`` reduce the compact buffer (its collectives, its rounds), scatter back."""
+        Compacted, the driver hands ``inner`` the kept entries of the gradient and of the residual, settles the
+        residual there, and lays both back (zeros at the pruned entries: nothing is owed there).
+        """
         layout = self._layout(ctx)
-        if not layout.partial:
-            return (yield from self.inner.exchange(tensor, ctx))
-        compact = self._gather(tensor, layout, reuse="gradient")
-        residual = new_residual = None
-        if ctx.residual is not None:
-            residual = self._gather(ctx.residual, layout, reuse="residual")
-            new_residual = self._buffer(layout, "new_residual", compact)
-        inner_ctx = self._inner_ctx(ctx, layout, residual, new_residual)
-        self.inner.accumulate(compact, inner_ctx)
-        average = yield from self.inner.exchange(compact, inner_ctx)
-        if ctx.new_residual is not None:
-            self._scatter(new_residual, layout, ctx.new_residual)  # zeros at the pruned entries: nothing owed there
-        return self._scatter(average, layout, tensor)
+        if not layout.partial:  # nothing pruned here: exactly the inner compressor
+            return Delegate(self.inner, ctx)
+        return Delegate(self.inner, self._inner_ctx(ctx, layout), _Compaction(self, layout))
 
     def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
         """The inner compressor's update of densely averaged layers (pruned entries stay zero: they averaged 0)."""
@@ -391,3 +384,19 @@ class MaskedCompressor(Compressor):
 
     def __repr__(self) -> str:
         return f"MaskedCompressor(inner={self.inner!r}, masks={self.masks!r}, dense_threshold={self.dense_threshold})"
+
+
+class _Compaction:
+    """A bucket's kept entries (:class:`~lightning_gradcomp.compressors.driver.Compaction`), with reused buffers."""
+
+    def __init__(self, owner: MaskedCompressor, layout: _Layout) -> None:
+        self.owner, self.layout = owner, layout
+
+    def gather(self, tensor: Tensor, name: str) -> Tensor:
+        return self.owner._gather(tensor, self.layout, reuse=name)
+
+    def buffer(self, name: str, like: Tensor) -> Tensor:
+        return self.owner._buffer(self.layout, name, like)
+
+    def scatter(self, compact: Tensor, out: Tensor) -> Tensor:
+        return self.owner._scatter(compact, self.layout, out)

@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, Payload
-from lightning_gradcomp.compressors.exchange import Exchange
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.driver import Delegate
 from lightning_gradcomp.compressors.identity import Identity
 
 
@@ -70,6 +71,16 @@ class Planned(Compressor):
         self.assignment: dict[str, str] = {}
         self._version = 0
         self.set_assignment(assignment or {})
+
+    def __repr__(self) -> str:
+        """The candidates' names and how many layers each is assigned; their settings are in ``candidates``.
+
+        Short: it is printed in the setup line and the end-of-fit summary, where every candidate's full repr would
+        be several hundred characters.
+        """
+        used = Counter(self.assignment.values())
+        assigned = ", ".join(f"{name}: {used[name]}" for name in self.candidates if used[name])
+        return f"Planned(candidates={list(self.candidates)}, default={self.default!r}, layers assigned={{{assigned}}})"
 
     def _check_name(self, name: str, argument: str) -> str:
         if name not in self.candidates:
@@ -137,12 +148,12 @@ class Planned(Compressor):
         return self.candidates[self.candidate_name(layers)]
 
     @property
-    def collective(self) -> str:  # type: ignore[override]
+    def collective(self) -> Collective:
         """``"allreduce"`` if every candidate sums its payloads, else ``"allgather"`` (the hook asks per bucket)."""
         return "allreduce" if all(c.collective == "allreduce" for c in self.candidates.values()) else "allgather"
 
     @property
-    def rounds(self) -> int:  # type: ignore[override]
+    def rounds(self) -> int:
         """The most rounds any candidate needs (process groups are made for all of them)."""
         return max(candidate.rounds for candidate in self.candidates.values())
 
@@ -180,13 +191,9 @@ class Planned(Compressor):
         """The bucket's candidate's decompression."""
         return self.bucket_compressor(ctx.layers).decompress(payload, ctx, out)
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | None:
-        """The bucket's candidate's accumulation (error feedback, momentum correction)."""
-        return self.bucket_compressor(ctx.layers).accumulate(tensor, ctx)
-
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
-        """The bucket's candidate's reduction (its rounds; fewer than :attr:`rounds` is allowed)."""
-        return (yield from self.bucket_compressor(ctx.layers).exchange(tensor, ctx))
+    def delegate(self, ctx: BucketContext) -> Delegate:
+        """The bucket's candidate reduces it (its accumulation, its exchange and rounds, its declaration)."""
+        return Delegate(self.bucket_compressor(ctx.layers), ctx)
 
     def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
         """The bucket's candidate's dense update."""

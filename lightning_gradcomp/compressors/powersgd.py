@@ -13,9 +13,8 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     Layer,
     Payload,
-    summed_in_new_residual,
 )
-from lightning_gradcomp.compressors.exchange import AllReduce, Exchange
+from lightning_gradcomp.compressors.exchange import AllReduce, Exchange, SentValue
 from lightning_gradcomp.validation import check_bool, check_choice, check_number, check_positive_int
 
 
@@ -313,21 +312,14 @@ batch_same_shape=None, init='layer')
     # The distributed reduction: two ordered rounds
     # ------------------------------------------------------------------------------------------------------------
     @property
-    def accumulates_into_new_residual(self) -> bool:
-        """Yes: error feedback's ``M = g + e`` goes straight into the updated residual's buffer.
-
-        The residual ``M - P Q^T`` is then computed there in place, where it would otherwise start as a copy of
-        ``M``: one memory pass less per step. ``tensor`` receives the reconstruction.
-        """
+    def keeps_input(self) -> bool:
+        """Yes: ``M`` is only read, and ``P Q^T`` is reconstructed into ``out``."""
         return True
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Round 0: all-reduce the ``P`` of all layers. Round 1: all-reduce their ``Q``. Then ``P Q^T``."""
         queries = self._queries(ctx)
-        # M: in the updated residual's buffer with error feedback (see accumulate), else the gradient itself
-        in_residual = summed_in_new_residual(ctx)
-        matrix = ctx.new_residual if in_residual else tensor
-        blocks, p_buffer, q_buffer = self._blocks(matrix, ctx, queries)
+        blocks, p_buffer, q_buffer = self._blocks(tensor, ctx, queries)
         for _, batch, pt, qt in blocks:
             _bmm_into(qt, batch.transpose(1, 2), pt)  # P^T = Q^T M^T
         (p_summed,) = yield AllReduce((p_buffer,))  # its scale does not matter: it is orthonormalised
@@ -337,15 +329,14 @@ batch_same_shape=None, init='layer')
             _bmm_into(pt, batch, qt)  # Q^T = P^T M
         (q_summed,) = yield AllReduce((q_buffer,))
         _into(q_buffer, q_summed).div_(ctx.world_size)
-        # the tensor is spent (it holds g, or M without error feedback): reconstruct into it instead of allocating
+        # ``out`` is spent (it holds g, or M without error feedback): reconstruct into it instead of allocating
         for group, _, pt, qt in blocks:
-            _reconstruct_into(group, pt, qt, tensor)
+            _reconstruct_into(group, pt, qt, out)
             if self.warm_start:
                 for i, layer in enumerate(group):
                     self._stage_query(layer, qt[i].t(), queries[layer.name], ctx)
-        if in_residual:
-            ctx.new_residual.sub_(tensor)  # M - P Q^T
-        return tensor
+        yield SentValue(out)  # error feedback keeps M - P Q^T
+        return out
 
     def _stage_query(self, layer: Layer, query: Tensor, used: Tensor, ctx: BucketContext) -> None:
         """Keep ``query`` (a view of this step's buffer) as ``layer``'s warm start, once the step is finite.
@@ -356,7 +347,7 @@ batch_same_shape=None, init='layer')
         memory = self._memory.get(layer.name)
         if memory is None or memory.shape != query.shape:
             memory = self._memory[layer.name] = used.clone()
-        ctx.updates.stage(memory, query)
+        ctx.stage(memory, query)
 
     # ------------------------------------------------------------------------------------------------------------
     # State

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
-from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
+from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentValue
 from lightning_gradcomp.compressors.packing import (
     field_planes,
     field_width,
@@ -105,7 +105,7 @@ def _clamp_(x: Tensor, bound: Tensor) -> None:
 
 def _check_levels(levels: Any) -> int:
     """Quantisation levels per sign: an integer in [1, 127]."""
-    return check_int(levels, "levels", low=1, high=_MAX_LEVELS)  # type: ignore[return-value]
+    return check_int(levels, "levels", low=1, high=_MAX_LEVELS)
 
 
 class QSGD(Compressor):
@@ -312,7 +312,7 @@ class TernGrad(Compressor):
         self.random_bits = _check_random_bits(random_bits)
 
     @property
-    def collective(self) -> Collective:  # type: ignore[override]
+    def collective(self) -> Collective:
         """How the ternaries travel: summed (``"allreduce"``) or gathered (``"allgather"``)."""
         return self.aggregation
 
@@ -331,7 +331,7 @@ class TernGrad(Compressor):
         )
 
     @property
-    def unbiased(self) -> bool:  # type: ignore[override]
+    def unbiased(self) -> bool:
         """Unbiased for the gradient itself only without clipping (always unbiased for the clipped gradient)."""
         return self.clip is None
 
@@ -457,24 +457,29 @@ class TernGrad(Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: max of the scalers, then the exact sum of the ternaries
     # ------------------------------------------------------------------------------------------------------------
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+    @property
+    def keeps_input(self) -> bool:
+        """Yes: the tensor is only read (clipped into ``out``); what is owed is measured from the unclipped tensor."""
+        return True
+
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Round 0: max all-reduce of the scalers. Round 1: ternarise with them; sum the ternaries exactly."""
-        if ctx.new_residual is not None:
-            ctx.new_residual.copy_(tensor)  # what is owed is measured from the unclipped tensor
-        _, scales = self._clip_and_scale(tensor, ctx, inplace=True)
+        # clipped in place in the output buffer (a copy of the tensor first, when it is another buffer)
+        source = tensor if self.clip is None or tensor is out else out.copy_(tensor)
+        _, scales = self._clip_and_scale(source, ctx, inplace=True)
         (shared,) = yield AllReduce((self._pad_scales(scales),), op="max")
-        offset = self._ternarize(tensor, shared, ctx)
-        if ctx.new_residual is not None:  # what this rank's own ternaries did not carry
-            ctx.new_residual.sub_(self._scaled(offset, shared, ctx, 1, torch.empty_like(tensor)))
+        offset = self._ternarize(source, shared, ctx)
+        if ctx.error_feedback:  # what this rank's own ternaries carried
+            yield SentValue(self._scaled(offset, shared, ctx, 1, torch.empty_like(tensor)))
         wire = self._wire(offset, ctx.world_size)
         if self.aggregation == "allreduce":
             (summed,) = yield AllReduce((wire,))
-            return self._scaled_words(summed, shared, ctx, tensor)
+            return self._scaled_words(summed, shared, ctx, out)
         gathered = yield AllGather((wire,))
         total = torch.zeros(ctx.numel, dtype=torch.int32, device=ctx.device)  # integer sums: exact in any order
         for (rank_wire,) in gathered:
             total += self._offset_sum(rank_wire, ctx)
-        return self._scaled(total, shared, ctx, ctx.world_size, tensor)
+        return self._scaled(total, shared, ctx, ctx.world_size, out)
 
     def words(self, numel: int, world_size: int) -> int:
         """Bytes of ternaries one rank sends for ``numel`` elements (for byte accounting and docs)."""

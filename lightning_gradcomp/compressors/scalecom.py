@@ -13,9 +13,8 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     Payload,
     keep_count,
-    summed_in_new_residual,
 )
-from lightning_gradcomp.compressors.exchange import AllReduce, Broadcast, Exchange
+from lightning_gradcomp.compressors.exchange import AllReduce, Broadcast, Exchange, SentExactly
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import topk_indices
 from lightning_gradcomp.validation import check_ratio
@@ -120,42 +119,29 @@ class ScaleCom(Compressor):
     # The reduction: broadcast of the leader's indices, all-reduce of everyone's values at them
     # ------------------------------------------------------------------------------------------------------------
     @property
-    def accumulates_into_new_residual(self) -> bool:
-        """With ``beta`` 1: ``p = m + g`` goes straight into the updated memory's buffer, as TopK's does.
+    def keeps_input(self) -> bool:
+        """Yes: ``p`` is only read (the values at the shared indices are copied out); the average goes into ``out``."""
+        return True
 
-        The memory is then ``p`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
-        ``p``: one memory pass less per step. ``tensor`` receives the average. With ``beta`` below 1 the new memory
-        also needs the old one: ``p`` goes into the tensor.
-        """
-        return self.beta == 1.0
+    @property
+    def residual_beta(self) -> float:
+        """``beta``: the memory is ScaleCom's low-pass filter, ``m <- (1 - beta) m + beta r`` (the driver's)."""
+        return self.beta
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
-        """Round 0: the leader broadcasts its indices. Round 1: all-reduce of the values there. Then the memory."""
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
+        """Round 0: the leader broadcasts its indices. Round 1: all-reduce of the values there."""
         layout = self._layout(ctx)
         leader = self.leader(ctx)
-        # p = m + g: in the updated memory's buffer with beta 1 (see accumulate), else added into tensor
-        in_residual = self.beta == 1.0 and summed_in_new_residual(ctx)
-        summed = ctx.new_residual if in_residual else tensor
         if ctx.rank == leader:
-            blob = self._indices(summed, layout)
+            blob = self._indices(tensor, layout)
         else:  # filled by the broadcast; the size depends only on the layout
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
         (shared,) = yield Broadcast((blob,), src=leader)
         indices = torch.cat(decode_sparse(layout, shared)) if layout.segments else shared.long()
-        values = summed.index_select(0, indices).div_(ctx.world_size)  # dividing first: half sums stay in range
-        if in_residual:
-            ctx.new_residual.index_fill_(0, indices, 0)  # what was sent is not owed (values are a copy)
-        elif ctx.new_residual is not None:
-            # m <- (1 - beta) m + beta r, with r = p where nothing was sent and 0 where it was
-            if self.beta == 1.0:
-                ctx.new_residual.copy_(tensor).index_fill_(0, indices, 0)
-            else:  # (1 - beta) m + beta p, then the sent entries: (1 - beta) m + beta 0, i.e. (1 - beta) m + 0.0
-                # (the same bits as adding a copy of p with zeros there, without the gradient-sized copy)
-                decayed = torch.mul(ctx.residual, 1.0 - self.beta, out=ctx.new_residual)
-                kept = decayed.index_select(0, indices).add_(0.0)
-                decayed.add_(tensor, alpha=self.beta).index_copy_(0, indices, kept)
+        values = tensor.index_select(0, indices).div_(ctx.world_size)  # dividing first: half sums stay in range
+        yield SentExactly(indices)  # r = p with the sent entries zeroed (the values are a copy)
         (average,) = yield AllReduce((values,))
-        return tensor.zero_().index_copy_(0, indices, average.to(tensor.dtype))
+        return out.zero_().index_copy_(0, indices, average.to(out.dtype))
 
     def bytes_per_step(self, ctx: BucketContext) -> tuple[int, int]:
         """``(index bytes the leader broadcasts, value bytes every rank all-reduces)`` for fp32 gradients."""

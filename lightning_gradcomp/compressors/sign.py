@@ -240,11 +240,12 @@ class SignSGD(Compressor):
         table = (torch.arange(n + 1, dtype=ctx.dtype, device=ctx.device) * 2 - n).sign_()
         return torch.index_select(table, 0, positives.int(), out=_out(ctx, out))
 
-    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> None:
+    def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor:
         """Signum: ``m <- momentum m + (1 - momentum) g`` per layer, and ``m`` is what is signed."""
-        if ctx.residual is not None:
+        if ctx.error_feedback:
             raise ValueError(_NO_ERROR_FEEDBACK)
         self._momentum_step(tensor, ctx)
+        return tensor
 
     def _momentum_step(self, tensor: Tensor, ctx: BucketContext) -> None:
         if not self.momentum:
@@ -255,12 +256,12 @@ class SignSGD(Compressor):
             new_m = self._next_momenta.get(layer, g)  # reused every step: no allocation on the hook path
             torch.mul(g, 1.0 - self.momentum, out=new_m).add_(m, alpha=self.momentum)
             g.copy_(new_m)  # the new m is what is signed
-            ctx.updates.stage(m, new_m, swap=True)  # new_m is rewritten whole next step
+            ctx.stage(m, new_m, swap=True)  # new_m is rewritten whole next step
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
-        """Signs all-gathered; every rank takes the majority vote."""
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
+        """Signs all-gathered; every rank takes the majority vote (no error feedback: nothing to declare)."""
         gathered = yield AllGather(self.compress(tensor, ctx))
-        return self.vote(gathered, ctx, out=tensor)
+        return self.vote(gathered, ctx, out=out)
 
     def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
         """Without compression: the sign of the exact average (of its momentum), a sign step all the same."""

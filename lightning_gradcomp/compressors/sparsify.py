@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -14,11 +15,10 @@ from lightning_gradcomp.compressors.base import (
     Compressor,
     Payload,
     keep_count,
-    summed_in_new_residual,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange
+from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentExactly
 from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above, sorted_distinct
-from lightning_gradcomp.compressors.transport import TRANSPORTS, sparse_transport_sum, transport_rounds
+from lightning_gradcomp.compressors.transport import TRANSPORTS, SparseTransport, sparse_transport_sum
 from lightning_gradcomp.validation import check_bool, check_choice, check_ratio
 
 
@@ -84,7 +84,7 @@ def top_k_among(values: Tensor, candidates: Tensor, k: int) -> Tensor:
     return candidates.index_select(0, best)
 
 
-class TopK(Compressor):
+class TopK(SparseTransport, Compressor):
     """Keep the ``ratio`` largest-magnitude entries of every layer; send values and int32 indices (all-gather).
 
     Top-k sparsification with error feedback (Aji & Heafield, 2017, "Sparse Communication for Distributed Gradient
@@ -121,40 +121,23 @@ class TopK(Compressor):
         self.ratio = check_ratio(ratio)
         self.transport = check_choice(transport, "transport", TRANSPORTS)
 
-    @property
-    def rounds(self) -> int:  # type: ignore[override]
-        """One over the all-gather; Zen's four otherwise."""
-        return transport_rounds(self.transport, 1)
-
-    @property
-    def exchanges_sizes(self) -> bool:  # type: ignore[override]
-        """Over Zen, sizes depend on the data and are exchanged first."""
-        return self.transport != "allgather"
-
     def check_level(self, value: Any) -> float:
         """A keep-ratio in (0, 1]."""
         return check_ratio(value)
 
     @property
-    def accumulates_into_new_residual(self) -> bool:
-        """Yes: error feedback's ``x = g + e`` goes straight into the updated residual's buffer.
-
-        The residual is then ``x`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
-        ``x``: one memory pass less per step. ``tensor`` receives the average.
-        """
+    def keeps_input(self) -> bool:
+        """Yes: the selected values are copied out, and the average is written into ``out``."""
         return True
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """All-gather every rank's pairs, or sum them over ``transport``."""
-        # x: in the updated residual's buffer with error feedback (see accumulate), else the gradient itself
-        in_residual = summed_in_new_residual(ctx)
-        values, indices = payload = self.compress(ctx.new_residual if in_residual else tensor, ctx)
-        if in_residual:
-            ctx.new_residual.index_fill_(0, indices.long(), 0)  # what was sent is not owed (values are a copy)
+        values, indices = payload = self.compress(tensor, ctx)
+        yield SentExactly(indices.long())  # the values are a copy
         if self.transport == "allgather":
             gathered = yield AllGather(payload)
-            return self.aggregate(gathered, ctx, out=tensor).div_(ctx.world_size)
-        summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, tensor)
+            return self.aggregate(gathered, ctx, out=out).div_(ctx.world_size)
+        summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, out)
         return summed.div_(ctx.world_size)
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
@@ -172,7 +155,7 @@ class TopK(Compressor):
         out = _zeros(ctx, out)
         return out.index_copy_(0, indices.long(), values.to(ctx.dtype))
 
-    def aggregate(self, payloads: list[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
+    def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Sum every rank's sparse values straight into one dense tensor, in rank order.
 
         Within one rank the indices are unique, so each ``index_add_`` touches every element at most once and the
@@ -219,7 +202,7 @@ class RandomK(Compressor):
         self._cache: dict[tuple, Tensor] = {}
 
     @property
-    def unbiased(self) -> bool:  # type: ignore[override]
+    def unbiased(self) -> bool:
         """Unbiased only when rescaled."""
         return self.rescale
 
@@ -265,23 +248,19 @@ class RandomK(Compressor):
         return (tensor.index_select(0, self.indices(ctx)),)
 
     @property
-    def accumulates_into_new_residual(self) -> bool:
-        """Unscaled: error feedback's ``x = g + e`` goes straight into the updated residual's buffer.
-
-        The residual is then ``x`` with the sent entries zeroed, in place, where it would otherwise start as a copy of
-        ``x``: one memory pass less per step. ``tensor`` receives the average. Rescaled: into the tensor.
-        """
+    def keeps_input(self) -> bool:
+        """Unscaled: the values at the shared indices are copied out, and the average is written into ``out``."""
         return not self.rescale
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
-        """The default all-reduce of the values, read from the updated residual's buffer when ``x`` is there."""
-        if self.rescale or not summed_in_new_residual(ctx):
-            return (yield from super().exchange(tensor, ctx))
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
+        """The default all-reduce of the values; unscaled, declared as sent exactly at the shared indices."""
+        if self.rescale:
+            return (yield from super().exchange(tensor, ctx, out))
         indices = self.indices(ctx)
-        values = ctx.new_residual.index_select(0, indices)  # a copy: the residual's sent entries can be zeroed now
-        ctx.new_residual.index_fill_(0, indices, 0)
+        values = tensor.index_select(0, indices)  # a copy
+        yield SentExactly(indices)
         (summed,) = yield AllReduce((values.div_(ctx.world_size),))
-        return self.decompress((summed,), ctx, out=tensor)
+        return self.decompress((summed,), ctx, out=out)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Scatter the values into zeros (scaled by ``numel / k`` per layer when ``rescale``)."""

@@ -33,7 +33,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
@@ -420,6 +420,28 @@ def transport_rounds(transport: str, own: int) -> int:
     return own if transport == "allgather" else ZEN_ROUNDS
 
 
+class SparseTransport:
+    """The class facts of a sparsifier whose pairs travel over its ``transport`` (a mixin before ``Compressor``).
+
+    Over ``"allgather"`` it takes its own rounds (``gather_rounds``); over ``"zen"`` and ``"auto"`` Zen's four, whose
+    first exchanges the sizes (they depend on the data).
+    """
+
+    transport: str
+    gather_rounds: ClassVar[int] = 1  # its rounds over its own all-gather
+    gather_exchanges_sizes: ClassVar[bool] = False  # whether those exchange sizes too (AdaComp's counts)
+
+    @property
+    def rounds(self) -> int:
+        """``gather_rounds`` over the all-gather; Zen's four otherwise."""
+        return transport_rounds(self.transport, self.gather_rounds)
+
+    @property
+    def exchanges_sizes(self) -> bool:
+        """Over Zen sizes depend on the data and are exchanged first (all-gather: ``gather_exchanges_sizes``)."""
+        return self.gather_exchanges_sizes or self.transport != "allgather"
+
+
 def sparse_transport_sum(
     compressor: Compressor, transport: str, indices: Tensor, values: Tensor, ctx: BucketContext, out: Tensor
 ) -> Any:
@@ -452,10 +474,10 @@ def sparse_transport_sum(
 
     summed = yield from sparse_sum(local, ctx, out, path_for, on_union=seen.append)
     if len(seen) == 2:  # Zen measured the union exactly
-        ctx.updates.stage(known, torch.tensor([seen[1] / max(seen[0], 1)], dtype=torch.float64))
+        ctx.stage(known, torch.tensor([seen[1] / max(seen[0], 1)], dtype=torch.float64))
     elif seen and seen[0]:  # another path: the union is the sum's support (a cancellation to zero is rare)
         union = int(torch.count_nonzero(summed))  # host read, on the collective's thread
-        ctx.updates.stage(known, torch.tensor([union / seen[0]], dtype=torch.float64))
+        ctx.stage(known, torch.tensor([union / seen[0]], dtype=torch.float64))
     return summed
 
 

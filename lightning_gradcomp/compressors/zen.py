@@ -9,7 +9,7 @@ from typing import ClassVar, Literal
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
-from lightning_gradcomp.compressors.exchange import Exchange
+from lightning_gradcomp.compressors.exchange import Exchange, Lossless
 from lightning_gradcomp.compressors.packing import flat_nonzero
 from lightning_gradcomp.compressors.transport import ZEN_ROUNDS, Path, sparse_sum, tensor_input
 from lightning_gradcomp.validation import check_choice, check_number
@@ -108,11 +108,10 @@ class Zen(Compressor):
             return "none"
         return "dense" if densest > self.dense_threshold * numel else "zen"
 
-    def exchange(self, tensor: Tensor, ctx: BucketContext) -> Exchange:
+    def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Counts, then push, sizes, pull (or one dense all-reduce); the average is the sum over ranks ``/ n``."""
-        if ctx.new_residual is not None:
-            ctx.new_residual.zero_()  # lossless: nothing is owed (error feedback is off by default)
+        yield Lossless()  # nothing is owed (error feedback is off by default)
         local = tensor_input(tensor, ctx, dense_above=self.dense_threshold * ctx.numel)
         path_for = lambda counts: self.path(counts, ctx.numel)  # noqa: E731
-        summed = yield from sparse_sum(local, ctx, tensor, path_for, self.index_encoding)
+        summed = yield from sparse_sum(local, ctx, out, path_for, self.index_encoding)
         return summed.div_(ctx.world_size)
