@@ -120,10 +120,12 @@ def periodic_sync_advice(
     pays = []
     for label, extra in exposed.items():
         link = Link(alpha, columns[label])
-        h = next((h for h in DILOCO_SYNC_EVERY if diloco_wire_per_step(numel, 4, h, link) < extra), None)
-        if h is not None:
-            fp32 = diloco_wire_per_step(numel, 4, h, link)
-            pays.append(f"{label} (best per-step plan +{extra * 1e3:.1f} ms, DiLoCo H={h} fp32 +{fp32 * 1e3:.2f} ms)")
+        enough = next((h for h in DILOCO_SYNC_EVERY if diloco_wire_per_step(numel, 4, h, link) < extra), None)
+        if enough is not None:
+            fp32 = diloco_wire_per_step(numel, 4, enough, link)
+            pays.append(
+                f"{label} (best per-step plan +{extra * 1e3:.1f} ms, DiLoCo H={enough} fp32 +{fp32 * 1e3:.2f} ms)"
+            )
     if pays:
         lines.append(
             "Periodic synchronization pays where no per-step plan hides the wire: at " + "; ".join(pays) + "."
