@@ -26,8 +26,8 @@ class OuterMonitor(Callback):
     Logged keys (the same on every rank: every rank takes part in every sync):
 
     - ``gradcomp/bytes_sent``, ``gradcomp/bytes_received``: what this step's syncs put on and took off the wire
-      (0 on an inner step; the pseudo-gradient's and the buffers' all-reduces on a sync, counted as the package's
-      telemetry counts an all-reduce: the buffer is sent, ``2 (n - 1) / n`` times it received);
+      (0 on an inner step; on a sync, the collectives of the pseudo-gradient and the buffers, counted as the package's
+      telemetry counts them: an all-reduce's buffer is sent and ``2 (n - 1) / n`` times it received);
     - ``gradcomp/bytes_sent_per_step``, ``gradcomp/bytes_received_per_step``: the bytes so far divided by the optimizer
       steps so far (amortised: what a per-step method would have to beat);
     - ``gradcomp/syncs``: outer steps taken so far; ``gradcomp/skipped_syncs``: rounds skipped because the averaged

@@ -64,15 +64,25 @@ def replica_groups_for(
     """
     if replica_group is None:
         return None
+    size = group_size(replica_group, world_size, num_nodes, error)
+    if size == 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    return build_replica_groups(size, world_size, rank)
+
+
+def group_size(replica_group: int | str, world_size: int, num_nodes: int, error: type[Exception]) -> int:
+    """Ranks per replica group: ``world_size / num_nodes`` for ``"node"``, else ``replica_group`` itself.
+
+    Raises:
+        error: If it does not divide ``world_size``.
+    """
     size = world_size // num_nodes if replica_group == "node" else int(replica_group)
     if world_size % size:
         raise error(
             f"Expected `replica_group` to divide the {world_size} processes into equal groups, got {size} ranks per"
             " group."
         )
-    if size == 1 or not (dist.is_available() and dist.is_initialized()):
-        return None
-    return build_replica_groups(size, world_size, rank)
+    return size
 
 
 def build_replica_groups(size: int, world_size: int, rank: int) -> ReplicaGroups:

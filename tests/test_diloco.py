@@ -18,6 +18,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_gradcomp import DiLoCo
 from lightning_gradcomp.diloco import _split_fragments
+from lightning_gradcomp.replica_groups import group_size
 from tests.fit_worker import assert_same_weights, run_fits, run_name, train
 from tests.models import TinyNet, synthetic_classification
 
@@ -460,6 +461,14 @@ def test_a_replica_group_that_does_not_divide_the_processes_is_refused(in_proces
     )  # fmt: skip
     with pytest.raises(MisconfigurationException, match="`replica_group` to divide the 1 processes .* got 2 ranks"):
         trainer.fit(TinyNet())
+
+
+def test_a_node_is_the_processes_over_the_nodes():
+    assert group_size("node", 16, 2, ValueError) == 8
+    assert group_size("node", 4, 1, ValueError) == 4
+    assert group_size(2, 4, 1, ValueError) == 2
+    with pytest.raises(ValueError, match="divide the 6 processes into equal groups, got 4 ranks per group"):
+        group_size(4, 6, 1, ValueError)
 
 
 def test_outer_optimizer_is_a_callable_of_the_parameters():
