@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +29,9 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.outer import OuterOptimizerCallable, OuterState, all_finite, default_outer_optimizer
+from lightning_gradcomp.outer_monitor import OuterMonitor
 from lightning_gradcomp.process_groups import gather_objects
+from lightning_gradcomp.replica_groups import ReplicaGroups, average_in_group, check_replica_group, replica_groups_for
 from lightning_gradcomp.strategy_args import _START_METHODS, _STRATEGY_KWARGS
 from lightning_gradcomp.validation import check_bool, check_choice, check_int
 
@@ -37,6 +39,7 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_KEY = "diloco"
 _MiscError = MisconfigurationException
+_OWN_ARGUMENTS = ("sync_every", "outer_optimizer", "fragments", "overlap_steps", "offload", "monitor", "replica_group")
 #: DDPStrategy arguments that configure DDP's gradient all-reduce, which DiLoCo does not run
 _REFUSED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 #: DistributedDataParallel's arguments and their defaults (what LightningCLI passes when a recipe sets none)
@@ -68,7 +71,7 @@ def _strategy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif name in _STRATEGY_KWARGS:
             own[name] = value
         else:
-            valid = ["sync_every", "outer_optimizer", "fragments", "overlap_steps", "offload", *_STRATEGY_KWARGS]
+            valid = [*_OWN_ARGUMENTS, *_STRATEGY_KWARGS]
             close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
             hint = f" Did you mean `{close[0]}`?" if close else ""
             raise MisconfigurationException(
@@ -82,6 +85,22 @@ def _strategy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     if "start_method" in own:
         check_choice(own["start_method"], "start_method", _START_METHODS, error=_MiscError)
     return own
+
+
+def _check_arguments(sync_every: Any, outer_optimizer: Any, fragments: Any, overlap_steps: Any) -> None:
+    """Refuse a bad schedule or outer optimizer, naming the argument, what is accepted and what was given."""
+    check_int(sync_every, "sync_every", low=1, error=_MiscError)
+    check_int(fragments, "fragments", low=1, error=_MiscError)
+    if sync_every % fragments:
+        raise MisconfigurationException(
+            f"Expected `fragments` to be an integer >= 1 that divides `sync_every` ({sync_every}), got {fragments}."
+        )
+    check_int(overlap_steps, "overlap_steps", low=0, high=sync_every // fragments - 1, error=_MiscError)
+    if outer_optimizer is not None and not callable(outer_optimizer):
+        raise MisconfigurationException(
+            "Expected `outer_optimizer` to be a callable that takes the parameters and returns a"
+            f" torch.optim.Optimizer (e.g. functools.partial(torch.optim.SGD, lr=0.7)), got {outer_optimizer!r}."
+        )
 
 
 def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
@@ -105,6 +124,19 @@ def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
 def gather_rank_states(state: Any, device: torch.device) -> list[Any] | None:
     """Every rank's ``state`` on rank 0 (``None`` elsewhere): how per-rank training state reaches the checkpoint."""
     return gather_objects(state, device)
+
+
+def _averaging_in_group(
+    closure: Any, params: list[Tensor], buffers: list[Tensor], groups: ReplicaGroups
+) -> Callable[[], Any]:
+    """``closure`` (the forward and backward), then the group's mean of the gradients and buffers."""
+
+    def run() -> Any:
+        output = closure()
+        average_in_group(params, buffers, groups)
+        return output
+
+    return run
 
 
 class DiLoCo(DDPStrategy):
@@ -141,6 +173,11 @@ class DiLoCo(DDPStrategy):
             and its outer step is applied then (the fragment's local progress over those steps is replaced by the
             new theta_global). Below ``sync_every / fragments``.
         offload: keep theta_global and the outer optimizer's state in CPU memory.
+        replica_group: two levels: dense data parallelism inside groups of ranks (their gradients averaged at every
+            inner step), DiLoCo across the groups. ``"node"``: the ranks of a node; an integer: that many consecutive
+            ranks (must divide the number of processes); ``None``: every rank is its own replica.
+        monitor: add an :class:`~lightning_gradcomp.callbacks.OuterMonitor` (logs ``gradcomp/*`` every optimizer
+            step and a summary line at the end of ``fit``) unless the trainer has one.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``start_method``, ...).
 
@@ -166,23 +203,19 @@ class DiLoCo(DDPStrategy):
         fragments: int = 1,
         overlap_steps: int = 0,
         offload: bool = False,
+        replica_group: int | str | None = None,
+        monitor: bool = True,
         **kwargs: Any,
     ) -> None:
-        check_int(sync_every, "sync_every", low=1, error=_MiscError)
-        check_int(fragments, "fragments", low=1, error=_MiscError)
-        if sync_every % fragments:
-            raise MisconfigurationException(
-                f"Expected `fragments` to be an integer >= 1 that divides `sync_every` ({sync_every}), got {fragments}."
-            )
-        check_int(overlap_steps, "overlap_steps", low=0, high=sync_every // fragments - 1, error=_MiscError)
-        if outer_optimizer is not None and not callable(outer_optimizer):
-            raise MisconfigurationException(
-                "Expected `outer_optimizer` to be a callable that takes the parameters and returns a"
-                f" torch.optim.Optimizer (e.g. functools.partial(torch.optim.SGD, lr=0.7)), got {outer_optimizer!r}."
-            )
+        _check_arguments(sync_every, outer_optimizer, fragments, overlap_steps)
         check_bool(offload, "offload", error=_MiscError)
+        check_replica_group(replica_group, error=_MiscError)
+        check_bool(monitor, "monitor", error=_MiscError)
         super().__init__(**_strategy_kwargs(kwargs))
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
+        self._monitor = monitor
+        self.replica_group = replica_group
+        self._replicas: ReplicaGroups | None = None
         self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload)
         self._fragments: list[list[int]] = []
         self._attached = False
@@ -206,6 +239,19 @@ class DiLoCo(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     # Setup: no DDP wrapper, rank 0's model everywhere, theta_global taken
     # ------------------------------------------------------------------------------------------------------------
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        """Connect the model; when fitting, add an :class:`OuterMonitor` unless the trainer has one.
+
+        Added here, not in :meth:`setup`: Lightning calls the callbacks' ``setup`` before the strategy's.
+        """
+        super().connect(model)
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not self._monitor:
+            return
+        if not any(isinstance(cb, OuterMonitor) for cb in trainer.callbacks):
+            trainer.callbacks.append(OuterMonitor())
+
     @override
     def configure_ddp(self) -> None:
         """Start every replica from rank 0's parameters and buffers, as DDP's wrapper would, but do not wrap.
@@ -231,6 +277,9 @@ class DiLoCo(DDPStrategy):
                 f"Expected `fragments` to be at most the model's {len(params)} parameter tensors, got {self.fragments}."
             )
         self._fragments = _split_fragments([p.numel() for p in params], self.fragments)
+        self._replicas = self._outer.replicas = replica_groups_for(
+            self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
+        )
         self._outer.attach(params, self._buffers(), fragments=len(self._fragments))
         self._attached = True
         if self._restored is not None:
@@ -253,6 +302,9 @@ class DiLoCo(DDPStrategy):
         numel = sum(p.numel() for p in self._params())
         processes = "1 process" if self.world_size == 1 else f"{self.world_size} processes"
         streaming = f" in {self.fragments} fragments" if self.fragments > 1 else ""
+        groups = self._replicas
+        if groups is not None:
+            processes += f": {groups.count} replicas of {groups.size} ranks, dense data parallelism inside each"
         return (
             f"DiLoCo: {numel:,} parameters synced{streaming} every {self.sync_every} optimizer steps"
             f" (outer optimizer {type(self._outer.optimizer).__name__}); {processes}."
@@ -263,9 +315,17 @@ class DiLoCo(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
-        """The inner optimizer's step on this rank's own gradients; every ``sync_every / fragments`` steps a sync."""
+        """The inner optimizer's step on this rank's own gradients; every ``sync_every / fragments`` steps a sync.
+
+        With ``replica_group``, the gradients are first averaged inside the group (after the closure's backward, before
+        gradient clipping and the step, where DDP would have averaged them).
+        """
+        fitting = self._attached and self._module().trainer.state.fn == TrainerFn.FITTING
+        groups = self._replicas
+        if fitting and groups is not None:
+            closure = _averaging_in_group(closure, self._params(), self._buffers(), groups)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if self._attached and self._module().trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             self._after_inner_step()
         return output
 

@@ -19,6 +19,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradcomp.replica_groups import ReplicaGroups, average_across_groups
+
 #: what ``DiLoCo(outer_optimizer=...)`` takes: parameters in, an optimizer out (LightningCLI's ``OptimizerCallable``)
 OuterOptimizerCallable = Callable[[Iterable[Tensor]], Optimizer]
 
@@ -65,12 +67,17 @@ class OuterState:
         offload: keep theta_global and the outer optimizer's state in CPU memory (the pseudo-gradient is still
             formed and averaged on the parameters' device).
         process_group: the group the pseudo-gradient is averaged over (``None``: the default group).
+
+    Attributes:
+        replicas: with two levels (``DiLoCo(replica_group=...)``), the replica groups: the exchange averages over the
+            groups hierarchically (:func:`~lightning_gradcomp.replica_groups.average_across_groups`).
     """
 
     def __init__(self, outer_optimizer: OuterOptimizerCallable, offload: bool = False, process_group: Any = None):
         self.outer_optimizer = outer_optimizer
         self.offload = offload
         self.process_group = process_group
+        self.replicas: ReplicaGroups | None = None
         self.params: list[Tensor] = []  # theta_global, one tensor per model parameter
         self.buffers: list[Tensor] = []  # the floating-point buffers as of the last sync (BatchNorm's statistics)
         self.optimizer: Optimizer | None = None
@@ -155,30 +162,37 @@ class OuterState:
         """
         if not (dist.is_available() and dist.is_initialized()):
             return Averaging(flats, [], lambda: None)
+        if self.replicas is not None:
+            return Averaging(flats, *average_across_groups(flats, self.replicas, self._count, async_op=async_op))
         world = dist.get_world_size(self.process_group)
         works = []
         for flat in flats:
             flat.div_(world)
             works.append(dist.all_reduce(flat, group=self.process_group, async_op=async_op))
         size = sum(flat.numel() * flat.element_size() for flat in flats)
+        return Averaging(flats, [w for w in works if w is not None], lambda: self._count("all_reduce", size, world))
 
-        def count() -> None:
-            self.bytes_sent += size
-            self.bytes_received += 2 * (world - 1) * size // world
+    def _count(self, kind: str, size: int, world: int) -> None:
+        """Count one collective of a ``size``-byte buffer over ``world`` ranks as the telemetry does (docs/concepts.md).
 
-        return Averaging(flats, [w for w in works if w is not None], count)
+        The buffer is sent; an all-reduce receives ``2 (n - 1) / n`` times it (a ring), an all-gather ``n - 1`` times.
+        """
+        self.bytes_sent += size
+        self.bytes_received += 2 * (world - 1) * size // world if kind == "all_reduce" else (world - 1) * size
 
     def average_buffers(self, buffers: Sequence[Tensor]) -> list[Tensor]:
-        """The mean over the workers of the model's floating-point buffers (not counted: they are not compressed)."""
+        """The mean over the workers of the model's floating-point buffers, its bytes counted as :meth:`average`'s."""
         floats = _flat_float_buffers(buffers)
         if not floats or not (dist.is_available() and dist.is_initialized()):
             return [b.detach().clone() for b in floats]
         world = dist.get_world_size(self.process_group)
-        flats = []
-        for group in _groups(floats).values():
-            flat = torch.cat([floats[i].detach().flatten() for i in group]).div_(world)
-            dist.all_reduce(flat, group=self.process_group)
-            flats.append((group, flat))
+        flats = [(ix, torch.cat([floats[i].detach().flatten() for i in ix])) for ix in _groups(floats).values()]
+        if self.replicas is not None:
+            average_across_groups([flat for _, flat in flats], self.replicas, self._count)[1]()
+        else:
+            for _, flat in flats:
+                dist.all_reduce(flat.div_(world), group=self.process_group)
+            self._count("all_reduce", sum(flat.numel() * flat.element_size() for _, flat in flats), world)
         averaged: list[Tensor] = [torch.empty(0)] * len(floats)
         for group, flat in flats:
             for i, piece in zip(group, flat.split([floats[i].numel() for i in group])):

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from lightning_gradcomp import CompressedDDP, DiLoCo
-from lightning_gradcomp.callbacks import CompressionMonitor
+from lightning_gradcomp.callbacks import CompressionMonitor, OuterMonitor
 from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
 from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
@@ -60,6 +60,9 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4-offload": _diloco(sync_every=4, offload=True),
     "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
+    # two levels: dense inside groups of 2 ranks, DiLoCo across the groups
+    "diloco-h1-g2": _diloco(sync_every=1, outer_optimizer=partial(torch.optim.SGD, lr=1.0), replica_group=2),
+    "diloco-h2-g2": _diloco(sync_every=2, replica_group=2),
 }
 
 
@@ -193,7 +196,9 @@ def train(run: str, root: str, devices: int) -> None:
         if edit:
             ckpt_path = _edited(ckpt_path, edit[0], dirpath)
     strategy = STRATEGIES[name](**strategy_kwargs)
+    # DiLoCo's monitor given before the recorder, whose on_fit_end then sees the monitor's totals
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
+    monitor += [OuterMonitor()] if isinstance(strategy, DiLoCo) else []
     trainer_kwargs = dict(trainer_kwargs)
     checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)

@@ -158,18 +158,44 @@ def collectives_so_far() -> int:
     return torch.distributed.distributed_c10d._get_default_group()._get_sequence_number_for_group()
 
 
+class CountAllReduces:
+    """``torch.distributed`` as a module sees it, with the bytes of the tensors handed to ``all_reduce`` counted."""
+
+    def __init__(self, real: Any) -> None:
+        self._real, self.nbytes = real, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def all_reduce(self, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        self.nbytes += tensor.numel() * tensor.element_size()
+        return self._real.all_reduce(tensor, *args, **kwargs)
+
+
 class RecordRounds(Callback):
     """Save what every rank of a ``DiLoCo`` run did at each step and ends with to ``dirpath/rank{r}.pt``.
 
-    Per step: the collectives it ran, the phase in the round, the rank's parameters and theta_global. Per validation
+    Per step: the collectives it ran, the bytes of the tensors the outer loop handed to ``all_reduce``, the
+    ``gradcomp/*`` metrics logged, the phase in the round, the rank's parameters and theta_global. Per validation
     batch: the parameters evaluated and theta_global. At the end of ``fit`` (after DiLoCo's last outer step), the
-    parameters, the state dict and the outer loop's counters.
+    parameters, the state dict, the outer loop's counters and the ``gradcomp/*`` callback metrics.
     """
 
     def __init__(self, dirpath: str) -> None:
         self.dirpath = dirpath
         self.steps: list[dict] = []
         self.validated: list[dict] = []
+        self._counter: CountAllReduces | None = None
+
+    @staticmethod
+    def _logged(trainer) -> dict[str, float]:
+        return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gradcomp/")}
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        import lightning_gradcomp.outer as outer_module
+
+        self._counter = CountAllReduces(outer_module.dist)
+        outer_module.dist = self._counter
 
     @staticmethod
     def _flat(tensors) -> torch.Tensor:
@@ -177,6 +203,9 @@ class RecordRounds(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         self._before = collectives_so_far()
+        self._reduced_before = self._counter.nbytes if self._counter else 0
+        if self.steps:  # the metrics a step logs reach callback_metrics after its batch-end hooks
+            self.steps[-1]["logged"] = self._logged(trainer)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         outer = trainer.strategy.outer_state
@@ -184,6 +213,7 @@ class RecordRounds(Callback):
             {
                 "global_step": trainer.global_step,
                 "collectives": collectives_so_far() - self._before,
+                "all_reduced": (self._counter.nbytes if self._counter else 0) - self._reduced_before,
                 "phase": outer.phase,
                 "params": self._flat(pl_module.parameters()),
                 "global": self._flat(outer.params),
@@ -196,6 +226,12 @@ class RecordRounds(Callback):
             self.validated.append({"params": flat, "global": self._flat(trainer.strategy.outer_state.params)})
 
     def on_fit_end(self, trainer, pl_module) -> None:
+        import lightning_gradcomp.outer as outer_module
+
+        if self._counter is not None:
+            outer_module.dist = self._counter._real
+        if self.steps:
+            self.steps[-1]["logged"] = self._logged(trainer)
         outer = trainer.strategy.outer_state
         torch.save(
             {
@@ -207,6 +243,7 @@ class RecordRounds(Callback):
                 "syncs": outer.syncs,
                 "skipped": outer.skipped,
                 "bytes_sent": outer.bytes_sent,
+                "logged": self._logged(trainer),
                 "outer_state": outer.optimizer.state_dict(),
             },
             os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),

@@ -181,6 +181,8 @@ def test_advise_measures_a_few_steps_and_prints_the_prediction_and_the_recommend
     assert re.search(r"^\| \*\*auto\*\* \|( [\d.]+ \|){5}$", out, flags=re.M)
     for label in ("measured", "100 Mbit/s", "1 Gbit/s", "10 Gbit/s", "100 Gbit/s"):
         assert f"recommendation at {label}: " in out
+    assert re.search(r"^\| H=100 8-bit \|( [\d.]+ \|){5}$", out, flags=re.M), "DiLoCo's rows"
+    assert "Periodic synchronization" in out
     measured = re.search(r"^recommendation at measured: (.*);", out, flags=re.M)[1]
     if measured.startswith("plain DDP"):
         assert "Plain DDP is the fastest here" in out

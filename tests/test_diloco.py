@@ -18,6 +18,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_gradcomp import DiLoCo
 from lightning_gradcomp.diloco import _split_fragments
+from lightning_gradcomp.replica_groups import group_size
 from tests.fit_worker import assert_same_weights, run_fits, run_name, train
 from tests.models import TinyNet, synthetic_classification
 
@@ -63,20 +64,23 @@ def launch(tmp_path_factory):
 
 
 def reference_diloco(
-    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0
+    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0, group: int = 1
 ) -> list[torch.Tensor]:
     """DiLoCo by hand: theta_global after ``steps`` steps (a partial last round ends with an outer step).
 
     TinyNet's inner SGD on each rank's shard (as Lightning's DistributedSampler deals it), the mean of
     ``sign * (theta_global - theta_local)``, outer Nesterov SGD. Written from the paper's Algorithm 1, independently
     of the strategy's code. ``overlap``: the mean is applied that many inner steps after it was taken, and replaces
-    the replicas' parameters then (Streaming DiLoCo with one fragment and mixing factor 0).
+    the replicas' parameters then (Streaming DiLoCo with one fragment and mixing factor 0). ``group``: consecutive
+    ranks per replica, whose inner step takes the mean of their shards' gradients (dense data parallelism).
     """
     model = TinyNet()
     data = synthetic_classification(model.n)
     x, y = data.tensors
     # Lightning's sampler for TinyNet's loader: shuffled with seed 0, epoch 0, padded to a multiple of world_size
     shards = [list(DistributedSampler(data, num_replicas=world_size, rank=r, seed=0)) for r in range(world_size)]
+    shards_of = [shards[g * group : (g + 1) * group] for g in range(world_size // group)]
+    world_size //= group  # the replicas from here on
     replicas = [copy.deepcopy(model) for _ in range(world_size)]
     inner = [torch.optim.SGD(m.parameters(), lr=model.lr, momentum=0.9) for m in replicas]
     theta = [p.detach().clone() for p in model.parameters()]
@@ -101,11 +105,11 @@ def reference_diloco(
 
     pending, since_applied = None, 0  # (the mean in flight, steps until applied); inner steps since the last apply
     for step in range(steps):
-        for m, optimizer, shard in zip(replicas, inner, shards):
-            batch = shard[step * model.batch_size : (step + 1) * model.batch_size]
-            loss = nn.functional.cross_entropy(m(x[batch]), y[batch])
+        for m, optimizer, own in zip(replicas, inner, shards_of):
             optimizer.zero_grad()
-            loss.backward()
+            for shard in own:  # each rank's forward on its own batch (its own BatchNorm statistics)
+                batch = shard[step * model.batch_size : (step + 1) * model.batch_size]
+                (nn.functional.cross_entropy(m(x[batch]), y[batch]) / group).backward()
             optimizer.step()
         since_applied += 1
         if pending is not None and step + 1 == pending[1]:
@@ -173,7 +177,35 @@ def test_sync_every_4_matches_diloco_computed_by_hand(launch):
     reversed_sign = _flat(reference_diloco(2, 4, 8, sign=-1.0))
     assert (ours[0]["params"] - reversed_sign).abs().max() > 1e-3, "the reference can tell the sign"
     assert ours[0]["syncs"] == 2
-    assert ours[0]["bytes_sent"] == 2 * ours[0]["params"].numel() * 4, "one fp32 all-reduce of the model per sync"
+    numel = ours[0]["params"].numel() + _float_buffer_numel()
+    assert ours[0]["bytes_sent"] == 2 * numel * 4, "one fp32 all-reduce of the model (and its buffers) per sync"
+
+
+def _float_buffer_numel() -> int:
+    return sum(b.numel() for b in TinyNet().buffers() if b.is_floating_point())
+
+
+def test_logged_bytes_are_the_bytes_of_the_all_reduced_tensors(launch):
+    """``gradcomp/bytes_sent`` per step is what the outer loop handed to ``all_reduce``; amortised, the running mean."""
+    _, output, records = launch
+    ranks = records["diloco-h4:steps8"]
+    sync_bytes = (ranks[0]["params"].numel() + _float_buffer_numel()) * 4  # fp32 parameters and BatchNorm statistics
+    for rank in ranks:
+        total = 0
+        for i, step in enumerate(rank["steps"]):
+            logged = step["logged"]
+            synced = (i + 1) % 4 == 0
+            assert step["all_reduced"] == (sync_bytes if synced else 0), f"step {i + 1}"
+            assert logged["gradcomp/bytes_sent"] == step["all_reduced"], f"step {i + 1}"
+            assert logged["gradcomp/bytes_received"] == step["all_reduced"], "2 ranks: a ring receives the buffer once"
+            total += step["all_reduced"]
+            assert logged["gradcomp/bytes_sent_per_step"] == pytest.approx(total / (i + 1))
+            assert logged["gradcomp/syncs"] == (i + 1) // 4
+            assert logged["gradcomp/skipped_syncs"] == 0
+        assert rank["logged"]["gradcomp/total_bytes_sent"] == total == rank["bytes_sent"]
+        assert rank["logged"]["gradcomp/total_syncs"] == 2
+    assert "gradcomp summary (DiLoCo): 8 optimizer steps, 2 syncs (0 skipped)" in output
+    assert records["diloco-h4:nan"][0]["logged"]["gradcomp/total_skipped_syncs"] == 1
 
 
 def test_no_collective_on_an_inner_step_and_replicas_identical_after_every_sync(launch):
@@ -331,6 +363,38 @@ def _assert_matches_reference(ranks: list[dict], world_size: int) -> None:
     assert_replicas_identical(ranks)
 
 
+GROUPED = ["ddp:eager", "diloco-h1-g2:eager", "diloco-h2-g2:eager"]
+
+
+def test_two_levels_dense_inside_a_group_diloco_across(tmp_path):
+    """4 processes as 2 groups of 2: identical inside a group at every step, everywhere after a sync; H = 1 with outer
+    SGD(lr=1) is plain DDP over the 4 ranks; H = 2 (4 steps, one epoch) matches DiLoCo by hand with each group's mean
+    gradient."""
+    code, output, records = run_fits(tmp_path, 4, GROUPED)
+    assert code == 0, output[-3000:]
+    assert "2 replicas of 2 ranks" in output
+    torch.testing.assert_close(
+        records["diloco-h1-g2:eager"][0]["params"], records["ddp:eager"][0]["params"], rtol=1e-5, atol=1e-6
+    )
+    ranks = records["diloco-h2-g2:eager"]
+    for i, steps in enumerate(zip(*(rank["steps"] for rank in ranks))):
+        params = [step["params"] for step in steps]
+        assert torch.equal(params[0], params[1]), f"step {i + 1}: inside group 0"
+        assert torch.equal(params[2], params[3]), f"step {i + 1}: inside group 1"
+        if (i + 1) % 2:
+            assert not torch.equal(params[0], params[2]), f"step {i + 1}: each group trains on its own data"
+        else:
+            assert all(torch.equal(p, steps[0]["global"]) for p in params), f"step {i + 1}: synced"
+    assert_replicas_identical(ranks)
+    expected = _flat(reference_diloco(4, 2, 4, group=2))
+    torch.testing.assert_close(ranks[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    ungrouped = _flat(reference_diloco(4, 2, 4))
+    assert (ranks[0]["params"] - ungrouped).abs().max() > 1e-4, "the reference can tell the groups"
+    # each sync: every rank all-reduces half of the model with its peer and all-gathers the other half in its group
+    half = (ranks[0]["params"].numel() + _float_buffer_numel()) // 2 * 4
+    assert ranks[0]["bytes_sent"] == 2 * 2 * half
+
+
 def test_three_processes_match_the_reference(tmp_path):
     code, output, records = run_fits(tmp_path, 3, ["diloco-h2:steps6"])
     assert code == 0, output[-3000:]
@@ -360,6 +424,9 @@ def test_registered_by_name():
         ({"bucket_cap_mb": 25}, "DiLoCo does not accept `bucket_cap_mb`=25"),
         ({"sync_evry": 5}, "Did you mean `sync_every`?"),
         ({"ddp_comm_hook": print}, "DiLoCo does not accept `ddp_comm_hook`"),
+        ({"replica_group": "nodes"}, "Expected `replica_group` to be None (every rank its own replica), \"node\""),
+        ({"replica_group": 0}, "or an integer >= 1 (ranks per group), got 0."),
+        ({"replica_group": True}, "or an integer >= 1 (ranks per group), got True."),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):
@@ -385,6 +452,23 @@ def test_more_than_one_optimizer_is_refused_when_fitting_starts(in_process_ddp, 
     )  # fmt: skip
     with pytest.raises(MisconfigurationException, match="DiLoCo steps one inner optimizer; .* returned 2"):
         trainer.fit(TwoOptimizers())
+
+
+def test_a_replica_group_that_does_not_divide_the_processes_is_refused(in_process_ddp, tmp_path):
+    trainer = Trainer(
+        strategy=DiLoCo(sync_every=2, replica_group=2), accelerator="cpu", devices=1, max_steps=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, default_root_dir=tmp_path,
+    )  # fmt: skip
+    with pytest.raises(MisconfigurationException, match="`replica_group` to divide the 1 processes .* got 2 ranks"):
+        trainer.fit(TinyNet())
+
+
+def test_a_node_is_the_processes_over_the_nodes():
+    assert group_size("node", 16, 2, ValueError) == 8
+    assert group_size("node", 4, 1, ValueError) == 4
+    assert group_size(2, 4, 1, ValueError) == 2
+    with pytest.raises(ValueError, match="divide the 6 processes into equal groups, got 4 ranks per group"):
+        group_size(4, 6, 1, ValueError)
 
 
 def test_outer_optimizer_is_a_callable_of_the_parameters():

@@ -113,6 +113,13 @@ FORBIDDEN = {
     "lightning_gradcomp.auto": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     "lightning_gradcomp.model_transform": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
     "lightning_gradcomp.monitor": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
+    # the two levels' process groups and averages know nothing of the outer state or the strategy
+    "lightning_gradcomp.replica_groups": (
+        "lightning_gradcomp.outer", "lightning_gradcomp.diloco", "lightning_gradcomp.strategy",
+    ),
+    "lightning_gradcomp.outer_monitor": (
+        "lightning_gradcomp.diloco", "lightning_gradcomp.strategy", "lightning_gradcomp.callbacks",
+    ),
     # per-rank files beside a checkpoint serve every strategy: they know none of them
     "lightning_gradcomp.rank_state": (
         "lightning_gradcomp.strategy", "lightning_gradcomp.hook", "lightning_gradcomp.compressors",

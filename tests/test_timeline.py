@@ -149,3 +149,19 @@ def test_fit_link_with_a_measured_latency_fits_the_slope_only():
     link = fit_link(samples, alpha=0.005)
     assert link.alpha == 0.005
     assert link.beta == pytest.approx(1 / ((1e6 * 0.075 + 4e6 * 0.315) / (1e6**2 + 4e6**2)))
+
+
+def test_the_advise_report_has_diloco_rows_computed_by_hand():
+    from lightning_gradcomp.auto.report import advice
+
+    text = advice(_buckets(), [DENSE, "c"], LINK, TIMING, measured_step=0.2)
+    # 40,000 parameters; fp32: 160 kB per sync at the measured 1 MB/s: 1 ms + 160 ms, over H = 20 steps: 8.05 ms
+    # 8-bit: 40 kB, (1 + 40) / 100 = 0.41 ms; at 100 Mbit/s (12.5 MB/s): (1 + 12.8) / 20 = 0.69 ms
+    assert "| H=20 fp32 | 8.05 | 0.69 | 0.11 | 0.06 | 0.05 |" in text
+    assert "| H=100 8-bit | 0.41 | 0.04 | 0.01 | 0.01 | 0.01 |" in text
+    assert "the step with no communication takes 115.0 ms" in text  # 10 + 100 + 5
+    # measured: the best per-step plan (c on two buckets) takes 121 ms, 6 ms over; H = 20 adds 8.05, H = 100 1.61
+    assert "pays where no per-step plan hides the wire: at measured (best per-step plan +6.0 ms, DiLoCo H=100" in text
+    assert "100 Mbit/s (" not in text, "at 100 Mbit/s plain DDP already hides the wire"
+    fast = advice(_buckets(), [DENSE, "c"], Link(alpha=0.001, beta=1e12), TIMING)
+    assert "Periodic synchronization would not pay here" in fast

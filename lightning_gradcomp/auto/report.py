@@ -8,6 +8,9 @@ from lightning_gradcomp.auto.timeline import DENSE, Bucket, Link, Plan, Timing, 
 
 #: the bandwidths the table shows besides the measured one (bytes per second of all-reduce payload)
 BANDWIDTHS = {"100 Mbit/s": 100e6 / 8, "1 Gbit/s": 1e9 / 8, "10 Gbit/s": 10e9 / 8, "100 Gbit/s": 100e9 / 8}
+#: DiLoCo's rows: rounds of ``sync_every`` steps, and the bytes per parameter of the outer exchange
+DILOCO_SYNC_EVERY = (20, 100, 500)
+DILOCO_PRECISIONS = {"fp32": 4, "8-bit": 1}
 
 
 def _uniform(buckets: Sequence[Bucket], candidates: Sequence[str]) -> list[str]:
@@ -64,7 +67,76 @@ def advice(
             ", ".join(f"{n} on {plan.assignment.count(n)} bucket(s)" for n in used) + rest)  # fmt: skip
         speedup = plan.dense_predicted / plan.predicted
         lines.append(f"recommendation at {label}: {what}; predicted {speedup:.2f}x plain DDP")
+    numel = sum(b.numel for b in buckets)
+    best = {label: plan.predicted for label, plan in plans.items()}
+    lines += ["", *periodic_sync_advice(numel, link.alpha, columns, timing, best, margin)]
     return "\n".join(lines)
+
+
+def diloco_wire_per_step(numel: int, bytes_per_element: int, sync_every: int, link: Link) -> float:
+    """Seconds of DiLoCo's outer exchange per optimizer step: one all-reduce of the model every ``sync_every`` steps.
+
+    The table's model of an all-reduce (:meth:`Link.time`: ``alpha`` plus the payload per rank over ``beta``, the
+    all-reduce payload rate, which a ring over ``N`` ranks turns into ``2 (N - 1) / N`` times the payload on each
+    link), for one flat buffer of ``numel`` elements, divided by the ``sync_every`` steps that share it.
+    """
+    return link.time(numel * bytes_per_element) / sync_every
+
+
+def periodic_sync_advice(
+    numel: int,
+    alpha: float,
+    columns: Mapping[str, float],
+    timing: Timing,
+    best_per_step: Mapping[str, float],
+    margin: float,
+) -> list[str]:
+    """DiLoCo's rows (exchange time per step at each bandwidth) and when periodic synchronization pays.
+
+    It pays where no per-step plan hides the wire: where the best plan's predicted step (``best_per_step``, by
+    column) is more than ``margin`` above the step with no communication, and a DiLoCo row adds less than that.
+    """
+    silent = timing.forward + timing.backward_end + timing.tail + timing.optimizer  # the step with no communication
+    lines = [
+        f"DiLoCo: the outer exchange's time per step (ms), one all-reduce of the {numel:,} parameters every H"
+        f" steps; the step with no communication takes {silent * 1e3:.1f} ms:",
+        "",
+        "| DiLoCo | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for precision, size in DILOCO_PRECISIONS.items():
+        for h in DILOCO_SYNC_EVERY:
+            cells = [diloco_wire_per_step(numel, size, h, Link(alpha, beta)) for beta in columns.values()]
+            lines.append(f"| H={h} {precision} | " + " | ".join(f"{c * 1e3:.2f}" for c in cells) + " |")
+    lines.append("")
+    exposed = {label: best_per_step[label] - silent for label in columns}
+    exposed = {label: extra for label, extra in exposed.items() if extra > margin * silent}
+    if not exposed:
+        lines.append(
+            f"Periodic synchronization would not pay here: at every bandwidth a per-step plan comes within"
+            f" {margin:.0%} of the step with no communication."
+        )
+        return lines
+    pays = []
+    for label, extra in exposed.items():
+        link = Link(alpha, columns[label])
+        enough = next((h for h in DILOCO_SYNC_EVERY if diloco_wire_per_step(numel, 4, h, link) < extra), None)
+        if enough is not None:
+            fp32 = diloco_wire_per_step(numel, 4, enough, link)
+            pays.append(
+                f"{label} (best per-step plan +{extra * 1e3:.1f} ms, DiLoCo H={enough} fp32 +{fp32 * 1e3:.2f} ms)"
+            )
+    if pays:
+        lines.append(
+            "Periodic synchronization pays where no per-step plan hides the wire: at " + "; ".join(pays) + "."
+            " DiLoCo trades that time for a different optimization (docs/diloco.md): check its loss at your H."
+        )
+    else:
+        lines.append(
+            f"No per-step plan hides the wire at {', '.join(exposed)}, and neither does DiLoCo at H <="
+            f" {DILOCO_SYNC_EVERY[-1]} in fp32."
+        )
+    return lines
 
 
 def plot_speedup(

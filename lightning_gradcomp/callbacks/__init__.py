@@ -1,4 +1,4 @@
-"""Callbacks that work with :class:`~lightning_gradcomp.CompressedDDP` (and, for ``TracIn``, any DDP strategy)."""
+"""Callbacks for :class:`~lightning_gradcomp.CompressedDDP` (``OuterMonitor``: DiLoCo; ``TracIn``: any DDP strategy)."""
 
 from lightning_gradcomp.callbacks.accordion import Accordion
 from lightning_gradcomp.callbacks.auto import AutoCompression
@@ -6,5 +6,9 @@ from lightning_gradcomp.callbacks.pactrain import PacTrain
 from lightning_gradcomp.callbacks.tracin import TracIn
 from lightning_gradcomp.callbacks.warmup import DGC_RAMP, DenseWarmup
 from lightning_gradcomp.monitor import CompressionMonitor
+from lightning_gradcomp.outer_monitor import OuterMonitor
 
-__all__ = ["DGC_RAMP", "Accordion", "AutoCompression", "CompressionMonitor", "DenseWarmup", "PacTrain", "TracIn"]
+__all__ = [
+    "DGC_RAMP", "Accordion", "AutoCompression", "CompressionMonitor", "DenseWarmup", "OuterMonitor", "PacTrain",
+    "TracIn",
+]  # fmt: skip
