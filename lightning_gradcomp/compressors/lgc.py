@@ -12,7 +12,7 @@ from torch.nn import functional as F  # noqa: N812 (the usual alias)
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Payload, keep_count
 from lightning_gradcomp.compressors.exchange import AllGather, Broadcast, Exchange, SentAt, SentExactly
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder
-from lightning_gradcomp.compressors.lgc_base import LGCBase, pad8
+from lightning_gradcomp.compressors.lgc_base import LGCBase, decode_layers, encode_layers, pad8
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse
 from lightning_gradcomp.validation import check_choice, check_number
@@ -169,14 +169,14 @@ class LGC(LGCBase):
         hit = indices[pos] == own
         side = torch.zeros(k, dtype=torch.float32, device=code.device)
         side.index_add_(0, pos, torch.where(hit, values.float(), 0.0))  # misses add zero
-        decoded = self._decode(model, j, z, scales, ctx, side).to(ctx.dtype)
+        decoded = decode_layers(model, j, z, scales, self._segments(ctx), side).to(ctx.dtype)
         correction = values.to(ctx.dtype) - torch.where(hit, decoded[pos], 0.0)
         return decoded, correction
 
     def _ps_leader_code(self, model: LGCAutoencoder, tensor: Tensor, indices: Tensor, ctx: BucketContext) -> Tensor:
         x = tensor.index_select(0, indices).float()
         scales = self._scales(x, ctx)
-        return torch.cat([self._encode(model, x, scales, ctx), scales])
+        return torch.cat([encode_layers(model, x, scales, self._segments(ctx)), scales])
 
     # ------------------------------------------------------------------------------------------------------------
     # The contract for one rank on its own (its own leader)

@@ -20,7 +20,7 @@ from lightning_gradcomp.compressors.exchange import (
     SentExactly,
 )
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder
-from lightning_gradcomp.compressors.lgc_base import LGCBase, dot, pad8
+from lightning_gradcomp.compressors.lgc_base import LGCBase, decode_layers, dot, encode_layers, pad8
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse
 from lightning_gradcomp.validation import check_bool, check_choice, check_number
@@ -196,10 +196,10 @@ class LGCAllReduce(LGCBase):
         indices = torch.cat(decode_sparse(layout, blob))
         x = tensor.index_select(0, indices).float()
         scales = self._scales(x, ctx)
-        z = self._encode(model, x, scales, ctx)
+        z = encode_layers(model, x, scales, self._segments(ctx))
         if not self._projects:
             return blob, scales, z
-        return blob, scales, z, self._dots(x, self._decode(model, 0, z, scales, ctx), ctx)
+        return blob, scales, z, self._dots(x, decode_layers(model, 0, z, scales, self._segments(ctx)), ctx)
 
     def _decompress_sparse(
         self, payload: Payload, ctx: BucketContext, out: Tensor | None, stage: int, layout: SparseLayout
@@ -212,7 +212,7 @@ class LGCAllReduce(LGCBase):
         model = self._autoencoder(ctx)
         blob, scales, z = payload[:3]
         indices = torch.cat(decode_sparse(layout, blob))
-        decoded = self._decode(model, 0, z, scales, ctx)
+        decoded = decode_layers(model, 0, z, scales, self._segments(ctx))
         if self._projects:
             decoded = self._projected(decoded, self._factors(decoded, payload[3], ctx), ctx)
         decoded = decoded.to(ctx.dtype)
@@ -248,9 +248,9 @@ class LGCAllReduce(LGCBase):
             scales = torch.zeros(len(ctx.layers), dtype=torch.float32, device=ctx.device)
         shared, scales = yield Broadcast((blob, scales), src=leader)
         indices = torch.cat(decode_sparse(layout, shared))
-        z = self._encode(model, tensor.index_select(0, indices), scales, ctx)
+        z = encode_layers(model, tensor.index_select(0, indices), scales, self._segments(ctx))
         (summed,) = yield AllReduce((z.div_(ctx.world_size),))
-        decoded = self._decode(model, 0, summed, scales, ctx)
+        decoded = decode_layers(model, 0, summed, scales, self._segments(ctx))
         if self._projects:
             # the decoded average scaled, per layer, to its least-squares fit to the true average (clamped to
             # [0, 1]): the update never moves further from the average than no update would, so error feedback stays

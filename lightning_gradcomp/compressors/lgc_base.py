@@ -90,6 +90,39 @@ def _scale(values: Tensor) -> Tensor:
     return divisor(rms(values))
 
 
+def encode_layers(
+    model: LGCAutoencoder, x: Tensor, scales: Tensor, segments: Sequence[tuple[Layer, int, int]]
+) -> Tensor:
+    """The codes of every layer's top-k values ``x`` (slot layout), each divided by its layer's scale.
+
+    Each layer is encoded on its own, so that nothing depends on how DDP buckets the layers. ``segments``:
+    :meth:`LGCBase._segments`.
+    """
+    with torch.no_grad():
+        return torch.cat([
+            model.encode((x[at : at + k].float() / divisor(scales[i]))[None])[0]
+            for i, (_, at, k) in enumerate(segments)
+        ])  # fmt: skip
+
+
+def decode_layers(
+    model: LGCAutoencoder, j: int, z: Tensor, scales: Tensor, segments: Sequence[tuple[Layer, int, int]],
+    side: Tensor | None = None,
+) -> Tensor:  # fmt: skip
+    """Decoder ``j``'s values (slot layout, float32, scaled back) from every layer's code in ``z``.
+
+    ``side``: the innovation in the slot layout (the parameter-server variant's decoders take it as an input).
+    """
+    out, at_z = [], 0
+    with torch.no_grad():
+        for i, (_, at, k) in enumerate(segments):
+            c = model.latent_numel(k)
+            inn = None if side is None else (side[at : at + k] / divisor(scales[i]))[None]
+            out.append(model.decode(j, z[at_z : at_z + c][None], k, inn)[0] * scales[i])
+            at_z += c
+    return torch.cat(out) if out else z.new_zeros(0)
+
+
 class LGCBase(Compressor):
     """Learned gradient compression's three stages, shared by the parameter-server and the all-reduce variants.
 
@@ -372,27 +405,6 @@ class LGCBase(Compressor):
         if not self.normalize:
             return x.new_ones(len(ctx.layers))
         return torch.cat([rms(x[at : at + k]) for _, at, k in self._segments(ctx)])
-
-    def _encode(self, model: LGCAutoencoder, x: Tensor, scales: Tensor, ctx: BucketContext) -> Tensor:
-        """The codes of every layer's top-k values ``x`` (slot layout), each divided by its layer's scale."""
-        with torch.no_grad():
-            return torch.cat([
-                model.encode((x[at : at + k].float() / divisor(scales[i]))[None])[0]
-                for i, (_, at, k) in enumerate(self._segments(ctx))
-            ])  # fmt: skip
-
-    def _decode(
-        self, model: LGCAutoencoder, j: int, z: Tensor, scales: Tensor, ctx: BucketContext, side: Tensor | None = None
-    ) -> Tensor:
-        """Decoder ``j``'s values (slot layout, float32, scaled back) from every layer's code in ``z``."""
-        out, at_z = [], 0
-        with torch.no_grad():
-            for i, (_, at, k) in enumerate(self._segments(ctx)):
-                c = self.latent_numel(k)
-                inn = None if side is None else (side[at : at + k] / divisor(scales[i]))[None]
-                out.append(model.decode(j, z[at_z : at_z + c][None], k, inn)[0] * scales[i])
-                at_z += c
-        return torch.cat(out) if out else z.new_zeros(0)
 
     # ------------------------------------------------------------------------------------------------------------
     # The contract for one rank on its own (its own leader)
