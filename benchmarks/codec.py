@@ -56,7 +56,7 @@ import torchvision
 from codec_profile import compressed_layers
 from torch import Tensor
 
-from lightning_gradcomp.compressors import LGC, Identity, MaskedCompressor, Masks, TopK
+from lightning_gradcomp.compressors import LGC, Identity, LGCAllReduce, MaskedCompressor, Masks, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.compressors.quantize import _uniform
@@ -72,8 +72,8 @@ DEFAULT_COMPRESSORS = (
 LGC_STAGES = {
     "lgc-ps-default-stage2": lambda: LGC(dense_steps=0, training_steps=10**9),
     "lgc-ps-default-stage3": lambda: LGC(dense_steps=0, training_steps=0),
-    "lgc-allreduce-default-stage2": lambda: LGC(variant="allreduce", dense_steps=0, training_steps=10**9),
-    "lgc-allreduce-default-stage3": lambda: LGC(variant="allreduce", dense_steps=0, training_steps=0),
+    "lgc-allreduce-default-stage2": lambda: LGCAllReduce(dense_steps=0, training_steps=10**9),
+    "lgc-allreduce-default-stage3": lambda: LGCAllReduce(dense_steps=0, training_steps=0),
 }
 # PacTrain's MaskedCompressor with half of every compressed layer's entries pruned (the same random masks on every
 # rank, as PacTrain keeps them), around Identity and TopK(0.2); the contract suite's `masked` examples have no masks

@@ -45,6 +45,7 @@ from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import (
     LGC,
     Compressor,
+    LGCAllReduce,
     SignSGD,
 )
 from lightning_gradcomp.demo.workloads import DigitsCNN, digits
@@ -58,7 +59,7 @@ _FIRST_DEFAULTS = {"order": "index", "similarity_weight": 0.5, "residual": "aver
 def _lgc_allreduce(training_steps: int = 176, **options: object) -> Callable[[], Compressor]:
     """LGC's all-reduce variant at 1%, 44 dense steps, then ``training_steps`` of stage 2, on its first defaults."""
     options = {**_FIRST_DEFAULTS, **options}
-    return lambda: LGC(variant="allreduce", ratio=0.01, dense_steps=44, training_steps=training_steps, **options)
+    return lambda: LGCAllReduce(ratio=0.01, dense_steps=44, training_steps=training_steps, **options)
 
 
 # name -> (compressor factory, learning rate, optimizer momentum)

@@ -50,7 +50,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_gradcomp.comm import Comm
-from lightning_gradcomp.compressors import DGC, LGC, Compressor, ScaleCom, TopK
+from lightning_gradcomp.compressors import DGC, LGC, Compressor, LGCAllReduce, ScaleCom, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer, ResidualBuffers
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes
 from lightning_gradcomp.models import CifarResNet18
@@ -108,7 +108,7 @@ def _time_factories(rho: float, rho_u: float) -> dict:
         "lgc-ps (all-gather)": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=0, training_steps=2),
         "lgc-ps (gather)": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=0, training_steps=2,
                                        ps_form="gather"),
-        "lgc-allreduce": lambda: LGC(variant="allreduce", ratio=rho, dense_steps=0, training_steps=2),
+        "lgc-allreduce": lambda: LGCAllReduce(ratio=rho, dense_steps=0, training_steps=2),
     }  # fmt: skip
 
 
@@ -227,7 +227,7 @@ def main() -> None:
             "ps": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=1, training_steps=2),
             "ps-gather": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=1, training_steps=2,
                                      ps_form="gather"),
-            "allreduce": lambda: LGC(variant="allreduce", ratio=rho, dense_steps=1, training_steps=2),
+            "allreduce": lambda: LGCAllReduce(ratio=rho, dense_steps=1, training_steps=2),
         }  # fmt: skip
         for variant, factory in lgc.items():
             runs = measure(factory, layers, n, steps=list(range(3, 3 + n)) + [0, 2])

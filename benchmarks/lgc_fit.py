@@ -31,12 +31,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
-from lightning_gradcomp.compressors import LGC
+from lightning_gradcomp.compressors import LGCAllReduce
 from lightning_gradcomp.compressors.base import BucketContext
 
 
-class RecordingLGC(LGC):
-    """LGC that keeps every raw projection factor it computes (one host read per layer and step: a benchmark only)."""
+class RecordingLGC(LGCAllReduce):
+    """LGCAllReduce keeping each raw projection factor it computes (a host read per layer and step: benchmark only)."""
 
     def __init__(self, **hparams: object) -> None:
         super().__init__(**hparams)  # type: ignore[arg-type]

@@ -502,7 +502,7 @@ class CompressionState:
         self.step = int(state_dict["step"])
         self.residuals.load_state_dict(state_dict["residuals"])
         self._nonfinite_run.load_state_dict(state_dict.get("nonfinite_run", {}))  # absent before 2026-11-25
-        if state_dict["compressor_class"] == type(self.compressor).__qualname__:
+        if self.compressor.restores_state(state_dict["compressor_class"], state_dict["compressor"]):
             self.compressor.load_state_dict(state_dict["compressor"])
         else:
             log.warning(

@@ -22,6 +22,7 @@ from lightning_gradcomp.compressors import (
     AdaComp,
     EFSignSGD,
     Identity,
+    LGCAllReduce,
     MaskedCompressor,
     OneBit,
     Planned,
@@ -91,22 +92,21 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     # LGC's stages follow the step: the defaults are dense for 200 steps; short stages cross all three within the
     # contract suite's few steps, and the others start in stage 2 or 3 (the ratios are large for the tiny layers)
     "lgc": lambda: LGC(),
-    "lgc-allreduce": lambda: LGC(variant="allreduce"),
+    "lgc-allreduce": lambda: LGCAllReduce(),
     "lgc-ps-stages": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=1, training_steps=2),
-    "lgc-allreduce-stages": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2),
+    "lgc-allreduce-stages": lambda: LGCAllReduce(ratio=0.05, dense_steps=1, training_steps=2),
     "lgc-ps-gather-stages": lambda: LGC(
         ratio=0.05, innovation_ratio=0.005, dense_steps=1, training_steps=2, leader="rotating", ps_form="gather"
     ),
     # the all-reduce variant's accounting that telescopes (its default, "own", drops the ranks' deviations), with
     # ScaleCom's low-pass memory, and with the variant's first defaults (index order, the code-similarity term)
-    "lgc-allreduce-average-stages": lambda: LGC(
-        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, residual="average"
+    "lgc-allreduce-average-stages": lambda: LGCAllReduce(
+        ratio=0.05, dense_steps=1, training_steps=2, residual="average"
     ),
-    "lgc-allreduce-lowpass-stages": lambda: LGC(
-        variant="allreduce", ratio=0.05, dense_steps=1, training_steps=2, beta=0.5, residual="average"
+    "lgc-allreduce-lowpass-stages": lambda: LGCAllReduce(
+        ratio=0.05, dense_steps=1, training_steps=2, beta=0.5, residual="average"
     ),
-    "lgc-allreduce-index-stages": lambda: LGC(
-        variant="allreduce",
+    "lgc-allreduce-index-stages": lambda: LGCAllReduce(
         ratio=0.05,
         dense_steps=1,
         training_steps=2,
@@ -115,7 +115,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
         residual="average",
     ),  # fmt: skip
     "lgc-ps-stage2": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=100),
-    "lgc-allreduce-stage2": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=100),
+    "lgc-allreduce-stage2": lambda: LGCAllReduce(ratio=0.05, dense_steps=0, training_steps=100),
     "lgc-ps-stage3": lambda: LGC(
         ratio=0.05,
         innovation_ratio=0.005,
@@ -125,8 +125,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
         optimizer="sgd",
         momentum=0.9,
     ),  # fmt: skip
-    "lgc-allreduce-stage3-linear": lambda: LGC(
-        variant="allreduce",
+    "lgc-allreduce-stage3-linear": lambda: LGCAllReduce(
         ratio=0.05,
         dense_steps=0,
         training_steps=0,
@@ -134,7 +133,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
         leader="fixed",
         project=False,
     ),  # fmt: skip
-    "lgc-allreduce-stage3": lambda: LGC(variant="allreduce", ratio=0.05, dense_steps=0, training_steps=0),
+    "lgc-allreduce-stage3": lambda: LGCAllReduce(ratio=0.05, dense_steps=0, training_steps=0),
     "zen": lambda: Zen(),
     "zen-always": lambda: Zen(dense_threshold=1.0),
     "zen-bitmap": lambda: Zen(dense_threshold=1.0, index_encoding="bitmap"),

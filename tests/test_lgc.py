@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_gradcomp import CompressedDDP, CompressionState
 from lightning_gradcomp.comm import Comm
-from lightning_gradcomp.compressors import LGC, ScaleCom
+from lightning_gradcomp.compressors import LGC, LGCAllReduce, ScaleCom
 from lightning_gradcomp.compressors.base import BucketContext, ResidualBuffers, keep_count, layers_from_shapes
 from lightning_gradcomp.process_groups import TorchCollectives
 from lightning_gradcomp.rank_state import load_rank_state
@@ -22,6 +22,7 @@ from tests.models import TinyNet, fit
 
 LAYERS = layers_from_shapes([(40, 50), (8, 4, 3, 3), (30, 30)])
 NUMEL = sum(layer.numel for layer in LAYERS)
+VARIANTS = {"ps": LGC, "allreduce": LGCAllReduce}
 
 
 def _lgc(variant, **kwargs):
@@ -29,7 +30,7 @@ def _lgc(variant, **kwargs):
     if variant == "ps":
         options["innovation_ratio"] = 0.01
     options.update(kwargs)
-    return LGC(variant=variant, **options)
+    return VARIANTS[variant](**options)
 
 
 def _grads(n, seed, dtype=torch.float64):
@@ -188,6 +189,35 @@ def test_state_dict_holds_the_autoencoder_its_optimizer_and_the_pending_data(var
     assert not torch.equal(expected[-1][0], control[-1][0])
 
 
+@pytest.mark.parametrize("saved", ["ps", "allreduce"])
+@pytest.mark.parametrize("pending", [True, False])
+def test_a_checkpoint_saved_as_the_single_lgc_class_restores_into_its_variant_s_class(saved, pending):
+    """Both variants were once one class, and checkpoints name the compressor's class: each variant's state was saved
+    as ``"LGC"``, in the format :meth:`state_dict` still writes. Such a state restores into its own variant's class
+    and continues bitwise; the other variant's class refuses it (the hook leaves it unrestored, with a warning), with
+    or without pending data to tell them apart (the autoencoder's heads do then)."""
+    original = [_lgc(saved) for _ in range(2)]
+    _run(original, range(3))
+    old = []
+    for c in original:
+        state = CompressionState(_lgc(saved)).state_dict()
+        compressor_state = c.state_dict()
+        if not pending:
+            del compressor_state["pending"]
+        old.append(pickle.loads(pickle.dumps({**state, "compressor_class": "LGC", "compressor": compressor_state})))
+    restored = {}
+    for variant in VARIANTS:
+        hooks = [CompressionState(_lgc(variant)) for _ in range(2)]
+        for hook, state in zip(hooks, old):
+            hook.load_state_dict(state)
+        restored[variant] = [hook.compressor for hook in hooks]
+        assert all((c._committed is not None) == (variant == saved) for c in restored[variant]), variant
+    if pending:  # the restored compressors continue as the originals do
+        expected, got = (_run(cs, range(3, 6), seed=7) for cs in (original, restored[saved]))
+        for a, b in zip(expected, got):
+            assert torch.equal(a[0], b[0])
+
+
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("leader", ["fixed", "rotating"])
 def test_the_gather_form_of_ps_gives_the_all_gather_form_s_results_bitwise(ranks, leader):
@@ -270,44 +300,56 @@ def test_the_code_is_about_a_quarter_of_the_values():
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("variant", "kwargs", "match"),
     [
-        ({"ratio": 0}, "ratio"),
-        ({"ratio": 1.5}, "ratio"),
-        ({"innovation_ratio": 1e-3}, "innovation_ratio"),  # not below ratio (1e-3)
-        ({"innovation_ratio": 0.0}, "innovation_ratio"),
-        ({"variant": "allreduce", "innovation_ratio": 1e-5}, "innovation_ratio"),
-        ({"dense_steps": -1}, "dense_steps"),
-        ({"training_steps": 2.5}, "training_steps"),
-        ({"dense_steps": True}, "dense_steps"),
-        ({"variant": "ring"}, "variant"),
-        ({"leader": "random"}, "leader"),
-        ({"channels": ()}, "channels"),
-        ({"decoder_channels": (8, 0)}, "decoder_channels"),
-        ({"latent_channels": 0}, "latent_channels"),
-        ({"optimizer": "lbfgs"}, "optimizer"),
-        ({"momentum": 0.9}, "momentum"),  # Adam has none
-        ({"lr": 0}, "lr"),
-        ({"similarity_weight": -1}, "similarity_weight"),
-        ({"normalize": 1}, "normalize"),
-        ({"project": True}, "project"),  # the all-reduce variant's
-        ({"variant": "allreduce", "project": "yes"}, "project"),
-        ({"ps_form": "ring"}, "ps_form"),
-        ({"variant": "allreduce", "ps_form": "gather"}, "ps_form"),  # the PS variant's
-        ({"beta": 0.5}, "beta"),  # the all-reduce variant's
-        ({"variant": "allreduce", "beta": 0.0}, "beta"),
-        ({"variant": "allreduce", "beta": 1.5}, "beta"),
-        ({"variant": "allreduce", "similarity_weight": float("nan")}, "similarity_weight"),
-        ({"order": "value"}, "order"),  # the all-reduce variant's
-        ({"variant": "allreduce", "order": "magnitude"}, "order"),
-        ({"residual": "own"}, "residual"),  # the all-reduce variant's
-        ({"variant": "allreduce", "residual": "rank"}, "residual"),
-        ({"variant": "allreduce", "residual": "own", "project": False}, "project"),  # own needs the factor
+        ("ps", {"ratio": 0}, "ratio"),
+        ("allreduce", {"ratio": 1.5}, "ratio"),
+        ("ps", {"innovation_ratio": 1e-3}, "innovation_ratio"),  # not below ratio (1e-3)
+        ("ps", {"innovation_ratio": 0.0}, "innovation_ratio"),
+        ("ps", {"innovation_ratio": None}, "innovation_ratio"),
+        ("ps", {"dense_steps": -1}, "dense_steps"),
+        ("allreduce", {"training_steps": 2.5}, "training_steps"),
+        ("ps", {"dense_steps": True}, "dense_steps"),
+        ("allreduce", {"leader": "random"}, "leader"),
+        ("ps", {"channels": ()}, "channels"),
+        ("allreduce", {"decoder_channels": (8, 0)}, "decoder_channels"),
+        ("ps", {"latent_channels": 0}, "latent_channels"),
+        ("allreduce", {"optimizer": "lbfgs"}, "optimizer"),
+        ("ps", {"momentum": 0.9}, "momentum"),  # Adam has none
+        ("allreduce", {"lr": 0}, "lr"),
+        ("ps", {"similarity_weight": -1}, "similarity_weight"),
+        ("allreduce", {"normalize": 1}, "normalize"),
+        ("allreduce", {"project": "yes"}, "project"),
+        ("ps", {"ps_form": "ring"}, "ps_form"),
+        ("allreduce", {"beta": 0.0}, "beta"),
+        ("allreduce", {"beta": 1.5}, "beta"),
+        ("allreduce", {"similarity_weight": float("nan")}, "similarity_weight"),
+        ("allreduce", {"order": "magnitude"}, "order"),
+        ("allreduce", {"residual": "rank"}, "residual"),
+        ("allreduce", {"residual": "own", "project": False}, "project"),  # own needs the factor
     ],
 )
-def test_bad_arguments_are_refused_with_the_argument_named(kwargs, match):
+def test_bad_arguments_are_refused_with_the_argument_named(variant, kwargs, match):
     with pytest.raises(ValueError, match=f"`{match}`"):
-        LGC(**kwargs)
+        VARIANTS[variant](**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("variant", "name", "given"),
+    [
+        ("ps", "project", True),
+        ("ps", "beta", 0.5),
+        ("ps", "order", "value"),
+        ("ps", "residual", "own"),
+        ("ps", "variant", "allreduce"),
+        ("allreduce", "innovation_ratio", 1e-5),  # a per-rank innovation does not survive a sum
+        ("allreduce", "ps_form", "gather"),
+    ],
+)
+def test_the_other_variant_s_arguments_are_refused_by_name(variant, name, given):
+    """Each class takes only its own variant's arguments: another's is Python's error naming it."""
+    with pytest.raises(TypeError, match=f"'{name}'"):
+        VARIANTS[variant](**{name: given})
 
 
 @pytest.mark.parametrize("name", ["beta", "residual"])
@@ -316,30 +358,30 @@ def test_memory_settings_without_error_feedback_are_refused_before_training(name
     strategy refuse them, naming the setting (they would be silently ignored); left unset, the variant runs."""
     given = {"beta": 0.5, "residual": "own"}[name]
     with pytest.raises(ValueError, match=f"`{name}`"):
-        CompressionState(LGC(variant="allreduce", **{name: given}), error_feedback=False)
+        CompressionState(LGCAllReduce(**{name: given}), error_feedback=False)
     with pytest.raises(MisconfigurationException, match=f"`{name}`.*error feedback"):
-        CompressedDDP(LGC(variant="allreduce", **{name: given}), error_feedback=False)
-    strategy = CompressedDDP(LGC(variant="allreduce"), error_feedback=False)
+        CompressedDDP(LGCAllReduce(**{name: given}), error_feedback=False)
+    strategy = CompressedDDP(LGCAllReduce(), error_feedback=False)
     with pytest.raises(MisconfigurationException, match=f"`error_feedback=False`.*`{name}`"):
-        strategy.compressor = LGC(variant="allreduce", **{name: given})
-    assert CompressionState(LGC(variant="allreduce", **{name: given})).uses_error_feedback()
-    assert not CompressionState(LGC(variant="allreduce"), error_feedback=False).uses_error_feedback()
+        strategy.compressor = LGCAllReduce(**{name: given})
+    assert CompressionState(LGCAllReduce(**{name: given})).uses_error_feedback()
+    assert not CompressionState(LGCAllReduce(), error_feedback=False).uses_error_feedback()
 
 
 def test_the_all_reduce_variant_s_defaults_resolve_per_variant():
     """``None`` resolves per variant: the all-reduce variant's repaired stage 3 (value order, no code-similarity term,
     ScaleCom's accounting; ``"average"`` without the projection), the PS variant's third-party ``lambda2`` and index
     order; the constructor keeps what was given (``repr`` shows the user's arguments)."""
-    allreduce, ps = LGC(variant="allreduce"), LGC()
-    explicit = LGC(variant="allreduce", order="index", similarity_weight=0.5, residual="average")
+    allreduce, ps = LGCAllReduce(), LGC()
+    explicit = LGCAllReduce(order="index", similarity_weight=0.5, residual="average")
 
     def resolved(lgc):
-        return lgc.slot_order, lgc.code_similarity_weight, lgc.residual_accounting
+        return lgc.slot_order, lgc.code_similarity_weight, getattr(lgc, "residual_accounting", None)
 
     assert resolved(allreduce) == ("value", 0.0, "own")
     assert resolved(ps) == ("index", 0.5, None)
     assert resolved(explicit) == ("index", 0.5, "average")
-    assert LGC(variant="allreduce", project=False).residual_accounting == "average"
+    assert LGCAllReduce(project=False).residual_accounting == "average"
     assert "order=None" in repr(allreduce)
     assert "order='index'" in repr(explicit)
 
@@ -492,8 +534,8 @@ def test_a_layer_s_stage_3_result_does_not_depend_on_its_bucket(variant):
     g = torch.Generator().manual_seed(0)
     common = torch.randn(140 + 16384, generator=g)
     grads = [common + 0.3 * torch.randn(140 + 16384, generator=g) for _ in range(n)]
-    in_pair = [LGC(variant=variant, ratio=0.05, **options) for _ in range(n)]
-    by_itself = [LGC(variant=variant, ratio=0.05, **options) for _ in range(n)]
+    in_pair = [VARIANTS[variant](ratio=0.05, **options) for _ in range(n)]
+    by_itself = [VARIANTS[variant](ratio=0.05, **options) for _ in range(n)]
     r_pair = [torch.zeros(140 + 16384) for _ in range(n)]
     r_alone = [torch.zeros(16384) for _ in range(n)]
     ours = simulate_reduce(in_pair, grads, pair, residuals=r_pair)
@@ -529,7 +571,7 @@ def _strategy(variant):
     kwargs = {"innovation_ratio": 0.01} if variant == "ps" else {}
     if variant == "allreduce-linear":
         variant, kwargs = "allreduce", {"linear_encoder": True}
-    lgc = LGC(variant=variant, ratio=0.05, dense_steps=2, training_steps=4, **kwargs)
+    lgc = VARIANTS[variant](ratio=0.05, dense_steps=2, training_steps=4, **kwargs)
     return CompressedDDP(lgc, min_compress_numel=64, bucket_cap_mb=0.01, start_method="spawn")
 
 

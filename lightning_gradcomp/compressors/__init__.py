@@ -6,6 +6,7 @@ from lightning_gradcomp.compressors.cast import BF16, FP16
 from lightning_gradcomp.compressors.dgc import DGC
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.lgc import LGC
+from lightning_gradcomp.compressors.lgc_allreduce import LGCAllReduce
 from lightning_gradcomp.compressors.masked import MaskedCompressor, Masks
 from lightning_gradcomp.compressors.planned import Planned
 from lightning_gradcomp.compressors.powersgd import PowerSGD
@@ -26,6 +27,7 @@ __all__ = [
     "Compressor",
     "EFSignSGD",
     "Identity",
+    "LGCAllReduce",
     "Layer",
     "MaskedCompressor",
     "Masks",

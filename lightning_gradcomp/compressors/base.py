@@ -422,6 +422,14 @@ class Compressor(ABC):
         for key, buffers in self._layer_state.items():
             buffers.load_state_dict(state_dict.get(key, {}))
 
+    def restores_state(self, class_name: str, state: dict[str, Any]) -> bool:
+        """Whether a checkpoint's compressor state (:meth:`state_dict`), saved by class ``class_name``, is this one's.
+
+        The hook restores the state only then. The default: the same class; a compressor whose class was renamed or
+        split extends it to the name its checkpoints were saved under.
+        """
+        return class_name == type(self).__qualname__
+
     def reset_state(self) -> None:
         """Forget the state kept between steps (momenta, warm starts), as at the start of training.
 
