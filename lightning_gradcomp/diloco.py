@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.outer import OuterOptimizerCallable, OuterState, all_finite, default_outer_optimizer
 from lightning_gradcomp.process_groups import gather_objects
 from lightning_gradcomp.strategy_args import _START_METHODS, _STRATEGY_KWARGS
@@ -141,6 +142,8 @@ class DiLoCo(DDPStrategy):
             and its outer step is applied then (the fragment's local progress over those steps is replaced by the
             new theta_global). Below ``sync_every / fragments``.
         offload: keep theta_global and the outer optimizer's state in CPU memory.
+        compressor: average the pseudo-gradient through this compressor, with each rank's error feedback kept
+            across outer steps (``None``: a plain all-reduce); see "Compressing the outer exchange" in the docs.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``start_method``, ...).
 
@@ -166,6 +169,7 @@ class DiLoCo(DDPStrategy):
         fragments: int = 1,
         overlap_steps: int = 0,
         offload: bool = False,
+        compressor: Compressor | None = None,
         **kwargs: Any,
     ) -> None:
         check_int(sync_every, "sync_every", low=1, error=_MiscError)
@@ -181,9 +185,14 @@ class DiLoCo(DDPStrategy):
                 f" torch.optim.Optimizer (e.g. functools.partial(torch.optim.SGD, lr=0.7)), got {outer_optimizer!r}."
             )
         check_bool(offload, "offload", error=_MiscError)
+        if compressor is not None and not isinstance(compressor, Compressor):
+            raise MisconfigurationException(
+                f"Expected `compressor` to be a lightning_gradcomp Compressor (e.g. MinMax(bits=8)) or None, got"
+                f" {compressor!r}."
+            )
         super().__init__(**_strategy_kwargs(kwargs))
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
-        self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload)
+        self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload, compressor=compressor)
         self._fragments: list[list[int]] = []
         self._attached = False
         self._restored: Mapping[str, Any] | None = None  # the checkpoint's DiLoCo section, applied at setup
@@ -231,7 +240,8 @@ class DiLoCo(DDPStrategy):
                 f"Expected `fragments` to be at most the model's {len(params)} parameter tensors, got {self.fragments}."
             )
         self._fragments = _split_fragments([p.numel() for p in params], self.fragments)
-        self._outer.attach(params, self._buffers(), fragments=len(self._fragments))
+        names = [n for n, p in self._module().named_parameters() if p.requires_grad]
+        self._outer.attach(params, self._buffers(), fragments=len(self._fragments), names=names)
         self._attached = True
         if self._restored is not None:
             self._restore(self._restored)
@@ -288,7 +298,8 @@ class DiLoCo(DDPStrategy):
         outer = self._outer
         flats = outer.pseudo_gradients(self._params(), self._fragments[fragment])
         outer.contribution = [f.clone() for f in flats] if overlapped else None
-        outer.in_flight = outer.average(flats, async_op=overlapped)
+        layouts = outer.layouts(self._params(), self._fragments[fragment])
+        outer.in_flight = outer.average(flats, async_op=overlapped, layouts=layouts)
         outer.pending = {"fragment": fragment, "remaining": self.overlap_steps}
         if not overlapped:
             self._finish_exchange()
@@ -393,6 +404,7 @@ class DiLoCo(DDPStrategy):
             "tensors": tensors,
             "optimizer_states": [o.state_dict() for o in self.optimizers],
             "contribution": self._outer.contribution,  # this rank's pseudo-gradient in flight, if one is
+            "exchange": self._outer.exchange.state_dict() if self._outer.exchange is not None else None,
         }
 
     @override
@@ -454,13 +466,16 @@ class DiLoCo(DDPStrategy):
             return
         self._outer.load_state_dict(outer)
         own = section["ranks"][self.global_rank]
+        if self._outer.exchange is not None and own.get("exchange") is not None:
+            self._outer.exchange.load_state_dict(own["exchange"])
         with torch.no_grad():
             for mine, saved in zip((*self._params(), *self._buffers()), own["tensors"], strict=True):
                 mine.copy_(saved)
         if self._outer.pending is not None:  # the exchange that was in flight is sent again, with the same values
             contribution = [t.to(self.root_device) for t in own["contribution"]]
             self._outer.contribution = [t.clone() for t in contribution]
-            self._outer.in_flight = self._outer.average(contribution, async_op=True)
+            layouts = self._outer.layouts(self._params(), self._fragments[self._outer.pending["fragment"]])
+            self._outer.in_flight = self._outer.average(contribution, async_op=True, layouts=layouts)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.callbacks import CompressionMonitor
-from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
+from lightning_gradcomp.compressors import QSGD, EFSignSGD, Identity, PowerSGD, TopK
 from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
@@ -60,6 +60,13 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4-offload": _diloco(sync_every=4, offload=True),
     "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
+    # a compressor on the outer exchange (a fresh one per fit: it is training state)
+    "diloco-h4-identity": lambda **kw: _diloco(sync_every=4, compressor=Identity())(**kw),
+    "diloco-h4-topk": lambda **kw: _diloco(sync_every=4, compressor=TopK(ratio=0.05))(**kw),
+    "diloco-h4-powersgd": lambda **kw: _diloco(sync_every=4, compressor=PowerSGD(rank=2))(**kw),
+    "diloco-h4-qsgd": lambda **kw: _diloco(sync_every=4, compressor=QSGD())(**kw),
+    "diloco-h4-efsignsgd": lambda **kw: _diloco(sync_every=4, compressor=EFSignSGD())(**kw),
+    "diloco-h3-powersgd": lambda **kw: _diloco(sync_every=3, compressor=PowerSGD(rank=2))(**kw),
 }
 
 
