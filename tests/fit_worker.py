@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.callbacks import CompressionMonitor
-from lightning_gradcomp.compressors import QSGD, EFSignSGD, Identity, PowerSGD, TopK
+from lightning_gradcomp.compressors import QSGD, EFSignSGD, Identity, MinMax, PowerSGD, SparseLoCo, TopK
 from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
@@ -66,6 +66,9 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4-powersgd": lambda **kw: _diloco(sync_every=4, compressor=PowerSGD(rank=2))(**kw),
     "diloco-h4-qsgd": lambda **kw: _diloco(sync_every=4, compressor=QSGD())(**kw),
     "diloco-h4-efsignsgd": lambda **kw: _diloco(sync_every=4, compressor=EFSignSGD())(**kw),
+    "diloco-h4-minmax8": lambda **kw: _diloco(sync_every=4, compressor=MinMax(bits=8))(**kw),
+    "diloco-h4-minmax4": lambda **kw: _diloco(sync_every=4, compressor=MinMax(bits=4))(**kw),
+    "diloco-h4-sparseloco": lambda **kw: _diloco(sync_every=4, compressor=SparseLoCo(ratio=0.03, chunk_size=256))(**kw),
     "diloco-h3-powersgd": lambda **kw: _diloco(sync_every=3, compressor=PowerSGD(rank=2))(**kw),
 }
 

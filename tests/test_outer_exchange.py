@@ -10,11 +10,12 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_gradcomp import DiLoCo
-from lightning_gradcomp.compressors import EFSignSGD, PowerSGD, TopK
+from lightning_gradcomp.compressors import EFSignSGD, MinMax, PowerSGD, SparseLoCo, TopK
 from lightning_gradcomp.compressors.base import layers_from_shapes
 from lightning_gradcomp.outer_exchange import OuterExchange
 from lightning_gradcomp.testing import SimulatedWorld
 from tests.fit_worker import assert_same_weights, run_fits
+from tests.models import TinyNet
 
 # a conv weight, a bias (dense), two matrices: the pseudo-gradient of one dtype, laid out as a bucket
 SHAPES = [(16, 4, 3, 3), (16,), (48, 64), (24, 96)]
@@ -22,6 +23,9 @@ LAYERS = layers_from_shapes(SHAPES)
 NUMEL = sum(layer.numel for layer in LAYERS)
 # error feedback on (their default), a declaration exact to rounding
 TELESCOPING = {
+    "minmax8": lambda: MinMax(bits=8),
+    "minmax4": lambda: MinMax(bits=4),
+    "sparseloco": lambda: SparseLoCo(ratio=0.03, chunk_size=256),
     "topk": lambda: TopK(ratio=0.05),
     "powersgd": lambda: PowerSGD(rank=2),
     "efsignsgd": lambda: EFSignSGD(),
@@ -70,7 +74,7 @@ def test_error_feedback_telescopes_over_outer_steps(name, world_size):
     torch.testing.assert_close(total_sent + residual, total_in, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["topk", "powersgd"])
+@pytest.mark.parametrize("name", ["sparseloco", "powersgd", "minmax8"])
 def test_a_nonfinite_pseudo_gradient_on_one_rank_leaves_every_state_as_it_was(name):
     world, exchanges = _exchanges(TELESCOPING[name], 2)
     rounds = _pseudo_gradients(2, 2)
@@ -96,7 +100,7 @@ def _same_nested(a, b) -> bool:
     return a == b
 
 
-@pytest.mark.parametrize("name", ["topk", "powersgd"])
+@pytest.mark.parametrize("name", ["sparseloco", "powersgd"])
 def test_the_exchange_state_resumes_bitwise(name):
     rounds = _pseudo_gradients(4, 2)
     world, exchanges = _exchanges(TELESCOPING[name], 2)
@@ -120,13 +124,13 @@ def test_a_compressor_that_is_not_a_compressor_is_refused():
 # ------------------------------------------------------------------------------------------------------------------
 # DiLoCo on two gloo processes
 # ------------------------------------------------------------------------------------------------------------------
-COMPRESSED = ["topk", "powersgd", "qsgd", "efsignsgd"]
+COMPRESSED = ["topk", "powersgd", "qsgd", "efsignsgd", "minmax8", "minmax4", "sparseloco"]
 RESUMED = "diloco-h3-powersgd:epochs4+diloco-h3-powersgd:epochs2"
 LAUNCH = [
     "diloco-h4:steps8",
     "diloco-h4-identity:steps8",
     *(f"diloco-h4-{name}:steps8" for name in COMPRESSED),
-    "diloco-h4-topk:nan",
+    "diloco-h4-sparseloco:nan",
     "diloco-h3-powersgd:epochs4",
     "diloco-h3-powersgd:epochs2",
     RESUMED,
@@ -165,9 +169,20 @@ def test_compressed_outer_exchanges_keep_the_replicas_identical_after_every_sync
     assert ranks[0]["bytes_sent"] < plain["bytes_sent"]
 
 
+def test_eight_bit_outer_exchange_sends_about_a_quarter_of_fp32(launch):
+    """Codes of the compressed layers (one byte each) plus the dense small layers, as the telemetry counts them."""
+    _, _, records = launch
+    fp32 = records["diloco-h4:steps8"][0]["bytes_sent"]
+    assert fp32 == 2 * sum(p.numel() for p in TinyNet().parameters()) * 4
+    for name, (low, high) in {"minmax8": (0.25, 0.30), "minmax4": (0.125, 0.17)}.items():
+        ratio = records[f"diloco-h4-{name}:steps8"][0]["bytes_sent"] / fp32
+        assert low < ratio < high, (name, ratio)
+        assert records[f"diloco-h4-{name}:steps8"][0]["bytes_received"] > 0
+
+
 def test_a_nan_on_one_rank_skips_the_round_and_poisons_no_residual(launch):
     _, output, records = launch
-    ranks = records["diloco-h4-topk:nan"]
+    ranks = records["diloco-h4-sparseloco:nan"]
     assert ranks[0]["skipped"] == 1
     assert ranks[0]["syncs"] == 2
     assert_same_weights(ranks[:1] * 2, ranks, "replicas after a skipped round")
