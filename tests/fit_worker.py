@@ -69,6 +69,9 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4-minmax8": lambda **kw: _diloco(sync_every=4, compressor=MinMax(bits=8))(**kw),
     "diloco-h4-minmax4": lambda **kw: _diloco(sync_every=4, compressor=MinMax(bits=4))(**kw),
     "diloco-h4-sparseloco": lambda **kw: _diloco(sync_every=4, compressor=SparseLoCo(ratio=0.03, chunk_size=256))(**kw),
+    "diloco-h4f2t1-sparseloco": lambda **kw: _diloco(
+        sync_every=4, fragments=2, overlap_steps=1, compressor=SparseLoCo(ratio=0.03, chunk_size=256)
+    )(**kw),
     "diloco-h3-powersgd": lambda **kw: _diloco(sync_every=3, compressor=PowerSGD(rank=2))(**kw),
 }
 

@@ -131,6 +131,7 @@ LAUNCH = [
     "diloco-h4-identity:steps8",
     *(f"diloco-h4-{name}:steps8" for name in COMPRESSED),
     "diloco-h4-sparseloco:nan",
+    "diloco-h4f2t1-sparseloco:steps8",
     "diloco-h3-powersgd:epochs4",
     "diloco-h3-powersgd:epochs2",
     RESUMED,
@@ -200,3 +201,14 @@ def test_resume_with_a_compressed_outer_exchange_is_bitwise(launch):
         assert _same_nested(a["exchange"], b["exchange"]), "the residuals and PowerSGD's state resume bitwise"
     residuals = [rank["exchange"]["residuals"] for rank in full]
     assert not all(torch.equal(residuals[0][k], residuals[1][k]) for k in residuals[0]), "one residual per rank"
+
+
+def test_streaming_with_overlap_and_a_compressor_keeps_the_replicas_identical(launch):
+    """2 fragments, each exchange overlapped with one inner step: sent at 2, 4, 6, 8, applied a step later."""
+    _, _, records = launch
+    ranks = records["diloco-h4f2t1-sparseloco:steps8"]
+    assert_same_weights(ranks[:1] * 2, ranks, "replicas after fit")
+    assert ranks[0]["skipped"] == 0
+    assert ranks[0]["syncs"] >= 4, "applied at 3, 5, 7 and when fit ends, with the last partial round"
+    for rank in ranks:
+        assert set(rank["exchange"]["residuals"]), "both fragments keep a residual"
