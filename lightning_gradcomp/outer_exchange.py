@@ -97,7 +97,7 @@ class OuterExchange:
         self.seed = seed
         self.telemetry = Telemetry()
         self.residuals = ErrorFeedback()
-        self.step = 0  # outer exchanges started: the step compressors draw their shared randomness from
+        self.step = 0  # outer exchanges applied: the step compressors draw their shared randomness from
         self.last_bytes = (0, 0)  # (sent, received) by the last exchange waited for, as its collectives count them
         self._comm: Comm | None = None
 
@@ -123,9 +123,10 @@ class OuterExchange:
             raise RuntimeError("OuterExchange.attach must be called before the first outer exchange.")
         updates = StepUpdates()
         futures = [self._average_one(flat, layers, updates) for flat, layers in zip(flats, layouts, strict=True)]
-        self.step += 1
 
         def count() -> None:
+            # the counter moves when the exchange is applied: one in flight is sent again on resume with its own step
+            self.step += 1
             stats = self.telemetry.pop_step()
             self.last_bytes = (stats.bytes_sent, stats.bytes_received) if stats is not None else (0, 0)
 

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.callbacks import CompressionMonitor
-from lightning_gradcomp.compressors import QSGD, EFSignSGD, Identity, MinMax, PowerSGD, SparseLoCo, TopK
+from lightning_gradcomp.compressors import QSGD, EFSignSGD, Identity, MinMax, PowerSGD, RandomK, SparseLoCo, TopK
 from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
@@ -71,6 +71,9 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4-sparseloco": lambda **kw: _diloco(sync_every=4, compressor=SparseLoCo(ratio=0.03, chunk_size=256))(**kw),
     "diloco-h4f2t1-sparseloco": lambda **kw: _diloco(
         sync_every=4, fragments=2, overlap_steps=1, compressor=SparseLoCo(ratio=0.03, chunk_size=256)
+    )(**kw),
+    "diloco-h4f2t1-randomk": lambda **kw: _diloco(
+        sync_every=4, fragments=2, overlap_steps=1, compressor=RandomK(ratio=0.1)
     )(**kw),
     "diloco-h3-powersgd": lambda **kw: _diloco(sync_every=3, compressor=PowerSGD(rank=2))(**kw),
 }

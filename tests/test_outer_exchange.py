@@ -126,6 +126,8 @@ def test_a_compressor_that_is_not_a_compressor_is_refused():
 # ------------------------------------------------------------------------------------------------------------------
 COMPRESSED = ["topk", "powersgd", "qsgd", "efsignsgd", "minmax8", "minmax4", "sparseloco"]
 RESUMED = "diloco-h3-powersgd:epochs4+diloco-h3-powersgd:epochs2"
+# the checkpoint after 8 steps holds fragment 1's exchange in flight; RandomK draws from the exchange's step
+RESUMED_IN_FLIGHT = "diloco-h4f2t1-randomk:epochs4+diloco-h4f2t1-randomk:epochs2"
 LAUNCH = [
     "diloco-h4:steps8",
     "diloco-h4-identity:steps8",
@@ -135,6 +137,9 @@ LAUNCH = [
     "diloco-h3-powersgd:epochs4",
     "diloco-h3-powersgd:epochs2",
     RESUMED,
+    "diloco-h4f2t1-randomk:epochs4",
+    "diloco-h4f2t1-randomk:epochs2",
+    RESUMED_IN_FLIGHT,
 ]
 
 
@@ -212,3 +217,13 @@ def test_streaming_with_overlap_and_a_compressor_keeps_the_replicas_identical(la
     assert ranks[0]["syncs"] >= 4, "applied at 3, 5, 7 and when fit ends, with the last partial round"
     for rank in ranks:
         assert set(rank["exchange"]["residuals"]), "both fragments keep a residual"
+
+
+def test_resume_with_a_compressed_exchange_in_flight_is_bitwise(launch):
+    """The checkpoint holds the state of before the exchange in flight; the resume sends it again, the same bits."""
+    root, _, records = launch
+    assert_same_weights(records["diloco-h4f2t1-randomk:epochs4"], records[RESUMED_IN_FLIGHT], "resumed in flight")
+    for a, b in zip(records["diloco-h4f2t1-randomk:epochs4"], records[RESUMED_IN_FLIGHT]):
+        assert _same_nested(a["exchange"], b["exchange"])
+    section = torch.load(root / "diloco-h4f2t1-randomk-epochs2" / "last.ckpt", weights_only=False)["diloco"]
+    assert section["outer"]["pending"] == {"fragment": 1, "remaining": 1}, "saved with an exchange in flight"

@@ -25,12 +25,13 @@ _MAX_CHUNK = 1 << 15  # in-chunk positions travel as int16
 class SparseLoCo(Compressor):
     """Top-k by magnitude in every chunk of ``chunk_size`` elements; the kept values in 2 bits.
 
-    The flat tensor (the compressed layers, concatenated) is cut into chunks of ``chunk_size`` elements (the last one
-    padded with zeros), and each chunk keeps its ``keep_count(chunk_size, ratio)`` largest magnitudes: a fixed number
-    per chunk, so payload shapes depend only on the layout, and no chunk is starved by a layer of larger scale
-    elsewhere. Each kept value is quantized to one of 4 levels, ``{-m, -m/3, m/3, m}`` with ``m`` the chunk's largest
-    kept magnitude, rounded to the nearest: 2 bits per value, 2 bytes per in-chunk position and one fp32 scale per
-    chunk. Payloads are all-gathered; each rank decodes and sums them in rank order.
+    Each compressed layer is cut into chunks of ``chunk_size`` elements (its last one padded with zeros; a layer
+    smaller than a chunk is one chunk), and each chunk keeps its ``keep_count(chunk_size, ratio)`` largest magnitudes:
+    a fixed number per chunk, so payload shapes depend only on the layout, no chunk is starved by a layer of larger
+    scale elsewhere, and the result does not depend on which layers share a bucket. Each kept value is quantized to
+    one of 4 levels, ``{-m, -m/3, m/3, m}`` with ``m`` the chunk's largest kept magnitude, rounded to the nearest: 2
+    bits per value, 2 bytes per in-chunk position and one fp32 scale per chunk. Payloads are all-gathered; each rank
+    decodes and sums them in rank order.
 
     Biased: error feedback is on by default (what the selection and the rounding leave out is sent in later rounds).
 
@@ -55,20 +56,32 @@ class SparseLoCo(Compressor):
             raise ValueError(f"Expected `chunk_size` to be an integer in [1, {_MAX_CHUNK}], got {chunk_size!r}.")
         self.ratio = float(ratio)
         self.chunk_size = chunk_size
+        self._layouts: dict[tuple, Tensor] = {}  # chunk positions per layer layout (see _chunks)
 
-    def _shape(self, numel: int) -> tuple[int, int, int]:
-        """Chunks, elements per chunk (the chunk size, or the whole tensor when smaller) and values kept per chunk."""
-        size = max(1, min(self.chunk_size, numel))
-        chunks = -(-numel // size)
-        return chunks, size, keep_count(size, self.ratio)
+    def _chunks(self, ctx: BucketContext) -> Tensor:
+        """Where each chunk's elements are in the flat tensor, ``(chunks, chunk_size)``; padding points past its end.
+
+        Each layer is cut into its own chunks (the last one padded), so the selection does not depend on which layers
+        share a bucket. Built once per layout (the loop over layers runs on a new layout only).
+        """
+        key = (tuple((layer.offset, layer.numel) for layer in ctx.layers), str(ctx.device))
+        chunks = self._layouts.get(key)
+        if chunks is None:
+            size, numel = self.chunk_size, ctx.numel
+            rows = []
+            for layer in ctx.layers:
+                count = -(-layer.numel // size)
+                positions = torch.arange(count * size, dtype=torch.int64) + layer.offset
+                rows.append(positions.masked_fill_(positions >= layer.offset + layer.numel, numel))
+            flat = torch.cat(rows) if rows else torch.empty(0, dtype=torch.int64)
+            chunks = self._layouts[key] = flat.view(-1, size).to(ctx.device)
+        return chunks
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """In-chunk positions (int16), packed 2-bit codes and one scale per chunk (fp32)."""
-        chunks, size, k = self._shape(tensor.numel())
-        x = tensor.float()
-        padded = torch.zeros(chunks * size, dtype=x.dtype, device=x.device)
-        padded[: x.numel()] = x
-        rows = padded.view(chunks, size)
+        chunks = self._chunks(ctx)
+        k = keep_count(self.chunk_size, self.ratio)
+        rows = torch.cat([tensor.float(), tensor.new_zeros(1, dtype=torch.float32)])[chunks]  # padding reads a zero
         positions = rows.abs().topk(k, dim=1, sorted=False).indices
         kept = rows.gather(1, positions)
         scales = kept.abs().amax(dim=1)
@@ -80,12 +93,13 @@ class SparseLoCo(Compressor):
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Zeros but at the kept positions, where ``(code / 1.5 - 1) * m``."""
         positions, packed, scales = payload
-        chunks, size, k = self._shape(ctx.numel)
-        codes = unpack_uint(packed, 2, chunks * k).view(chunks, k)
+        chunks = self._chunks(ctx)
+        k = keep_count(self.chunk_size, self.ratio)
+        codes = unpack_uint(packed, 2, chunks.shape[0] * k).view(-1, k)
         values = codes.float().div_(1.5).sub_(1.0).mul_(scales.unsqueeze(1))
-        padded = torch.zeros(chunks, size, dtype=torch.float32, device=values.device)
-        padded.scatter_(1, positions.long(), values)
-        return ctx.output(out).copy_(padded.view(-1)[: ctx.numel])
+        flat = torch.zeros(ctx.numel + 1, dtype=torch.float32, device=values.device)  # the last element: padding
+        flat[chunks.gather(1, positions.long())] = values  # kept positions are distinct but for the padding's
+        return ctx.output(out).copy_(flat[: ctx.numel])
 
     def hparams(self) -> dict[str, Any]:
         """The constructor arguments."""
