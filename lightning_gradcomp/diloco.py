@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.outer import OuterOptimizerCallable, OuterState, all_finite, default_outer_optimizer
 from lightning_gradcomp.outer_monitor import OuterMonitor
 from lightning_gradcomp.process_groups import gather_objects
@@ -87,8 +88,24 @@ def _strategy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return own
 
 
-def _check_arguments(sync_every: Any, outer_optimizer: Any, fragments: Any, overlap_steps: Any) -> None:
-    """Refuse a bad schedule or outer optimizer, naming the argument, what is accepted and what was given."""
+def _check_arguments(
+    sync_every: Any, outer_optimizer: Any, fragments: Any, overlap_steps: Any, replica_group: Any, compressor: Any
+) -> None:
+    """Refuse a bad schedule, outer optimizer, replica group or compressor in one line.
+
+    The message names the argument, what is accepted and what was given.
+    """
+    check_replica_group(replica_group, error=_MiscError)
+    if compressor is not None and not isinstance(compressor, Compressor):
+        raise MisconfigurationException(
+            f"Expected `compressor` to be a lightning_gradcomp Compressor (e.g. MinMax(bits=8)) or None, got"
+            f" {compressor!r}."
+        )
+    if compressor is not None and replica_group is not None:
+        raise MisconfigurationException(
+            f"Expected `compressor=None` with `replica_group={replica_group!r}`: a compressed outer exchange between"
+            f" replica groups is not supported, got compressor={compressor!r}."
+        )
     check_int(sync_every, "sync_every", low=1, error=_MiscError)
     check_int(fragments, "fragments", low=1, error=_MiscError)
     if sync_every % fragments:
@@ -178,6 +195,8 @@ class DiLoCo(DDPStrategy):
             ranks (must divide the number of processes); ``None``: every rank is its own replica.
         monitor: add an :class:`~lightning_gradcomp.callbacks.OuterMonitor` (logs ``gradcomp/*`` every optimizer
             step and a summary line at the end of ``fit``) unless the trainer has one.
+        compressor: average the pseudo-gradient through this compressor, with each rank's error feedback kept
+            across outer steps (``None``: a plain all-reduce); see "Compressing the outer exchange" in the docs.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``start_method``, ...).
 
@@ -205,18 +224,18 @@ class DiLoCo(DDPStrategy):
         offload: bool = False,
         replica_group: int | str | None = None,
         monitor: bool = True,
+        compressor: Compressor | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_arguments(sync_every, outer_optimizer, fragments, overlap_steps)
+        _check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
         check_bool(offload, "offload", error=_MiscError)
-        check_replica_group(replica_group, error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
         super().__init__(**_strategy_kwargs(kwargs))
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self._monitor = monitor
         self.replica_group = replica_group
         self._replicas: ReplicaGroups | None = None
-        self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload)
+        self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload, compressor=compressor)
         self._fragments: list[list[int]] = []
         self._attached = False
         self._restored: Mapping[str, Any] | None = None  # the checkpoint's DiLoCo section, applied at setup
@@ -280,12 +299,13 @@ class DiLoCo(DDPStrategy):
         self._replicas = self._outer.replicas = replica_groups_for(
             self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
         )
-        self._outer.attach(params, self._buffers(), fragments=len(self._fragments))
+        names = [n for n, p in self._module().named_parameters() if p.requires_grad]
+        self._outer.attach(params, self._buffers(), fragments=len(self._fragments), names=names)
         self._attached = True
         if self._restored is not None:
             self._restore(self._restored)
         self._restored = None
-        rank_zero_info(self._describe())
+        rank_zero_info(_setup_line(self, self._params()))
 
     def _module(self) -> pl.LightningModule:
         if self.lightning_module is None:
@@ -297,18 +317,6 @@ class DiLoCo(DDPStrategy):
 
     def _buffers(self) -> list[Tensor]:
         return list(self._module().buffers())
-
-    def _describe(self) -> str:
-        numel = sum(p.numel() for p in self._params())
-        processes = "1 process" if self.world_size == 1 else f"{self.world_size} processes"
-        streaming = f" in {self.fragments} fragments" if self.fragments > 1 else ""
-        groups = self._replicas
-        if groups is not None:
-            processes += f": {groups.count} replicas of {groups.size} ranks, dense data parallelism inside each"
-        return (
-            f"DiLoCo: {numel:,} parameters synced{streaming} every {self.sync_every} optimizer steps"
-            f" (outer optimizer {type(self._outer.optimizer).__name__}); {processes}."
-        )
 
     # ------------------------------------------------------------------------------------------------------------
     # The inner step and the sync
@@ -348,7 +356,8 @@ class DiLoCo(DDPStrategy):
         outer = self._outer
         flats = outer.pseudo_gradients(self._params(), self._fragments[fragment])
         outer.contribution = [f.clone() for f in flats] if overlapped else None
-        outer.in_flight = outer.average(flats, async_op=overlapped)
+        layouts = outer.layouts(self._params(), self._fragments[fragment])
+        outer.in_flight = outer.average(flats, async_op=overlapped, layouts=layouts)
         outer.pending = {"fragment": fragment, "remaining": self.overlap_steps}
         if not overlapped:
             self._finish_exchange()
@@ -453,6 +462,7 @@ class DiLoCo(DDPStrategy):
             "tensors": tensors,
             "optimizer_states": [o.state_dict() for o in self.optimizers],
             "contribution": self._outer.contribution,  # this rank's pseudo-gradient in flight, if one is
+            "exchange": self._outer.exchange.state_dict() if self._outer.exchange is not None else None,
         }
 
     @override
@@ -514,13 +524,16 @@ class DiLoCo(DDPStrategy):
             return
         self._outer.load_state_dict(outer)
         own = section["ranks"][self.global_rank]
+        if self._outer.exchange is not None and own.get("exchange") is not None:
+            self._outer.exchange.load_state_dict(own["exchange"])
         with torch.no_grad():
             for mine, saved in zip((*self._params(), *self._buffers()), own["tensors"], strict=True):
                 mine.copy_(saved)
         if self._outer.pending is not None:  # the exchange that was in flight is sent again, with the same values
             contribution = [t.to(self.root_device) for t in own["contribution"]]
             self._outer.contribution = [t.clone() for t in contribution]
-            self._outer.in_flight = self._outer.average(contribution, async_op=True)
+            layouts = self._outer.layouts(self._params(), self._fragments[self._outer.pending["fragment"]])
+            self._outer.in_flight = self._outer.average(contribution, async_op=True, layouts=layouts)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -537,3 +550,16 @@ class DiLoCo(DDPStrategy):
         self._attached = False
         self._local = None
         log.debug("DiLoCo: %d outer steps, %d skipped", self._outer.syncs, self._outer.skipped)
+
+
+def _setup_line(strategy: DiLoCo, params: list[Tensor]) -> str:
+    """The line DiLoCo logs once set up: what is synced, how often, by which outer optimizer, over how many ranks."""
+    processes = "1 process" if strategy.world_size == 1 else f"{strategy.world_size} processes"
+    streaming = f" in {strategy.fragments} fragments" if strategy.fragments > 1 else ""
+    groups = strategy._replicas
+    if groups is not None:
+        processes += f": {groups.count} replicas of {groups.size} ranks, dense data parallelism inside each"
+    return (
+        f"DiLoCo: {sum(p.numel() for p in params):,} parameters synced{streaming} every {strategy.sync_every} optimizer"
+        f" steps (outer optimizer {type(strategy.outer_state.optimizer).__name__}); {processes}."
+    )

@@ -5,12 +5,13 @@ theta_global, takes ``H`` inner optimizer steps on its own data, then the worker
 ``theta_global - theta_local`` and an outer optimizer steps theta_global with that average as its gradient. This
 module holds that state and those operations; :class:`~lightning_gradcomp.diloco.DiLoCo` decides when they run.
 
-:meth:`OuterState.average` is the one place where the pseudo-gradient crosses the wire (a compressed outer exchange
-plugs in there), and it counts the bytes it sends and receives.
+:meth:`OuterState.average` is the one place where the pseudo-gradient crosses the wire, and it counts the bytes it sends
+and receives; with a compressor it goes through :class:`~lightning_gradcomp.outer_exchange.OuterExchange`.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -19,6 +20,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradcomp.compressors.base import Compressor, Layer
+from lightning_gradcomp.outer_exchange import OuterExchange
 from lightning_gradcomp.replica_groups import ReplicaGroups, average_across_groups
 
 #: what ``DiLoCo(outer_optimizer=...)`` takes: parameters in, an optimizer out (LightningCLI's ``OptimizerCallable``)
@@ -67,17 +70,28 @@ class OuterState:
         offload: keep theta_global and the outer optimizer's state in CPU memory (the pseudo-gradient is still
             formed and averaged on the parameters' device).
         process_group: the group the pseudo-gradient is averaged over (``None``: the default group).
+        compressor: average the pseudo-gradient through this compressor, with its error feedback kept per rank
+            across outer steps (:class:`~lightning_gradcomp.outer_exchange.OuterExchange`); ``None``: a plain
+            all-reduce.
 
     Attributes:
         replicas: with two levels (``DiLoCo(replica_group=...)``), the replica groups: the exchange averages over the
             groups hierarchically (:func:`~lightning_gradcomp.replica_groups.average_across_groups`).
     """
 
-    def __init__(self, outer_optimizer: OuterOptimizerCallable, offload: bool = False, process_group: Any = None):
+    def __init__(
+        self,
+        outer_optimizer: OuterOptimizerCallable,
+        offload: bool = False,
+        process_group: Any = None,
+        compressor: Compressor | None = None,
+    ):
         self.outer_optimizer = outer_optimizer
         self.offload = offload
         self.process_group = process_group
         self.replicas: ReplicaGroups | None = None
+        self.exchange = OuterExchange(compressor) if compressor is not None else None
+        self.names: list[str] = []  # the parameters' names: the layers a compressor sees
         self.params: list[Tensor] = []  # theta_global, one tensor per model parameter
         self.buffers: list[Tensor] = []  # the floating-point buffers as of the last sync (BatchNorm's statistics)
         self.optimizer: Optimizer | None = None
@@ -95,8 +109,21 @@ class OuterState:
     # ------------------------------------------------------------------------------------------------------------
     # Setup and state
     # ------------------------------------------------------------------------------------------------------------
-    def attach(self, params: Sequence[Tensor], buffers: Sequence[Tensor], fragments: int = 1) -> None:
-        """Take the model's current parameters (and floating-point buffers) as theta_global; a fresh outer optimizer."""
+    def attach(
+        self,
+        params: Sequence[Tensor],
+        buffers: Sequence[Tensor],
+        fragments: int = 1,
+        names: Sequence[str] | None = None,
+    ) -> None:
+        """Take the model's current parameters (and floating-point buffers) as theta_global; a fresh outer optimizer.
+
+        ``names``: the parameters' names (the layers a compressor sees; default ``param0``, ``param1``, ...). With a
+        compressor this binds its exchange to the collectives: call it on every rank at the same point.
+        """
+        self.names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
+        if self.exchange is not None and params and dist.is_available() and dist.is_initialized():
+            self.exchange.attach(params[0].device, self.process_group)
         self.dirty = [False] * fragments
         device = torch.device("cpu") if self.offload else None
         self.params = [p.detach().clone().to(device or p.device) for p in params]
@@ -151,7 +178,23 @@ class OuterState:
             flats.append(torch.cat([(self.params[indices[i]].to(local[i].device) - local[i]).flatten() for i in group]))
         return flats
 
-    def average(self, flats: list[Tensor], async_op: bool = False) -> Averaging:
+    def layouts(self, params: Sequence[Tensor], indices: Sequence[int]) -> list[tuple[Layer, ...]]:
+        """The :class:`Layer` entries of each flat tensor :meth:`pseudo_gradients` makes of ``indices``."""
+        local = [params[i] for i in indices]
+        out = []
+        for group in _groups(local).values():
+            shapes = [local[i].shape for i in group]
+            offsets = [0, *itertools.accumulate(s.numel() for s in shapes)]
+            out.append(tuple(Layer(self.names[indices[i]], indices[i], shape, offset)
+                             for i, shape, offset in zip(group, shapes, offsets)))  # fmt: skip
+        return out
+
+    def average(
+        self,
+        flats: list[Tensor],
+        async_op: bool = False,
+        layouts: Sequence[tuple[Layer, ...]] | None = None,
+    ) -> Averaging:
         """The mean over the workers of each flat pseudo-gradient: one all-reduce each, its bytes counted.
 
         The seam of the outer exchange: whatever travels on the wire is decided here. Each rank divides by the world
@@ -159,9 +202,25 @@ class OuterState:
         background until :meth:`Averaging.wait` (Streaming DiLoCo's overlap). Bytes as the package's telemetry counts
         an all-reduce, added when the exchange completes: the buffer is sent, and ``2 (n - 1) / n`` times it is
         received (what a ring all-reduce receives).
+
+        With a compressor (``layouts``, from :meth:`layouts`, required) the flats go through its exchange, with this
+        rank's error feedback; bytes are what its collectives count, and the residual and the compressor's state
+        change only if the whole average is finite on every rank, when :meth:`Averaging.wait` returns.
         """
         if not (dist.is_available() and dist.is_initialized()):
             return Averaging(flats, [], lambda: None)
+        if self.exchange is not None and self.exchange.attached:
+            if layouts is None:
+                raise ValueError("OuterState.average needs `layouts` when a compressor averages the pseudo-gradient.")
+            exchange = self.exchange
+            pending = exchange.average(flats, layouts)
+
+            def count_compressed() -> None:
+                pending.wait()
+                self.bytes_sent += exchange.last_bytes[0]
+                self.bytes_received += exchange.last_bytes[1]
+
+            return Averaging(flats, [], count_compressed)
         if self.replicas is not None:
             return Averaging(flats, *average_across_groups(flats, self.replicas, self._count, async_op=async_op))
         world = dist.get_world_size(self.process_group)

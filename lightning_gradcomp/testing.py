@@ -24,12 +24,14 @@ from lightning_gradcomp.compressors import (
     Identity,
     LGCAllReduce,
     MaskedCompressor,
+    MinMax,
     OneBit,
     Planned,
     PowerSGD,
     RandomK,
     ScaleCom,
     SignSGD,
+    SparseLoCo,
     TernGrad,
     TopK,
     Zen,
@@ -141,6 +143,12 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "topk-auto": lambda: TopK(ratio=0.1, transport="auto"),
     "dgc-zen": lambda: DGC(ratio=0.01, transport="zen"),
     "adacomp-auto": lambda: AdaComp(transport="auto"),
+    # the outer exchange's quantizers (INTELLECT-1's 8 bits, Streaming DiLoCo's 4) and SparseLoCo's top-k in 2 bits;
+    # small chunks so that the contract suite's layers span several
+    "minmax8": lambda: MinMax(bits=8),
+    "minmax4": lambda: MinMax(bits=4),
+    "sparseloco": lambda: SparseLoCo(),
+    "sparseloco-small-chunks": lambda: SparseLoCo(ratio=0.03, chunk_size=256),
 }
 
 

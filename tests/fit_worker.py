@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader
 
 from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.callbacks import CompressionMonitor, OuterMonitor
-from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
+from lightning_gradcomp.compressors import QSGD, EFSignSGD, Identity, MinMax, PowerSGD, RandomK, SparseLoCo, TopK
 from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
@@ -63,6 +63,22 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     # two levels: dense inside groups of 2 ranks, DiLoCo across the groups
     "diloco-h1-g2": _diloco(sync_every=1, outer_optimizer=partial(torch.optim.SGD, lr=1.0), replica_group=2),
     "diloco-h2-g2": _diloco(sync_every=2, replica_group=2),
+    # a compressor on the outer exchange (a fresh one per fit: it is training state)
+    "diloco-h4-identity": lambda **kw: _diloco(sync_every=4, compressor=Identity())(**kw),
+    "diloco-h4-topk": lambda **kw: _diloco(sync_every=4, compressor=TopK(ratio=0.05))(**kw),
+    "diloco-h4-powersgd": lambda **kw: _diloco(sync_every=4, compressor=PowerSGD(rank=2))(**kw),
+    "diloco-h4-qsgd": lambda **kw: _diloco(sync_every=4, compressor=QSGD())(**kw),
+    "diloco-h4-efsignsgd": lambda **kw: _diloco(sync_every=4, compressor=EFSignSGD())(**kw),
+    "diloco-h4-minmax8": lambda **kw: _diloco(sync_every=4, compressor=MinMax(bits=8))(**kw),
+    "diloco-h4-minmax4": lambda **kw: _diloco(sync_every=4, compressor=MinMax(bits=4))(**kw),
+    "diloco-h4-sparseloco": lambda **kw: _diloco(sync_every=4, compressor=SparseLoCo(ratio=0.03, chunk_size=256))(**kw),
+    "diloco-h4f2t1-sparseloco": lambda **kw: _diloco(
+        sync_every=4, fragments=2, overlap_steps=1, compressor=SparseLoCo(ratio=0.03, chunk_size=256)
+    )(**kw),
+    "diloco-h4f2t1-randomk": lambda **kw: _diloco(
+        sync_every=4, fragments=2, overlap_steps=1, compressor=RandomK(ratio=0.1)
+    )(**kw),
+    "diloco-h3-powersgd": lambda **kw: _diloco(sync_every=3, compressor=PowerSGD(rank=2))(**kw),
 }
 
 

@@ -244,6 +244,8 @@ class RecordRounds(Callback):
                 "skipped": outer.skipped,
                 "bytes_sent": outer.bytes_sent,
                 "logged": self._logged(trainer),
+                "bytes_received": outer.bytes_received,
+                "exchange": outer.exchange.state_dict() if outer.exchange is not None else None,
                 "outer_state": outer.optimizer.state_dict(),
             },
             os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),

@@ -8,11 +8,13 @@ from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.compressors.lgc import LGC
 from lightning_gradcomp.compressors.lgc_allreduce import LGCAllReduce
 from lightning_gradcomp.compressors.masked import MaskedCompressor, Masks
+from lightning_gradcomp.compressors.minmax import MinMax
 from lightning_gradcomp.compressors.planned import Planned
 from lightning_gradcomp.compressors.powersgd import PowerSGD
 from lightning_gradcomp.compressors.quantize import QSGD, TernGrad
 from lightning_gradcomp.compressors.scalecom import ScaleCom
 from lightning_gradcomp.compressors.sign import EFSignSGD, OneBit, SignSGD
+from lightning_gradcomp.compressors.sparseloco import SparseLoCo
 from lightning_gradcomp.compressors.sparsify import RandomK, TopK
 from lightning_gradcomp.compressors.zen import Zen
 
@@ -31,6 +33,7 @@ __all__ = [
     "Layer",
     "MaskedCompressor",
     "Masks",
+    "MinMax",
     "OneBit",
     "Payload",
     "Planned",
@@ -38,6 +41,7 @@ __all__ = [
     "RandomK",
     "ScaleCom",
     "SignSGD",
+    "SparseLoCo",
     "TernGrad",
     "TopK",
     "Zen",
