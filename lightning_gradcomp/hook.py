@@ -117,6 +117,40 @@ def _relayout(layers: list[Layer]) -> tuple[Layer, ...]:
     return tuple(out)
 
 
+def _make_plan(
+    names: dict[int, tuple[int, str]], min_numel: int, signature: tuple[int, ...], params: list[Tensor], numel: int,
+    compressor: Compressor,
+) -> _BucketPlan:
+    """The plan of one bucket layout: its layers, which of them ``compressor`` takes at ``min_numel``, where each lies.
+
+    ``names`` maps a parameter's id to its index and name (``CompressionState``'s table of the model's parameters).
+    """
+    every: list[Layer] = []
+    compressed: list[Layer] = []
+    dense: list[Layer] = []
+    offset = 0
+    for p in params:
+        index, name = names.get(id(p), (-1, f"unnamed{len(every)}"))
+        every.append(Layer(name, index, p.shape, offset))
+        offset += every[-1].numel
+    compressor = compressor.bucket_compressor(every)
+    for layer in every:
+        (compressed if compressor.compresses(layer, min_numel) else dense).append(layer)
+    if offset != numel:
+        raise RuntimeError(f"Bucket layout mismatch: parameters hold {offset} elements, the buffer {numel}.")
+    return _BucketPlan(
+        signature=signature,
+        compressor_key=compressor.plan_key(),
+        compressed=_relayout(compressed),
+        dense=_relayout(dense),
+        every=tuple(every),
+        compressed_runs=_runs(compressed),
+        dense_runs=_runs(dense),
+        numel=numel,
+        compressor=compressor,
+    )
+
+
 class CompressionState:
     """Everything :func:`compression_hook` needs between steps. Plain and picklable until :meth:`attach`.
 
@@ -310,7 +344,8 @@ class CompressionState:
         cached = self._plans.get(bucket.index())
         if cached is not None and cached.signature == signature and cached.compressor_key == compressor.plan_key():
             return cached
-        plan = self._make_plan(signature, params, bucket.buffer().numel(), compressor)
+        plan = _make_plan(self._names, self.min_compress_numel, signature, params, bucket.buffer().numel(),
+                          compressor)  # fmt: skip
         if cached is None or cached.signature != signature:
             self.layout_version += 1
         if cached is not None:
@@ -319,34 +354,6 @@ class CompressionState:
             self._plans.clear()
         self._plans[bucket.index()] = plan
         return plan
-
-    def _make_plan(
-        self, signature: tuple[int, ...], params: list[Tensor], numel: int, compressor: Compressor
-    ) -> _BucketPlan:
-        every: list[Layer] = []
-        compressed: list[Layer] = []
-        dense: list[Layer] = []
-        offset = 0
-        for p in params:
-            index, name = self._names.get(id(p), (-1, f"unnamed{len(every)}"))
-            every.append(Layer(name, index, p.shape, offset))
-            offset += every[-1].numel
-        compressor = compressor.bucket_compressor(every)
-        for layer in every:
-            (compressed if compressor.compresses(layer, self.min_compress_numel) else dense).append(layer)
-        if offset != numel:
-            raise RuntimeError(f"Bucket layout mismatch: parameters hold {offset} elements, the buffer {numel}.")
-        return _BucketPlan(
-            signature=signature,
-            compressor_key=compressor.plan_key(),
-            compressed=_relayout(compressed),
-            dense=_relayout(dense),
-            every=tuple(every),
-            compressed_runs=_runs(compressed),
-            dense_runs=_runs(dense),
-            numel=numel,
-            compressor=compressor,
-        )
 
     def start_recording(self) -> None:
         """From the next bucket on, record when each bucket reaches the hook and when its reduction finishes."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar, Literal
 
@@ -34,7 +33,7 @@ from lightning_gradcomp.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.model_transform import ModelTransform, carry_schedule
 from lightning_gradcomp.monitor import CompressionMonitor
 from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
-from lightning_gradcomp.process_groups import gather_rows, hand_off_gil, release_round_groups
+from lightning_gradcomp.process_groups import hand_off_gil, identical_on_all_ranks, release_round_groups
 from lightning_gradcomp.rank_state import remove_rank_states
 from lightning_gradcomp.sparse_gradients import sparse_gradient_warning
 from lightning_gradcomp.strategy_args import AUTO, check_backend, check_compressor, check_kwargs, check_refused
@@ -170,13 +169,8 @@ class CompressedDDP(DDPStrategy):
         self._monitor = monitor
         self._fused: FusedOptimizer | None = None
         self._failed = False  # training ended with an exception (on_exception): teardown lets the collectives settle
-        self._state = CompressionState(
-            chosen,
-            error_feedback=error_feedback,
-            min_compress_numel=min_compress_numel,
-            seed=seed,
-            reset_state_after=reset_state_after,
-        )
+        self._state = CompressionState(chosen, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
+                                       seed=seed, reset_state_after=reset_state_after)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------------------
     # Switches for callbacks (set them on every rank, between steps)
@@ -342,20 +336,11 @@ class CompressedDDP(DDPStrategy):
         self._state.ensure_rounds()
 
     def identical_on_all_ranks(self, tensors: Sequence[torch.Tensor]) -> bool:
-        """Whether ``tensors`` are bitwise equal on every rank (call on every rank: a collective).
+        """Whether ``tensors`` are bitwise equal on every rank (a collective: call it on every rank).
 
-        Each rank reduces every tensor to a CRC32 of its bytes and the checksums are all-gathered (one small
-        collective, whatever the tensors' size, safe as a run's last:
-        :func:`~lightning_gradcomp.process_groups.gather_rows`).
-        For the transforms that rebuild or mask the model on every rank from equal replicas and must check that they
-        came out equal.
+        For the transforms that rebuild or mask the model from equal replicas (see ``process_groups``).
         """
-        if self.world_size == 1:
-            return True
-        crcs = [zlib.crc32(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes()) for t in tensors]
-        local = torch.tensor([len(crcs), *crcs], dtype=torch.int64, device=self.root_device)
-        gathered = gather_rows(local)
-        return bool((gathered == gathered[0]).all())
+        return self.world_size == 1 or identical_on_all_ranks(tensors, self.root_device)
 
     # ------------------------------------------------------------------------------------------------------------
     # A model whose structure changed during fit (Pufferfish's factorization)

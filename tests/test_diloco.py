@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from lightning_gradcomp import DiLoCo
+from lightning_gradcomp.compressors import Identity
 from lightning_gradcomp.diloco import _split_fragments
 from lightning_gradcomp.replica_groups import group_size
 from tests.fit_worker import assert_same_weights, run_fits, run_name, train
@@ -427,6 +428,7 @@ def test_registered_by_name():
         ({"replica_group": "nodes"}, "Expected `replica_group` to be None (every rank its own replica), \"node\""),
         ({"replica_group": 0}, "or an integer >= 1 (ranks per group), got 0."),
         ({"replica_group": True}, "or an integer >= 1 (ranks per group), got True."),
+        ({"replica_group": 2, "compressor": Identity()}, "Expected `compressor=None` with `replica_group=2`"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs, message):

@@ -176,15 +176,13 @@ class Compressor(ABC):
         return not self.unbiased
 
     def check_error_feedback(self, enabled: bool | None) -> None:
-        """Refuse, with a clear error, a configuration that cannot run with error feedback as set.
+        """Refuse, before training, a configuration that cannot run with error feedback as set (default: accept both).
 
-        Called before training (by the hook's state when it is made, and by the strategy when its compressor is
-        replaced), so that a setting that acts only on the error-feedback memory is never silently ignored, and a
-        method that cannot carry a memory says so at once. The default accepts both.
+        Called by the hook's state when it is made and by the strategy when its compressor is replaced, so that a
+        setting that acts only on the error-feedback memory is never silently ignored.
 
         Args:
-            enabled: the strategy's ``error_feedback``: ``True``, ``False``, or ``None`` for
-                :attr:`default_error_feedback`.
+            enabled: the strategy's ``error_feedback`` (``None``: :attr:`default_error_feedback`).
 
         Raises:
             ValueError: If the configuration cannot run with error feedback as set.
@@ -351,12 +349,9 @@ class Compressor(ABC):
         return self.average(gathered, ctx, out=out)
 
     def reduce(
-        self,
-        tensor: Tensor,
-        ctx: BucketContext,
-        memory: ResidualBuffers | None = None,
-        runs: GradientRuns | None = None,
-    ) -> torch.futures.Future[Tensor]:
+        self, tensor: Tensor, ctx: BucketContext, memory: ResidualBuffers | None = None,
+        runs: GradientRuns | None = None
+    ) -> torch.futures.Future[Tensor]:  # fmt: skip
         """Average ``tensor`` across ranks through this compressor; returns a future of the flat average.
 
         Error feedback with ``memory`` (``x = accumulate(g) + e``, then ``e = x - sent`` from what :meth:`exchange`
@@ -423,10 +418,9 @@ class Compressor(ABC):
             buffers.load_state_dict(state_dict.get(key, {}))
 
     def restores_state(self, class_name: str, state: dict[str, Any]) -> bool:
-        """Whether a checkpoint's compressor state (:meth:`state_dict`), saved by class ``class_name``, is this one's.
+        """Whether a checkpoint's compressor state, saved by class ``class_name``, is this one's (the hook restores it).
 
-        The hook restores the state only then. The default: the same class; a compressor whose class was renamed or
-        split extends it to the name its checkpoints were saved under.
+        The default: the same class; a compressor whose class was renamed or split extends it to its old names.
         """
         return class_name == type(self).__qualname__
 
