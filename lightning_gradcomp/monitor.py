@@ -17,7 +17,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.process_groups import gather_rows
-from lightning_gradcomp.validation import check_bool
+from lightning_gradcomp.validation import check_bool, check_strategy_state
 
 
 class CompressionMonitor(Callback):
@@ -47,13 +47,10 @@ class CompressionMonitor(Callback):
         self._state(trainer)
 
     def _state(self, trainer: pl.Trainer) -> CompressionState:
-        state = getattr(trainer.strategy, "compression_state", None)
-        if not isinstance(state, CompressionState):
-            raise MisconfigurationException(
-                f"`{type(self).__name__}` requires `Trainer(strategy=CompressedDDP(...))`,"
-                f" got `{type(trainer.strategy).__name__}`."
-            )
-        return state
+        return check_strategy_state(
+            trainer.strategy, "compression_state", CompressionState, self, "CompressedDDP",
+            error=MisconfigurationException,
+        )
 
     @override
     def on_train_batch_end(

@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_gradcomp.outer import OuterState
+from lightning_gradcomp.validation import check_strategy_state
 
 
 class OuterMonitor(Callback):
@@ -58,13 +59,9 @@ class OuterMonitor(Callback):
         self._last_sent, self._last_received = outer.bytes_sent, outer.bytes_received
 
     def _state(self, trainer: pl.Trainer) -> OuterState:
-        state = getattr(trainer.strategy, "outer_state", None)
-        if not isinstance(state, OuterState):
-            raise MisconfigurationException(
-                f"`{type(self).__name__}` requires `Trainer(strategy=DiLoCo(...))`,"
-                f" got `{type(trainer.strategy).__name__}`."
-            )
-        return state
+        return check_strategy_state(
+            trainer.strategy, "outer_state", OuterState, self, "DiLoCo", error=MisconfigurationException
+        )
 
     @override
     def on_train_batch_end(

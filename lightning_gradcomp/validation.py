@@ -180,3 +180,19 @@ def sgd_defaults(lr: Any, momentum: Any, dampening: Any, weight_decay: Any, nest
             f" dampening={dampening!r}."
         )
     return {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay, "nesterov": nesterov}
+
+
+def check_strategy_state(
+    strategy: Any, attribute: str, kind: type[T], who: object, wanted: str, *, error: ErrorType = ValueError
+) -> T:
+    """``strategy.<attribute>`` if it is a ``kind``: what a callback that reads a strategy's state needs.
+
+    Raises:
+        error: Naming ``who`` (the callback), the strategy it requires (``wanted``) and the one it got.
+    """
+    state = getattr(strategy, attribute, None)
+    if not isinstance(state, kind):
+        raise error(
+            f"`{type(who).__name__}` requires `Trainer(strategy={wanted}(...))`, got `{type(strategy).__name__}`."
+        )
+    return state

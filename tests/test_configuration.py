@@ -110,3 +110,22 @@ def test_nccl_without_cuda_is_refused_before_the_process_group_starts(tmp_path, 
     with pytest.raises(MisconfigurationException, match="`process_group_backend='nccl'`"):
         trainer.fit(TinyNet())
     assert not torch.distributed.is_initialized()
+
+
+def test_a_monitor_on_the_wrong_strategy_says_which_it_requires_in_one_line():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_gradcomp import CompressedDDP, DiLoCo
+    from lightning_gradcomp.callbacks import CompressionMonitor, OuterMonitor
+
+    for monitor, wrong, right, wanted in [
+        (CompressionMonitor(), DDPStrategy(), CompressedDDP(), "CompressedDDP"),
+        (OuterMonitor(), CompressedDDP(), DiLoCo(), "DiLoCo"),
+    ]:
+        with pytest.raises(MisconfigurationException) as error:
+            monitor._state(SimpleNamespace(strategy=wrong))
+        expected = f"`{type(monitor).__name__}` requires `Trainer(strategy={wanted}(...))`, got `{type(wrong).__name__}`."
+        assert str(error.value) == expected
+        assert monitor._state(SimpleNamespace(strategy=right)) is not None  # the control: the right strategy passes
