@@ -126,6 +126,6 @@ def test_a_monitor_on_the_wrong_strategy_says_which_it_requires_in_one_line():
     ]:
         with pytest.raises(MisconfigurationException) as error:
             monitor._state(SimpleNamespace(strategy=wrong))
-        expected = f"`{type(monitor).__name__}` requires `Trainer(strategy={wanted}(...))`, got `{type(wrong).__name__}`."
-        assert str(error.value) == expected
+        requires = f"`{type(monitor).__name__}` requires `Trainer(strategy={wanted}(...))`"
+        assert str(error.value) == f"{requires}, got `{type(wrong).__name__}`."
         assert monitor._state(SimpleNamespace(strategy=right)) is not None  # the control: the right strategy passes
