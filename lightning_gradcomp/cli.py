@@ -148,8 +148,8 @@ def _installed_recipe_dirs() -> list[Path]:
         files = importlib.metadata.files("lightning-gradcomp") or []
     except importlib.metadata.PackageNotFoundError:
         return []
-    found = {Path(str(f.locate())).resolve().parent for f in files if f.parent.name == "recipes" and f.suffix == ".yaml"}
-    return sorted(found)
+    recipes = [f for f in files if f.parent.name == "recipes" and f.suffix == ".yaml"]
+    return sorted({Path(str(f.locate())).resolve().parent for f in recipes})
 
 
 def recipe_dirs() -> list[Path]:
