@@ -14,6 +14,7 @@ directory is importable, as under ``python -m``, so a recipe can name a class of
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import os
 import re
 import statistics
@@ -137,12 +138,27 @@ def _yaml_key(config: Any, name: str, given: str) -> str | None:
     return key.split(".", 1)[1] if key.split(".")[0] in ("fit", "validate", "test") else key
 
 
+def _installed_recipe_dirs() -> list[Path]:
+    """Where the installer put the recipes, read from the distribution's record of its files.
+
+    Whatever the install scheme (a virtual environment, ``--user``, ``--prefix``, conda): the data files land beside
+    the scheme's ``share/`` folder, and the record says where.
+    """
+    try:
+        files = importlib.metadata.files("lightning-gradcomp") or []
+    except importlib.metadata.PackageNotFoundError:
+        return []
+    recipes = [f for f in files if f.parent.name == "recipes" and f.suffix == ".yaml"]
+    return sorted({Path(str(f.locate())).resolve().parent for f in recipes})
+
+
 def recipe_dirs() -> list[Path]:
     """Where recipes are looked for: ``./recipes``, a clone's ``recipes/``, then where the package installed them."""
     data = {sysconfig.get_path("data"), sysconfig.get_path("data", f"{os.name}_user")}
     return [
         Path.cwd() / "recipes",
         Path(lightning_gradcomp.__file__).resolve().parents[1] / "recipes",
+        *_installed_recipe_dirs(),
         *(Path(d) / "share" / "lightning-gradcomp" / "recipes" for d in sorted(data)),
     ]
 

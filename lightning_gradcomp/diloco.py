@@ -34,7 +34,7 @@ from lightning_gradcomp.outer_monitor import OuterMonitor
 from lightning_gradcomp.process_groups import gather_objects
 from lightning_gradcomp.replica_groups import ReplicaGroups, average_in_group, check_replica_group, replica_groups_for
 from lightning_gradcomp.strategy_args import _START_METHODS, _STRATEGY_KWARGS
-from lightning_gradcomp.validation import check_bool, check_choice, check_int
+from lightning_gradcomp.validation import check_bool, check_choice, check_int, one_line
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,7 @@ def _strategy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
         elif name in _DDP_DEFAULTS:
             if value is not _DDP_DEFAULTS[name] and value != _DDP_DEFAULTS[name]:
                 raise MisconfigurationException(
-                    f"DiLoCo does not accept `{name}`={value!r}: it does not wrap the model in"
+                    f"DiLoCo does not accept `{name}`={one_line(value)}: it does not wrap the model in"
                     " DistributedDataParallel, whose arguments would have no effect."
                 )
         elif name in _STRATEGY_KWARGS:

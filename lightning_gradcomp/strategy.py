@@ -115,14 +115,11 @@ class CompressedDDP(DDPStrategy):
             ``gradient_as_bucket_view``, ``bucket_cap_mb``, ``find_unused_parameters``, ...).
 
     Raises:
-        MisconfigurationException: If ``compressor`` is neither a compressor nor ``"auto"``, another argument is out
-            of range (also those passed on in ``**kwargs``: ``timeout`` must be a ``timedelta``, ``bucket_cap_mb`` > 0,
-            ``start_method`` one of Lightning's), a keyword is neither CompressedDDP's, DDPStrategy's nor
-            DistributedDataParallel's (a misspelling: the closest valid name is suggested), or
-            ``ddp_comm_hook``, ``ddp_comm_state``, ``ddp_comm_wrapper`` or ``model_averaging_period`` is passed;
-            before the process group is created, if ``process_group_backend`` is not a backend torch knows then
-            (``torch.distributed.Backend.backend_list``, where third-party packages register theirs), or is
-            ``"nccl"`` and the run is not on CUDA.
+        MisconfigurationException: If an argument, or one passed on in ``**kwargs``, is out of range, misspelt (the
+            closest valid name is suggested) or refused (the ``ddp_comm_*`` hook arguments, ``model_averaging_period``,
+            DDP's ``mixed_precision``: see :mod:`lightning_gradcomp.strategy_args`); before the process group is
+            created, if ``process_group_backend`` is not a backend torch knows then (third-party ones registered with
+            ``torch.distributed.Backend.register_backend`` included), or is ``"nccl"`` and the run is not on CUDA.
 
     Example::
 
@@ -169,6 +166,7 @@ class CompressedDDP(DDPStrategy):
         self._monitor = monitor
         self._fused: FusedOptimizer | None = None
         self._failed = False  # training ended with an exception (on_exception): teardown lets the collectives settle
+        self._ddp_group: dist.ProcessGroup | None = None
         self._state = CompressionState(chosen, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
                                        seed=seed, reset_state_after=reset_state_after)  # fmt: skip
 
@@ -203,6 +201,11 @@ class CompressedDDP(DDPStrategy):
     def compression_state(self) -> CompressionState:
         """The hook's state: compressor, switches, residuals and telemetry."""
         return self._state
+
+    @property
+    def ddp_process_group(self) -> dist.ProcessGroup | None:
+        """The group DDP averages over (``process_group=``'s, ``device_mesh=``'s) once wrapped; ``None``: the world."""
+        return self._ddp_group
 
     @classmethod
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
@@ -320,7 +323,8 @@ class CompressedDDP(DDPStrategy):
         self._check_gradient_dtypes(self._state.compressor)
         super().configure_ddp()  # wraps the model; DDPStrategy's own hook registration has nothing to register
         assert isinstance(self.model, DistributedDataParallel)
-        self._state.attach(self.model, process_group=self._ddp_kwargs.get("process_group"))
+        self._ddp_group = self.model.process_group  # the hook's collectives run in DDP's own group
+        self._state.attach(self.model, process_group=self._ddp_group)
         # registered on every device type: on CPU/gloo too, unlike DDPStrategy._register_ddp_hooks
         self.model.register_comm_hook(self._state, compression_hook)
         rank_zero_info(_describe(self._module(), self._state, self.world_size))
@@ -416,7 +420,7 @@ class CompressedDDP(DDPStrategy):
         self._state.detach(failed=self._failed)
         self._failed = False
         if dist.is_available() and dist.is_initialized():
-            release_round_groups(self._ddp_kwargs.get("process_group") or dist.group.WORLD)
+            release_round_groups(self.ddp_process_group or dist.group.WORLD)
             hand_off_gil()  # the collectives' threads finish with their Python objects now, not at exit
 
     @override

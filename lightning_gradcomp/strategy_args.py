@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.validation import check_bool, check_choice, check_number
+from lightning_gradcomp.validation import check_bool, check_choice, check_number, one_line
 
 #: the communication-hook arguments of DDPStrategy that CompressedDDP replaces, and why
 REFUSED = {
@@ -32,6 +32,13 @@ REFUSED = {
 _SET_BY_LIGHTNING = {
     "module": "Lightning wraps the LightningModule itself",
     "device_ids": "Lightning sets it from `Trainer(devices=...)`",
+}
+#: DistributedDataParallel's arguments that register a communication hook of their own (DDP takes one hook only),
+#: refused unless ``None``
+CONFLICTING_DDP_KWARGS = {
+    "mixed_precision": "DDP's native mixed precision registers a communication hook of its own, and DDP takes one"
+    " hook only; use `Trainer(precision='bf16-mixed')`, or a cast compressor (`BF16()`, `FP16()`) to send 16-bit"
+    " gradients",
 }
 #: every keyword ``**kwargs`` may carry: DDPStrategy's own, then DistributedDataParallel's
 _STRATEGY_KWARGS = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
@@ -63,6 +70,10 @@ def check_kwargs(kwargs: dict[str, Any], own: list[str]) -> None:
     for name in kwargs:
         if name in _SET_BY_LIGHTNING:
             raise MisconfigurationException(f"CompressedDDP does not accept `{name}`: {_SET_BY_LIGHTNING[name]}.")
+        if name in CONFLICTING_DDP_KWARGS and kwargs[name] is not None:
+            raise MisconfigurationException(
+                f"CompressedDDP does not accept `{name}`={one_line(kwargs[name])}: {CONFLICTING_DDP_KWARGS[name]}."
+            )
         if name not in _STRATEGY_KWARGS and name not in _DDP_KWARGS:
             valid = own + _STRATEGY_KWARGS + _DDP_KWARGS
             close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)

@@ -21,14 +21,21 @@ __all__ = [
     "check_number",
     "check_positive_int",
     "check_ratio",
+    "one_line",
 ]
 
 T = TypeVar("T")
 ErrorType = type[Exception]
 
 
+def one_line(value: Any, limit: int = 200) -> str:
+    """``repr(value)`` on one line (a tensor's or a module's repr spans several), cut after ``limit`` characters."""
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _fail(error: ErrorType, name: str, accepted: str, value: Any) -> Exception:
-    return error(f"Expected `{name}` to be {accepted}, got {value!r}.")
+    return error(f"Expected `{name}` to be {accepted}, got {one_line(value, limit=10_000)}.")
 
 
 def _interval(low: float | None, high: float | None, low_open: bool, high_open: bool) -> str:

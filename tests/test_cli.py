@@ -210,16 +210,46 @@ def test_a_recipe_is_found_by_name_where_the_package_installed_it(tmp_path, monk
     assert _resolve_configs(["fit", "--config", "./mine.yaml"]) == ["fit", "--config", "./mine.yaml"]  # a path
 
 
-def test_the_wheel_ships_every_recipe(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    """The package's wheel, built from this checkout as ``pip`` builds it for an install."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     source = tmp_path / "source"
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "lightning_gradcomp", "recipes"):
         (source / name).symlink_to(Path(ROOT, name))
-    build = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-q"]
-    result = subprocess.run([*build, "-w", str(tmp_path / "dist")], capture_output=True, text=True, timeout=300)
+    build = [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "-q", "-w", str(tmp_path / "dist")]
+    import setuptools
+
+    if int(setuptools.__version__.split(".")[0]) >= 77:  # pyproject.toml's build requirement is installed here
+        build.append("--no-build-isolation")
+    result = subprocess.run(build, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
+    (built,) = (tmp_path / "dist").glob("*.whl")
+    return built
+
+
+def test_the_wheel_ships_every_recipe(wheel):
     import zipfile
 
-    (wheel,) = (tmp_path / "dist").glob("*.whl")
     shipped = {Path(n).name for n in zipfile.ZipFile(wheel).namelist() if "/share/lightning-gradcomp/recipes/" in n}
     assert shipped == {p.name for p in Path(ROOT, "recipes").glob("*.yaml")}
+
+
+def test_an_install_under_another_prefix_finds_its_recipes_by_name(wheel, tmp_path):
+    """``pip install --prefix``: the recipes are where the install's record says, not under this Python's prefix."""
+    prefix = tmp_path / "prefix"
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--prefix", str(prefix)]
+    result = subprocess.run([*install, str(wheel)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    (site,) = prefix.glob("lib/python*/site-packages")
+    elsewhere = tmp_path / "elsewhere"  # no recipes/ folder here
+    elsewhere.mkdir()
+    show = "import lightning_gradcomp; from lightning_gradcomp.cli import find_recipe as f; print(lightning_gradcomp.__file__); print(f('quickstart'))"  # noqa: E501
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    result = subprocess.run([sys.executable, "-P", "-c", show], cwd=elsewhere, env=env, capture_output=True,
+                            text=True, timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    package, recipe = result.stdout.split()
+    assert Path(package).is_relative_to(site)  # control: the installed copy, not this checkout, was imported
+    assert recipe == str((prefix / "share" / "lightning-gradcomp" / "recipes" / "quickstart.yaml").resolve())

@@ -100,7 +100,8 @@ def _documented_defaults(page: str) -> list[tuple[str | None, str, str]]:
 #: the page that documents each class's arguments and defaults
 DEFAULTS_PAGES = {
     "accordion.md": "callbacks.Accordion", "adacomp.md": "compressors.AdaComp", "dense_warmup.md":
-    "callbacks.DenseWarmup", "dgc.md": "compressors.DGC", "index.md": "CompressedDDP", "optimizers.md":
+    "callbacks.DenseWarmup", "dgc.md": "compressors.DGC", "diloco.md": "DiLoCo", "index.md": "CompressedDDP",
+    "lgc.md": "compressors.LGC", "optimizers.md":
     "optim.NovoGrad", "pactrain.md": "callbacks.PacTrain", "powersgd.md": "compressors.PowerSGD", "pufferfish.md":
     "transforms.Pufferfish", "qsgd.md": "compressors.QSGD", "randomk.md": "compressors.RandomK", "scalecom.md":
     "compressors.ScaleCom", "signsgd.md": "compressors.SignSGD", "terngrad.md": "compressors.TernGrad", "topk.md":

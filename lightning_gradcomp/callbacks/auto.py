@@ -267,7 +267,7 @@ class AutoCompression(Callback):
     def _calibrate_and_plan(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         buckets, timing, measured_dense = summarise(last_layout(self._records))
         begin = time.perf_counter()
-        group = self._strategy(trainer)._ddp_kwargs.get("process_group")
+        group = self._strategy(trainer).ddp_process_group
         link = self.fixed_link or probe_link(trainer.strategy.root_device, group)
         buckets, timed = self._measure_codecs(trainer, pl_module, buckets, link, timing)
         local: dict[str, Any] = {"link": link, "buckets": buckets, "timing": timing, "measured": measured_dense,
