@@ -33,7 +33,18 @@ from torch.utils.data import DataLoader
 
 from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.callbacks import CompressionMonitor, OuterMonitor
-from lightning_gradcomp.compressors import QSGD, EFSignSGD, Identity, MinMax, PowerSGD, RandomK, SparseLoCo, TopK
+from lightning_gradcomp.compressors import (
+    BF16,
+    FP16,
+    QSGD,
+    EFSignSGD,
+    Identity,
+    MinMax,
+    PowerSGD,
+    RandomK,
+    SparseLoCo,
+    TopK,
+)
 from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
@@ -48,6 +59,11 @@ def _diloco(**fixed: Any) -> Callable[..., DDPStrategy]:
 STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "ddp": DDPStrategy,
     "identity": lambda **kwargs: CompressedDDP(Identity(), **kwargs),
+    # every compressor class of the built-in casts and sparsifiers, on the tensors of 64 elements and more
+    "identity-64": lambda **kwargs: CompressedDDP(Identity(), min_compress_numel=64, **kwargs),
+    "fp16": lambda **kwargs: CompressedDDP(FP16(), min_compress_numel=64, **kwargs),
+    "bf16": lambda **kwargs: CompressedDDP(BF16(), min_compress_numel=64, **kwargs),
+    "randomk": lambda **kwargs: CompressedDDP(RandomK(ratio=0.1), min_compress_numel=64, **kwargs),
     "topk": lambda **kwargs: CompressedDDP(TopK(ratio=0.05), min_compress_numel=64, **kwargs),
     "powersgd-r1": lambda **kwargs: CompressedDDP(PowerSGD(rank=1), min_compress_numel=64, **kwargs),
     "powersgd-r2": lambda **kwargs: CompressedDDP(PowerSGD(rank=2), min_compress_numel=64, **kwargs),

@@ -119,6 +119,8 @@ class RecordRanks(Callback):
                 "world_size": trainer.world_size,
                 "total_steps": state.telemetry.total_steps if state is not None else None,
                 "touched_rows": getattr(pl_module, "touched_rows", None),
+                # what the callbacks logged (the monitor's last step and totals: it ends training before this one)
+                "callback_metrics": {k: v.detach().clone() for k, v in trainer.callback_metrics.items()},
             },
             os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
         )

@@ -103,14 +103,17 @@ def test_checkpoints_pass_between_plain_ddp_and_compressed_ddp(launch):
     root, output, records = launch
     assert "gradcomp" not in _saved(root, "ddp:epochs2")
     dense = records["ddp:epochs4"]
-    assert_same_weights(dense, records["identity:epochs4+ddp:epochs2"])
-    assert_same_weights(dense, records["ddp:epochs4+identity:epochs2"])
+    # the control: plain DDPStrategy resumed from its own checkpoint ends where it ends uninterrupted
+    assert_same_weights(dense, records["ddp:epochs4+ddp:epochs2"], "DDPStrategy resumed by DDPStrategy")
+    assert_same_weights(dense, records["identity:epochs4+ddp:epochs2"], "DDPStrategy resumed by Identity")
+    assert_same_weights(dense, records["ddp:epochs4+identity:epochs2"], "Identity resumed by DDPStrategy")
 
-    assert "The checkpoint holds no CompressedDDP state" in output
+    assert "The checkpoint holds no CompressedDDP state" in output, output[-3000:]
     topk = records["topk:epochs4+ddp:epochs2"]
     assert torch.equal(topk[0]["params"], topk[1]["params"]), "replicas diverged"
     assert len(topk[0]["steps"]) == 8
-    assert all(s["stats"].compression_ratio > 2 for s in topk[0]["steps"])
+    ratios = [s["stats"].compression_ratio for s in topk[0]["steps"]]
+    assert all(ratio > 2 for ratio in ratios), ratios
     assert not torch.equal(topk[0]["params"], dense[0]["params"]), "TopK sent less than all"
 
 
