@@ -24,7 +24,10 @@ simulated collectives' few copies included, alike for every compressor): on the 
 a GPU every operator that computes launches at least one kernel, though the CPU path runs some stages in NumPy, which
 the count does not see. On CUDA it also counts kernel launches per step and rank (``torch.profiler``) and runs one
 step with ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation on the codec path raises, and the
-table says ``sync`` instead of ``0``. Timings are medians over ``--steps`` steps after two warm-up steps; on CPU one
+table says ``sync`` instead of ``0``. ``--operators-only`` skips the timings and counts the operators of one step (after
+a warm-up step) on two layouts, ResNet-18's 62 parameters and ResNet-50's 161, every parameter compressed, in
+``--bucket-mb`` buckets, per step and per bucket: a codec whose count per bucket is the same on both does not loop
+over the layers. Timings are medians over ``--steps`` steps after two warm-up steps; on CPU one
 torch thread, as each worker of ``step_time.py`` has. Gradients are random normal scaled to 1e-3 (``--gradients
 gaussian``, the tables' default) or, with ``--gradients model``, the model's own: each rank's gradient of the
 cross-entropy of a batch of random images and labels (a seed per rank) through the freshly initialised model, whose
@@ -41,6 +44,7 @@ Examples::
     python benchmarks/codec.py --compressors topk qsgd --out benchmarks/results/codec_cpu.json
     python benchmarks/codec.py --compressors zen zen-always --row-density 0.05
     python benchmarks/codec.py --gradients model                    # the model's gradients instead of Gaussian ones
+    python benchmarks/codec.py --operators-only --compressors efsignsgd onebit   # operators, ResNet-18 and ResNet-50
 """
 
 from __future__ import annotations
@@ -86,6 +90,8 @@ def half_masks(layout: list[tuple[Layer, ...]], device: torch.device) -> dict[st
     generator = torch.Generator().manual_seed(1)
     return {layer.name: (torch.rand(layer.shape, generator=generator) < 0.5).to(device)
             for bucket in layout for layer in bucket}  # fmt: skip
+
+
 TARGETS = {  # the codecs' CPU targets, as a share of the backward pass
     **dict.fromkeys(("fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom"), 0.10),
     **dict.fromkeys(("signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp"), 0.30),
@@ -230,14 +236,14 @@ def model_gradients(
     return [[per_rank[rank][index] for rank in range(args.ranks)] for index in range(len(layout))]
 
 
-def measure(
+def step_runner(
     name: str,
     layout: list[tuple[Layer, ...]],
     args: argparse.Namespace,
     device: torch.device,
     model_grads: list[list[Tensor]] | None = None,
-) -> dict:
-    """One compressor: encode+decode per step and rank (telemetry medians, every bucket), launches and syncs on CUDA."""
+) -> tuple[Callable[[], None], list[Telemetry]]:
+    """One step of ``name`` over every bucket of ``layout`` for ``args.ranks`` simulated ranks, and their telemetry."""
     sizes = [bucket[-1].offset + bucket[-1].numel for bucket in layout]
     torch.manual_seed(0)
     if model_grads is None:
@@ -269,6 +275,19 @@ def measure(
                             telemetry=telemetry, new_residuals=twins[index])  # fmt: skip
         step += 1
 
+    return run, telemetry
+
+
+def measure(
+    name: str,
+    layout: list[tuple[Layer, ...]],
+    args: argparse.Namespace,
+    device: torch.device,
+    model_grads: list[list[Tensor]] | None = None,
+) -> dict:
+    """One compressor: encode+decode per step and rank (telemetry medians, every bucket), launches and syncs on CUDA."""
+    sizes = [bucket[-1].offset + bucket[-1].numel for bucket in layout]
+    run, telemetry = step_runner(name, layout, args, device, model_grads)
     per_step = []
     for i in range(args.steps + 2):
         run()
@@ -288,6 +307,43 @@ def measure(
     return result
 
 
+def all_layers(model: torch.nn.Module) -> tuple[Layer, ...]:
+    """Every parameter of ``model`` as a layer, back to back (ResNet-18: 62 tensors, ResNet-50: 161)."""
+    layers, offset = [], 0
+    for index, (name, p) in enumerate(model.named_parameters()):
+        layers.append(Layer(name, index, p.shape, offset))
+        offset += p.numel()
+    return tuple(layers)
+
+
+OPERATOR_MODELS = ("resnet18", "resnet50")
+
+
+def operator_table(names: list[str], args: argparse.Namespace, device: torch.device) -> dict[str, dict[str, float]]:
+    """Per compressor and model of :data:`OPERATOR_MODELS`: top-level operators per step and rank (one step after a
+    warm-up step), every parameter compressed, in ``--bucket-mb`` buckets."""
+    table: dict[str, dict[str, float]] = {name: {} for name in names}
+    for model_name in OPERATOR_MODELS:
+        layout = buckets(all_layers(getattr(torchvision.models, model_name)(num_classes=10)), args.bucket_mb)
+        for name in names:
+            run, _ = step_runner(name, layout, args, device)
+            run()
+            table[name][model_name] = operators(run, args.ranks)
+        table.setdefault("_buckets", {})[model_name] = len(layout)
+    return table
+
+
+def print_operator_table(table: dict[str, dict[str, float]]) -> None:
+    """The operators per step and rank on each model, and ResNet-50's count over ResNet-18's."""
+    counts = table.pop("_buckets")
+    layouts = ", ".join(f"{model}: {n} bucket(s)" for model, n in counts.items())
+    print(f"operators per step and rank, and per bucket, every parameter compressed ({layouts})")
+    print(f"{'compressor':<28} {'R-18 step':>9} {'R-50 step':>9} {'R-18 bucket':>11} {'R-50 bucket':>11} {'ratio':>6}")
+    for name, row in table.items():
+        r18, r50 = row["resnet18"] / counts["resnet18"], row["resnet50"] / counts["resnet50"]
+        print(f"{name:<28} {row['resnet18']:9.0f} {row['resnet50']:9.0f} {r18:11.0f} {r50:11.0f} {r50 / r18:6.2f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
@@ -298,19 +354,39 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps, after 2 warm-up steps")
     parser.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     parser.add_argument("--compressors", nargs="+", default=list(DEFAULT_COMPRESSORS), choices=sorted(CONFIGS))
-    parser.add_argument("--bucket-mb", type=float, default=25.0,
-                        help="bucket size in MiB, as DDP's bucket_cap_mb (default 25, DDP's); 0: one bucket")
-    parser.add_argument("--row-density", type=float, default=1.0,
-                        help="fraction of every layer's rows left non-zero on each rank (default 1: dense)")
+    parser.add_argument(
+        "--bucket-mb",
+        type=float,
+        default=25.0,
+        help="bucket size in MiB, as DDP's bucket_cap_mb (default 25, DDP's); 0: one bucket",
+    )
+    parser.add_argument(
+        "--row-density",
+        type=float,
+        default=1.0,
+        help="fraction of every layer's rows left non-zero on each rank (default 1: dense)",
+    )
     parser.add_argument("--gradients", choices=["gaussian", "model"], default="gaussian",
                         help="random normal gradients (default) or the model's own of random batches")  # fmt: skip
     parser.add_argument("--operators", action="store_true",
                         help="also count the top-level torch operators of one step per rank")  # fmt: skip
+    parser.add_argument(
+        "--operators-only",
+        action="store_true",
+        help="only count operators per step: ResNet-18's and ResNet-50's layouts, no timing",
+    )
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.operators_only:
+        table = operator_table(args.compressors, args, device)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"meta": {**vars(args), "torch": torch.__version__}, "operators": table}, f, indent=2)
+        print_operator_table(table)
+        return
     model = getattr(torchvision.models, args.model)(num_classes=10).to(device)
     layers = compressed_layers(model)
     numel = layers[-1].offset + layers[-1].numel
@@ -346,8 +422,10 @@ def main() -> None:
         f" one uniform draw per element {draw:.2f} ms ({draw16:.2f} ms with 16 random bits)"
     )
     print(header)
-    print(f"commit of the error-feedback residual per step (not in the codec times): {commit['swap']:.3f} ms"
-          f" ({'a storage swap' if device.type == 'cpu' else 'torch.where'}; a copy would be {commit['copy']:.2f} ms)")
+    print(
+        f"commit of the error-feedback residual per step (not in the codec times): {commit['swap']:.3f} ms"
+        f" ({'a storage swap' if device.type == 'cpu' else 'torch.where'}; a copy would be {commit['copy']:.2f} ms)"
+    )
     cuda = device.type == "cuda"
     print(f"{'compressor':<28} {'codec ms':>9} {'% backward':>10} {'passes':>7}"
           + ("  operators" if args.operators else "") + ("  launches  sync" if cuda else ""))  # fmt: skip

@@ -23,12 +23,14 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Payload
 from lightning_gradcomp.compressors.packing import pack_uint, unpack_uint
+from lightning_gradcomp.compressors.segments import segments_of
 
 __all__ = ["MinMax"]
 
 
 def _lengths(ctx: BucketContext) -> Tensor:
-    return torch.tensor([layer.numel for layer in ctx.layers], dtype=torch.int64, device=ctx.device)
+    """The layers' sizes on the device, built once per layout (not copied from the host at every call)."""
+    return segments_of(ctx.layers, ctx.device).lengths
 
 
 class MinMax(Compressor):

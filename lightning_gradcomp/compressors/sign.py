@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
 import torch
@@ -12,6 +12,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, LayerBuffers, Payload
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange
 from lightning_gradcomp.compressors.packing import INT_OF_SIZE, above, lookup_rows, pack_bits, unpack_bits
+from lightning_gradcomp.compressors.segments import segments_of
 from lightning_gradcomp.validation import check_momentum
 
 _WIRE_SCALE = torch.float32  # per-layer scales travel as fp32, whatever the gradient's dtype
@@ -55,11 +56,42 @@ def _signs_into(packed: Tensor, ctx: BucketContext, positive: Tensor, negative: 
     every byte value ``b``) is looked up with the packed bytes as row indices, so one pass reads a byte and writes 8
     values, with no bool tensor in between. ``torch.where`` over unpacked bits costs about 20 times as much on the
     CPU, with the same values: the table holds ``positive[l]`` or ``negative[l]`` themselves, nothing is computed.
+    Every layer's table is looked up in one call (:func:`_layer_lookup`), whatever the number of layers.
     """
     tables = torch.where(_byte_bits(packed.device), positive.view(-1, 1, 1), negative.view(-1, 1, 1))
-    rows = packed.int()
-    for i, layer in enumerate(ctx.layers):
-        _look_up(tables[i], rows, layer.offset, layer.numel, layer.flat(out))
+
+    def exact(positions: Tensor, layer: Tensor) -> Tensor:
+        bits = _bits_at(packed, positions)
+        return torch.where(bits, positive.index_select(0, layer), negative.index_select(0, layer))
+
+    return _layer_lookup(tables, packed.int(), ctx, out, exact)
+
+
+def _bits_at(packed: Tensor, positions: Tensor) -> Tensor:
+    """The bits of elements ``positions`` of ``pack_bits``' packing, as bools."""
+    return ((packed.index_select(0, positions >> 3).long() >> (positions & 7)) & 1).bool()
+
+
+def _layer_lookup(
+    tables: Tensor, rows: Tensor, ctx: BucketContext, out: Tensor, exact: Callable[[Tensor, Tensor], Tensor]
+) -> Tensor:
+    """``out``'s elements from layer ``l``'s ``tables[l]`` (``[layer, row, width]``), by the groups' ``rows``.
+
+    One lookup for every layer: the tables are stacked, and each group of ``width`` elements reads the rows of the
+    layer its first element is in (its row index offset by that layer's). The few elements of groups that a layer
+    boundary crosses took the wrong layer's value; ``exact(positions, layers)`` gives theirs, written over them.
+    """
+    count, size, width = tables.shape
+    groups = segments_of(ctx.layers, out.device).groups(width)
+    indices = torch.add(rows[: groups.group_layer.numel()], groups.group_layer, alpha=size)
+    whole = ctx.numel // width * width
+    if whole == ctx.numel:
+        lookup_rows(tables.reshape(count * size, width), indices, out.view(-1, width))
+    else:
+        covering = lookup_rows(tables.reshape(count * size, width), indices, tables.new_empty(indices.numel(), width))
+        out.copy_(covering.view(-1)[: ctx.numel])
+    if groups.fix_positions.numel():
+        out.index_copy_(0, groups.fix_positions, exact(groups.fix_positions, groups.fix_layer))
     return out
 
 
@@ -127,9 +159,17 @@ def _sum_of_signs(
     if divisor != 1:
         tables = tables / divisor
     rows = _rank_codes([packed for packed, _, _ in payloads], width).int()
-    for i, layer in enumerate(ctx.layers):
-        _look_up(tables[i], rows, layer.offset, layer.numel, layer.flat(out))
-    return out
+
+    def exact(positions: Tensor, layer: Tensor) -> Tensor:  # the tables' sums in the same order, element by element
+        total = None
+        for r, (packed, _, _) in enumerate(payloads):
+            value = torch.where(_bits_at(packed, positions), positive[:, r].index_select(0, layer),
+                                negative[:, r].index_select(0, layer))  # fmt: skip
+            total = value + 0.0 if total is None else total + value
+        assert total is not None
+        return total / divisor if divisor != 1 else total
+
+    return _layer_lookup(tables, rows, ctx, out, exact)
 
 
 def _group_width(ranks: int) -> int:
@@ -137,15 +177,15 @@ def _group_width(ranks: int) -> int:
     return 8 // ranks
 
 
-def _look_up(table: Tensor, rows: Tensor, start: int, numel: int, target: Tensor) -> None:
-    """Elements ``[start, start + numel)`` of ``table[rows]`` (rows of ``width`` values, flattened) into ``target``."""
+def _look_up(table: Tensor, rows: Tensor, numel: int, target: Tensor) -> None:
+    """The first ``numel`` elements of ``table[rows]`` (rows of ``width`` values, flattened) into ``target``."""
     width = table.shape[1]
-    first, last = start // width, -(-(start + numel) // width)
-    if start % width == 0 and numel % width == 0:  # whole groups: straight into the target
-        lookup_rows(table, rows[first:last], target.view(-1, width))
+    last = -(-numel // width)
+    if numel % width == 0:  # whole groups: straight into the target
+        lookup_rows(table, rows[:last], target.view(-1, width))
     else:  # the groups that cover the range, then its elements among them
-        covering = lookup_rows(table, rows[first:last], table.new_empty(last - first, width)).view(-1)
-        target.copy_(covering[start - width * first :][:numel])
+        covering = lookup_rows(table, rows[:last], table.new_empty(last, width)).view(-1)
+        target.copy_(covering[:numel])
 
 
 class SignSGD(Compressor):
@@ -230,7 +270,7 @@ class SignSGD(Compressor):
             counts = _combination_bits(n, width, ctx.device).sum(dim=1)  # [combination, element]: set bits
             table = (counts.to(ctx.dtype) * 2 - n).sign_()
             out = _out(ctx, out)
-            _look_up(table, _rank_codes([bits for (bits,) in payloads], width).int(), 0, ctx.numel, out)
+            _look_up(table, _rank_codes([bits for (bits,) in payloads], width).int(), ctx.numel, out)
             return out
         positives = torch.zeros(ctx.numel, dtype=torch.uint8 if n < 256 else torch.int32, device=ctx.device)
         for (bits,) in payloads:  # integer counts: exact in any order
@@ -326,11 +366,9 @@ class EFSignSGD(_TwoValuedSigns):
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Packed signs and one fp32 scale (mean absolute value) per layer."""
-        # mean |p| per layer: an L1 norm is one pass without a temporary
-        acc = _accumulator(ctx.dtype)
-        scales = torch.stack([torch.linalg.vector_norm(layer.flat(tensor), 1, dtype=acc) / layer.numel
-                              for layer in ctx.layers])  # fmt: skip
-        scales = scales.to(_WIRE_SCALE)
+        # mean |p| per layer: every layer's 1-norm at once, in one pass without a temporary
+        segments = segments_of(ctx.layers, tensor.device)
+        scales = (segments.l1(tensor, _accumulator(ctx.dtype)) / segments.lengths).to(_WIRE_SCALE)
         return pack_bits(above(tensor, 0, inclusive=True)), scales
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
@@ -378,20 +416,14 @@ class OneBit(_TwoValuedSigns):
         """Packed signs and, per layer, the mean of its non-negative and of its negative entries (fp32)."""
         positive = above(tensor, 0, inclusive=True)
         acc = _accumulator(ctx.dtype)
-        n_pos, n_neg, totals, magnitudes = [], [], [], []
-        for layer in ctx.layers:
-            x = layer.flat(tensor)
-            count = torch.count_nonzero(layer.flat(positive))  # a bool sum converts to int64 first: 3x slower
-            n_pos.append(count)
-            n_neg.append(layer.numel - count)
-            # the sums of the positive and of the negative entries from two passes without temporaries
-            totals.append(x.sum(dtype=acc))
-            magnitudes.append(torch.linalg.vector_norm(x, 1, dtype=acc))
-        # the means of every layer at once (elementwise, the same operations as layer by layer: the same bits);
+        segments = segments_of(ctx.layers, tensor.device)
+        # every layer's count, sum and 1-norm at once; the sums of the positive and of the negative entries follow
+        # from the last two, each one pass without a temporary
+        n_pos = segments.counts(positive)
+        total, magnitude = segments.sums(tensor, acc), segments.l1(tensor, acc)
         # an empty group's mean is never used: clamping the count avoids 0 / 0
-        total, magnitude = torch.stack(totals), torch.stack(magnitudes)
-        positive_means = (magnitude + total) / 2 / torch.stack(n_pos).clamp_(min=1)
-        negative_means = (total - magnitude) / 2 / torch.stack(n_neg).clamp_(min=1)
+        positive_means = (magnitude + total) / 2 / n_pos.clamp(min=1)
+        negative_means = (total - magnitude) / 2 / (segments.lengths - n_pos).clamp_(min=1)
         means = torch.stack([positive_means, negative_means], dim=1).view(-1)  # each layer's two side by side
         return pack_bits(positive), means.to(_WIRE_SCALE)
 

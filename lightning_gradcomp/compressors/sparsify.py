@@ -265,11 +265,22 @@ class RandomK(Compressor):
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Scatter the values into zeros (scaled by ``numel / k`` per layer when ``rescale``)."""
         out = _zeros(ctx, out)
-        out.index_copy_(0, self.indices(ctx), payload[0].to(ctx.dtype))
-        if self.rescale:
-            for layer in ctx.layers:
-                layer.flat(out).mul_(layer.numel / keep_count(layer.numel, self.level(layer)))
-        return out
+        values = payload[0].to(ctx.dtype)
+        if self.rescale:  # the kept values scaled before they are scattered: the same products, no pass over out
+            factors = self._factors(ctx)  # in at least fp32, as a Python factor multiplies a half-precision tensor
+            values = (values.to(factors.dtype) * factors).to(ctx.dtype)
+        return out.index_copy_(0, self.indices(ctx), values)
+
+    def _factors(self, ctx: BucketContext) -> Tensor:
+        """``numel / k`` of its layer for every kept value (cached with the indices' layout)."""
+        counts = [keep_count(layer.numel, self.level(layer)) for layer in ctx.layers]
+        key = ("factors", ctx.device, tuple(layer.numel for layer in ctx.layers), tuple(counts))
+        cached = self._cache.get(key)
+        if cached is None:
+            factors = [layer.numel / k for layer, k in zip(ctx.layers, counts)]
+            cached = torch.tensor(factors, dtype=torch.float64).repeat_interleave(torch.tensor(counts))
+            cached = self._cache[key] = cached.to(ctx.device, torch.promote_types(ctx.dtype, torch.float32))
+        return cached
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_cache"}  # cached index tensors are not state

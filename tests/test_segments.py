@@ -1,0 +1,64 @@
+"""Per-layer reductions and group layouts over a bucket's flat tensor, against layer-by-layer references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_gradcomp.compressors.context import layers_from_shapes
+from lightning_gradcomp.compressors.packing import max_magnitudes
+from lightning_gradcomp.compressors.segments import ROW, segments_of
+
+# layers smaller than a row, spanning rows, ending mid-row and at a row's end, and a tail shorter than a row
+SHAPES = [(3,), (1500,), (7, 7), (5000, 3), (2,), (1,), (ROW + 100,), (3000,)]
+
+
+@pytest.fixture
+def layers():  # type: ignore[no-untyped-def]
+    return layers_from_shapes(SHAPES)
+
+
+def _flat(layers) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    return torch.randn(layers[-1].offset + layers[-1].numel)
+
+
+def test_sums_and_norms_match_each_layer_to_rounding(layers) -> None:  # type: ignore[no-untyped-def]
+    x = _flat(layers)
+    segments = segments_of(layers, x.device)
+    exact_sums = torch.stack([layer.flat(x).double().sum() for layer in layers])
+    exact_l1 = torch.stack([layer.flat(x).double().abs().sum() for layer in layers])
+    torch.testing.assert_close(segments.sums(x, torch.float32).double(), exact_sums, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(segments.l1(x, torch.float32).double(), exact_l1, rtol=1e-6, atol=0)
+
+
+def test_counts_and_maxima_are_exact(layers) -> None:  # type: ignore[no-untyped-def]
+    x = _flat(layers)
+    x[4] = float("nan")  # in the second layer: its maximum is NaN, as the infinity norm's
+    segments = segments_of(layers, x.device)
+    assert torch.equal(segments.counts(x >= 0), torch.stack([(layer.flat(x) >= 0).sum() for layer in layers]))
+    expected = max_magnitudes([layer.flat(x) for layer in layers], torch.float32)
+    found = segments.max_magnitudes(x, torch.float32)
+    assert found[1].isnan()
+    assert expected[1].isnan()
+    assert torch.equal(found.nan_to_num(-1.0), expected.nan_to_num(-1.0))
+
+
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_group_layout_marks_every_element_of_a_boundary_group(layers, width: int) -> None:  # type: ignore[no-untyped-def]
+    segments = segments_of(layers, torch.device("cpu"))
+    layer_of = torch.cat([torch.full((layer.numel,), i) for i, layer in enumerate(layers)])
+    groups = segments.groups(width)
+    assert torch.equal(groups.group_layer.long(), layer_of[::width])
+    by_group = groups.group_layer.long().repeat_interleave(width)[: layer_of.numel()]
+    wrong = torch.nonzero(by_group != layer_of).squeeze(1)
+    assert torch.equal(groups.fix_positions, wrong)
+    assert torch.equal(groups.fix_layer, layer_of[wrong])
+
+
+def test_expand_repeats_each_layer_value(layers) -> None:  # type: ignore[no-untyped-def]
+    segments = segments_of(layers, torch.device("cpu"))
+    values = torch.arange(len(layers), dtype=torch.float32)
+    assert torch.equal(
+        segments.expand(values), torch.cat([torch.full((layer.numel,), float(i)) for i, layer in enumerate(layers)])
+    )
