@@ -279,8 +279,11 @@ def _step_model(args: argparse.Namespace) -> dict:
             "warmup_steps": 0}  # fmt: skip
 
 
-def compose(rows: list[dict], sync_every: list[int]) -> list[dict]:
-    """The table's rows: measured configurations, and DiLoCo at each H composed from its probe."""
+def compose(rows: list[dict], sync_every: list[int], ddp_bytes: int) -> list[dict]:
+    """The table's rows: measured configurations, and DiLoCo at each H composed from its probe.
+
+    ``ddp_bytes``: plain DDP's bytes per step (the gradients' bytes, what its row reports), for the byte ratio.
+    """
     table = []
     for r in rows:
         if r["config"] not in PROBES or "error" in r:
@@ -294,8 +297,8 @@ def compose(rows: list[dict], sync_every: list[int]) -> list[dict]:
         same = {x["config"]: x for x in table if x["rate"] == r["rate"] and "error" not in x}
         if "error" not in r and "compute" in same:
             r["vs_compute"] = r["step_s"] / same["compute"]["step_s"]
-        if "error" not in r and "ddp" in same and r.get("bytes_per_step"):
-            r["ddp_bytes_over"] = same["ddp"]["bytes_per_step"] / r["bytes_per_step"]
+        if "error" not in r and r.get("bytes_per_step"):
+            r["ddp_bytes_over"] = ddp_bytes / r["bytes_per_step"]
     return table
 
 
@@ -344,7 +347,7 @@ def run_steps(args: argparse.Namespace) -> None:
             continue
         with shaped_namespace(rate) as name:
             raw += measure_steps(rate, args, name)
-    table = compose(raw, args.sync_every)
+    table = compose(raw, args.sync_every, 4 * params)  # the model is fp32
     text = steps_markdown(table, raw, args, params, load)
     _write(args.out, text, {"args": vars(args), "parameters": params, "load": load, "raw": raw, "table": table})
 
