@@ -470,7 +470,10 @@ GROWS = [name for name, compressor in COMPRESSORS.items() if compressor.error_fe
 def test_the_configurations_that_warn_about_error_feedback_are_the_expected_ones():
     """Every quantizer with an error bound of at least 1 and the rescaled random-k; no contraction."""
     terngrad = {name for name in COMPRESSORS if name.startswith("terngrad")}
-    assert set(GROWS) == {"randomk-unbiased", "qsgd", "qsgd-2bit-small-buckets", "qsgd-16bit-draws"} | terngrad
+    assert set(GROWS) == {
+        "randomk-unbiased", "qsgd", "qsgd-2bit-small-buckets", "qsgd-16bit-draws", "qsgd-two-phase",
+        "qsgd-2bit-two-phase", "qsgd-allgather",
+    } | terngrad  # fmt: skip
 
 
 @pytest.mark.parametrize("name", GROWS)
