@@ -147,6 +147,18 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     # small chunks so that the contract suite's layers span several
     "minmax8": lambda: MinMax(bits=8),
     "minmax4": lambda: MinMax(bits=4),
+    # the two-phase exchange at any world size (the defaults take it from 3 ranks on, signSGD's from 4), and the
+    # all-gather where the default would take the two-phase exchange
+    "signsgd-two-phase": lambda: SignSGD(transport="two_phase"),
+    "signum-two-phase": lambda: SignSGD(momentum=0.9, transport="two_phase"),
+    "efsignsgd-two-phase": lambda: EFSignSGD(transport="two_phase"),
+    "onebit-two-phase": lambda: OneBit(transport="two_phase"),
+    "qsgd-two-phase": lambda: QSGD(transport="two_phase"),
+    "qsgd-2bit-two-phase": lambda: QSGD(levels=1, bucket_size=100, transport="two_phase"),
+    "minmax8-two-phase": lambda: MinMax(bits=8, transport="two_phase"),
+    "minmax4-two-phase": lambda: MinMax(bits=4, transport="two_phase"),
+    "efsignsgd-allgather": lambda: EFSignSGD(transport="allgather"),
+    "qsgd-allgather": lambda: QSGD(transport="allgather"),
     "sparseloco": lambda: SparseLoCo(),
     "sparseloco-small-chunks": lambda: SparseLoCo(ratio=0.03, chunk_size=256),
 }

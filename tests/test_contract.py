@@ -24,6 +24,7 @@ from lightning_gradcomp.compressors import (
 )
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
 from lightning_gradcomp.compressors.exchange import StepUpdates
+from lightning_gradcomp.compressors.two_phase import owner_residuals
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, SimulatedWorld, exported_compressor_classes, simulate_reduce
 from tests.contract_examples import BucketTopK, ScaledSign
@@ -91,7 +92,10 @@ CASTS = {"fp16", "bf16"}
 # lossless on what they send: nothing is owed
 LOSSLESS = {"identity", "topk-all", "masked", "masked-pruned", "zen", "zen-always", "zen-bitmap"}
 # the majority vote is not an average of compressed gradients: error feedback is refused
-REFUSES_ERROR_FEEDBACK = {"signsgd", "signum"}
+REFUSES_ERROR_FEEDBACK = {"signsgd", "signum", "signsgd-two-phase", "signum-two-phase"}
+# the two-phase exchange: the owners re-encode the average of their shards, so the result is not the average of the
+# ranks' decoded payloads (tests/test_two_phase.py checks it against a reference), its bytes are two encodings'
+TWO_PHASE = {name for name in COMPRESSORS if "two-phase" in name}
 
 
 def _layers(compressor):
@@ -286,6 +290,8 @@ def test_reduction_is_the_collective_it_declares(case):
         xs = [xs[0], xs[0].clone()]  # what the ranks agree on is then each rank's own choice
     outs = simulate_reduce(_fresh(compressor, 2), xs, layers, step=5, seed=7)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)  # every rank holds the same average
+    if name in TWO_PHASE:
+        return  # a second encoding at the shard owner: tests/test_two_phase.py
     if compressor.collective == "allreduce" and name not in COORDINATED:
         (expected,) = simulate_reduce(_fresh(compressor), [(xs[0] + xs[1]) / 2], layers, step=5, seed=7)
     else:
@@ -402,6 +408,8 @@ def test_error_feedback_telescopes(case):
     # a low-pass filtered memory (ScaleCom's beta) moves by beta (g - sent) per step: what is owed is m / beta
     beta = getattr(compressor, "beta", None)  # None: plain error feedback (LGC's default)
     owed = (residuals[0] + residuals[1]) / 2 / (1.0 if beta is None else beta)
+    if name in TWO_PHASE:  # what the shard owners' re-encoding still owes
+        owed += owner_residuals(compressors, _ctx(layers, world_size=2))
     kept = _kept(compressor, layers)
     # pruned entries are discarded, not owed: nothing is applied and nothing is kept there
     assert torch.all(owed[~kept] == 0)
@@ -462,7 +470,10 @@ GROWS = [name for name, compressor in COMPRESSORS.items() if compressor.error_fe
 def test_the_configurations_that_warn_about_error_feedback_are_the_expected_ones():
     """Every quantizer with an error bound of at least 1 and the rescaled random-k; no contraction."""
     terngrad = {name for name in COMPRESSORS if name.startswith("terngrad")}
-    assert set(GROWS) == {"randomk-unbiased", "qsgd", "qsgd-2bit-small-buckets", "qsgd-16bit-draws"} | terngrad
+    assert set(GROWS) == {
+        "randomk-unbiased", "qsgd", "qsgd-2bit-small-buckets", "qsgd-16bit-draws", "qsgd-two-phase",
+        "qsgd-2bit-two-phase", "qsgd-allgather",
+    } | terngrad  # fmt: skip
 
 
 @pytest.mark.parametrize("name", GROWS)
@@ -518,8 +529,8 @@ def test_telemetry_counts_the_payload_bytes(case):
     xs = _data(layers, 2, dtype=torch.float32, seed=6)
     counted, handed = _bytes_counted_and_handed(compressor, xs, layers)
     assert counted == handed
-    if compressor.exchanges_sizes:
-        return  # padded to sizes known only after the exchange (the exact sizes: the compressor's own tests)
+    if compressor.exchanges_sizes or name in TWO_PHASE:
+        return  # padded to sizes known only after the exchange, or two encodings (the compressor's own tests)
     payload = copy.deepcopy(compressor).compress(xs[0].clone(), _ctx(layers, dtype=torch.float32, world_size=2))
     nbytes = [p.numel() * p.element_size() for p in payload]
     if compressor.collective == "allgather" and len(payload) > 1:
@@ -588,6 +599,10 @@ def test_per_layer_levels_set_each_layers_payload_and_round_trip(case):
         other = {"rank": {1: 2}, "ratio": {0.5: 0.25}, "levels": {1: 3}}[compressor.level_attribute]  # not the default
         low = other.get(default, {"rank": 1, "ratio": 0.5, "levels": 1}[compressor.level_attribute])
     tuned = copy.deepcopy(compressor)
+    if name in TWO_PHASE:  # shards are not layers
+        with pytest.raises(ValueError, match="per-layer levels"):
+            tuned.set_levels({layers[0].name: low})
+        return
     tuned.set_levels({layers[0].name: low})
     assert tuned.level(layers[0]) == low
     assert tuned.level(layers[-1]) == getattr(compressor, compressor.level_attribute)
@@ -763,7 +778,7 @@ def test_a_finite_spike_never_reaches_the_state(case, spike, ranks):
 
 
 # a zero coordinate votes +1 in signSGD's majority vote (one bit cannot encode 0; docs/signsgd.md)
-ZERO_VOTES_PLUS_ONE = {"signsgd", "signum"}
+ZERO_VOTES_PLUS_ONE = {"signsgd", "signum", "signsgd-two-phase", "signum-two-phase"}
 
 
 @pytest.mark.parametrize("ranks", [1, 2, 3])
@@ -793,7 +808,9 @@ WITNESSED = sorted(name for name, factory in EXAMPLES.items()
 def test_the_witnessed_compressors_are_the_expected_ones():
     """The table below tests every compressor that names a witness; a new one must be reasoned about here."""
     assert WITNESSED == [
-        "bf16", "efsignsgd", "fp16", "onebit", "qsgd", "qsgd-16bit-draws", "qsgd-2bit-small-buckets", "qsgd-8bit"
+        "bf16", "efsignsgd", "efsignsgd-allgather", "efsignsgd-two-phase", "fp16", "onebit", "onebit-two-phase",
+        "qsgd", "qsgd-16bit-draws", "qsgd-2bit-small-buckets", "qsgd-2bit-two-phase", "qsgd-8bit", "qsgd-allgather",
+        "qsgd-two-phase",
     ]  # fmt: skip
 
 

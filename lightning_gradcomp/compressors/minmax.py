@@ -21,9 +21,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Payload
+from lightning_gradcomp.compressors.base import BucketContext, Collective, Payload
 from lightning_gradcomp.compressors.packing import pack_uint, unpack_uint
 from lightning_gradcomp.compressors.segments import segments_of
+from lightning_gradcomp.compressors.two_phase import ShardedExchange, check_transport
 
 __all__ = ["MinMax"]
 
@@ -33,7 +34,7 @@ def _lengths(ctx: BucketContext) -> Tensor:
     return segments_of(ctx.layers, ctx.device).lengths
 
 
-class MinMax(Compressor):
+class MinMax(ShardedExchange):
     """Quantize each layer linearly between its minimum and maximum to ``bits``-bit codes, round to nearest.
 
     Biased (round to nearest), so error feedback is on by default: what rounding leaves out is sent in a later round.
@@ -42,21 +43,29 @@ class MinMax(Compressor):
 
     Args:
         bits: bits per element on the wire, 8 (INTELLECT-1's uint8) or 4 (Streaming DiLoCo's 4-bit).
+        transport: ``"allgather"`` (above), ``"two_phase"`` (:mod:`lightning_gradcomp.compressors.two_phase`: each
+            rank owns a shard, averages every rank's codes of it in fp32 and re-quantizes the average, with a minimum
+            and step per shard, keeping what that rounding loses when error feedback is on; bytes flat in ``N``) or
+            ``"auto"`` (the default: the two-phase exchange from 3 ranks on, where it moves fewer bytes).
+
+    Raises:
+        ValueError: If ``bits`` or ``transport`` is not one of those.
 
     Example::
 
         >>> from lightning_gradcomp.compressors import MinMax
         >>> MinMax(bits=4)
-        MinMax(bits=4)
+        MinMax(bits=4, transport='auto')
     """
 
     collective: ClassVar[Collective] = "allgather"
 
-    def __init__(self, bits: int = 8) -> None:
+    def __init__(self, bits: int = 8, transport: str = "auto") -> None:
         super().__init__()
         if isinstance(bits, bool) or bits not in (4, 8):
             raise ValueError(f"Expected `bits` to be 8 or 4, got {bits!r}.")
         self.bits = bits
+        self.transport = check_transport(transport)
 
     @property
     def levels(self) -> int:
@@ -93,4 +102,4 @@ class MinMax(Compressor):
 
     def hparams(self) -> dict[str, Any]:
         """The constructor arguments."""
-        return {"bits": self.bits}
+        return {"bits": self.bits, "transport": self.transport}

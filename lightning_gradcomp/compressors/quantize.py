@@ -25,6 +25,7 @@ from lightning_gradcomp.compressors.packing import (
     unpack_uint,
     words_needed,
 )
+from lightning_gradcomp.compressors.two_phase import ShardedExchange, check_transport
 from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
 
 _WIRE = torch.float32  # norms and scalers travel as fp32
@@ -108,7 +109,7 @@ def _check_levels(levels: Any) -> int:
     return check_int(levels, "levels", low=1, high=_MAX_LEVELS)
 
 
-class QSGD(Compressor):
+class QSGD(ShardedExchange):
     """QSGD: stochastic rounding of ``|x| / ||bucket||`` to ``levels`` levels; unbiased; norm, sign and level sent.
 
     Alistarh, Grubic, Li, Tomioka & Vojnovic, "QSGD: Communication-Efficient SGD via Gradient Quantization and
@@ -135,15 +136,21 @@ class QSGD(Compressor):
             ``u = (r + 1/2) 2^-16`` for a uniform 16-bit ``r``, about 3x cheaper to draw on the CPU (the draw is
             most of QSGD's encoding there); the expectation is then off by at most ``2^-17`` of a level per element.
             Our design, not the paper's (which assumes exact draws); what is sent differs from the default's.
+        transport: ``"allgather"`` (every rank receives every rank's payload: ``(N - 1) P`` bytes),
+            ``"two_phase"`` (:mod:`lightning_gradcomp.compressors.two_phase`: shard ``s`` of every rank's payload
+            to rank ``s``, which averages it in fp32 and re-quantizes it, unbiased, for an all-gather:
+            ``2 (N - 1) / N P`` bytes, flat in ``N``) or ``"auto"`` (the default: the two-phase exchange from 3
+            ranks on, where it moves fewer bytes). With the two-phase exchange the norm buckets are cut at shard
+            boundaries, and per-layer levels are refused.
 
     Raises:
-        ValueError: If ``levels``, ``bucket_size`` or ``random_bits`` is out of range.
+        ValueError: If ``levels``, ``bucket_size``, ``random_bits`` or ``transport`` is out of range.
 
     Example::
 
         >>> from lightning_gradcomp.compressors import QSGD
         >>> QSGD(levels=7, bucket_size=512)
-        QSGD(levels=7, bucket_size=512, random_bits=None)
+        QSGD(levels=7, bucket_size=512, random_bits=None, transport='auto')
     """
 
     collective: ClassVar[Collective] = "allgather"
@@ -151,11 +158,14 @@ class QSGD(Compressor):
     level_attribute: ClassVar[str] = "levels"
     random_bits: int | None = None  # what objects pickled before the argument existed draw
 
-    def __init__(self, levels: int = 7, bucket_size: int = 512, random_bits: int | None = None) -> None:
+    def __init__(
+        self, levels: int = 7, bucket_size: int = 512, random_bits: int | None = None, transport: str = "auto"
+    ) -> None:
         super().__init__()
         self.levels = _check_levels(levels)
         self.bucket_size = check_positive_int(bucket_size, "bucket_size")
         self.random_bits = _check_random_bits(random_bits)
+        self.transport = check_transport(transport)
 
     def check_level(self, value: Any) -> int:
         """Levels: an integer in [1, 127]."""
