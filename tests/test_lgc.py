@@ -57,7 +57,7 @@ def test_stages_follow_the_step():
 @pytest.mark.parametrize(
     ("variant", "expected"),
     [
-        ("ps", [["all_reduce"], ["all_gather"], ["all_gather", "broadcast"]]),
+        ("ps", [["all_reduce"], ["all_gather"], ["broadcast", "all_gather"]]),
         ("allreduce", [["all_reduce"], ["broadcast", "all_gather"], ["broadcast", "all_reduce", "all_reduce"]]),
     ],
 )
@@ -222,8 +222,9 @@ def test_a_checkpoint_saved_as_the_single_lgc_class_restores_into_its_variant_s_
 @pytest.mark.parametrize("leader", ["fixed", "rotating"])
 def test_the_gather_form_of_ps_gives_the_all_gather_form_s_results_bitwise(ranks, leader):
     """``ps_form="gather"`` (the leader alone decodes everyone and broadcasts the average) against the all-gather form
-    (every rank decodes everyone): the same aggregate and the same residuals on every rank, in every stage; and it
-    issues the same collectives in stage 3 (an all-gather of the innovations, then the leader's broadcast)."""
+    (every rank decodes everyone): the same aggregate and the same residuals on every rank, in every stage; in stage 3
+    it issues the all-gather form's two rounds (the leader's code, then the innovations and factors) and then the
+    leader's broadcast of the average."""
     forms = {form: [_lgc("ps", leader=leader, ps_form=form) for _ in range(ranks)] for form in ("allgather", "gather")}
     residuals = {form: [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(ranks)] for form in forms}
     for step in range(7):
@@ -243,7 +244,7 @@ def test_the_gather_form_of_ps_gives_the_all_gather_form_s_results_bitwise(ranks
                             comm=Comm(world.backend(rank), Telemetry(), g.device))  # fmt: skip
         futures.append(c.reduce(g, ctx))
     world.assert_quiescent()
-    assert [kind[0] for rank, kind in world.issued if rank == 0] == ["all_gather", "broadcast"]
+    assert [kind[0] for rank, kind in world.issued if rank == 0] == ["broadcast", "all_gather", "broadcast"]
 
 
 def _both_forms_on_gloo(rank, world_size):
@@ -337,7 +338,6 @@ def test_bad_arguments_are_refused_with_the_argument_named(variant, kwargs, matc
 @pytest.mark.parametrize(
     ("variant", "name", "given"),
     [
-        ("ps", "project", True),
         ("ps", "beta", 0.5),
         ("ps", "order", "value"),
         ("ps", "residual", "own"),
@@ -599,3 +599,47 @@ def test_two_processes_cross_every_stage_identically_and_resume_bitwise(tmp_path
                             max_steps=-1, max_epochs=3, ckpt_path=path)  # fmt: skip
         for rank in range(2):
             assert torch.equal(straight[rank]["params"], resumed[rank]["params"]), f"epoch {epoch}, rank {rank}"
+
+
+class _AntiAlignedLGC(LGC):
+    """LGC-PS whose decoders return each rank's values times ``gain``: with a negative gain, a poorly trained
+    autoencoder's failure in the diverging run (its decoded values pointed away from the true ones, cosine -0.6 on
+    the leader's own), made exact. ``truth`` holds every rank's input (gradient plus memory) at this step."""
+
+    truth: dict = {}
+    gain = -2.0
+
+    def _ps_decoded(self, model, j, code, indices, values, own, ctx):
+        return self.gain * self.truth[j].index_select(0, indices).float()
+
+
+@pytest.mark.parametrize("form", ["allgather", "gather"])
+def test_a_decoder_that_points_away_cannot_make_ps_diverge(form):
+    """The mechanism of the PS variant's divergence, in a few steps: decoded values that point away from a rank's
+    values make its contribution an ascent direction and its error-feedback memory grow, ``m <- p - gain p``, by
+    ``1 - gain`` (3x) a step. With the projection (the default) each rank scales its decoded values by their
+    least-squares fit to its own values, clamped to [0, 1]: here 0, so the aggregate is the innovations alone (never
+    an ascent direction) and the memory never exceeds what no update would leave. ``project=False`` is the control:
+    at the leader's slots the memory triples every step, as in the diverging run (175x the gradient after 8 steps,
+    against at most 8x)."""
+    n, steps = 2, 8
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(NUMEL, generator=g, dtype=torch.float64) for _ in range(n)]
+    norms = {}
+    for project in (None, False):
+        compressors = [_AntiAlignedLGC(**{**_lgc("ps").hparams(), "dense_steps": 0, "training_steps": 0,
+                                          "project": project, "ps_form": form}) for _ in range(n)]  # fmt: skip
+        residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
+        for step in range(steps):
+            p = [gr + r for gr, r in zip(grads, residuals)]
+            _AntiAlignedLGC.truth = dict(enumerate(p))
+            out = simulate_reduce(compressors, grads, LAYERS, step=step, residuals=residuals)[0]
+            mean = (p[0] + p[1]) / n
+            if project is None:
+                assert torch.dot(out, mean) >= 0, "never an ascent direction"
+                assert torch.dot(out, p[0] + p[1]) >= 0
+                for pi, ri in zip(p, residuals):
+                    assert ri.norm() <= pi.norm() * (1 + 1e-12), "the memory never exceeds no update's"
+        norms[project] = max(r.norm() for r in residuals) / max(gr.norm() for gr in grads)
+    assert norms[None] <= steps + 1e-9, "at most the sum of the gradients, as with no update at all"
+    assert norms[False] > 10 * steps, "without the projection the memory grows geometrically, far past no update's"

@@ -20,7 +20,15 @@ from lightning_gradcomp.compressors.exchange import (
     SentExactly,
 )
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder
-from lightning_gradcomp.compressors.lgc_base import LGCBase, decode_layers, dot, encode_layers, pad8
+from lightning_gradcomp.compressors.lgc_base import (
+    LGCBase,
+    decode_layers,
+    encode_layers,
+    fit_factors,
+    layer_dots,
+    pad8,
+    scaled,
+)
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes
 from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse
 from lightning_gradcomp.validation import check_bool, check_choice, check_number
@@ -278,23 +286,15 @@ class LGCAllReduce(LGCBase):
 
     def _dots(self, x: Tensor, decoded: Tensor, ctx: BucketContext) -> Tensor:
         """Per layer ``<x, decoded>`` over the slots (float32)."""
-        if not ctx.layers:
-            return x.new_zeros(0)
-        return torch.stack([dot(x[at : at + k], decoded[at : at + k]) for _, at, k in self._segments(ctx)])
+        return layer_dots(x, decoded, self._segments(ctx))
 
     def _factors(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> list[Tensor]:
-        """Per layer ``clamp(dots / |decoded|^2, 0, 1)`` (0 where ``decoded`` is all zeros), 0-dim tensors."""
-        out = []
-        for i, (_, at, k) in enumerate(self._segments(ctx)):
-            part = decoded[at : at + k]
-            norm = dot(part, part)
-            out.append(torch.where(norm > 0, dots[i] / torch.where(norm > 0, norm, 1.0), 0.0).clamp(0.0, 1.0))
-        return out
+        """Per layer ``clamp(dots / |decoded|^2, 0, 1)`` (:func:`fit_factors`), 0-dim tensors."""
+        return fit_factors(decoded, dots, self._segments(ctx))
 
     def _projected(self, decoded: Tensor, factors: Sequence[Tensor], ctx: BucketContext) -> Tensor:
         """``decoded`` scaled per layer by its factor (:meth:`_factors`)."""
-        out = [decoded[at : at + k] * f for f, (_, at, k) in zip(factors, self._segments(ctx))]
-        return torch.cat(out) if out else decoded
+        return scaled(decoded, factors, self._segments(ctx))
 
     # ------------------------------------------------------------------------------------------------------------
     # Bytes

@@ -90,6 +90,34 @@ def _scale(values: Tensor) -> Tensor:
     return divisor(rms(values))
 
 
+def layer_dots(x: Tensor, decoded: Tensor, segments: Sequence[tuple[Layer, int, int]]) -> Tensor:
+    """Per layer ``<x, decoded>`` over its slots (float32); ``segments``: :meth:`LGCBase._segments`."""
+    if not segments:
+        return x.new_zeros(0)
+    return torch.stack([dot(x[at : at + k], decoded[at : at + k]) for _, at, k in segments])
+
+
+def fit_factors(decoded: Tensor, dots: Tensor, segments: Sequence[tuple[Layer, int, int]]) -> list[Tensor]:
+    """Per layer ``clamp(dots / |decoded|^2, 0, 1)`` (0 where ``decoded`` is all zeros), 0-dim tensors.
+
+    With ``dots = <x, decoded>``, ``f decoded`` is the least-squares fit of ``decoded`` to ``x`` clamped to [0, 1],
+    so ``|x - f decoded| <= |x|``: the decoded values scaled by it are never further from ``x`` than nothing at all,
+    however poorly the autoencoder decodes, and error feedback's memory cannot grow from one step to the next.
+    """
+    out = []
+    for i, (_, at, k) in enumerate(segments):
+        part = decoded[at : at + k]
+        norm = dot(part, part)
+        out.append(torch.where(norm > 0, dots[i] / torch.where(norm > 0, norm, 1.0), 0.0).clamp(0.0, 1.0))
+    return out
+
+
+def scaled(decoded: Tensor, factors: Sequence[Tensor], segments: Sequence[tuple[Layer, int, int]]) -> Tensor:
+    """``decoded`` scaled per layer by its factor (:func:`fit_factors`)."""
+    out = [decoded[at : at + k] * f for f, (_, at, k) in zip(factors, segments)]
+    return torch.cat(out) if out else decoded
+
+
 def encode_layers(
     model: LGCAutoencoder, x: Tensor, scales: Tensor, segments: Sequence[tuple[Layer, int, int]]
 ) -> Tensor:
