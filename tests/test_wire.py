@@ -1,5 +1,7 @@
 """What a rank moves on the wire: the collectives' formulas, the telemetry that counts with them, the byte model."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ from lightning_gradcomp.compressors.base import Layer
 from lightning_gradcomp.compressors.wire_model import bucket_wire_bytes
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.monitor import format_summary
+from lightning_gradcomp.outer_monitor import format_outer_summary
 from lightning_gradcomp.simulation import hook_wire_bytes
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, SimulatedHook, SimulatedWorld
@@ -110,3 +113,10 @@ def test_the_model_of_an_all_gather_grows_with_the_workers_and_costs_no_decoding
     dense = sum(layer.numel for layer in LAYERS if not compressor().compresses(layer, 1024)) * 4
     payload = at[2].sent - wire.all_reduce(dense, 2).sent  # at two ranks, the compressed payload itself
     assert at[1024].sent == pytest.approx(1023 * payload + wire.all_reduce(dense, 1024).sent)
+
+
+def test_diloco_summary_compares_what_moved_per_step_with_plain_ddp_ring():
+    outer = SimpleNamespace(bytes_sent=172_600, bytes_received=172_600, syncs=2, skipped=0)
+    line = format_outer_summary(8, outer, 86_300, 2)  # type: ignore[arg-type]
+    assert "0.173 MB sent, 0.173 MB received (0.0432 MB moved per step, plain DDP's ring 0.1726: 4.0x less)" in line
+    assert "plain DDP's ring 0.3020: 7.0x less" in format_outer_summary(8, outer, 86_300, 8)  # type: ignore[arg-type]
