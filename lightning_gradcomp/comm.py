@@ -22,6 +22,7 @@ from typing import Any, Literal, Protocol
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import wire
 from lightning_gradcomp.telemetry import Telemetry
 
 __all__ = ["CollectiveBackend", "Comm", "when_all"]
@@ -59,6 +60,10 @@ class CollectiveBackend(Protocol):
 class Comm:
     """The collectives a compressor uses: packed payloads, bytes counted, later rounds ordered.
 
+    Each collective counts what this rank moves on the wire by its standard algorithm (:mod:`lightning_gradcomp.wire`),
+    from the buffer it hands the backend, so what the telemetry logs is what a compressor's declared byte model
+    predicts (:meth:`Compressor.wire_bytes <lightning_gradcomp.compressors.Compressor.wire_bytes>`).
+
     Args:
         backend: where the collectives run.
         telemetry: where bytes and encode/decode times are counted.
@@ -68,6 +73,7 @@ class Comm:
     def __init__(self, backend: CollectiveBackend, telemetry: Telemetry, device: torch.device) -> None:
         self.backend = backend
         self.telemetry = telemetry
+        telemetry.world_size = backend.world_size  # plain DDP's ring, the comparison, at this size
         self.device = device
         self._last_issue: dict[int, torch.futures.Future[None]] = {}
 
@@ -100,18 +106,18 @@ class Comm:
         """Reduce every tensor of ``payload`` across ranks; one collective per dtype.
 
         A single tensor is reduced in place (no copy); several tensors of one dtype are packed into one buffer so
-        the whole payload costs one collective. The future resolves to the reduced tensors, shaped as given.
+        the whole payload costs one collective (counted as a ring all-reduce of it). The future resolves to the
+        reduced tensors, shaped as given.
         """
         payload = tuple(payload)
-        nbytes = sum(t.numel() * t.element_size() for t in payload)
-        self.telemetry.add_sent(nbytes)
-        self.telemetry.add_received(2 * (self.world_size - 1) * nbytes // self.world_size)
         by_dtype: dict[torch.dtype, list[int]] = {}
         for i, t in enumerate(payload):
             by_dtype.setdefault(t.dtype, []).append(i)
         futures: list[torch.futures.Future] = []
         unpackers: list[Callable[[Tensor], list[tuple[int, Tensor]]]] = []
         for positions in by_dtype.values():
+            nbytes = sum(payload[i].numel() * payload[i].element_size() for i in positions)
+            self.telemetry.add_collective(nbytes, wire.all_reduce(nbytes, self.world_size))
             if len(positions) == 1:
                 i = positions[0]
                 futures.append(self.backend.all_reduce(payload[i], round, op))
@@ -136,13 +142,12 @@ class Comm:
         """Sum the sparse COO ``tensor`` (coalesced) across ranks with the backend's sparse all-reduce, in place.
 
         What DDP does with a sparse gradient (``nn.Embedding(sparse=True)``); gloo implements it as an all-gather of
-        every rank's rows, summed on every rank (NCCL has no sparse all-reduce, under plain DDP either). Counted as
-        sent: the tensor's indices and values (gloo adds a few bytes of sizes); as received, ``n - 1`` times that, as
-        if every rank sent as many rows (the other ranks' counts are not exchanged here).
+        every rank's rows, summed on every rank (NCCL has no sparse all-reduce, under plain DDP either). Counted as an
+        all-gather of the tensor's indices and values (gloo adds a few bytes of sizes), as if every rank sent as many
+        rows (the other ranks' counts are not exchanged here).
         """
         nbytes = tensor._indices().nbytes + tensor._values().nbytes
-        self.telemetry.add_sent(nbytes)
-        self.telemetry.add_received((self.world_size - 1) * nbytes)
+        self.telemetry.add_collective(nbytes, wire.sparse_all_reduce(nbytes, self.world_size))
         return self.backend.all_reduce(tensor, round, "sum")
 
     def all_gather(self, payload: Sequence[Tensor], round: int = 0) -> torch.futures.Future[list[Payload]]:
@@ -153,24 +158,22 @@ class Comm:
         payload = tuple(payload)
         if len(payload) == 1:
             (single,) = payload
-            self.telemetry.add_sent(single.numel() * single.element_size())
-            self.telemetry.add_received((self.world_size - 1) * single.numel() * single.element_size())
+            nbytes = single.numel() * single.element_size()
+            self.telemetry.add_collective(nbytes, wire.all_gather(nbytes, self.world_size))
             return self.backend.all_gather(single, round).then(lambda fut: [(row,) for row in fut.value()])
         buffer, layout = _pack_bytes(payload)
-        self.telemetry.add_sent(buffer.numel())
-        self.telemetry.add_received((self.world_size - 1) * buffer.numel())
+        self.telemetry.add_collective(buffer.numel(), wire.all_gather(buffer.numel(), self.world_size))
         return self.backend.all_gather(buffer, round).then(
             lambda fut: [_unpack_bytes(row, layout) for row in fut.value()]
         )
 
     def broadcast(self, payload: Sequence[Tensor], src: int, round: int = 0) -> torch.futures.Future[Payload]:
-        """Broadcast ``payload`` from rank ``src`` in one collective; only ``src`` counts the bytes as sent."""
+        """Broadcast ``payload`` from rank ``src`` in one collective, counted as this rank's part of a binomial tree."""
         payload = tuple(payload)
         buffer, layout = _pack_bytes(payload)
-        if self.rank == src:
-            self.telemetry.add_sent(buffer.numel())
-        else:
-            self.telemetry.add_received(buffer.numel())
+        self.telemetry.add_collective(
+            buffer.numel() if self.rank == src else 0, wire.broadcast(buffer.numel(), self.world_size, self.rank, src)
+        )
         return self.backend.broadcast(buffer, src, round).then(lambda fut: _unpack_bytes(fut.value(), layout))
 
     def all_to_all(
@@ -187,9 +190,8 @@ class Comm:
         rows, row_bytes = _pack_rows(payload)
         if rows.shape[0] != sum(send_counts):
             raise ValueError(f"all_to_all: the payload has {rows.shape[0]} rows, the send counts {sum(send_counts)}.")
-        me = self.rank
-        self.telemetry.add_sent((sum(send_counts) - send_counts[me]) * row_bytes)
-        self.telemetry.add_received((sum(recv_counts) - recv_counts[me]) * row_bytes)
+        moved = wire.all_to_all([c * row_bytes for c in send_counts], [c * row_bytes for c in recv_counts], self.rank)
+        self.telemetry.add_collective(sum(send_counts) * row_bytes, moved)
         recv_counts = list(recv_counts)
         future = self.backend.all_to_all(
             rows.reshape(-1), [c * row_bytes for c in send_counts], [c * row_bytes for c in recv_counts], round
@@ -213,8 +215,7 @@ class Comm:
         width = max(counts) * row_bytes if counts else 0
         buffer = torch.zeros(width, dtype=torch.uint8, device=rows.device)
         buffer[: rows.numel()].copy_(rows.reshape(-1))
-        self.telemetry.add_sent(width)
-        self.telemetry.add_received((self.world_size - 1) * width)
+        self.telemetry.add_collective(width, wire.all_gather(width, self.world_size))
 
         def unpack(fut: torch.futures.Future[Tensor]) -> list[Payload]:
             gathered = fut.value()

@@ -414,7 +414,7 @@ class CompressionState:
         coalesces it, so the average is bitwise DDP's; what is counted, sent and dense alike, is its rows.
         """
         gradient = buffer.div_(self.comm.world_size).coalesce()
-        self.telemetry.add_bucket(gradient._indices().nbytes + gradient._values().nbytes)
+        self.telemetry.add_bucket(gradient._indices().nbytes + gradient._values().nbytes, sparse=True)
         return self.comm.all_reduce_sparse(gradient)
 
     def _context(self, index: int, layers: tuple[Layer, ...], like: Tensor) -> BucketContext:

@@ -15,6 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from lightning_gradcomp import wire
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.process_groups import gather_rows
 from lightning_gradcomp.validation import check_bool, check_strategy_state
@@ -23,13 +24,17 @@ from lightning_gradcomp.validation import check_bool, check_strategy_state
 class CompressionMonitor(Callback):
     """Log what compression sends and saves after every optimizer step.
 
-    Logged keys: ``gradcomp/bytes_sent``, ``gradcomp/bytes_dense``, ``gradcomp/compression_ratio``,
-    ``gradcomp/encode_ms``, ``gradcomp/decode_ms`` and ``gradcomp/nonfinite_steps`` (how many steps so far had a
-    non-finite gradient on some rank; the first one also gets a warning).
+    Logged keys: ``gradcomp/bytes_sent`` and ``gradcomp/bytes_received`` (what this rank put on and took off the
+    wire, by each collective's standard algorithm: :mod:`lightning_gradcomp.wire`), ``gradcomp/bytes_dense`` (the
+    buckets' bytes, as plain DDP all-reduces them), ``gradcomp/bytes_dense_moved`` (what plain DDP's ring all-reduce
+    would send plus receive on this rank at this world size, ``4 (n - 1) / n`` times ``bytes_dense``),
+    ``gradcomp/compression_ratio`` (``bytes_dense_moved / (bytes_sent + bytes_received)``: below 1 when compression
+    moves more than plain DDP, as an all-gather does at many ranks), ``gradcomp/encode_ms``, ``gradcomp/decode_ms``
+    and ``gradcomp/nonfinite_steps`` (how many steps so far had a non-finite gradient on some rank; the first one
+    also gets a warning).
 
-    The numbers are the logging rank's own: the bytes of the payloads it handed to collectives (with two ranks, the
-    bytes it put on the wire) and the bytes plain DDP would have all-reduced. ``CompressedDDP`` adds this callback
-    unless the trainer already has one (or ``CompressedDDP(monitor=False)``).
+    The numbers are the logging rank's own. ``CompressedDDP`` adds this callback unless the trainer already has one
+    (or ``CompressedDDP(monitor=False)``).
 
     Args:
         prog_bar: show the compression ratio in the progress bar.
@@ -66,7 +71,9 @@ class CompressionMonitor(Callback):
             pl_module.log(name, value, prog_bar=prog_bar, on_step=True, on_epoch=False, batch_size=1)
 
         log("gradcomp/bytes_sent", float(stats.bytes_sent))
+        log("gradcomp/bytes_received", float(stats.bytes_received))
         log("gradcomp/bytes_dense", float(stats.bytes_dense))
+        log("gradcomp/bytes_dense_moved", float(stats.bytes_dense_moved))
         log("gradcomp/compression_ratio", stats.compression_ratio, prog_bar=self.prog_bar)
         log("gradcomp/encode_ms", stats.encode_ms)
         log("gradcomp/decode_ms", stats.decode_ms)
@@ -85,8 +92,9 @@ class CompressionMonitor(Callback):
         state = self._state(trainer)
         telemetry = state.telemetry
         totals = torch.tensor(
-            [telemetry.total_steps, telemetry.total_bytes_sent, telemetry.total_bytes_dense,
-             telemetry.total_encode_ms, telemetry.total_decode_ms],
+            [telemetry.total_steps, telemetry.total_bytes_sent, telemetry.total_bytes_received,
+             telemetry.total_bytes_dense, telemetry.total_bytes_dense_moved, telemetry.total_encode_ms,
+             telemetry.total_decode_ms],
             dtype=torch.float64,
         )  # fmt: skip
         # every rank's own numbers, for the table (a collective: every rank reaches on_train_end; on the strategy's
@@ -95,24 +103,30 @@ class CompressionMonitor(Callback):
         gathered = gather_rows(totals.to(trainer.strategy.root_device))
         per_rank = gathered.cpu().reshape(-1, totals.numel())
         # in the callback metrics too, so that a launcher that returns only those (spawn) still reports them
-        names = ("total_steps", "total_bytes_sent", "total_bytes_dense", "total_encode_ms", "total_decode_ms")
+        names = ("total_steps", "total_bytes_sent", "total_bytes_received", "total_bytes_dense",
+                 "total_bytes_dense_moved", "total_encode_ms", "total_decode_ms")  # fmt: skip
         trainer.callback_metrics.update({f"gradcomp/{n}": v for n, v in zip(names, totals)})
         if telemetry.total_steps:
             rank_zero_info(format_summary(per_rank.tolist(), repr(state.compressor)))
 
 
 def format_summary(per_rank: list[list[float]], compressor: str) -> str:
-    """The end-of-training table: each rank's steps, bytes sent against plain DDP's, ratio, encode/decode time."""
+    """The end-of-training table: what each rank moved against plain DDP's ring at this world size, encode/decode time.
+
+    ``per_rank``: each rank's steps, bytes sent, received, dense (the buckets'), dense moved (plain DDP's ring, sent
+    plus received), encode and decode milliseconds, in all.
+    """
     lines = [
         f"gradcomp summary ({compressor}):",
-        "| rank | steps | MB sent | MB dense (plain DDP) | compression ratio | encode ms/step | decode ms/step |",
-        "|---|---|---|---|---|---|---|",
+        "| rank | steps | MB sent | MB received | MB plain DDP (ring, sent + received) | compression ratio"
+        " | encode ms/step | decode ms/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for rank, (steps, sent, dense, encode, decode) in enumerate(per_rank):
-        ratio = dense / sent if sent else float("inf")
+    for rank, (steps, sent, received, _, dense_moved, encode, decode) in enumerate(per_rank):
+        ratio = wire.compression_ratio(wire.Wire(dense_moved, 0), wire.Wire(sent, received))
         per_step = max(steps, 1)
         lines.append(
-            f"| {rank} | {steps:.0f} | {sent / 1e6:,.3f} | {dense / 1e6:,.3f} | {ratio:,.1f}x |"
-            f" {encode / per_step:.2f} | {decode / per_step:.2f} |"
+            f"| {rank} | {steps:.0f} | {sent / 1e6:,.3f} | {received / 1e6:,.3f} | {dense_moved / 1e6:,.3f} |"
+            f" {ratio:,.2f}x | {encode / per_step:.2f} | {decode / per_step:.2f} |"
         )
     return "\n".join(lines)

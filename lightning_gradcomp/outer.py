@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_gradcomp import wire
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.outer_exchange import OuterExchange
 from lightning_gradcomp.replica_groups import ReplicaGroups, average_across_groups
@@ -200,8 +201,8 @@ class OuterState:
         The seam of the outer exchange: whatever travels on the wire is decided here. Each rank divides by the world
         size before the sum, as DDP's reducer does. ``async_op``: return at once, the all-reduces running in the
         background until :meth:`Averaging.wait` (Streaming DiLoCo's overlap). Bytes as the package's telemetry counts
-        an all-reduce, added when the exchange completes: the buffer is sent, and ``2 (n - 1) / n`` times it is
-        received (what a ring all-reduce receives).
+        an all-reduce (:mod:`lightning_gradcomp.wire`), added when the exchange completes: a ring sends and receives
+        ``2 (n - 1) / n`` times the buffer.
 
         With a compressor (``layouts``, from :meth:`layouts`, required) the flats go through its exchange, with this
         rank's error feedback; bytes are what its collectives count, and the residual and the compressor's state
@@ -232,12 +233,13 @@ class OuterState:
         return Averaging(flats, [w for w in works if w is not None], lambda: self._count("all_reduce", size, world))
 
     def _count(self, kind: str, size: int, world: int) -> None:
-        """Count one collective of a ``size``-byte buffer over ``world`` ranks as the telemetry does (docs/concepts.md).
+        """Count one collective of a ``size``-byte buffer over ``world`` ranks as the telemetry does (:mod:`wire`).
 
-        The buffer is sent; an all-reduce receives ``2 (n - 1) / n`` times it (a ring), an all-gather ``n - 1`` times.
+        A ring all-reduce sends and receives ``2 (n - 1) / n`` times the buffer, an all-gather ``n - 1`` times it.
         """
-        self.bytes_sent += size
-        self.bytes_received += 2 * (world - 1) * size // world if kind == "all_reduce" else (world - 1) * size
+        moved = (wire.all_reduce if kind == "all_reduce" else wire.all_gather)(size, world)
+        self.bytes_sent += int(moved.sent)
+        self.bytes_received += int(moved.received)
 
     def average_buffers(self, buffers: Sequence[Tensor]) -> list[Tensor]:
         """The mean over the workers of the model's floating-point buffers, its bytes counted as :meth:`average`'s."""

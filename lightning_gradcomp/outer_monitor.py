@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_gradcomp import wire
 from lightning_gradcomp.outer import OuterState
 from lightning_gradcomp.validation import check_strategy_state
 
@@ -28,14 +29,16 @@ class OuterMonitor(Callback):
 
     - ``gradcomp/bytes_sent``, ``gradcomp/bytes_received``: what this step's syncs put on and took off the wire
       (0 on an inner step; on a sync, the collectives of the pseudo-gradient and the buffers, counted as the package's
-      telemetry counts them: an all-reduce's buffer is sent and ``2 (n - 1) / n`` times it received);
+      telemetry counts them, :mod:`lightning_gradcomp.wire`: a ring all-reduce sends and receives
+      ``2 (n - 1) / n`` times its buffer);
     - ``gradcomp/bytes_sent_per_step``, ``gradcomp/bytes_received_per_step``: the bytes so far divided by the optimizer
       steps so far (amortised: what a per-step method would have to beat);
     - ``gradcomp/syncs``: outer steps taken so far; ``gradcomp/skipped_syncs``: rounds skipped because the averaged
       pseudo-gradient was not finite.
 
     At the end of ``fit`` (after the final outer step of a partial last round) the totals go into the callback
-    metrics (``gradcomp/total_*``) and rank 0 logs one line with them and plain DDP's bytes for the same steps.
+    metrics (``gradcomp/total_*``) and rank 0 logs one line with them and what plain DDP's ring all-reduce of the
+    gradients would have moved (sent plus received) in the same steps at this world size.
 
     Raises:
         MisconfigurationException: In ``setup``, if the strategy is not ``DiLoCo``.
@@ -100,15 +103,21 @@ class OuterMonitor(Callback):
         # in the callback metrics too, so that a launcher that returns only those (spawn) still reports them
         trainer.callback_metrics.update({f"gradcomp/{k}": torch.tensor(float(v)) for k, v in totals.items()})
         dense_per_step = sum(p.numel() * p.element_size() for p in outer.params)
-        rank_zero_info(format_outer_summary(trainer.global_step, outer, dense_per_step))
+        rank_zero_info(format_outer_summary(trainer.global_step, outer, dense_per_step, trainer.world_size))
 
 
-def format_outer_summary(steps: int, outer: OuterState, dense_per_step: int) -> str:
-    """One line: syncs, skipped rounds, MB sent in all and per step, against plain DDP's all-reduce of the gradients."""
-    per_step = outer.bytes_sent / max(steps, 1)
-    ratio = dense_per_step / per_step if per_step else float("inf")
+def format_outer_summary(steps: int, outer: OuterState, dense_per_step: int, world_size: int) -> str:
+    """One line: syncs, skipped rounds, MB moved in all and per step, against plain DDP's ring of the gradients.
+
+    Moved is sent plus received; plain DDP's ring all-reduce of ``dense_per_step`` bytes moves ``4 (n - 1) / n``
+    times them per step on each rank.
+    """
+    moved = wire.Wire(outer.bytes_sent, outer.bytes_received)
+    per_step = moved.moved / max(steps, 1)
+    dense = wire.all_reduce(dense_per_step, world_size)
+    ratio = wire.compression_ratio(dense, moved.scaled(1 / max(steps, 1)))
     return (
         f"gradcomp summary (DiLoCo): {steps} optimizer steps, {outer.syncs} syncs ({outer.skipped} skipped);"
-        f" {outer.bytes_sent / 1e6:,.3f} MB sent ({per_step / 1e6:,.4f} MB per step, plain DDP"
-        f" {dense_per_step / 1e6:,.4f}: {ratio:,.1f}x less), {outer.bytes_received / 1e6:,.3f} MB received."
+        f" {outer.bytes_sent / 1e6:,.3f} MB sent, {outer.bytes_received / 1e6:,.3f} MB received"
+        f" ({per_step / 1e6:,.4f} MB moved per step, plain DDP's ring {dense.moved / 1e6:,.4f}: {ratio:,.1f}x less)."
     )

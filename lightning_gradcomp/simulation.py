@@ -10,7 +10,7 @@ them), and so does :class:`~lightning_gradcomp.callbacks.AutoCompression`, which
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +20,9 @@ from lightning_gradcomp.comm import Comm, ReduceOpName
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, ResidualBuffers
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.wire import Wire
 
-__all__ = ["SimulatedHook", "SimulatedWorld", "simulate_reduce"]
+__all__ = ["SimulatedHook", "SimulatedWorld", "hook_wire_bytes", "simulate_reduce"]
 
 
 @dataclass
@@ -267,3 +268,24 @@ class SimulatedHook:
     def residual(self, rank: int, name: str) -> Tensor | None:
         """Rank ``rank``'s error-feedback residual of parameter ``name`` (``None`` if it has none)."""
         return self.states[rank].residuals.state_dict().get(name)
+
+
+def hook_wire_bytes(
+    make: Callable[[], Compressor], layers: tuple[Layer, ...], tensor: Tensor, world_size: int, steps: int = 1
+) -> list[Wire]:
+    """What each rank's telemetry counted, per step, when ``world_size`` simulated ranks all reduce ``tensor``.
+
+    The real hook (:class:`SimulatedHook`) with a fresh compressor per rank from ``make`` and the strategy's defaults;
+    each entry is the mean over the ranks of one step's ``bytes_sent`` and ``bytes_received``, what a compressor's
+    declared byte model (:func:`~lightning_gradcomp.compressors.wire_model.bucket_wire_bytes`) predicts for it.
+    """
+    states = [CompressionState(make()) for _ in range(world_size)]
+    hook = SimulatedHook(states, layers)
+    out = []
+    for _ in range(steps):
+        hook.step([tensor] * world_size)
+        stats = [state.telemetry.pop_step() for state in states]
+        sent = sum(s.bytes_sent for s in stats if s is not None) / world_size
+        received = sum(s.bytes_received for s in stats if s is not None) / world_size
+        out.append(Wire(sent, received))
+    return out

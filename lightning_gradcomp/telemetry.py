@@ -1,8 +1,9 @@
-"""Per-step compression telemetry: bytes put on the wire, dense bytes, encode/decode time.
+"""Per-step compression telemetry: bytes put on and taken off the wire, plain DDP's for comparison, encode/decode time.
 
-Counted where the work happens (the collectives count bytes from the sizes of the tensors they are handed; the
-compressor template times encode and decode), without any host-device synchronisation on the hot path: on CUDA the
-times are CUDA events, read once per step when the numbers are logged.
+Counted where the work happens (the collectives count what each rank moves from the sizes of the buffers they are
+handed, by the algorithms of :mod:`lightning_gradcomp.wire`; the driver times encode and decode), without any
+host-device synchronisation on the hot path: on CUDA the times are CUDA events, read once per step when the numbers
+are logged.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+
+from lightning_gradcomp import wire
 
 
 @dataclass
@@ -37,24 +40,29 @@ class BucketRecord:
 
 @dataclass(frozen=True)
 class StepStats:
-    """What one rank sent in one optimizer step.
+    """What one rank moved in one optimizer step.
+
+    Every byte count is this rank's own, by the standard algorithm of each collective
+    (:mod:`lightning_gradcomp.wire`): a ring all-reduce sends and receives ``2 (n - 1) / n`` times its buffer, an
+    all-gather ``n - 1`` times its payload, an all-to-all what actually goes to and comes from the other ranks, a
+    broadcast a binomial tree's share. With two ranks, sent and received are each the payload handed to the
+    collectives.
 
     Attributes:
-        bytes_sent: bytes of the payloads this rank handed to collectives (every round, every bucket). With two ranks
-            this is also the number of bytes the rank puts on the wire; with more, ring all-reduce moves
-            ``2 (n - 1) / n`` times it and all-gather ``n - 1`` times it (see docs/concepts.md).
-        bytes_dense: bytes plain DDP would all-reduce for the same buckets.
+        bytes_sent: bytes this rank put on the wire (every round, every bucket, the non-finite flags included).
+        bytes_dense: bytes of the buckets, as plain DDP hands them to its all-reduce.
         encode_ms: time spent compressing (including error feedback), in milliseconds.
         decode_ms: time spent decompressing and averaging, in milliseconds.
         buckets: how many bucket reductions the step made.
         finite: whether the step's gradients were finite on every rank; a non-finite step leaves every compressor
             state as it was (its aggregate is non-finite on every rank, for the optimizer's or AMP's skip).
         bytes_guard: the part of ``bytes_sent`` that carried the non-finite flags (and the padding they add).
-        bytes_received: bytes of other ranks' payloads this rank received: ``(n - 1)`` times the buffer of an
-            all-gather, what the other ranks' splits of an all-to-all hold, the buffer of a broadcast on every rank but
-            its source, and ``2 (n - 1) / n`` times the buffer of an all-reduce (what a ring all-reduce receives);
-            for a sparse gradient's all-reduce, ``n - 1`` times this rank's rows (an estimate: gloo gathers every
-            rank's rows, whose counts are not exchanged).
+        bytes_received: bytes this rank took off the wire. For a sparse gradient's all-reduce (gloo gathers every
+            rank's rows, whose counts are not exchanged), ``n - 1`` times this rank's rows: an estimate.
+        bytes_payload: bytes of the buffers this rank handed to collectives (what ``bytes_sent`` counted before it
+            counted the wire); independent of the world size.
+        bytes_dense_moved: what plain DDP's ring all-reduce of the same buckets would send plus receive on this rank
+            at this world size: ``4 (n - 1) / n * bytes_dense``.
     """
 
     bytes_sent: int
@@ -65,11 +73,18 @@ class StepStats:
     finite: bool = True
     bytes_guard: int = 0
     bytes_received: int = 0
+    bytes_payload: int = 0
+    bytes_dense_moved: int = 0
 
     @property
     def compression_ratio(self) -> float:
-        """``bytes_dense / bytes_sent`` (1.0 for plain all-reduce)."""
-        return self.bytes_dense / self.bytes_sent if self.bytes_sent else float("inf")
+        """``bytes_dense_moved / (bytes_sent + bytes_received)``: plain DDP's traffic over this rank's, at this ``n``.
+
+        1.0 for plain all-reduce; below 1 when compression moves more than DDP would (an all-gather at many ranks).
+        """
+        return wire.compression_ratio(
+            wire.Wire(self.bytes_dense_moved, 0), wire.Wire(self.bytes_sent, self.bytes_received)
+        )
 
 
 class Telemetry:
@@ -81,10 +96,13 @@ class Telemetry:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self.world_size = 1  # set by the Comm that counts here: plain DDP's ring is counted at this size
         self._reset_step()
         self.total_bytes_sent = 0
         self.total_bytes_received = 0
         self.total_bytes_dense = 0
+        self.total_bytes_payload = 0
+        self.total_bytes_dense_moved = 0
         self.total_steps = 0
         self.total_encode_ms = 0.0
         self.total_decode_ms = 0.0
@@ -95,7 +113,9 @@ class Telemetry:
     def _reset_step(self) -> None:
         self._sent = 0
         self._received = 0
+        self._payload = 0
         self._dense = 0
+        self._dense_moved = 0
         self._seconds = {"encode": 0.0, "decode": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._buckets = 0
@@ -118,20 +138,23 @@ class Telemetry:
         with self._lock:
             self.total_state_resets += 1
 
-    def add_sent(self, nbytes: int) -> None:
-        """Count ``nbytes`` handed to a collective."""
+    def add_collective(self, payload_nbytes: int, moved: wire.Wire) -> None:
+        """Count one collective: ``payload_nbytes`` handed to it, ``moved`` on this rank's wire."""
         with self._lock:
-            self._sent += nbytes
+            self._payload += payload_nbytes
+            self._sent += int(moved.sent)
+            self._received += int(moved.received)
 
-    def add_received(self, nbytes: int) -> None:
-        """Count ``nbytes`` of other ranks' payloads received by this rank."""
-        with self._lock:
-            self._received += nbytes
+    def add_bucket(self, dense_nbytes: int, sparse: bool = False) -> None:
+        """Count one bucket reduction that plain DDP would have all-reduced as ``dense_nbytes``.
 
-    def add_bucket(self, dense_nbytes: int) -> None:
-        """Count one bucket reduction whose plain all-reduce would have moved ``dense_nbytes``."""
+        ``sparse``: a sparse gradient's rows, which DDP all-reduces as gloo does, by an all-gather.
+        """
+        count = wire.sparse_all_reduce if sparse else wire.all_reduce
+        moved = count(dense_nbytes, self.world_size).moved
         with self._lock:
             self._dense += dense_nbytes
+            self._dense_moved += int(moved)
             self._buckets += 1
 
     @contextmanager
@@ -169,11 +192,15 @@ class Telemetry:
                 finite=all(bool(ok) for ok in self._verdicts),  # read when logging, never on the hook path
                 bytes_guard=self._guard,
                 bytes_received=self._received,
+                bytes_payload=self._payload,
+                bytes_dense_moved=self._dense_moved,
             )
             self.total_nonfinite_steps += not stats.finite
             self.total_bytes_sent += stats.bytes_sent
             self.total_bytes_received += stats.bytes_received
             self.total_bytes_dense += stats.bytes_dense
+            self.total_bytes_payload += stats.bytes_payload
+            self.total_bytes_dense_moved += stats.bytes_dense_moved
             self.total_steps += 1
             self.total_encode_ms += stats.encode_ms
             self.total_decode_ms += stats.decode_ms

@@ -153,10 +153,10 @@ def test_advise_snippets_apply_the_plan_and_name_the_accuracy_cost(tmp_path):
 
 def test_quickstart_table_reports_points_and_time_against_dense():
     rows = [
-        {"run": "compressed", "compressor": "TopK(ratio=0.01)", "val_acc": 0.95, "steps": 4, "sent": 1e5, "dense": 2e6,
-         "step_ms": 30.0},
-        {"run": "dense", "compressor": "Identity", "val_acc": 0.97, "steps": 4, "sent": 2e6, "dense": 2e6,
-         "step_ms": 40.0},
+        {"run": "compressed", "compressor": "TopK(ratio=0.01)", "val_acc": 0.95, "steps": 4, "sent": 1e5,
+         "received": 1e5, "dense_moved": 4e6, "step_ms": 30.0},
+        {"run": "dense", "compressor": "Identity", "val_acc": 0.97, "steps": 4, "sent": 2e6, "received": 2e6,
+         "dense_moved": 4e6, "step_ms": 40.0},
     ]  # fmt: skip
     table = format_quickstart_table(rows)
     assert "| compressed | TopK(ratio=0.01) | 95.00% | -2.00 | 30.0 | 0.75x | 0.100 | 20.0x |" in table

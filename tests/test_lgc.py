@@ -286,7 +286,7 @@ def test_telemetry_counts_the_documented_bytes_in_every_stage(variant, form, ran
         simulate_reduce(compressors, grads, LAYERS, step=step, telemetry=telemetry)
         for rank, t in enumerate(telemetry):
             ctx = BucketContext(index=0, step=step, rank=rank, world_size=ranks, layers=LAYERS)
-            assert t.pop_step().bytes_sent == compressors[rank].bytes_per_step(ctx), (step, rank)
+            assert t.pop_step().bytes_payload == compressors[rank].bytes_per_step(ctx), (step, rank)
 
 
 def test_the_code_is_about_a_quarter_of_the_values():

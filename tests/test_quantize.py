@@ -177,7 +177,7 @@ def test_terngrad_wire_sizes(ranks, fields):
             t.add_bucket(NUMEL * 4)
         simulate_reduce([TernGrad(aggregation=aggregation) for _ in range(ranks)], _grads(ranks, dtype=torch.float32),
                         LAYERS, telemetry=telemetry)  # fmt: skip
-        sent = telemetry[0].pop_step().bytes_sent
+        sent = telemetry[0].pop_step().bytes_payload  # what is handed to the collectives, before their factor
         if aggregation == "allreduce":
             assert sent == 4 * len(LAYERS) + 4 + values  # + 4: the non-finite flag rides with the scalers
         else:  # scalers and 2-bit values, each padded to whole 8-byte words

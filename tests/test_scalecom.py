@@ -105,7 +105,7 @@ def test_bytes_per_rank_do_not_depend_on_the_number_of_ranks_simulated(ranks):
         for rank, t in enumerate(telemetry):
             leader = step % ranks == rank
             # + 4: the non-finite flag rides with the values (fp32)
-            assert t.pop_step().bytes_sent == values + 4 + (indices if leader else 0)
+            assert t.pop_step().bytes_payload == values + 4 + (indices if leader else 0)
 
 
 def _small_net() -> nn.Module:
@@ -131,7 +131,7 @@ def _bytes_per_rank(rank: int, world_size: int) -> dict:
         # each bucket with compressed layers also sends the 4-byte non-finite flag, and DDP rebuilds its buckets
         # after the first step: count the payload alone
         flags = 4 * sum(1 for plan in state._plans.values() if plan.compressed)
-        sent.append(state.telemetry.pop_step().bytes_sent - flags)
+        sent.append(state.telemetry.pop_step().bytes_payload - flags)  # handed to the collectives
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(everyone, flat)

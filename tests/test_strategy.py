@@ -141,7 +141,11 @@ def test_every_compressor_trains_with_identical_replicas_and_logs_true_bytes(fit
     metrics = ranks[0]["callback_metrics"]  # rank 0's, as the logger has them
     sent = expected + ranks[0]["steps"][-1]["stats"].bytes_guard  # the non-finite flags, counted as sent
     assert metrics["gradcomp/bytes_sent"].item() == sent
-    assert metrics["gradcomp/compression_ratio"].item() == pytest.approx(_dense_bytes(TinyNet()) / sent)
+    received = ranks[0]["steps"][-1]["stats"].bytes_received  # at two ranks, what the other rank sent
+    assert metrics["gradcomp/bytes_received"].item() == received
+    # plain DDP's ring at two ranks sends and receives the buckets once each way
+    ratio = 2 * _dense_bytes(TinyNet()) / (sent + received)
+    assert metrics["gradcomp/compression_ratio"].item() == pytest.approx(ratio)
     last = ranks[0]["steps"][-1]["stats"]  # rank 0's last step, as the monitor logged it
     for key in ("encode_ms", "decode_ms"):
         logged = metrics[f"gradcomp/{key}"].item()

@@ -8,12 +8,13 @@ from lightning_gradcomp.auto.timeline import (
     Cost,
     Link,
     Timing,
+    allreduce_equivalent,
     exposed_tail,
     fit_link,
     plan_greedy,
     predict,
-    wire_bytes,
 )
+from lightning_gradcomp.wire import all_gather, all_reduce
 
 LINK = Link(alpha=0.001, beta=1e6)  # 1 ms per collective, 1 MB/s
 TIMING = Timing(forward=0.010, backward_end=0.100, optimizer=0.005)
@@ -104,10 +105,10 @@ def test_margin_is_checked():
         plan_greedy(_buckets(), [DENSE], LINK, TIMING, margin=1.0)
 
 
-def test_allgather_bytes_scale_with_the_world():
-    assert wire_bytes(100, "allgather", 2) == 100
-    assert wire_bytes(100, "allgather", 8) == 400
-    assert wire_bytes(100, "allreduce", 8) == 100
+def test_traffic_is_priced_as_the_all_reduce_that_moves_as_much():
+    assert allreduce_equivalent(all_gather(100, 2), 2) == 100
+    assert allreduce_equivalent(all_gather(100, 8), 8) == 400  # 7 payloads each way against 2 * 7 / 8 buffers
+    assert allreduce_equivalent(all_reduce(800, 8), 8) == 800
 
 
 def test_the_tail_after_the_last_reduction_is_added_to_every_candidate():

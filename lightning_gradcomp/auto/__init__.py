@@ -13,12 +13,12 @@ from lightning_gradcomp.auto.timeline import (
     Plan,
     Prediction,
     Timing,
+    allreduce_equivalent,
     exposed_tail,
     fit_link,
     plan_greedy,
     predict,
     speedup_curve,
-    wire_bytes,
 )
 
 __all__ = [
@@ -29,10 +29,10 @@ __all__ = [
     "Plan",
     "Prediction",
     "Timing",
+    "allreduce_equivalent",
     "exposed_tail",
     "fit_link",
     "plan_greedy",
     "predict",
     "speedup_curve",
-    "wire_bytes",
 ]

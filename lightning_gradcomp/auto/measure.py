@@ -5,7 +5,8 @@
   :class:`~lightning_gradcomp.auto.timeline.Timing`;
 - :func:`probe_link`: dense all-reduces of a few sizes on the real process group, fitted to ``alpha`` and ``beta``;
 - :func:`measure_codecs` and :func:`codec_cost`: each candidate on the step's real bucket gradients, through the real
-  hook on simulated ranks in this process (no communication; bytes from the payloads).
+  hook on simulated ranks in this process (no communication; bytes from each candidate's declared byte model,
+  :meth:`Compressor.wire_bytes <lightning_gradcomp.compressors.Compressor.wire_bytes>`, at the real world size).
 """
 
 from __future__ import annotations
@@ -20,10 +21,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from lightning_gradcomp.auto.timeline import DENSE, Bucket, Cost, Link, Timing, exposed_tail, fit_link, predict
-from lightning_gradcomp.auto.timeline import wire_bytes as _wire_bytes
+from lightning_gradcomp.auto.timeline import (
+    DENSE,
+    Bucket,
+    Cost,
+    Link,
+    Timing,
+    allreduce_equivalent,
+    exposed_tail,
+    fit_link,
+    predict,
+)
 from lightning_gradcomp.compressors import Compressor
 from lightning_gradcomp.compressors.base import Layer, check_gradient_dtypes
+from lightning_gradcomp.compressors.wire_model import bucket_wire_bytes
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.telemetry import BucketRecord, StepStats
 from lightning_gradcomp.testing import SimulatedHook
@@ -212,7 +223,9 @@ def codec_cost(
     The hook's own work (the gather and scatter of the compressed layers, the error-feedback staging, the finiteness
     guard and the commit) costs as much as a light codec's: timing only the compressor predicted PowerSGD up to 15 %
     too fast. Encode and decode are the compressor's own timed blocks on rank 0; the rest of the wall time per rank
-    is the hook's and counts as encoding (it runs at the hook's call, on the autograd thread).
+    is the hook's and counts as encoding (it runs at the hook's call, on the autograd thread). The bytes are what
+    the candidate's byte model says each rank moves for the bucket's gradient at ``world_size`` (whatever mix of
+    collectives it yields), priced as the all-reduce that moves as many.
     """
     compressed = [layer for layer in layers if candidate.compresses(layer, state.min_compress_numel)]
     dense_numel = sum(layer.numel for layer in layers) - sum(layer.numel for layer in compressed)
@@ -241,8 +254,10 @@ def codec_cost(
     wall, stats = best
     encode, decode = stats.encode_ms / 1e3, stats.decode_ms / 1e3
     hook_s = max(0.0, wall / world_size - encode - decode)
-    dense_bytes = dense_numel * element
-    nbytes = _wire_bytes(stats.bytes_sent - dense_bytes, candidate.collective, world_size) + dense_bytes
+    ranks = max(world_size, 2)  # one worker moves nothing: price the bytes as two would move them, like the dense cost
+    moved = bucket_wire_bytes(candidate, layers, ranks, min_compress_numel=state.min_compress_numel,
+                              error_feedback=state.error_feedback, tensor=flat)  # fmt: skip
+    nbytes = allreduce_equivalent(moved, ranks)
     rounds = candidate.rounds + (1 if dense_numel else 0)
     return Cost(encode + hook_s, decode, float(nbytes), rounds)
 

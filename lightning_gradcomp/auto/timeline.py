@@ -4,7 +4,8 @@ Times are seconds, measured from the start of the backward pass. For bucket ``b`
 
 * ``r_b``: when the bucket's gradients are ready (the hook is called);
 * ``enc_b``, ``dec_b``: the candidate's encode and decode time for the bucket;
-* ``rounds_b``, ``bytes_b``: how many dependent collectives it issues and how many bytes each rank hands them.
+* ``rounds_b``, ``bytes_b``: how many dependent collectives it issues and how many bytes each rank moves, as the
+  buffer of the ring all-reduce that moves as many (:func:`allreduce_equivalent`).
 
 The model is::
 
@@ -16,8 +17,8 @@ on the autograd thread: on CPU every encode delays the rest of the backward; on 
 shift is 0 when ``encode_blocks_backward`` is off). When the CPU is *contended* (fewer cores than workers times their
 threads plus a communication thread each: CPU training on a small machine), the decoding of every earlier bucket runs
 on a communication thread that takes its core from the backward pass, so ``shift_b`` gains it too. ``wire_b`` is
-``bytes_b`` scaled for the collective (:func:`wire_bytes`). ``alpha`` and ``beta`` come from :func:`fit_link` on timed
-dense all-reduces of the real link, so they already include the all-reduce algorithm's own factor.
+``bytes_b``. ``alpha`` and ``beta`` come from :func:`fit_link` on timed dense all-reduces of the real link, so they
+already include the all-reduce algorithm's own factor.
 
 What is *not* modelled, by measurement: gloo's own CPU work per byte. An earlier version of this model gave a
 compressed bucket back the host CPU time its saved bytes would have cost (fitted from ``time.process_time()`` around
@@ -30,6 +31,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from lightning_gradcomp.wire import Wire, all_reduce
 
 DENSE = "dense"
 
@@ -83,15 +86,15 @@ def fit_link(samples: Sequence[tuple[float, float]], alpha: float | None = None)
     return Link(alpha=alpha, beta=1.0 / slope)
 
 
-def wire_bytes(nbytes: float, collective: str, world_size: int) -> float:
-    """``nbytes`` handed to ``collective`` as the all-reduce bytes that take as long on a ring.
+def allreduce_equivalent(moved: Wire, world_size: int) -> float:
+    """The buffer a ring all-reduce over ``world_size`` ranks is handed to move as much as ``moved`` does.
 
-    A ring all-reduce moves ``2 (p - 1) / p`` times its buffer, an all-gather ``(p - 1)`` times it; ``beta`` is fitted
-    on all-reduces, so an all-gather's bytes count ``p / 2`` times (the same for two ranks).
+    ``beta`` is fitted on all-reduces of known buffers, so a compressor's traffic (its declared byte model,
+    :meth:`Compressor.wire_bytes <lightning_gradcomp.compressors.Compressor.wire_bytes>`, whatever its collectives)
+    is priced as the all-reduce that moves as many bytes: ``sent + received`` over ``4 (n - 1) / n``.
     """
-    if collective == "allgather" and world_size > 1:
-        return nbytes * world_size / 2
-    return nbytes
+    per_byte = all_reduce(1 << 20, world_size).moved / (1 << 20)
+    return moved.moved / per_byte if per_byte else 0.0
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,7 @@ class Cost:
     Attributes:
         encode: seconds of encoding (error feedback and compression) on this rank.
         decode: seconds of decoding and averaging.
-        nbytes: bytes per rank handed to collectives, as all-reduce-equivalent bytes (:func:`wire_bytes`).
+        nbytes: bytes per rank, as the buffer of the ring all-reduce that moves as much (:func:`allreduce_equivalent`).
         rounds: dependent collectives (each pays ``alpha``).
     """
 

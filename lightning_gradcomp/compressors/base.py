@@ -17,8 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import wire
 from lightning_gradcomp.comm import Payload
-from lightning_gradcomp.compressors import driver
+from lightning_gradcomp.compressors import driver, wire_model
 from lightning_gradcomp.compressors.context import (
     BucketContext,
     Collective,
@@ -360,6 +361,22 @@ class Compressor(ABC):
         ``tensor`` may be modified in place. Not to be overridden.
         """
         return driver.reduce(self, tensor, ctx, memory, runs)
+
+    def wire_bytes(
+        self, layers: Sequence[Layer] | int, world_size: int, *, error_feedback: bool | None = None,
+        tensor: Tensor | None = None, step: int = 0,
+    ) -> wire.Wire:  # fmt: skip
+        """The byte model: what one rank sends and receives (mean over ranks) to reduce ``layers`` over ``world_size``.
+
+        ``layers``: those the compressor takes (or a number of elements, one flat layer); ``error_feedback``: the
+        strategy's (``None``: the default; it decides whether the non-finite flag travels); ``tensor``: the flat
+        gradient, where sizes depend on the data (a seeded Gaussian in float32 otherwise); ``step``: the optimizer
+        step. The default reads the requests :meth:`exchange` yields, counted as the telemetry counts them
+        (:func:`~lightning_gradcomp.compressors.wire_model.traced_wire_bytes`), so it fits any exchange; a compressor
+        may override it with a closed form that must agree. A whole bucket: ``wire_model.bucket_wire_bytes``.
+        """
+        return wire_model.traced_wire_bytes(self, layers, world_size, error_feedback=self.resolve_error_feedback(
+            error_feedback), tensor=tensor, step=step)  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------------------
     # Per-layer compression levels

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import wire
 from lightning_gradcomp.comm import Payload
 from lightning_gradcomp.compressors.context import BucketContext, GradientRuns, ResidualBuffers
 from lightning_gradcomp.compressors.exchange import (
@@ -44,7 +45,7 @@ from lightning_gradcomp.compressors.exchange import (
 if TYPE_CHECKING:
     from lightning_gradcomp.comm import Comm
 
-__all__ = ["Compaction", "Delegate", "reduce", "settle"]
+__all__ = ["Compaction", "Delegate", "issue_all", "reduce", "settle"]
 
 _DECLARATIONS = (Lossless, SentExactly, SentPayload, SentValue, SentAt, OwedAt)
 
@@ -169,7 +170,7 @@ class _Run:
         carries = self.flag is not None and isinstance(request, (AllReduce, AllGather))
         if carries:
             flag = self._flag_like(payload, request)
-            comm.telemetry.add_guard(_flag_nbytes(payload, flag, isinstance(request, AllGather)))
+            comm.telemetry.add_guard(_flag_sent(payload, flag, isinstance(request, AllGather), comm.world_size))
             payload = (*payload, flag)
             self.flag_at = (round, type(request))
             self.flag = None
@@ -403,14 +404,17 @@ def settle(sent: Sent, x: Tensor, memory: ResidualBuffers, compressor: Compresso
         twin.mul_(beta).add_(residual, alpha=1.0 - beta)
 
 
-def _flag_nbytes(payload: Payload, flag: Tensor, gathered: bool) -> int:
-    """What the flag adds to the bytes handed to the collective (the byte-packed all-gather pads to 8 bytes)."""
-    if not gathered:
-        return flag.element_size()
+def _flag_sent(payload: Payload, flag: Tensor, gathered: bool, world_size: int) -> int:
+    """What the flag adds to the bytes this rank sends (the byte-packed all-gather pads to 8 bytes)."""
+    if not gathered:  # it joins the all-reduce of its dtype's tensors
+        nbytes = sum(t.numel() * t.element_size() for t in payload if t.dtype == flag.dtype)
+        with_flag = wire.all_reduce(nbytes + flag.element_size(), world_size).sent
+        return int(with_flag - wire.all_reduce(nbytes, world_size).sent)
+    added = 8
     if len(payload) == 1:  # a lone tensor is sent unpacked; with the flag it is packed, so padded too
         nbytes = payload[0].numel() * payload[0].element_size()
-        return -(-nbytes // 8) * 8 - nbytes + 8
-    return 8
+        added = -(-nbytes // 8) * 8 - nbytes + 8
+    return int(wire.all_gather(added, world_size).sent)
 
 
 def _completed(comm: Comm, value: Any) -> torch.futures.Future:
@@ -479,3 +483,23 @@ def reduce(
         return out
 
     return fut.then(commit)
+
+
+def issue_all(
+    compressor: Compressor, tensor: Tensor, ctx: BucketContext, memory: ResidualBuffers | None = None
+) -> None:
+    """Issue every collective of ``compressor``'s reduction of ``tensor`` as :func:`reduce` would, without the result.
+
+    For a byte model (:mod:`lightning_gradcomp.compressors.wire_model`): ``ctx.comm``'s backend must complete each
+    collective at once. Every round's request is issued (with the non-finite flag where it rides) and every result
+    but the last is handed back to the exchange, whose final decoding is skipped. Staged state is never committed.
+    """
+    comm = ctx.comm
+    assert comm is not None
+    ctx = dataclasses.replace(ctx, updates=StepUpdates(), error_feedback=memory is not None)
+    if memory is not None and memory.twin is None:
+        memory = ResidualBuffers(memory.residual, torch.empty_like(memory.residual))
+    run = _Run(compressor, tensor, ctx, comm, memory, None)
+    fut = run.issue(run.first(), 0)
+    for round in range(1, run.runner.rounds):
+        fut = run.resume(fut, round)
