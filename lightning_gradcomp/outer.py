@@ -298,3 +298,17 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one host read: DiLoCo calls it once per round)."""
     checks = [t.isfinite().all() for t in tensors]
     return bool(torch.stack([c.cpu() for c in checks]).all()) if checks else True
+
+
+def forget_nonfinite_state(outer: OuterState, params: Sequence[Tensor], optimizers: Iterable[Optimizer]) -> None:
+    """After a skipped round, leave no non-finite value in this rank's own state.
+
+    Its non-finite parameters go back to theta_global, and the inner optimizers forget the state (momenta) of
+    parameters whose state is not finite (host reads: only on a skipped round).
+    """
+    outer.copy_to(params, [i for i, p in enumerate(params) if not bool(p.isfinite().all())])
+    for optimizer in optimizers:
+        for p in list(optimizer.state):
+            values = [v for v in optimizer.state[p].values() if isinstance(v, Tensor) and v.is_floating_point()]
+            if not all_finite(values):
+                del optimizer.state[p]

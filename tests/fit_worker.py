@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch._dynamo
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -218,6 +219,8 @@ def train(run: str, root: str, devices: int) -> None:
     trainer_kwargs = dict(trainer_kwargs)
     checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
+    if isinstance(strategy, DiLoCo):
+        strategy.checkpoint_io = RecordingCheckpointIO()
     saving = [ModelCheckpoint(dirpath=dirpath, **checkpointing)] if trainer_kwargs.get("enable_checkpointing") else []
     trainer = pl.Trainer(
         **{
@@ -248,6 +251,11 @@ def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
     if edit == "stateless":
         saved.pop("gradcomp", None)  # CompressedDDP's state
         saved.pop("diloco", None)  # DiLoCo's
+    elif edit == "gathered" and "diloco" in saved:  # DiLoCo's layout: the shared state beside every rank's own
+        section = saved["diloco"]
+        ranks = [load_rank_state(ckpt_path, "diloco", rank).state for rank in range(section["world_size"])]
+        shared = {k: section[k] for k in ("world_size", "sync_every", "fragments", "outer")}
+        saved["diloco"] = {"format": 1, **shared, "ranks": [{k: r[k] for k in _GATHERED_DILOCO} for r in ranks]}
     elif edit == "gathered":
         world_size = saved["gradcomp"]["world_size"]
         ranks = [load_rank_state(ckpt_path, "gradcomp", rank).state for rank in range(world_size)]
@@ -257,6 +265,22 @@ def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
     edited = os.path.join(dirpath, f"{edit}-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
     torch.save(saved, edited)
     return edited
+
+
+#: what DiLoCo's gathered checkpoints held for each rank
+_GATHERED_DILOCO = ("tensors", "optimizer_states", "contribution", "exchange")
+
+
+class RecordingCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, which remembers the files this rank wrote (:class:`RecordRounds` saves them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[str] = []
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        self.written.append(os.path.basename(str(path)))
+        super().save_checkpoint(checkpoint, path, storage_options=storage_options)
 
 
 def assert_same_weights(a: list[dict], b: list[dict], what: str = "") -> None:

@@ -247,6 +247,7 @@ class RecordRounds(Callback):
                 "bytes_received": outer.bytes_received,
                 "exchange": outer.exchange.state_dict() if outer.exchange is not None else None,
                 "outer_state": outer.optimizer.state_dict(),
+                "checkpoints_written": list(getattr(trainer.strategy.checkpoint_io, "written", [])),
             },
             os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
         )

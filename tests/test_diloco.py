@@ -7,6 +7,7 @@ reference DiLoCo is computed in the test process, from the same data, model and 
 
 import copy
 import os
+import shutil
 from functools import partial
 
 import pytest
@@ -19,6 +20,7 @@ from torch.utils.data import DistributedSampler
 from lightning_gradcomp import DiLoCo
 from lightning_gradcomp.compressors import Identity
 from lightning_gradcomp.diloco import _split_fragments
+from lightning_gradcomp.rank_state import load_rank_state, rank_state_dir
 from lightning_gradcomp.replica_groups import group_size
 from tests.fit_worker import assert_same_weights, run_fits, run_name, train
 from tests.models import TinyNet, synthetic_classification
@@ -26,6 +28,8 @@ from tests.models import TinyNet, synthetic_classification
 RESUMED = "diloco-h3:epochs4+diloco-h3:epochs2"
 # the checkpoint after 8 steps holds fragment 1's exchange in flight
 RESUMED_IN_FLIGHT = "diloco-h4f2t1:epochs4+diloco-h4f2t1:epochs2"
+# a checkpoint with compressor residuals, saved on 2, 3 and 4 processes: rank 0's file must not grow
+SIZED = "diloco-h4-sparseloco:epochs2"
 LAUNCH = [
     "ddp:eager",
     "diloco-h1:eager",
@@ -52,6 +56,8 @@ LAUNCH = [
     "ddp:epochs4+diloco-h3:epochs2",
     "identity:epochs4+diloco-h3:epochs2",
     "diloco-h4:epochs4+diloco-h3:epochs2",
+    f"{RESUMED}:gathered",
+    SIZED,
 ]
 
 
@@ -277,7 +283,7 @@ def test_streaming_with_overlap_trains_and_resumes_with_an_exchange_in_flight(la
     assert_same_weights(records["diloco-h4f2t1:epochs4"], records[RESUMED_IN_FLIGHT], "resumed in flight")
     section = _saved(root, "diloco-h4f2t1:epochs2")["diloco"]
     assert section["outer"]["pending"] == {"fragment": 1, "remaining": 1}
-    contributions = [rank["contribution"] for rank in section["ranks"]]
+    contributions = [rank["contribution"] for rank in _saved_ranks(root, "diloco-h4f2t1:epochs2")]
     assert not torch.equal(contributions[0][0], contributions[1][0]), "each rank's own pseudo-gradient"
 
 
@@ -313,6 +319,12 @@ def _saved(root, run):
     return torch.load(os.path.join(root, run_name(run), "last.ckpt"), weights_only=False)
 
 
+def _saved_ranks(root, run, world_size=2):
+    """What each rank saved beside the run's last checkpoint (its own DiLoCo state)."""
+    path = os.path.join(root, run_name(run), "last.ckpt")
+    return [load_rank_state(path, "diloco", rank).state for rank in range(world_size)]
+
+
 def test_resume_in_the_middle_of_a_round_is_bitwise(launch):
     root, _, records = launch
     assert_same_weights(records["diloco-h3:epochs4"], records[RESUMED], "resumed mid-round")
@@ -321,9 +333,12 @@ def test_resume_in_the_middle_of_a_round_is_bitwise(launch):
     section = saved["diloco"]
     assert section["world_size"] == 2
     assert section["outer"]["phase"] == 2, "saved 2 steps into a round"
-    local = [rank["tensors"] for rank in section["ranks"]]
+    assert "ranks" not in section, "no rank's own state in rank 0's checkpoint"
+    ranks = _saved_ranks(root, "diloco-h3:epochs2")
+    assert [rank["global_step"] for rank in ranks] == [8, 8]
+    local = [rank["tensors"] for rank in ranks]
     assert not all(torch.equal(a, b) for a, b in zip(*local)), "each rank's own parameters are saved"
-    momenta = [rank["optimizer_states"][0]["state"][0]["momentum_buffer"] for rank in section["ranks"]]
+    momenta = [rank["optimizer_states"][0]["state"][0]["momentum_buffer"] for rank in ranks]
     assert not torch.equal(*momenta), "each rank's own inner optimizer state is saved"
     model = TinyNet()
     params = dict(model.named_parameters())
@@ -332,6 +347,22 @@ def test_resume_in_the_middle_of_a_round_is_bitwise(launch):
     # the state matters: without it the resumed run differs
     stateless = records[f"{RESUMED}:stateless"]
     assert not torch.equal(stateless[0]["params"], records[RESUMED][0]["params"])
+
+
+def test_a_checkpoint_with_every_ranks_state_inside_still_resumes_bitwise(launch):
+    """Checkpoints written before each rank had a file of its own hold every rank's state in ``checkpoint["diloco"]``
+    (rebuilt here from the per-rank files): they resume as before, bit for bit."""
+    _, _, records = launch
+    assert_same_weights(records["diloco-h3:epochs4"], records[f"{RESUMED}:gathered"], "resumed from gathered")
+
+
+def test_only_rank_zero_writes_the_checkpoint_each_rank_writes_its_own_file(launch):
+    root, _, records = launch
+    ranks = records["diloco-h3:epochs2"]
+    assert ranks[0]["checkpoints_written"] == ["last.ckpt", "last.ckpt"], "rank 0: one per epoch"
+    assert ranks[1]["checkpoints_written"] == [], "no other rank writes Lightning's checkpoint"
+    folder = rank_state_dir(os.path.join(root, run_name("diloco-h3:epochs2"), "last.ckpt"))
+    assert sorted(os.listdir(folder)) == ["diloco.rank0.pt", "diloco.rank1.pt"]
 
 
 def test_checkpoints_pass_between_plain_ddp_and_diloco(launch):
@@ -364,15 +395,34 @@ def _assert_matches_reference(ranks: list[dict], world_size: int) -> None:
     assert_replicas_identical(ranks)
 
 
-GROUPED = ["ddp:eager", "diloco-h1-g2:eager", "diloco-h2-g2:eager"]
+GROUPED = ["ddp:eager", "diloco-h1-g2:eager", "diloco-h2-g2:eager", SIZED]
+# the 2-process checkpoint of RESUMED resumed on 3 processes
+RESIZED = "diloco-h3:epochs4+diloco-h3:epochs2"
 
 
-def test_two_levels_dense_inside_a_group_diloco_across(tmp_path):
+@pytest.fixture(scope="module")
+def launch3(launch, tmp_path_factory):
+    """Three processes: the reference, a checkpoint, and a resume of the 2-process launch's checkpoint."""
+    root = tmp_path_factory.mktemp("diloco")  # a name as long as the 2-process launch's: checkpoints comparable
+    shutil.copytree(launch[0] / run_name("diloco-h3:epochs2"), root / run_name("diloco-h3:epochs2"))
+    code, output, records = run_fits(root, 3, ["diloco-h2:steps6", SIZED, RESIZED])
+    assert code == 0, output[-3000:]
+    return root, output, records
+
+
+@pytest.fixture(scope="module")
+def launch4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("diloco")
+    code, output, records = run_fits(root, 4, GROUPED)
+    assert code == 0, output[-3000:]
+    return root, output, records
+
+
+def test_two_levels_dense_inside_a_group_diloco_across(launch4):
     """4 processes as 2 groups of 2: identical inside a group at every step, everywhere after a sync; H = 1 with outer
     SGD(lr=1) is plain DDP over the 4 ranks; H = 2 (4 steps, one epoch) matches DiLoCo by hand with each group's mean
     gradient."""
-    code, output, records = run_fits(tmp_path, 4, GROUPED)
-    assert code == 0, output[-3000:]
+    _, output, records = launch4
     assert "2 replicas of 2 ranks" in output
     torch.testing.assert_close(
         records["diloco-h1-g2:eager"][0]["params"], records["ddp:eager"][0]["params"], rtol=1e-5, atol=1e-6
@@ -396,10 +446,33 @@ def test_two_levels_dense_inside_a_group_diloco_across(tmp_path):
     assert ranks[0]["bytes_sent"] == 2 * 2 * half
 
 
-def test_three_processes_match_the_reference(tmp_path):
-    code, output, records = run_fits(tmp_path, 3, ["diloco-h2:steps6"])
-    assert code == 0, output[-3000:]
-    _assert_matches_reference(records["diloco-h2:steps6"], 3)
+def test_three_processes_match_the_reference(launch3):
+    _assert_matches_reference(launch3[2]["diloco-h2:steps6"], 3)
+
+
+def test_rank_zeros_checkpoint_does_not_grow_with_the_ranks(launch, launch3, launch4):
+    """Each rank's parameters, inner optimizer state and residuals go into its own file, not rank 0's checkpoint."""
+    sizes, rank_files = [], []
+    for world_size, (root, _, records) in zip((2, 3, 4), (launch, launch3, launch4)):
+        path = os.path.join(root, run_name(SIZED), "last.ckpt")
+        sizes.append(os.path.getsize(path))
+        rank_files.append(sorted(os.listdir(rank_state_dir(path))))
+        assert rank_files[-1] == [f"diloco.rank{r}.pt" for r in range(world_size)]
+        assert all(rank["checkpoints_written"] == [] for rank in records[SIZED][1:])
+        own = load_rank_state(path, "diloco", world_size - 1).state
+        assert own["exchange"]["residuals"], "the residuals are in the rank's file"
+    one_rank = os.path.getsize(os.path.join(rank_state_dir(path), "diloco.rank0.pt"))
+    assert max(sizes) - min(sizes) < one_rank / 100, f"rank 0's checkpoint: {sizes} bytes on 2, 3, 4 processes"
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_three_from_theta_global_in_the_same_round(launch3):
+    """theta_global, the outer state and the phase carry over; each rank's own state is reset, with a warning."""
+    _, output, records = launch3
+    assert "saved by 2 processes, this run has 3" in output
+    ranks = records[RESIZED]
+    assert [s["phase"] for s in ranks[0]["steps"]] == [0, 1, 2, 0, 1, 2], "saved 2 steps into a round of 3"
+    assert ranks[0]["syncs"] == 2 + 3, "2 saved, 2 rounds resumed, the partial last one"
+    assert_replicas_identical(ranks)
 
 
 def test_one_process_matches_the_reference(in_process_ddp, tmp_path):
