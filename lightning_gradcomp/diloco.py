@@ -14,9 +14,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -25,7 +27,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.diloco_args import check_arguments, strategy_kwargs
+from lightning_gradcomp.diloco_args import check_arguments, check_fit, strategy_kwargs
 from lightning_gradcomp.diloco_checkpoint import (
     CHECKPOINT_KEY,
     load_own_state,
@@ -36,6 +38,7 @@ from lightning_gradcomp.diloco_checkpoint import (
     save_diloco_state,
     with_theta_global,
 )
+from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
 from lightning_gradcomp.outer import (
     OuterOptimizerCallable,
     OuterState,
@@ -44,6 +47,7 @@ from lightning_gradcomp.outer import (
     forget_nonfinite_state,
 )
 from lightning_gradcomp.outer_monitor import OuterMonitor
+from lightning_gradcomp.process_groups import hand_off_gil, release_round_groups
 from lightning_gradcomp.rank_state import remove_rank_states
 from lightning_gradcomp.replica_groups import ReplicaGroups, average_in_group, replica_groups_for
 from lightning_gradcomp.validation import check_bool
@@ -86,23 +90,18 @@ class DiLoCo(DDPStrategy):
     """DiLoCo: inner steps on each worker with no communication, an outer step on the averaged pseudo-gradient.
 
     Each worker steps the module's own optimizer (the inner optimizer, e.g. AdamW) and LR schedulers on its local
-    gradients; nothing crosses the wire between syncs: no gradient all-reduce, no buffer broadcast (the model is not
-    wrapped in ``DistributedDataParallel``). Every ``sync_every`` optimizer steps:
+    gradients; nothing crosses the wire between syncs (the model is not wrapped in ``DistributedDataParallel``). Every
+    ``sync_every`` optimizer steps the workers average the pseudo-gradient ``theta_global - theta_local`` (theta_global:
+    the parameters every worker started the round from) with one all-reduce, the outer optimizer steps theta_global
+    with ``.grad`` set to that average, every worker is set to the new theta_global, and floating-point buffers
+    (BatchNorm's running statistics) are averaged.
 
-    1. each worker forms the pseudo-gradient ``theta_global - theta_local`` (theta_global: the parameters every worker
-       started the round from);
-    2. the workers average it with one all-reduce;
-    3. the outer optimizer steps theta_global with ``.grad`` set to that average;
-    4. every worker is set to the new theta_global, and floating-point buffers (BatchNorm's running statistics) are
-       averaged.
-
-    After ``fit`` every rank holds theta_global: a partial last round ends with an outer step of its own. Validation
-    during ``fit`` runs on theta_global, and a checkpoint's ``state_dict`` holds theta_global; the rest of the training
-    state (every rank's local parameters and inner optimizer state, the outer optimizer's state, the phase in the
-    round) travels in ``checkpoint["diloco"]``, so a run resumes bit for bit, also in the middle of a round.
-
-    A pseudo-gradient that is not finite on some rank skips that outer step: every worker goes back to theta_global,
-    a rank whose inner optimizer state holds non-finite values forgets that state, and the skip is logged and counted.
+    After ``fit`` every rank holds theta_global (a partial last round ends with an outer step). Validation during
+    ``fit`` runs on theta_global, and a checkpoint's ``state_dict`` holds it; the outer state goes into
+    ``checkpoint["diloco"]`` and each rank's own state into a file of its own beside the checkpoint, so a run resumes
+    bit for bit, also in the middle of a round. A pseudo-gradient that is not finite on some rank skips that outer
+    step: every worker goes back to theta_global, non-finite inner optimizer state is forgotten, and the skip is
+    logged and counted. A rank that fails ends every rank, with an error that names it.
 
     Args:
         sync_every: inner optimizer steps per round (``H``; 500 in the paper, 20-100 for small models).
@@ -168,6 +167,7 @@ class DiLoCo(DDPStrategy):
         self._own: dict[str, Any] | None = None  # this rank's own state read with the checkpoint, applied at setup
         self._shared_exchange: dict[str, Any] | None = None  # rank 0's compressor state, on another world size
         self._local: list[Tensor] | None = None  # this rank's parameters and buffers while validation runs on global
+        self._synchronous = False
 
     @classmethod
     @override
@@ -177,6 +177,19 @@ class DiLoCo(DDPStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="DiLoCo: periodic synchronization with an outer optimizer"
             )
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether each step is plain data parallelism (gradients averaged over every rank), with no rounds.
+
+        :class:`~lightning_gradcomp.callbacks.DenseWarmup` sets it for its dense phase; rounds start from the
+        synchronized weights when it is turned off.
+        """
+        return self._synchronous
+
+    @synchronous.setter
+    def synchronous(self, value: bool) -> None:
+        self._synchronous = check_bool(value, "synchronous", error=_MiscError)
 
     @property
     def outer_state(self) -> OuterState:
@@ -214,15 +227,8 @@ class DiLoCo(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if len(self.optimizers) != 1:
-            raise MisconfigurationException(
-                f"DiLoCo steps one inner optimizer; `configure_optimizers` returned {len(self.optimizers)}."
-            )
         params = self._params()
-        if len(params) < self.fragments:
-            raise MisconfigurationException(
-                f"Expected `fragments` to be at most the model's {len(params)} parameter tensors, got {self.fragments}."
-            )
+        check_fit(len(self.optimizers), len(params), self.fragments)
         self._fragments = _split_fragments([p.numel() for p in params], self.fragments)
         self._replicas = self._outer.replicas = replica_groups_for(
             self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
@@ -254,14 +260,20 @@ class DiLoCo(DDPStrategy):
         """The inner optimizer's step on this rank's own gradients; every ``sync_every / fragments`` steps a sync.
 
         With ``replica_group``, the gradients are first averaged inside the group (after the closure's backward, before
-        gradient clipping and the step, where DDP would have averaged them).
+        gradient clipping and the step, where DDP would have averaged them). While :attr:`synchronous`, over every
+        rank, and theta_global follows the synchronized model (a round in progress is closed first).
         """
         fitting = self._attached and self._module().trainer.state.fn == TrainerFn.FITTING
         groups = self._replicas
+        if fitting and self.synchronous:  # plain data parallelism (a dense warm-up): every rank's gradients averaged
+            self._close_round()
+            groups = ReplicaGroups(self.world_size, 1, self.global_rank, None, None) if self.world_size > 1 else None
         if fitting and groups is not None:
             closure = _averaging_in_group(closure, self._params(), self._buffers(), groups)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if fitting:
+        if fitting and self.synchronous:  # theta_global follows; the outer optimizer holds no state
+            self._outer.follow(self._params(), self._buffers(), self.world_size)
+        elif fitting:
             self._after_inner_step()
         return output
 
@@ -436,9 +448,32 @@ class DiLoCo(DDPStrategy):
         self._own = self._shared_exchange = None
 
     @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher and self.cluster_environment is not None:
+            # stops every rank when one fails, and names it (see lightning_gradcomp.faults)
+            environment = self.cluster_environment
+            self._launcher = ScriptLauncher(environment, self.num_processes, self.num_nodes, label="DiLoCo")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Note this rank's own failure for the main process's report (a failed collective is another rank's fault)."""
+        super().on_exception(exception)
+        if not is_collective_failure(exception):
+            record_failure(self.global_rank, exception)
+
+    @override
     def teardown(self) -> None:
-        """DDPStrategy's teardown; the outer state stays readable (``outer_state``) for inspection after ``fit``."""
+        """DDPStrategy's teardown; the outer state stays readable (``outer_state``) for inspection after ``fit``.
+
+        The compressor's extra process groups are released and the collectives' threads get the GIL now, not at exit
+        (see ``process_groups.release_round_groups`` and ``hand_off_gil``).
+        """
         super().teardown()
+        if dist.is_available() and dist.is_initialized():
+            if self._outer.exchange is not None:
+                release_round_groups(dist.group.WORLD)
+            hand_off_gil()
         self._attached = False
         self._local = None
         self._own = self._shared_exchange = None

@@ -19,7 +19,7 @@ from lightning_gradcomp.replica_groups import check_replica_group
 from lightning_gradcomp.strategy_args import _START_METHODS, _STRATEGY_KWARGS
 from lightning_gradcomp.validation import check_choice, check_int
 
-__all__ = ["check_arguments", "strategy_kwargs"]
+__all__ = ["check_arguments", "check_fit", "strategy_kwargs"]
 
 _MiscError = MisconfigurationException
 _OWN_ARGUMENTS = ("sync_every", "outer_optimizer", "fragments", "overlap_steps", "offload", "monitor", "replica_group")
@@ -99,4 +99,16 @@ def check_arguments(
         raise MisconfigurationException(
             "Expected `outer_optimizer` to be a callable that takes the parameters and returns a"
             f" torch.optim.Optimizer (e.g. functools.partial(torch.optim.SGD, lr=0.7)), got {outer_optimizer!r}."
+        )
+
+
+def check_fit(optimizers: int, params: int, fragments: int) -> None:
+    """Refuse, when fitting starts, more than one inner optimizer or fewer parameter tensors than ``fragments``."""
+    if optimizers != 1:
+        raise MisconfigurationException(
+            f"DiLoCo steps one inner optimizer; `configure_optimizers` returned {optimizers}."
+        )
+    if params < fragments:
+        raise MisconfigurationException(
+            f"Expected `fragments` to be at most the model's {params} parameter tensors, got {fragments}."
         )

@@ -239,6 +239,22 @@ class OuterState:
         self.bytes_sent += size
         self.bytes_received += 2 * (world - 1) * size // world if kind == "all_reduce" else (world - 1) * size
 
+    def follow(self, params: Sequence[Tensor], buffers: Sequence[Tensor], world_size: int) -> None:
+        """After a synchronous step: theta_global and the kept buffers set to the model's, the outer state cleared.
+
+        The step's dense all-reduce of the gradients and floating-point buffers is counted as :meth:`average`'s.
+        """
+        with torch.no_grad():
+            for mine, p in zip(self.params, params, strict=True):
+                mine.copy_(p)
+            for mine, b in zip(self.buffers, _flat_float_buffers(buffers), strict=True):
+                mine.copy_(b)
+        if self.optimizer is not None and self.optimizer.state:
+            self.optimizer.state.clear()
+        if world_size > 1:
+            floats = [*params, *_flat_float_buffers(buffers)]
+            self._count("all_reduce", sum(t.numel() * t.element_size() for t in floats), world_size)
+
     def average_buffers(self, buffers: Sequence[Tensor]) -> list[Tensor]:
         """The mean over the workers of the model's floating-point buffers, its bytes counted as :meth:`average`'s."""
         floats = _flat_float_buffers(buffers)

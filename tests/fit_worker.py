@@ -33,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from lightning_gradcomp import CompressedDDP, DiLoCo
-from lightning_gradcomp.callbacks import CompressionMonitor, OuterMonitor
+from lightning_gradcomp.callbacks import CompressionMonitor, DenseWarmup, OuterMonitor
 from lightning_gradcomp.compressors import QSGD, EFSignSGD, Identity, MinMax, PowerSGD, RandomK, SparseLoCo, TopK
 from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
@@ -61,6 +61,10 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4-offload": _diloco(sync_every=4, offload=True),
     "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
+    # with DenseWarmup(steps=W) (WARMUP_STEPS): W steps of plain data parallelism, then the rounds
+    "diloco-h2-w3": _diloco(sync_every=2),
+    "diloco-h3-w7": _diloco(sync_every=3),
+    "diloco-h3-w10": _diloco(sync_every=3),
     # two levels: dense inside groups of 2 ranks, DiLoCo across the groups
     "diloco-h1-g2": _diloco(sync_every=1, outer_optimizer=partial(torch.optim.SGD, lr=1.0), replica_group=2),
     "diloco-h2-g2": _diloco(sync_every=2, replica_group=2),
@@ -81,6 +85,10 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     )(**kw),
     "diloco-h3-powersgd": lambda **kw: _diloco(sync_every=3, compressor=PowerSGD(rank=2))(**kw),
 }
+
+
+#: the strategies above that run with ``DenseWarmup(steps=...)``, and its steps
+WARMUP_STEPS = {"diloco-h2-w3": 3, "diloco-h3-w7": 7, "diloco-h3-w10": 10}
 
 
 class ManualNet(TinyNet):
@@ -216,6 +224,7 @@ def train(run: str, root: str, devices: int) -> None:
     # DiLoCo's monitor given before the recorder, whose on_fit_end then sees the monitor's totals
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
     monitor += [OuterMonitor()] if isinstance(strategy, DiLoCo) else []
+    monitor += [DenseWarmup(steps=WARMUP_STEPS[name])] if name in WARMUP_STEPS else []
     trainer_kwargs = dict(trainer_kwargs)
     checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
@@ -302,7 +311,7 @@ def run_fits(dirpath: Any, devices: int, runs: list[str], optimize_ddp: str | No
     command = [sys.executable, "-m", "tests.fit_worker", str(dirpath), str(devices), *runs]
     if optimize_ddp is not None:
         command += ["--optimize-ddp", optimize_ddp]
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     if done.returncode:
         return done.returncode, output, {}

@@ -93,6 +93,7 @@ class RecordRanks(Callback):
         self.steps.append(
             {
                 "global_step": trainer.global_step,
+                "params": torch.cat([p.detach().flatten() for p in pl_module.parameters()]),
                 "loss": float(outputs["loss"]),
                 "stats": last,
                 "reductions": telemetry.total_steps if telemetry is not None else None,

@@ -58,6 +58,14 @@ LAUNCH = [
     "diloco-h4:epochs4+diloco-h3:epochs2",
     f"{RESUMED}:gathered",
     SIZED,
+    # DenseWarmup: 3 dense steps then rounds of 2; resumed 1 step after the warm-up (7) and inside it (10)
+    "diloco-h2-w3:steps8",
+    "diloco-h3-w7:epochs4",
+    "diloco-h3-w7:epochs2",
+    "diloco-h3-w7:epochs4+diloco-h3-w7:epochs2",
+    "diloco-h3-w10:epochs4",
+    "diloco-h3-w10:epochs2",
+    "diloco-h3-w10:epochs4+diloco-h3-w10:epochs2",
 ]
 
 
@@ -71,7 +79,7 @@ def launch(tmp_path_factory):
 
 
 def reference_diloco(
-    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0, group: int = 1
+    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0, group: int = 1, warmup: int = 0
 ) -> list[torch.Tensor]:
     """DiLoCo by hand: theta_global after ``steps`` steps (a partial last round ends with an outer step).
 
@@ -80,6 +88,8 @@ def reference_diloco(
     of the strategy's code. ``overlap``: the mean is applied that many inner steps after it was taken, and replaces
     the replicas' parameters then (Streaming DiLoCo with one fragment and mixing factor 0). ``group``: consecutive
     ranks per replica, whose inner step takes the mean of their shards' gradients (dense data parallelism).
+    ``warmup``: the first steps take the mean of every rank's gradient (plain data parallelism); the rounds start
+    from the weights they end with, with a fresh outer optimizer.
     """
     model = TinyNet()
     data = synthetic_classification(model.n)
@@ -112,17 +122,23 @@ def reference_diloco(
 
     pending, since_applied = None, 0  # (the mean in flight, steps until applied); inner steps since the last apply
     for step in range(steps):
+        dense = step < warmup
         for m, optimizer, own in zip(replicas, inner, shards_of):
             optimizer.zero_grad()
-            for shard in own:  # each rank's forward on its own batch (its own BatchNorm statistics)
+            for shard in shards if dense else own:  # each rank's forward on its own batch (its own statistics)
                 batch = shard[step * model.batch_size : (step + 1) * model.batch_size]
-                (nn.functional.cross_entropy(m(x[batch]), y[batch]) / group).backward()
+                (nn.functional.cross_entropy(m(x[batch]), y[batch]) / (len(shards) if dense else group)).backward()
             optimizer.step()
+        if dense:
+            with torch.no_grad():
+                for g, p in zip(theta, replicas[0].parameters()):
+                    g.copy_(p)
+            continue
         since_applied += 1
         if pending is not None and step + 1 == pending[1]:
             apply(pending[0])
             pending, since_applied = None, 0
-        if (step + 1) % sync_every == 0:
+        if (step + 1 - warmup) % sync_every == 0:
             pending = (exchange(), step + 1 + overlap)
             if not overlap:
                 apply(pending[0])
@@ -251,12 +267,15 @@ def test_fragments_sync_every_parameter_exactly_once_per_round(launch):
         if due is not None:
             assert not changed[owner != due].any(), f"step {i + 1}: only fragment {due} moves"
             mine = owner == due
+            assert changed[mine].float().mean() > 0.9, f"step {i + 1}: fragment {due} moves"
             assert torch.equal(step["params"][mine], ranks[1]["steps"][i]["params"][mine])
         else:
             assert not changed.any()
         synced_times += changed
         previous = step["global"]
     assert synced_times.max() <= 2, "at most once per round"
+    assert (synced_times == 2).float().mean() > 0.9, "every parameter once per round, in 2 rounds"
+    assert sorted(i for f in fragments for i in f) == list(range(len(sizes))), "the fragments cover every tensor"
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
 
 
@@ -386,6 +405,41 @@ def test_a_checkpoint_of_another_schedule_starts_a_new_round_from_theta_global(l
     ranks = records["diloco-h4:epochs4+diloco-h3:epochs2"]
     assert [s["phase"] for s in ranks[0]["steps"]] == [1, 2, 3, 0] * 2
     assert_replicas_identical(ranks)
+
+
+def test_dense_warmup_steps_are_ddp_steps_then_rounds_start_from_the_synchronized_weights(launch):
+    """``DenseWarmup(steps=3)``, ``sync_every=2``: steps 1-3 equal DDPStrategy's step by step, every rank identical;
+    then rounds of 2 (syncs after steps 5 and 7, and the partial last round), matching DiLoCo by hand from there."""
+    _, output, records = launch
+    assert "DenseWarmup: plain data parallelism for the first 3 steps, then DiLoCo's rounds." in output
+    ddp, ranks = records["ddp:eager"], records["diloco-h2-w3:steps8"]
+    for i in range(3):
+        for rank in range(2):
+            mine = ranks[rank]["steps"][i]
+            assert torch.equal(mine["params"], ddp[rank]["steps"][i]["params"]), f"step {i + 1}, rank {rank}"
+            assert torch.equal(mine["params"], mine["global"]), "theta_global follows the synchronized model"
+        assert ranks[0]["steps"][i]["collectives"] > 0
+    sent = [s["collectives"] > 0 for s in ranks[0]["steps"][3:]]
+    assert sent == [False, True, False, True, False], "steps 4-8: rounds of 2 from the end of the warm-up"
+    assert not torch.equal(ranks[0]["steps"][3]["params"], ranks[1]["steps"][3]["params"]), "local steps after"
+    assert ranks[0]["syncs"] == 3
+    expected = _flat(reference_diloco(2, 2, 8, warmup=3))
+    torch.testing.assert_close(ranks[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    assert (ranks[0]["params"] - _flat(reference_diloco(2, 2, 8))).abs().max() > 1e-4, "the reference tells warm-up"
+    assert_replicas_identical(ranks)
+
+
+@pytest.mark.parametrize("warmup", [7, 10])
+def test_resume_just_after_and_inside_the_dense_warmup_is_bitwise(launch, warmup):
+    """The checkpoint after 8 steps: 1 step into the first round (warm-up of 7) or inside the warm-up (10)."""
+    root, _, records = launch
+    name = f"diloco-h3-w{warmup}"
+    assert_same_weights(records[f"{name}:epochs4"], records[f"{name}:epochs4+{name}:epochs2"], f"warm-up {warmup}")
+    saved = _saved(root, f"{name}:epochs2")
+    assert saved["diloco"]["outer"]["phase"] == (1 if warmup == 7 else 0)
+    assert saved["diloco"]["outer"]["syncs"] == 0
+    steps = records[f"{name}:epochs4"][0]["steps"]
+    assert [s["collectives"] > 0 for s in steps[: warmup + 4]] == [True] * warmup + [False, False, True, False]
 
 
 def _assert_matches_reference(ranks: list[dict], world_size: int) -> None:
