@@ -8,118 +8,53 @@ pseudo-gradient ``theta_global - theta_local`` and an outer optimizer steps the 
 
 from __future__ import annotations
 
-import difflib
-import inspect
 import logging
 from collections.abc import Callable, Mapping
-from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.outer import OuterOptimizerCallable, OuterState, all_finite, default_outer_optimizer
+from lightning_gradcomp.diloco_args import check_arguments, check_fit, strategy_kwargs
+from lightning_gradcomp.diloco_checkpoint import (
+    CHECKPOINT_KEY,
+    load_own_state,
+    load_shared_exchange_state,
+    own_state,
+    restart_from_global,
+    restore_own_state,
+    save_diloco_state,
+    with_theta_global,
+)
+from lightning_gradcomp.faults import ScriptLauncher, is_collective_failure, record_failure
+from lightning_gradcomp.outer import (
+    OuterOptimizerCallable,
+    OuterState,
+    all_finite,
+    default_outer_optimizer,
+    forget_nonfinite_state,
+)
 from lightning_gradcomp.outer_monitor import OuterMonitor
-from lightning_gradcomp.process_groups import gather_objects
-from lightning_gradcomp.replica_groups import ReplicaGroups, average_in_group, check_replica_group, replica_groups_for
-from lightning_gradcomp.strategy_args import _START_METHODS, _STRATEGY_KWARGS
-from lightning_gradcomp.validation import check_bool, check_choice, check_int, one_line
+from lightning_gradcomp.process_groups import hand_off_gil, release_round_groups
+from lightning_gradcomp.rank_state import remove_rank_states
+from lightning_gradcomp.replica_groups import ReplicaGroups, average_in_group, replica_groups_for
+from lightning_gradcomp.validation import check_bool
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_KEY = "diloco"
 _MiscError = MisconfigurationException
-_OWN_ARGUMENTS = ("sync_every", "outer_optimizer", "fragments", "overlap_steps", "offload", "monitor", "replica_group")
-#: DDPStrategy arguments that configure DDP's gradient all-reduce, which DiLoCo does not run
-_REFUSED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
-#: DistributedDataParallel's arguments and their defaults (what LightningCLI passes when a recipe sets none)
-_DDP_DEFAULTS = {
-    n: p.default for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
-    if n not in ("self", "module", "device_ids")
-}  # fmt: skip
-
-
-def _strategy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
-    """DDPStrategy's own arguments, checked; ``DistributedDataParallel``'s refused unless left at their defaults.
-
-    DiLoCo does not wrap the model in ``DistributedDataParallel``, so its arguments would have no effect. Left at
-    their defaults they are dropped quietly: LightningCLI passes every argument it resolves, defaults included.
-    """
-    own = {}
-    for name, value in kwargs.items():
-        if name in _REFUSED:
-            if value is not None:
-                raise MisconfigurationException(
-                    f"DiLoCo does not accept `{name}`: it runs no per-step gradient all-reduce to hook into."
-                )
-        elif name in _DDP_DEFAULTS:
-            if value is not _DDP_DEFAULTS[name] and value != _DDP_DEFAULTS[name]:
-                raise MisconfigurationException(
-                    f"DiLoCo does not accept `{name}`={one_line(value)}: it does not wrap the model in"
-                    " DistributedDataParallel, whose arguments would have no effect."
-                )
-        elif name in _STRATEGY_KWARGS:
-            own[name] = value
-        else:
-            valid = [*_OWN_ARGUMENTS, *_STRATEGY_KWARGS]
-            close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6)
-            hint = f" Did you mean `{close[0]}`?" if close else ""
-            raise MisconfigurationException(
-                f"DiLoCo got an unexpected keyword argument `{name}`: it is not an argument of DiLoCo or"
-                f" DDPStrategy.{hint}"
-            )
-    if own.get("timeout") is not None and not isinstance(own["timeout"], timedelta):
-        raise MisconfigurationException(
-            f"Expected `timeout` to be a datetime.timedelta or None, got {own['timeout']!r}."
-        )
-    if "start_method" in own:
-        check_choice(own["start_method"], "start_method", _START_METHODS, error=_MiscError)
-    return own
-
-
-def _check_arguments(
-    sync_every: Any, outer_optimizer: Any, fragments: Any, overlap_steps: Any, replica_group: Any, compressor: Any
-) -> None:
-    """Refuse a bad schedule, outer optimizer, replica group or compressor in one line.
-
-    The message names the argument, what is accepted and what was given.
-    """
-    check_replica_group(replica_group, error=_MiscError)
-    if compressor is not None and not isinstance(compressor, Compressor):
-        raise MisconfigurationException(
-            f"Expected `compressor` to be a lightning_gradcomp Compressor (e.g. MinMax(bits=8)) or None, got"
-            f" {compressor!r}."
-        )
-    if compressor is not None and replica_group is not None:
-        raise MisconfigurationException(
-            f"Expected `compressor=None` with `replica_group={replica_group!r}`: a compressed outer exchange between"
-            f" replica groups is not supported, got compressor={compressor!r}."
-        )
-    check_int(sync_every, "sync_every", low=1, error=_MiscError)
-    check_int(fragments, "fragments", low=1, error=_MiscError)
-    if sync_every % fragments:
-        raise MisconfigurationException(
-            f"Expected `fragments` to be an integer >= 1 that divides `sync_every` ({sync_every}), got {fragments}."
-        )
-    check_int(overlap_steps, "overlap_steps", low=0, high=sync_every // fragments - 1, error=_MiscError)
-    if outer_optimizer is not None and not callable(outer_optimizer):
-        raise MisconfigurationException(
-            "Expected `outer_optimizer` to be a callable that takes the parameters and returns a"
-            f" torch.optim.Optimizer (e.g. functools.partial(torch.optim.SGD, lr=0.7)), got {outer_optimizer!r}."
-        )
-
-
 def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
     """Parameter indices cut into ``fragments`` consecutive runs of about equal size (in elements).
 
@@ -136,11 +71,6 @@ def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
             current, cuts = [], cuts + 1
     out.append(current)
     return out
-
-
-def gather_rank_states(state: Any, device: torch.device) -> list[Any] | None:
-    """Every rank's ``state`` on rank 0 (``None`` elsewhere): how per-rank training state reaches the checkpoint."""
-    return gather_objects(state, device)
 
 
 def _averaging_in_group(
@@ -160,23 +90,18 @@ class DiLoCo(DDPStrategy):
     """DiLoCo: inner steps on each worker with no communication, an outer step on the averaged pseudo-gradient.
 
     Each worker steps the module's own optimizer (the inner optimizer, e.g. AdamW) and LR schedulers on its local
-    gradients; nothing crosses the wire between syncs: no gradient all-reduce, no buffer broadcast (the model is not
-    wrapped in ``DistributedDataParallel``). Every ``sync_every`` optimizer steps:
+    gradients; nothing crosses the wire between syncs (the model is not wrapped in ``DistributedDataParallel``). Every
+    ``sync_every`` optimizer steps the workers average the pseudo-gradient ``theta_global - theta_local`` (theta_global:
+    the parameters every worker started the round from) with one all-reduce, the outer optimizer steps theta_global
+    with ``.grad`` set to that average, every worker is set to the new theta_global, and floating-point buffers
+    (BatchNorm's running statistics) are averaged.
 
-    1. each worker forms the pseudo-gradient ``theta_global - theta_local`` (theta_global: the parameters every worker
-       started the round from);
-    2. the workers average it with one all-reduce;
-    3. the outer optimizer steps theta_global with ``.grad`` set to that average;
-    4. every worker is set to the new theta_global, and floating-point buffers (BatchNorm's running statistics) are
-       averaged.
-
-    After ``fit`` every rank holds theta_global: a partial last round ends with an outer step of its own. Validation
-    during ``fit`` runs on theta_global, and a checkpoint's ``state_dict`` holds theta_global; the rest of the training
-    state (every rank's local parameters and inner optimizer state, the outer optimizer's state, the phase in the
-    round) travels in ``checkpoint["diloco"]``, so a run resumes bit for bit, also in the middle of a round.
-
-    A pseudo-gradient that is not finite on some rank skips that outer step: every worker goes back to theta_global,
-    a rank whose inner optimizer state holds non-finite values forgets that state, and the skip is logged and counted.
+    After ``fit`` every rank holds theta_global (a partial last round ends with an outer step). Validation during
+    ``fit`` runs on theta_global, and a checkpoint's ``state_dict`` holds it; the outer state goes into
+    ``checkpoint["diloco"]`` and each rank's own state into a file of its own beside the checkpoint, so a run resumes
+    bit for bit, also in the middle of a round. A pseudo-gradient that is not finite on some rank skips that outer
+    step: every worker goes back to theta_global, non-finite inner optimizer state is forgotten, and the skip is
+    logged and counted. A rank that fails ends every rank, with an error that names it.
 
     Args:
         sync_every: inner optimizer steps per round (``H``; 500 in the paper, 20-100 for small models).
@@ -227,10 +152,10 @@ class DiLoCo(DDPStrategy):
         compressor: Compressor | None = None,
         **kwargs: Any,
     ) -> None:
-        _check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
+        check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
         check_bool(offload, "offload", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
-        super().__init__(**_strategy_kwargs(kwargs))
+        super().__init__(**strategy_kwargs(kwargs))
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self._monitor = monitor
         self.replica_group = replica_group
@@ -239,7 +164,10 @@ class DiLoCo(DDPStrategy):
         self._fragments: list[list[int]] = []
         self._attached = False
         self._restored: Mapping[str, Any] | None = None  # the checkpoint's DiLoCo section, applied at setup
+        self._own: dict[str, Any] | None = None  # this rank's own state read with the checkpoint, applied at setup
+        self._shared_exchange: dict[str, Any] | None = None  # rank 0's compressor state, on another world size
         self._local: list[Tensor] | None = None  # this rank's parameters and buffers while validation runs on global
+        self._synchronous = False
 
     @classmethod
     @override
@@ -249,6 +177,19 @@ class DiLoCo(DDPStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="DiLoCo: periodic synchronization with an outer optimizer"
             )
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether each step is plain data parallelism (gradients averaged over every rank), with no rounds.
+
+        :class:`~lightning_gradcomp.callbacks.DenseWarmup` sets it for its dense phase; rounds start from the
+        synchronized weights when it is turned off.
+        """
+        return self._synchronous
+
+    @synchronous.setter
+    def synchronous(self, value: bool) -> None:
+        self._synchronous = check_bool(value, "synchronous", error=_MiscError)
 
     @property
     def outer_state(self) -> OuterState:
@@ -286,15 +227,8 @@ class DiLoCo(DDPStrategy):
         super().setup(trainer)
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        if len(self.optimizers) != 1:
-            raise MisconfigurationException(
-                f"DiLoCo steps one inner optimizer; `configure_optimizers` returned {len(self.optimizers)}."
-            )
         params = self._params()
-        if len(params) < self.fragments:
-            raise MisconfigurationException(
-                f"Expected `fragments` to be at most the model's {len(params)} parameter tensors, got {self.fragments}."
-            )
+        check_fit(len(self.optimizers), len(params), self.fragments)
         self._fragments = _split_fragments([p.numel() for p in params], self.fragments)
         self._replicas = self._outer.replicas = replica_groups_for(
             self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
@@ -326,14 +260,20 @@ class DiLoCo(DDPStrategy):
         """The inner optimizer's step on this rank's own gradients; every ``sync_every / fragments`` steps a sync.
 
         With ``replica_group``, the gradients are first averaged inside the group (after the closure's backward, before
-        gradient clipping and the step, where DDP would have averaged them).
+        gradient clipping and the step, where DDP would have averaged them). While :attr:`synchronous`, over every
+        rank, and theta_global follows the synchronized model (a round in progress is closed first).
         """
         fitting = self._attached and self._module().trainer.state.fn == TrainerFn.FITTING
         groups = self._replicas
+        if fitting and self.synchronous:  # plain data parallelism (a dense warm-up): every rank's gradients averaged
+            self._close_round()
+            groups = ReplicaGroups(self.world_size, 1, self.global_rank, None, None) if self.world_size > 1 else None
         if fitting and groups is not None:
             closure = _averaging_in_group(closure, self._params(), self._buffers(), groups)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if fitting:
+        if fitting and self.synchronous:  # theta_global follows; the outer optimizer holds no state
+            self._outer.follow(self._params(), self._buffers(), self.world_size)
+        elif fitting:
             self._after_inner_step()
         return output
 
@@ -382,7 +322,7 @@ class DiLoCo(DDPStrategy):
         else:
             outer.skipped += 1
             outer.restore_buffers(buffers)
-            self._forget_nonfinite_state(params)
+            forget_nonfinite_state(self._outer, params, self.optimizers)
             rank_zero_warn(
                 f"DiLoCo: the averaged pseudo-gradient is not finite (a rank's inner steps diverged): outer step"
                 f" skipped, every worker reset to theta_global ({outer.skipped} skipped so far)."
@@ -390,29 +330,20 @@ class DiLoCo(DDPStrategy):
         outer.copy_to(params, indices)
         outer.dirty[fragment] = False
 
-    def _forget_nonfinite_state(self, params: list[Tensor]) -> None:
-        """After a skipped round, leave no non-finite value in this rank's own state.
-
-        Its non-finite parameters go back to theta_global, and the inner optimizer forgets the state (momenta) of
-        parameters whose state is not finite (host reads: only on a skipped round).
-        """
-        self._outer.copy_to(params, [i for i, p in enumerate(params) if not bool(p.isfinite().all())])
-        for optimizer in self.optimizers:
-            for p in list(optimizer.state):
-                values = [v for v in optimizer.state[p].values() if isinstance(v, Tensor) and v.is_floating_point()]
-                if not all_finite(values):
-                    del optimizer.state[p]
-
     @override
     def on_train_end(self) -> None:
         """A partial last round ends with an outer step, so that every rank holds the same theta_global."""
         super().on_train_end()
         if self._attached:
-            if self._outer.pending is not None:
-                self._finish_exchange()
-            for k in range(self.fragments):
-                if self._outer.dirty[k]:  # trained since its last sync
-                    self._start_exchange(k, overlapped=False)
+            self._close_round()
+
+    def _close_round(self) -> None:
+        """Apply the exchange in flight, if any, and sync every fragment trained since its last sync."""
+        if self._outer.pending is not None:
+            self._finish_exchange()
+        for k in range(self.fragments):
+            if self._outer.dirty[k]:  # trained since its last sync
+                self._start_exchange(k, overlapped=False)
 
     # ------------------------------------------------------------------------------------------------------------
     # Validation during fit runs on theta_global
@@ -446,109 +377,106 @@ class DiLoCo(DDPStrategy):
         state = super().lightning_module_state_dict()
         if not self._attached:
             return state
-        module = self._module()
-        params = self._params()
-        floats = [b for b in self._buffers() if b.is_floating_point()]
-        shared = {id(p): g for p, g in zip(params, self._outer.params)}
-        shared.update({id(b): g for b, g in zip(floats, self._outer.buffers)})
-        for name, value in module.state_dict(keep_vars=True).items():
-            if id(value) in shared and name in state:
-                state[name] = shared[id(value)].detach().clone().to(state[name].device)
-        return state
-
-    def _rank_state(self) -> dict[str, Any]:
-        tensors = self._local or [t.detach().clone() for t in (*self._params(), *self._buffers())]
-        return {
-            "tensors": tensors,
-            "optimizer_states": [o.state_dict() for o in self.optimizers],
-            "contribution": self._outer.contribution,  # this rank's pseudo-gradient in flight, if one is
-            "exchange": self._outer.exchange.state_dict() if self._outer.exchange is not None else None,
-        }
+        return with_theta_global(state, self._module(), self._params(), self._buffers(), self._outer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Save like DDPStrategy, with every rank's local state and the outer state in ``checkpoint["diloco"]``.
+        """Save like DDPStrategy, with the outer state in ``checkpoint["diloco"]`` and each rank's own in its file.
 
-        Lightning calls this on every rank and writes on rank 0 only, so every rank's parameters and inner optimizer
-        state are gathered here (a weights-only checkpoint, with no ``"loops"``, carries no training state).
+        Lightning calls this on every rank and writes the checkpoint on rank 0 only; every rank writes its local
+        parameters, inner optimizer state and residuals beside it (:mod:`lightning_gradcomp.diloco_checkpoint`). A
+        weights-only checkpoint, with no ``"loops"``, carries no training state.
         """
         if self._attached and "loops" in checkpoint:
-            ranks = gather_rank_states(self._rank_state(), self.root_device)
-            if self.is_global_zero:
-                checkpoint[CHECKPOINT_KEY] = {
-                    "format": 1,
-                    "world_size": self.world_size,
-                    "sync_every": self.sync_every,
-                    "fragments": self.fragments,
-                    "outer": self._outer.state_dict(),
-                    "ranks": ranks,
-                }
+            shared = {"sync_every": self.sync_every, "fragments": self.fragments, "outer": self._outer.state_dict()}
+            own = own_state(self._outer, self._local or [*self._params(), *self._buffers()], self.optimizers)
+            save_diloco_state(checkpoint, filepath, shared, own, self.global_rank, self.world_size, self.barrier)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
     @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load like DDPStrategy, and read this rank's own state saved beside the checkpoint (when fitting)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._own = self._shared_exchange = None
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
+            self._own = load_own_state(checkpoint, checkpoint_path, self.global_rank, self.world_size)
+            if self._own is None and self._outer.exchange is not None:
+                self._shared_exchange = load_shared_exchange_state(checkpoint, checkpoint_path)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove the checkpoint (rank 0) and, on every rank, the state that rank saved beside it."""
+        super().remove_checkpoint(filepath)
+        remove_rank_states(filepath, self.global_rank)
+
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load theta_global (the checkpoint's ``state_dict``); this rank's own state is applied at setup."""
+        """Load theta_global (the checkpoint's ``state_dict``); the rest of DiLoCo's state is applied at setup."""
         super().load_model_state_dict(checkpoint, strict=strict)
         section = checkpoint.get(CHECKPOINT_KEY)
-        if section is None:
-            if "loops" in checkpoint:
-                rank_zero_info(
-                    "DiLoCo: the checkpoint was not written by DiLoCo (no 'diloco' state): its weights become"
-                    " theta_global, every rank starts a new round from them with the checkpoint's optimizer state,"
-                    " and the outer optimizer starts afresh."
-                )
-            return
-        if section["world_size"] != self.world_size:
-            rank_zero_warn(
-                f"DiLoCo: the checkpoint was saved by {section['world_size']} processes, this run has"
-                f" {self.world_size}: every rank starts a new round from its theta_global, with rank 0's optimizer"
-                " state; the outer optimizer's state is kept."
+        if section is None and "loops" in checkpoint:
+            rank_zero_info(
+                "DiLoCo: the checkpoint was not written by DiLoCo (no 'diloco' state): its weights become"
+                " theta_global, every rank starts a new round from them with the checkpoint's optimizer state,"
+                " and the outer optimizer starts afresh."
             )
-            section = {**section, "ranks": None}
         self._restored = section
 
     def _restore(self, section: Mapping[str, Any]) -> None:
-        outer = dict(section["outer"])
         same_schedule = section["sync_every"] == self.sync_every and section["fragments"] == self.fragments
-        if section["ranks"] is None or not same_schedule:
-            if not same_schedule:
-                rank_zero_warn(
-                    f"DiLoCo: the checkpoint synced every {section['sync_every']} steps in {section['fragments']}"
-                    f" fragments, this run every {self.sync_every} in {self.fragments}: a new round starts from"
-                    " its theta_global."
-                )
-            outer["phase"], outer["dirty"], outer["pending"] = 0, [False] * self.fragments, None
-            self._outer.load_state_dict(outer)
-            self._outer.copy_to(self._params(), range(len(self._params())))
-            self._outer.restore_buffers(self._buffers())
+        if same_schedule and self._own is not None:
+            tensors = [*self._params(), *self._buffers()]
+            restore_own_state(self._outer, section["outer"], self._own, tensors, self._fragments, self.root_device)
             return
-        self._outer.load_state_dict(outer)
-        own = section["ranks"][self.global_rank]
-        if self._outer.exchange is not None and own.get("exchange") is not None:
-            self._outer.exchange.load_state_dict(own["exchange"])
-        with torch.no_grad():
-            for mine, saved in zip((*self._params(), *self._buffers()), own["tensors"], strict=True):
-                mine.copy_(saved)
-        if self._outer.pending is not None:  # the exchange that was in flight is sent again, with the same values
-            contribution = [t.to(self.root_device) for t in own["contribution"]]
-            self._outer.contribution = [t.clone() for t in contribution]
-            layouts = self._outer.layouts(self._params(), self._fragments[self._outer.pending["fragment"]])
-            self._outer.in_flight = self._outer.average(contribution, async_op=True, layouts=layouts)
+        if not same_schedule:
+            rank_zero_warn(
+                f"DiLoCo: the checkpoint synced every {section['sync_every']} steps in {section['fragments']}"
+                f" fragments, this run every {self.sync_every} in {self.fragments}: a new round starts from"
+                " its theta_global."
+            )
+        restart_from_global(self._outer, section["outer"], self._params(), self._buffers(), not same_schedule,
+                            self._shared_exchange)  # fmt: skip
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load this rank's own inner optimizer state (Lightning's ``optimizer_states`` holds rank 0's only)."""
-        section = checkpoint.get(CHECKPOINT_KEY)
-        if section is not None and section["world_size"] == self.world_size and section["ranks"] is not None:
-            checkpoint = {**checkpoint, "optimizer_states": section["ranks"][self.global_rank]["optimizer_states"]}
+        if self._own is not None:
+            checkpoint = {**checkpoint, "optimizer_states": self._own["optimizer_states"]}
         super().load_optimizer_state_dict(checkpoint)
+        self._own = self._shared_exchange = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher and self.cluster_environment is not None:
+            # stops every rank when one fails, and names it (see lightning_gradcomp.faults)
+            environment = self.cluster_environment
+            self._launcher = ScriptLauncher(environment, self.num_processes, self.num_nodes, label="DiLoCo")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Note this rank's own failure for the main process's report (a failed collective is another rank's fault)."""
+        super().on_exception(exception)
+        if not is_collective_failure(exception):
+            record_failure(self.global_rank, exception)
 
     @override
     def teardown(self) -> None:
-        """DDPStrategy's teardown; the outer state stays readable (``outer_state``) for inspection after ``fit``."""
+        """DDPStrategy's teardown; the outer state stays readable (``outer_state``) for inspection after ``fit``.
+
+        The compressor's extra process groups are released and the collectives' threads get the GIL now, not at exit
+        (see ``process_groups.release_round_groups`` and ``hand_off_gil``).
+        """
         super().teardown()
+        if dist.is_available() and dist.is_initialized():
+            if self._outer.exchange is not None:
+                release_round_groups(dist.group.WORLD)
+            hand_off_gil()
         self._attached = False
         self._local = None
+        self._own = self._shared_exchange = None
         log.debug("DiLoCo: %d outer steps, %d skipped", self._outer.syncs, self._outer.skipped)
 
 

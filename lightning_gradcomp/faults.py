@@ -6,7 +6,7 @@ connection closes (at once) or the process group's ``timeout`` passes (a rank th
 process that hangs: it is left running after the script ended. Here:
 
 - a rank that fails records one line about its error in the process group's store (:func:`record_failure`, called
-  from ``CompressedDDP.on_exception``), which the main process reads;
+  from ``CompressedDDP.on_exception`` and ``DiLoCo.on_exception``), which the main process reads;
 - the launcher of Lightning's default ``popen`` start method is replaced by :class:`ScriptLauncher`: when the main
   process (rank 0 of its node) fails, it stops its child processes (waiting a few seconds for those that are ending by
   themselves, killing the rest) and raises :class:`RankFailedError` naming the failed ranks; when a child fails while
@@ -120,9 +120,12 @@ class _Watcher(_ChildProcessObserver):
     :data:`MAIN_GRACE_S`.
     """
 
-    def __init__(self, main_pid: int, child_processes: list[subprocess.Popen], first_rank: int) -> None:
+    def __init__(
+        self, main_pid: int, child_processes: list[subprocess.Popen], first_rank: int, label: str = "CompressedDDP"
+    ) -> None:
         super().__init__(main_pid=main_pid, child_processes=child_processes, sleep_period=1)
         self._first_rank = first_rank
+        self._label = label
         self.standing_down = threading.Event()
 
     @override
@@ -139,7 +142,7 @@ class _Watcher(_ChildProcessObserver):
             if p.returncode
         )
         print(
-            f"CompressedDDP: {failed}, and rank {self._first_rank - 1} (the main process,"
+            f"{self._label}: {failed}, and rank {self._first_rank - 1} (the main process,"
             f" pid {self._main_pid}) did not stop within {MAIN_GRACE_S:.0f} s (it may hang): killing it and the other"
             " ranks of this node.",
             file=sys.stderr,
@@ -154,7 +157,15 @@ class ScriptLauncher(_SubprocessScriptLauncher):
     When the main process fails it stops its children: at once if the fault is its own, after up to
     :data:`CHILD_GRACE_S` for children that are ending by themselves if its collective failed (another rank's fault);
     then it raises an error that names the failed rank(s). Nothing is left running when ``fit`` returns or raises.
+
+    Args:
+        *args: Lightning's ``_SubprocessScriptLauncher``'s (the cluster environment, processes, nodes).
+        label: the strategy's name, which starts every message.
     """
+
+    def __init__(self, *args: Any, label: str = "CompressedDDP") -> None:
+        super().__init__(*args)
+        self.label = label
 
     @override
     def launch(self, function: Callable, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
@@ -165,7 +176,7 @@ class ScriptLauncher(_SubprocessScriptLauncher):
             return function(*args, **kwargs)
         self._call_children_scripts()
         first_rank = self.cluster_environment.node_rank() * self.num_processes + 1
-        watcher = _Watcher(os.getpid(), self.procs, first_rank)
+        watcher = _Watcher(os.getpid(), self.procs, first_rank, self.label)
         watcher.start()
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
@@ -193,7 +204,7 @@ class ScriptLauncher(_SubprocessScriptLauncher):
         if own_fault:
             if isinstance(error, Exception) and hasattr(error, "add_note"):  # not for Ctrl+C (Python >= 3.11)
                 error.add_note(
-                    f"CompressedDDP: rank {main_rank} failed (this error); the other ranks of this node were stopped."
+                    f"{self.label}: rank {main_rank} failed (this error); the other ranks of this node were stopped."
                 )
             return None
         notes = read_failures(dist.get_world_size() if dist.is_initialized() else len(self.procs) + 1)
@@ -212,7 +223,7 @@ class ScriptLauncher(_SubprocessScriptLauncher):
         if not failed:
             failed = ["a rank on another node failed or did not answer within the timeout"]
         return (
-            "CompressedDDP: " + "; ".join(failed) + f". Rank {main_rank}'s collective failed as a consequence (the"
+            f"{self.label}: " + "; ".join(failed) + f". Rank {main_rank}'s collective failed as a consequence (the"
             f" cause above: {str(error).splitlines()[0][:200]}). Every rank of this node has stopped; resume from the"
             " last checkpoint with `trainer.fit(model, ckpt_path=...)`."
         )

@@ -241,6 +241,22 @@ class OuterState:
         self.bytes_sent += int(moved.sent)
         self.bytes_received += int(moved.received)
 
+    def follow(self, params: Sequence[Tensor], buffers: Sequence[Tensor], world_size: int) -> None:
+        """After a synchronous step: theta_global and the kept buffers set to the model's, the outer state cleared.
+
+        The step's dense all-reduce of the gradients and floating-point buffers is counted as :meth:`average`'s.
+        """
+        with torch.no_grad():
+            for mine, p in zip(self.params, params, strict=True):
+                mine.copy_(p)
+            for mine, b in zip(self.buffers, _flat_float_buffers(buffers), strict=True):
+                mine.copy_(b)
+        if self.optimizer is not None and self.optimizer.state:
+            self.optimizer.state.clear()
+        if world_size > 1:
+            floats = [*params, *_flat_float_buffers(buffers)]
+            self._count("all_reduce", sum(t.numel() * t.element_size() for t in floats), world_size)
+
     def average_buffers(self, buffers: Sequence[Tensor]) -> list[Tensor]:
         """The mean over the workers of the model's floating-point buffers, its bytes counted as :meth:`average`'s."""
         floats = _flat_float_buffers(buffers)
@@ -300,3 +316,17 @@ def all_finite(tensors: Iterable[Tensor]) -> bool:
     """Whether every element of ``tensors`` is finite (one host read: DiLoCo calls it once per round)."""
     checks = [t.isfinite().all() for t in tensors]
     return bool(torch.stack([c.cpu() for c in checks]).all()) if checks else True
+
+
+def forget_nonfinite_state(outer: OuterState, params: Sequence[Tensor], optimizers: Iterable[Optimizer]) -> None:
+    """After a skipped round, leave no non-finite value in this rank's own state.
+
+    Its non-finite parameters go back to theta_global, and the inner optimizers forget the state (momenta) of
+    parameters whose state is not finite (host reads: only on a skipped round).
+    """
+    outer.copy_to(params, [i for i, p in enumerate(params) if not bool(p.isfinite().all())])
+    for optimizer in optimizers:
+        for p in list(optimizer.state):
+            values = [v for v in optimizer.state[p].values() if isinstance(v, Tensor) and v.is_floating_point()]
+            if not all_finite(values):
+                del optimizer.state[p]

@@ -5,7 +5,10 @@ Usage: ``python -m tests.fault_worker OUTDIR FAULT RANK STEP TIMEOUT_S [CKPT_PAT
 (sleeps far longer than the timeout) or ``none``. Lightning's default launcher is used, as a user's script gets it:
 rank 0 is this process, rank 1 a child that runs this same command. Every rank writes its pid to ``OUTDIR/pid{rank}``
 so the test can check that no process is left running; ``ModelCheckpoint`` saves ``OUTDIR/ckpt/last.ckpt`` every
-step.
+step. The strategy is ``CompressedDDP(TopK)`` unless the environment variable ``FAULT_STRATEGY`` names one of
+:data:`DILOCO`: ``diloco`` (rounds of 5 steps: a failure at step 3 is in an inner step, and the other rank notices
+at its next sync), ``diloco-overlap`` (rounds of 3, each exchange in flight during the next step: a failure at step 3
+happens while an exchange is in flight).
 """
 
 import os
@@ -19,11 +22,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.compressors import TopK
 from tests.models import TinyNet
 
 MAX_STEPS = 6
+DILOCO = {"diloco": {"sync_every": 5}, "diloco-overlap": {"sync_every": 3, "overlap_steps": 1}}
 
 
 class FailingNet(TinyNet):
@@ -55,10 +59,17 @@ class FailingNet(TinyNet):
 def main(outdir: str, fault: str, rank: int, step: int, timeout_s: float, ckpt_path: str | None) -> None:
     """Fit ``FailingNet`` for ``MAX_STEPS`` steps on two CPU processes, checkpointing every step."""
     torch.set_num_threads(1)
+    timeout = timedelta(seconds=timeout_s)
+    diloco = DILOCO.get(os.environ.get("FAULT_STRATEGY", ""))
+    strategy = (
+        DiLoCo(**diloco, timeout=timeout)
+        if diloco is not None
+        else CompressedDDP(TopK(ratio=0.1), min_compress_numel=64, timeout=timeout)
+    )
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=CompressedDDP(TopK(ratio=0.1), min_compress_numel=64, timeout=timedelta(seconds=timeout_s)),
+        strategy=strategy,
         max_steps=MAX_STEPS,
         logger=False,
         enable_progress_bar=False,

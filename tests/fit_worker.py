@@ -25,6 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch._dynamo
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
@@ -32,7 +33,7 @@ from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from lightning_gradcomp import CompressedDDP, DiLoCo
-from lightning_gradcomp.callbacks import CompressionMonitor, OuterMonitor
+from lightning_gradcomp.callbacks import CompressionMonitor, DenseWarmup, OuterMonitor
 from lightning_gradcomp.compressors import (
     BF16,
     FP16,
@@ -76,6 +77,10 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4-offload": _diloco(sync_every=4, offload=True),
     "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
+    # with DenseWarmup(steps=W) (WARMUP_STEPS): W steps of plain data parallelism, then the rounds
+    "diloco-h2-w3": _diloco(sync_every=2),
+    "diloco-h3-w7": _diloco(sync_every=3),
+    "diloco-h3-w10": _diloco(sync_every=3),
     # two levels: dense inside groups of 2 ranks, DiLoCo across the groups
     "diloco-h1-g2": _diloco(sync_every=1, outer_optimizer=partial(torch.optim.SGD, lr=1.0), replica_group=2),
     "diloco-h2-g2": _diloco(sync_every=2, replica_group=2),
@@ -96,6 +101,10 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     )(**kw),
     "diloco-h3-powersgd": lambda **kw: _diloco(sync_every=3, compressor=PowerSGD(rank=2))(**kw),
 }
+
+
+#: the strategies above that run with ``DenseWarmup(steps=...)``, and its steps
+WARMUP_STEPS = {"diloco-h2-w3": 3, "diloco-h3-w7": 7, "diloco-h3-w10": 10}
 
 
 class ManualNet(TinyNet):
@@ -231,9 +240,12 @@ def train(run: str, root: str, devices: int) -> None:
     # DiLoCo's monitor given before the recorder, whose on_fit_end then sees the monitor's totals
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
     monitor += [OuterMonitor()] if isinstance(strategy, DiLoCo) else []
+    monitor += [DenseWarmup(steps=WARMUP_STEPS[name])] if name in WARMUP_STEPS else []
     trainer_kwargs = dict(trainer_kwargs)
     checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
+    if isinstance(strategy, DiLoCo):
+        strategy.checkpoint_io = RecordingCheckpointIO()
     saving = [ModelCheckpoint(dirpath=dirpath, **checkpointing)] if trainer_kwargs.get("enable_checkpointing") else []
     trainer = pl.Trainer(
         **{
@@ -264,6 +276,11 @@ def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
     if edit == "stateless":
         saved.pop("gradcomp", None)  # CompressedDDP's state
         saved.pop("diloco", None)  # DiLoCo's
+    elif edit == "gathered" and "diloco" in saved:  # DiLoCo's layout: the shared state beside every rank's own
+        section = saved["diloco"]
+        ranks = [load_rank_state(ckpt_path, "diloco", rank).state for rank in range(section["world_size"])]
+        shared = {k: section[k] for k in ("world_size", "sync_every", "fragments", "outer")}
+        saved["diloco"] = {"format": 1, **shared, "ranks": [{k: r[k] for k in _GATHERED_DILOCO} for r in ranks]}
     elif edit == "gathered":
         world_size = saved["gradcomp"]["world_size"]
         ranks = [load_rank_state(ckpt_path, "gradcomp", rank).state for rank in range(world_size)]
@@ -273,6 +290,22 @@ def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
     edited = os.path.join(dirpath, f"{edit}-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
     torch.save(saved, edited)
     return edited
+
+
+#: what DiLoCo's gathered checkpoints held for each rank
+_GATHERED_DILOCO = ("tensors", "optimizer_states", "contribution", "exchange")
+
+
+class RecordingCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, which remembers the files this rank wrote (:class:`RecordRounds` saves them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.written: list[str] = []
+
+    def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
+        self.written.append(os.path.basename(str(path)))
+        super().save_checkpoint(checkpoint, path, storage_options=storage_options)
 
 
 def assert_same_weights(a: list[dict], b: list[dict], what: str = "") -> None:
@@ -294,7 +327,7 @@ def run_fits(dirpath: Any, devices: int, runs: list[str], optimize_ddp: str | No
     command = [sys.executable, "-m", "tests.fit_worker", str(dirpath), str(devices), *runs]
     if optimize_ddp is not None:
         command += ["--optimize-ddp", optimize_ddp]
-    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=600)
     output = done.stdout + done.stderr
     if done.returncode:
         return done.returncode, output, {}

@@ -93,6 +93,7 @@ class RecordRanks(Callback):
         self.steps.append(
             {
                 "global_step": trainer.global_step,
+                "params": torch.cat([p.detach().flatten() for p in pl_module.parameters()]),
                 "loss": float(outputs["loss"]),
                 "stats": last,
                 "reductions": telemetry.total_steps if telemetry is not None else None,
@@ -249,6 +250,7 @@ class RecordRounds(Callback):
                 "bytes_received": outer.bytes_received,
                 "exchange": outer.exchange.state_dict() if outer.exchange is not None else None,
                 "outer_state": outer.optimizer.state_dict(),
+                "checkpoints_written": list(getattr(trainer.strategy.checkpoint_io, "written", [])),
             },
             os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
         )

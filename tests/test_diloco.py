@@ -7,6 +7,7 @@ reference DiLoCo is computed in the test process, from the same data, model and 
 
 import copy
 import os
+import shutil
 from functools import partial
 
 import pytest
@@ -19,6 +20,7 @@ from torch.utils.data import DistributedSampler
 from lightning_gradcomp import DiLoCo
 from lightning_gradcomp.compressors import Identity
 from lightning_gradcomp.diloco import _split_fragments
+from lightning_gradcomp.rank_state import load_rank_state, rank_state_dir
 from lightning_gradcomp.replica_groups import group_size
 from tests.fit_worker import assert_same_weights, run_fits, run_name, train
 from tests.models import TinyNet, synthetic_classification
@@ -26,6 +28,8 @@ from tests.models import TinyNet, synthetic_classification
 RESUMED = "diloco-h3:epochs4+diloco-h3:epochs2"
 # the checkpoint after 8 steps holds fragment 1's exchange in flight
 RESUMED_IN_FLIGHT = "diloco-h4f2t1:epochs4+diloco-h4f2t1:epochs2"
+# a checkpoint with compressor residuals, saved on 2, 3 and 4 processes: rank 0's file must not grow
+SIZED = "diloco-h4-sparseloco:epochs2"
 LAUNCH = [
     "ddp:eager",
     "diloco-h1:eager",
@@ -52,6 +56,16 @@ LAUNCH = [
     "ddp:epochs4+diloco-h3:epochs2",
     "identity:epochs4+diloco-h3:epochs2",
     "diloco-h4:epochs4+diloco-h3:epochs2",
+    f"{RESUMED}:gathered",
+    SIZED,
+    # DenseWarmup: 3 dense steps then rounds of 2; resumed 1 step after the warm-up (7) and inside it (10)
+    "diloco-h2-w3:steps8",
+    "diloco-h3-w7:epochs4",
+    "diloco-h3-w7:epochs2",
+    "diloco-h3-w7:epochs4+diloco-h3-w7:epochs2",
+    "diloco-h3-w10:epochs4",
+    "diloco-h3-w10:epochs2",
+    "diloco-h3-w10:epochs4+diloco-h3-w10:epochs2",
 ]
 
 
@@ -65,7 +79,7 @@ def launch(tmp_path_factory):
 
 
 def reference_diloco(
-    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0, group: int = 1
+    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0, group: int = 1, warmup: int = 0
 ) -> list[torch.Tensor]:
     """DiLoCo by hand: theta_global after ``steps`` steps (a partial last round ends with an outer step).
 
@@ -74,6 +88,8 @@ def reference_diloco(
     of the strategy's code. ``overlap``: the mean is applied that many inner steps after it was taken, and replaces
     the replicas' parameters then (Streaming DiLoCo with one fragment and mixing factor 0). ``group``: consecutive
     ranks per replica, whose inner step takes the mean of their shards' gradients (dense data parallelism).
+    ``warmup``: the first steps take the mean of every rank's gradient (plain data parallelism); the rounds start
+    from the weights they end with, with a fresh outer optimizer.
     """
     model = TinyNet()
     data = synthetic_classification(model.n)
@@ -106,17 +122,23 @@ def reference_diloco(
 
     pending, since_applied = None, 0  # (the mean in flight, steps until applied); inner steps since the last apply
     for step in range(steps):
+        dense = step < warmup
         for m, optimizer, own in zip(replicas, inner, shards_of):
             optimizer.zero_grad()
-            for shard in own:  # each rank's forward on its own batch (its own BatchNorm statistics)
+            for shard in shards if dense else own:  # each rank's forward on its own batch (its own statistics)
                 batch = shard[step * model.batch_size : (step + 1) * model.batch_size]
-                (nn.functional.cross_entropy(m(x[batch]), y[batch]) / group).backward()
+                (nn.functional.cross_entropy(m(x[batch]), y[batch]) / (len(shards) if dense else group)).backward()
             optimizer.step()
+        if dense:
+            with torch.no_grad():
+                for g, p in zip(theta, replicas[0].parameters()):
+                    g.copy_(p)
+            continue
         since_applied += 1
         if pending is not None and step + 1 == pending[1]:
             apply(pending[0])
             pending, since_applied = None, 0
-        if (step + 1) % sync_every == 0:
+        if (step + 1 - warmup) % sync_every == 0:
             pending = (exchange(), step + 1 + overlap)
             if not overlap:
                 apply(pending[0])
@@ -245,12 +267,15 @@ def test_fragments_sync_every_parameter_exactly_once_per_round(launch):
         if due is not None:
             assert not changed[owner != due].any(), f"step {i + 1}: only fragment {due} moves"
             mine = owner == due
+            assert changed[mine].float().mean() > 0.9, f"step {i + 1}: fragment {due} moves"
             assert torch.equal(step["params"][mine], ranks[1]["steps"][i]["params"][mine])
         else:
             assert not changed.any()
         synced_times += changed
         previous = step["global"]
     assert synced_times.max() <= 2, "at most once per round"
+    assert (synced_times == 2).float().mean() > 0.9, "every parameter once per round, in 2 rounds"
+    assert sorted(i for f in fragments for i in f) == list(range(len(sizes))), "the fragments cover every tensor"
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
 
 
@@ -277,7 +302,7 @@ def test_streaming_with_overlap_trains_and_resumes_with_an_exchange_in_flight(la
     assert_same_weights(records["diloco-h4f2t1:epochs4"], records[RESUMED_IN_FLIGHT], "resumed in flight")
     section = _saved(root, "diloco-h4f2t1:epochs2")["diloco"]
     assert section["outer"]["pending"] == {"fragment": 1, "remaining": 1}
-    contributions = [rank["contribution"] for rank in section["ranks"]]
+    contributions = [rank["contribution"] for rank in _saved_ranks(root, "diloco-h4f2t1:epochs2")]
     assert not torch.equal(contributions[0][0], contributions[1][0]), "each rank's own pseudo-gradient"
 
 
@@ -313,6 +338,12 @@ def _saved(root, run):
     return torch.load(os.path.join(root, run_name(run), "last.ckpt"), weights_only=False)
 
 
+def _saved_ranks(root, run, world_size=2):
+    """What each rank saved beside the run's last checkpoint (its own DiLoCo state)."""
+    path = os.path.join(root, run_name(run), "last.ckpt")
+    return [load_rank_state(path, "diloco", rank).state for rank in range(world_size)]
+
+
 def test_resume_in_the_middle_of_a_round_is_bitwise(launch):
     root, _, records = launch
     assert_same_weights(records["diloco-h3:epochs4"], records[RESUMED], "resumed mid-round")
@@ -321,9 +352,12 @@ def test_resume_in_the_middle_of_a_round_is_bitwise(launch):
     section = saved["diloco"]
     assert section["world_size"] == 2
     assert section["outer"]["phase"] == 2, "saved 2 steps into a round"
-    local = [rank["tensors"] for rank in section["ranks"]]
+    assert "ranks" not in section, "no rank's own state in rank 0's checkpoint"
+    ranks = _saved_ranks(root, "diloco-h3:epochs2")
+    assert [rank["global_step"] for rank in ranks] == [8, 8]
+    local = [rank["tensors"] for rank in ranks]
     assert not all(torch.equal(a, b) for a, b in zip(*local)), "each rank's own parameters are saved"
-    momenta = [rank["optimizer_states"][0]["state"][0]["momentum_buffer"] for rank in section["ranks"]]
+    momenta = [rank["optimizer_states"][0]["state"][0]["momentum_buffer"] for rank in ranks]
     assert not torch.equal(*momenta), "each rank's own inner optimizer state is saved"
     model = TinyNet()
     params = dict(model.named_parameters())
@@ -332,6 +366,22 @@ def test_resume_in_the_middle_of_a_round_is_bitwise(launch):
     # the state matters: without it the resumed run differs
     stateless = records[f"{RESUMED}:stateless"]
     assert not torch.equal(stateless[0]["params"], records[RESUMED][0]["params"])
+
+
+def test_a_checkpoint_with_every_ranks_state_inside_still_resumes_bitwise(launch):
+    """Checkpoints written before each rank had a file of its own hold every rank's state in ``checkpoint["diloco"]``
+    (rebuilt here from the per-rank files): they resume as before, bit for bit."""
+    _, _, records = launch
+    assert_same_weights(records["diloco-h3:epochs4"], records[f"{RESUMED}:gathered"], "resumed from gathered")
+
+
+def test_only_rank_zero_writes_the_checkpoint_each_rank_writes_its_own_file(launch):
+    root, _, records = launch
+    ranks = records["diloco-h3:epochs2"]
+    assert ranks[0]["checkpoints_written"] == ["last.ckpt", "last.ckpt"], "rank 0: one per epoch"
+    assert ranks[1]["checkpoints_written"] == [], "no other rank writes Lightning's checkpoint"
+    folder = rank_state_dir(os.path.join(root, run_name("diloco-h3:epochs2"), "last.ckpt"))
+    assert sorted(os.listdir(folder)) == ["diloco.rank0.pt", "diloco.rank1.pt"]
 
 
 def test_checkpoints_pass_between_plain_ddp_and_diloco(launch):
@@ -357,6 +407,41 @@ def test_a_checkpoint_of_another_schedule_starts_a_new_round_from_theta_global(l
     assert_replicas_identical(ranks)
 
 
+def test_dense_warmup_steps_are_ddp_steps_then_rounds_start_from_the_synchronized_weights(launch):
+    """``DenseWarmup(steps=3)``, ``sync_every=2``: steps 1-3 equal DDPStrategy's step by step, every rank identical;
+    then rounds of 2 (syncs after steps 5 and 7, and the partial last round), matching DiLoCo by hand from there."""
+    _, output, records = launch
+    assert "DenseWarmup: plain data parallelism for the first 3 steps, then DiLoCo's rounds." in output
+    ddp, ranks = records["ddp:eager"], records["diloco-h2-w3:steps8"]
+    for i in range(3):
+        for rank in range(2):
+            mine = ranks[rank]["steps"][i]
+            assert torch.equal(mine["params"], ddp[rank]["steps"][i]["params"]), f"step {i + 1}, rank {rank}"
+            assert torch.equal(mine["params"], mine["global"]), "theta_global follows the synchronized model"
+        assert ranks[0]["steps"][i]["collectives"] > 0
+    sent = [s["collectives"] > 0 for s in ranks[0]["steps"][3:]]
+    assert sent == [False, True, False, True, False], "steps 4-8: rounds of 2 from the end of the warm-up"
+    assert not torch.equal(ranks[0]["steps"][3]["params"], ranks[1]["steps"][3]["params"]), "local steps after"
+    assert ranks[0]["syncs"] == 3
+    expected = _flat(reference_diloco(2, 2, 8, warmup=3))
+    torch.testing.assert_close(ranks[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    assert (ranks[0]["params"] - _flat(reference_diloco(2, 2, 8))).abs().max() > 1e-4, "the reference tells warm-up"
+    assert_replicas_identical(ranks)
+
+
+@pytest.mark.parametrize("warmup", [7, 10])
+def test_resume_just_after_and_inside_the_dense_warmup_is_bitwise(launch, warmup):
+    """The checkpoint after 8 steps: 1 step into the first round (warm-up of 7) or inside the warm-up (10)."""
+    root, _, records = launch
+    name = f"diloco-h3-w{warmup}"
+    assert_same_weights(records[f"{name}:epochs4"], records[f"{name}:epochs4+{name}:epochs2"], f"warm-up {warmup}")
+    saved = _saved(root, f"{name}:epochs2")
+    assert saved["diloco"]["outer"]["phase"] == (1 if warmup == 7 else 0)
+    assert saved["diloco"]["outer"]["syncs"] == 0
+    steps = records[f"{name}:epochs4"][0]["steps"]
+    assert [s["collectives"] > 0 for s in steps[: warmup + 4]] == [True] * warmup + [False, False, True, False]
+
+
 def _assert_matches_reference(ranks: list[dict], world_size: int) -> None:
     expected = _flat(reference_diloco(world_size, 2, 6))
     for rank in ranks:
@@ -364,15 +449,34 @@ def _assert_matches_reference(ranks: list[dict], world_size: int) -> None:
     assert_replicas_identical(ranks)
 
 
-GROUPED = ["ddp:eager", "diloco-h1-g2:eager", "diloco-h2-g2:eager"]
+GROUPED = ["ddp:eager", "diloco-h1-g2:eager", "diloco-h2-g2:eager", SIZED]
+# the 2-process checkpoint of RESUMED resumed on 3 processes
+RESIZED = "diloco-h3:epochs4+diloco-h3:epochs2"
 
 
-def test_two_levels_dense_inside_a_group_diloco_across(tmp_path):
+@pytest.fixture(scope="module")
+def launch3(launch, tmp_path_factory):
+    """Three processes: the reference, a checkpoint, and a resume of the 2-process launch's checkpoint."""
+    root = tmp_path_factory.mktemp("diloco")  # a name as long as the 2-process launch's: checkpoints comparable
+    shutil.copytree(launch[0] / run_name("diloco-h3:epochs2"), root / run_name("diloco-h3:epochs2"))
+    code, output, records = run_fits(root, 3, ["diloco-h2:steps6", SIZED, RESIZED])
+    assert code == 0, output[-3000:]
+    return root, output, records
+
+
+@pytest.fixture(scope="module")
+def launch4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("diloco")
+    code, output, records = run_fits(root, 4, GROUPED)
+    assert code == 0, output[-3000:]
+    return root, output, records
+
+
+def test_two_levels_dense_inside_a_group_diloco_across(launch4):
     """4 processes as 2 groups of 2: identical inside a group at every step, everywhere after a sync; H = 1 with outer
     SGD(lr=1) is plain DDP over the 4 ranks; H = 2 (4 steps, one epoch) matches DiLoCo by hand with each group's mean
     gradient."""
-    code, output, records = run_fits(tmp_path, 4, GROUPED)
-    assert code == 0, output[-3000:]
+    _, output, records = launch4
     assert "2 replicas of 2 ranks" in output
     torch.testing.assert_close(
         records["diloco-h1-g2:eager"][0]["params"], records["ddp:eager"][0]["params"], rtol=1e-5, atol=1e-6
@@ -396,10 +500,33 @@ def test_two_levels_dense_inside_a_group_diloco_across(tmp_path):
     assert ranks[0]["bytes_sent"] == 2 * 2 * half
 
 
-def test_three_processes_match_the_reference(tmp_path):
-    code, output, records = run_fits(tmp_path, 3, ["diloco-h2:steps6"])
-    assert code == 0, output[-3000:]
-    _assert_matches_reference(records["diloco-h2:steps6"], 3)
+def test_three_processes_match_the_reference(launch3):
+    _assert_matches_reference(launch3[2]["diloco-h2:steps6"], 3)
+
+
+def test_rank_zeros_checkpoint_does_not_grow_with_the_ranks(launch, launch3, launch4):
+    """Each rank's parameters, inner optimizer state and residuals go into its own file, not rank 0's checkpoint."""
+    sizes, rank_files = [], []
+    for world_size, (root, _, records) in zip((2, 3, 4), (launch, launch3, launch4)):
+        path = os.path.join(root, run_name(SIZED), "last.ckpt")
+        sizes.append(os.path.getsize(path))
+        rank_files.append(sorted(os.listdir(rank_state_dir(path))))
+        assert rank_files[-1] == [f"diloco.rank{r}.pt" for r in range(world_size)]
+        assert all(rank["checkpoints_written"] == [] for rank in records[SIZED][1:])
+        own = load_rank_state(path, "diloco", world_size - 1).state
+        assert own["exchange"]["residuals"], "the residuals are in the rank's file"
+    one_rank = os.path.getsize(os.path.join(rank_state_dir(path), "diloco.rank0.pt"))
+    assert max(sizes) - min(sizes) < one_rank / 100, f"rank 0's checkpoint: {sizes} bytes on 2, 3, 4 processes"
+
+
+def test_a_checkpoint_of_two_ranks_resumes_on_three_from_theta_global_in_the_same_round(launch3):
+    """theta_global, the outer state and the phase carry over; each rank's own state is reset, with a warning."""
+    _, output, records = launch3
+    assert "saved by 2 processes, this run has 3" in output
+    ranks = records[RESIZED]
+    assert [s["phase"] for s in ranks[0]["steps"]] == [0, 1, 2, 0, 1, 2], "saved 2 steps into a round of 3"
+    assert ranks[0]["syncs"] == 2 + 3, "2 saved, 2 rounds resumed, the partial last one"
+    assert_replicas_identical(ranks)
 
 
 def test_one_process_matches_the_reference(in_process_ddp, tmp_path):

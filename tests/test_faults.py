@@ -22,6 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 20  # the strategy's timeout: how long a collective waits for a rank that does not answer (and the
 # rendezvous waits for the child rank to start: below about 15 s a loaded 2-core machine fails to start the run)
 STEP = 3  # the step at which the rank fails (checkpoints of steps 1-3 exist by then)
+DILOCO_TIMEOUT_S = 60
 HANG_GRACE_S = 15  # a hung rank is found by the timeout, then killed: a few seconds more
 
 
@@ -30,11 +31,13 @@ def _read(path) -> str:
         return f.read()
 
 
-def _run(outdir, fault: str, rank: int, ckpt_path=None) -> tuple[int, str, float]:
+def _run(
+    outdir, fault: str, rank: int, ckpt_path=None, strategy: str = "", timeout_s: float = TIMEOUT_S
+) -> tuple[int, str, float]:
     """Run the worker; return its exit status, its output and the seconds from the injected failure to its end."""
     os.makedirs(outdir, exist_ok=True)
-    command = [sys.executable, "-m", "tests.fault_worker", str(outdir), fault, str(rank), str(STEP), str(TIMEOUT_S)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "tests.fault_worker", str(outdir), fault, str(rank), str(STEP), str(timeout_s)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_STRATEGY": strategy}
     env.pop("LOCAL_RANK", None)  # the script must launch its own child rank
     # output to a file, not a pipe: a rank left running would hold a pipe open and block the test until its timeout
     with open(os.path.join(outdir, "output.txt"), "w") as log:
@@ -96,6 +99,23 @@ def test_a_rank_that_dies_ends_every_rank_naming_it(tmp_path, fault, how):
     returncode, output, latency = _run(tmp_path, fault, rank=1)
     _assert_ended_naming(returncode, output, tmp_path, rf"RankFailedError: CompressedDDP: rank 1 {how}")
     assert latency < TIMEOUT_S, f"{latency:.1f} s from the failure to the end"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "fault", "how"),
+    [
+        ("diloco", "kill", "was killed by SIGKILL"),  # in an inner step: rank 0 notices at its next sync
+        ("diloco-overlap", "kill", "was killed by SIGKILL"),  # with an outer exchange in flight
+        ("diloco", "raise", r"\(ValueError: injected failure at step 3\) exited with code 1"),
+    ],
+)
+def test_a_diloco_rank_that_dies_ends_every_rank_naming_it(tmp_path, strategy, fault, how):
+    """DiLoCo: no collective runs between syncs, so the other rank goes on until its sync fails, then ends naming the
+    rank, within the timeout (a longer one than above: the child rank must start within it on a loaded machine)."""
+    returncode, output, latency = _run(tmp_path, fault, rank=1, strategy=strategy, timeout_s=DILOCO_TIMEOUT_S)
+    _assert_ended_naming(returncode, output, tmp_path, rf"RankFailedError: DiLoCo: rank 1 {how}")
+    assert latency < DILOCO_TIMEOUT_S, f"{latency:.1f} s from the failure to the end"
 
 
 def test_rank_zero_raising_stops_the_other_ranks(tmp_path):

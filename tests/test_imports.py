@@ -124,8 +124,10 @@ FORBIDDEN = {
     "lightning_gradcomp.rank_state": (
         "lightning_gradcomp.strategy", "lightning_gradcomp.hook", "lightning_gradcomp.compressors",
         "lightning_gradcomp.callbacks", "lightning_gradcomp.compression_checkpoint",
+        "lightning_gradcomp.diloco_checkpoint",
     ),
     "lightning_gradcomp.compression_checkpoint": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
+    "lightning_gradcomp.diloco_checkpoint": ("lightning_gradcomp.diloco", "lightning_gradcomp.callbacks"),
     # the fused optimizers know nothing of the hook or the strategy: the hook calls them through a callable
     "lightning_gradcomp.fused_optim": (
         "lightning_gradcomp.strategy", "lightning_gradcomp.hook", "lightning_gradcomp.callbacks",

@@ -10,7 +10,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-from lightning_gradcomp import CompressedDDP
+from lightning_gradcomp import CompressedDDP, DiLoCo
 from lightning_gradcomp.callbacks import DGC_RAMP, DenseWarmup
 from lightning_gradcomp.compressors import Identity, PowerSGD, TopK
 from lightning_gradcomp.compressors.base import keep_count
@@ -171,6 +171,21 @@ def test_setup_requires_compressed_ddp_and_a_ratio_for_the_ramp():
     with pytest.raises(MisconfigurationException, match="sparsifying compressor"):
         DenseWarmup(steps=1, ramp="dgc").setup(_trainer_stub(CompressedDDP(PowerSGD(rank=1))), None, "fit")
     DenseWarmup(steps=1).setup(_trainer_stub(CompressedDDP(PowerSGD(rank=1))), None, "fit")  # no ramp: any compressor
+
+
+def test_with_diloco_the_dense_phase_is_synchronous_and_a_ramp_is_refused():
+    strategy = DiLoCo(sync_every=4)
+    warmup = DenseWarmup(steps=2)
+    warmup.setup(_trainer_stub(strategy), None, "fit")
+    seen = []
+    for step in range(4):
+        warmup.on_train_batch_start(_trainer_stub(strategy, global_step=step), None, None, 0)
+        seen.append(strategy.synchronous)
+    assert seen == [True, True, False, False]
+    with pytest.raises(MisconfigurationException, match="with DiLoCo give no ramp, got ramp=\\[0.5\\]"):
+        DenseWarmup(steps=1, ramp=[0.5]).setup(_trainer_stub(strategy), None, "fit")
+    with pytest.raises(MisconfigurationException, match="Expected `synchronous` to be True or False, got 1"):
+        strategy.synchronous = 1
 
 
 def _dense_phase(compressor_factory, steps=3):

@@ -1,4 +1,4 @@
-"""``DenseWarmup``: plain (dense) gradient averaging for the first epochs or steps, then the configured compressor."""
+"""``DenseWarmup``: plain (dense) gradient averaging for the first epochs or steps, then the compressor or DiLoCo."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.dgc import WARMUP_RATIOS
+from lightning_gradcomp.diloco import DiLoCo
 from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.validation import check_int, check_positive_int, check_ratio
 
@@ -53,6 +54,13 @@ class DenseWarmup(Callback):
     during the ramp, the compressor's ``ratio``) between steps. Error-feedback residuals are empty during the dense
     phase; what is still owed when compression is switched off is paid into the dense all-reduce.
 
+    With :class:`~lightning_gradcomp.DiLoCo` the dense phase is plain data parallelism: at every step the gradients
+    (and floating-point buffers) are averaged over every rank before the inner optimizer's step, as
+    ``DDPStrategy`` does; DiLoCo's rounds start when it ends, from the synchronized weights, with a fresh outer
+    optimizer. Local-SGD methods have lost accuracy on small-batch CNNs with BatchNorm when run from the first step
+    (pytorch/pytorch#74157); a dense start is the usual remedy (Lin et al., "Don't Use Large Mini-Batches, Use Local
+    SGD", ICLR 2020: post-local SGD). No ``ramp`` with DiLoCo.
+
     The dense phase keeps the method's optimizer semantics: a method whose update is not the averaged gradient
     applies its own rule to the exact average (``Compressor.finish_dense``). With ``DGC`` the dense phase is momentum
     SGD (DGC's momentum correction on the average; the optimizer has none), with ``SignSGD`` it takes the sign of the
@@ -70,8 +78,8 @@ class DenseWarmup(Callback):
 
     Raises:
         MisconfigurationException: If not exactly one of ``epochs`` and ``steps`` is given, an argument is out of
-            range, or (in ``setup``) the strategy is not ``CompressedDDP`` or a ramp is asked for a compressor whose
-            level is not a keep-ratio.
+            range, or (in ``setup``) the strategy is neither ``CompressedDDP`` nor ``DiLoCo``, or a ramp is asked for
+            ``DiLoCo`` or for a compressor whose level is not a keep-ratio.
 
     Example::
 
@@ -174,8 +182,19 @@ class DenseWarmup(Callback):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = CompressedDDP.require(trainer, self)
-        compressor = strategy.compressor
+        if isinstance(trainer.strategy, DiLoCo):
+            if self.ramp is not None:
+                raise MisconfigurationException(
+                    f"`DenseWarmup(ramp=...)` ramps a compressor's keep-ratio and needs CompressedDDP; with DiLoCo"
+                    f" give no ramp, got ramp={list(self.ramp)}."
+                )
+            return
+        if not isinstance(trainer.strategy, CompressedDDP):
+            raise MisconfigurationException(
+                "`DenseWarmup` requires `Trainer(strategy=CompressedDDP(...))` or `Trainer(strategy=DiLoCo(...))`, got"
+                f" `{type(trainer.strategy).__name__}`."
+            )
+        compressor = trainer.strategy.compressor
         if self.ramp is not None and compressor.level_attribute != "ratio":
             raise MisconfigurationException(
                 f"`DenseWarmup(ramp=...)` ramps a keep-ratio down and needs a sparsifying compressor (whose level is"
@@ -185,6 +204,9 @@ class DenseWarmup(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         what = f"the first {self.length} {self.unit}" if self.length else "no"
+        if isinstance(trainer.strategy, DiLoCo):
+            rank_zero_info(f"DenseWarmup: plain data parallelism for {what}, then DiLoCo's rounds.")
+            return
         ramp = f", then keep-ratios {list(self.ramp)} for {self.ramp_length} {self.unit} each" if self.ramp else ""
         compressor = CompressedDDP.require(trainer, self).compressor
         rank_zero_info(f"DenseWarmup: dense all-reduce for {what}{ramp}, then {compressor!r}.")
@@ -195,6 +217,9 @@ class DenseWarmup(Callback):
     ) -> None:
         position = trainer.current_epoch if self.epochs is not None else trainer.global_step
         compress, stage = self.phase(position)
+        if isinstance(trainer.strategy, DiLoCo):
+            trainer.strategy.synchronous = not compress
+            return
         strategy = CompressedDDP.require(trainer, self)
         strategy.compression_enabled = compress
         if self.ramp is None:
