@@ -195,7 +195,8 @@ def _zen_bytes(xs, n, encoding):
     counts_round = math.ceil(4 * n / 8) * 8 + 8  # n int32 counts packed with the 4-byte non-finite flag
     out = []
     for r in range(n):
-        sent = counts_round + 8 * (sum(counts[r]) - counts[r][r]) + 4 + max(pull)
+        # the all-gathers are rings: each rank forwards n - 1 blocks (docs/concepts.md, telemetry)
+        sent = (n - 1) * counts_round + 8 * (sum(counts[r]) - counts[r][r]) + (n - 1) * 4 + (n - 1) * max(pull)
         received = (n - 1) * counts_round + 8 * sum(counts[s][r] for s in range(n) if s != r)
         received += (n - 1) * 4 + (n - 1) * max(pull)
         out.append((sent, received))
