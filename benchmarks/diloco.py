@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -189,20 +188,16 @@ def _make_clock() -> Any:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(spec: dict, namespace: str | None) -> list[dict]:
     """Run ``spec["world"]`` worker processes (under ``ip netns exec namespace`` if given); rank 0's record of each
     of ``spec["runs"]``."""
+    from lightning_gradcomp.demo.ports import free_port
+
     prefix = ["ip", "netns", "exec", namespace] if namespace else []
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rank0.json")
         # the port is picked outside the namespace: inside it every port is free, as the namespace is fresh
-        spec = {**spec, "port": _free_port(), "out": out}
+        spec = {**spec, "port": free_port(), "out": out}
         procs = []
         for rank in range(spec["world"]):
             arg = json.dumps({**spec, "rank": rank})

@@ -2,7 +2,6 @@
 
 import faulthandler
 import os
-import socket
 import tempfile
 from collections.abc import Callable
 from typing import Any
@@ -11,11 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from lightning_gradcomp.demo.ports import free_port
 
 
 def _entry(
