@@ -70,7 +70,7 @@ def _hook_vs_reference(rank: int, world_size: int) -> dict:
         use_ef = prototype.default_error_feedback
         residuals = [torch.zeros(offset) for _ in range(world_size)] if use_ef else None
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-        mismatches, buckets, sent = [], 0, []
+        mismatches, compressed_mismatches, buckets, sent = [], [], 0, []
         for step in range(STEPS):
             if step == 2 and name in LEVELS:
                 for compressor in (state.compressor, *reference):
@@ -91,7 +91,7 @@ def _hook_vs_reference(rank: int, world_size: int) -> dict:
             for j, i in enumerate(compressed):
                 want = layers[j].view(expected)
                 if not torch.equal(params[i].grad, want):
-                    mismatches.append((step, names[i], (params[i].grad - want).abs().max().item()))
+                    compressed_mismatches.append((step, names[i], (params[i].grad - want).abs().max().item()))
             dense = [i for i in range(len(params)) if i not in compressed]
             averages = [sum(g / world_size for g in gathered[i]) for i in dense]
             if prototype.has_dense_update and dense:  # the method's own update of averaged layers (DGC's momentum)
@@ -111,6 +111,7 @@ def _hook_vs_reference(rank: int, world_size: int) -> dict:
         dist.all_gather(everyone, flat)
         results[name] = {
             "mismatches": mismatches,
+            "compressed_mismatches": compressed_mismatches,
             "replicas_identical": all(torch.equal(everyone[0], other) for other in everyone),
             "buckets": buckets,
             "bytes_sent": sent,
@@ -130,7 +131,12 @@ def test_hook_equals_the_compressor_applied_to_every_ranks_gradient(hook_runs, n
     for rank_result in hook_runs:
         result = rank_result[name]
         assert result["buckets"] >= 3, "the model must span several buckets"
-        assert result["mismatches"] == []
+        assert result["mismatches"] == []  # the dense layers, and the dense update of averaged layers
+        # a two-phase exchange cuts each bucket into one shard per rank, with a scale per shard: its result depends on
+        # the bucket, so the reference over one bucket of every compressed layer does not apply (tests/test_two_phase.py
+        # and the contract suite check it against per-bucket references)
+        if "two-phase" not in name:
+            assert result["compressed_mismatches"] == []
 
 
 @pytest.mark.parametrize("name", list(LEVELS))
