@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -86,11 +87,24 @@ def _strategy(spec: dict) -> Any:
             sync_every=100, compressor=_compressor("minmax8"), fragments=spec["fragments"] if streaming else 1,
             overlap_steps=spec["overlap_steps"] if streaming else 0,
         )  # fmt: skip
-    # convergence: diloco-h<H>[-lr<outer lr>]
-    parts = config.split("-")
-    outer_lr = next((float(p[2:]) for p in parts if p.startswith("lr")), 0.7)
-    outer = partial(torch.optim.SGD, lr=outer_lr, momentum=0.9, nesterov=True)
-    return DiLoCo(sync_every=int(parts[1][1:]), outer_optimizer=outer)
+    # convergence: diloco-h<H>[-lr<outer lr>][-m<outer momentum>]
+    sync_every, outer_lr, momentum = parse_diloco_config(config)
+    outer = partial(torch.optim.SGD, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
+    return DiLoCo(sync_every=sync_every, outer_optimizer=outer)
+
+
+DILOCO_CONFIG = re.compile(r"diloco-h([1-9][0-9]*)(?:-lr([0-9]*\.?[0-9]+))?(?:-m(0|0?\.[0-9]+))?")
+
+
+def parse_diloco_config(config: str) -> tuple[int, float, float]:
+    """``diloco-h<H>[-lr<outer lr>][-m<outer momentum>]`` as (H, outer lr, outer momentum); the defaults are the
+    paper's outer Nesterov SGD, lr 0.7, momentum 0.9 (momentum 0 is plain SGD: lr 1.0 averages the replicas)."""
+    match = DILOCO_CONFIG.fullmatch(config)
+    if match is None or float(match.group(2) or 0.7) <= 0:
+        raise ValueError(
+            f"--configs: expected ddp or diloco-h<H>[-lr<outer lr>][-m<momentum in [0, 1)>], got {config!r}"
+        )
+    return int(match.group(1)), float(match.group(2) or 0.7), float(match.group(3) or 0.9)
 
 
 def _worker(spec: dict) -> None:
@@ -454,7 +468,9 @@ def main() -> None:
     steps.add_argument("--out", default=os.path.join(HERE, "results", "diloco_steps"), help="writes OUT.md, OUT.json")
     conv = sub.add_parser("convergence", help="validation loss of plain DDP and DiLoCo on the language task")
     conv.add_argument("--configs", nargs="+", default=CONVERGENCE_CONFIGS,
-                      help="ddp, or diloco-h<H>[-lr<outer lr>] (e.g. diloco-h50, diloco-h20-lr0.5)")  # fmt: skip
+                      help="ddp, or diloco-h<H>[-lr<outer lr>][-m<outer momentum>] (e.g. diloco-h50,"
+                           " diloco-h20-lr1.0-m0; default outer Nesterov SGD lr 0.7 momentum 0.9, momentum 0 is plain"
+                           " SGD)")  # fmt: skip
     conv.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     conv.add_argument("--steps", type=int, default=400)
     conv.add_argument("--val-every", type=int, default=50)
@@ -474,8 +490,11 @@ def main() -> None:
         run_steps(args)
     else:
         for config in args.configs:
-            if config != "ddp" and not (config.startswith("diloco-h") and config.split("-")[1][1:].isdigit()):
-                parser.error(f"--configs: expected ddp or diloco-h<H>[-lr<outer lr>], got {config!r}")
+            if config != "ddp":
+                try:
+                    parse_diloco_config(config)
+                except ValueError as error:
+                    parser.error(str(error))
         run_convergence(args)
 
 

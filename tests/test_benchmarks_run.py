@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 
@@ -68,3 +70,19 @@ def test_no_benchmark_imports_the_test_suite_even_inside_a_function():
     offenders = {s: sorted(m for m in _imports(ROOT / "benchmarks" / s) if m == "tests" or m.startswith("tests."))
                  for s in SCRIPTS}  # fmt: skip
     assert not {s: m for s, m in offenders.items() if m}
+
+
+def test_diloco_benchmark_reads_its_outer_optimizer_from_the_config_name_and_refuses_a_bad_one():
+    from benchmarks.diloco import parse_diloco_config
+
+    assert parse_diloco_config("diloco-h50") == (50, 0.7, 0.9)  # the paper's outer Nesterov SGD
+    assert parse_diloco_config("diloco-h20-lr1.0-m0") == (20, 1.0, 0.0)
+    assert parse_diloco_config("diloco-h50-lr0.5") == (50, 0.5, 0.9)
+    assert parse_diloco_config("diloco-h50-m0.5") == (50, 0.7, 0.5)
+    for bad in ("diloco-h0", "diloco-hx", "diloco-h50-lr0", "diloco-h50-m1", "diloco-h50-m0.5-lr1", "diloco-h5-m"):
+        with pytest.raises(ValueError, match=f"--configs: expected ddp or diloco-h<H>.*got '{bad}'"):
+            parse_diloco_config(bad)
+    run = subprocess.run([sys.executable, "benchmarks/diloco.py", "convergence", "--configs", "ddp", "diloco-h50-m2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines()[-1].endswith("got 'diloco-h50-m2'")
