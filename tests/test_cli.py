@@ -239,7 +239,10 @@ def test_the_wheel_ships_every_recipe(wheel):
 def test_an_install_under_another_prefix_finds_its_recipes_by_name(wheel, tmp_path):
     """``pip install --prefix``: the recipes are where the install's record says, not under this Python's prefix."""
     prefix = tmp_path / "prefix"
-    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--prefix", str(prefix)]
+    # --ignore-installed: without it pip uninstalls this environment's own install of the package (the checkout's
+    # editable one) before installing the wheel under the prefix, and every later import of the package fails
+    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--ignore-installed",
+               "--prefix", str(prefix)]  # fmt: skip
     result = subprocess.run([*install, str(wheel)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (site,) = prefix.glob("lib/python*/site-packages")
@@ -253,3 +256,8 @@ def test_an_install_under_another_prefix_finds_its_recipes_by_name(wheel, tmp_pa
     package, recipe = result.stdout.split()
     assert Path(package).is_relative_to(site)  # control: the installed copy, not this checkout, was imported
     assert recipe == str((prefix / "share" / "lightning-gradcomp" / "recipes" / "quickstart.yaml").resolve())
+    # this environment's own install is untouched: the package still imports from a folder that is not the checkout
+    check = subprocess.run([sys.executable, "-P", "-c", "import lightning_gradcomp"], cwd=elsewhere,
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True,
+                           text=True, timeout=300)  # fmt: skip
+    assert check.returncode == 0, check.stderr[-3000:]
