@@ -5,6 +5,8 @@ import tempfile
 import pytest
 import torch
 
+from tests.selection import beyond_core
+
 # two CPU cores: one thread per process keeps the two-process tests from oversubscribing the machine
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -52,3 +54,10 @@ def in_process_ddp():
             torch.distributed.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m selection reads the marks
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if beyond_core(item):
+            item.add_marker(pytest.mark.slow)

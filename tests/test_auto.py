@@ -88,6 +88,7 @@ def _run(tmp_path, auto, extra=(), **kwargs):
     return [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)]
 
 
+@pytest.mark.slow
 def test_every_rank_applies_rank_zeros_plan_and_calibrates_inside_a_dense_warmup(tmp_path):
     warmup = DenseWarmup(steps=7)
     ranks = _run(tmp_path, Disagree(link=SLOW, tolerance=10.0, **FAST), extra=[warmup], max_steps=14)
@@ -120,6 +121,7 @@ def test_a_slower_link_after_the_switch_falls_back_with_the_reason(tmp_path):
     assert ranks[0]["steps"] == ranks[1]["steps"]
 
 
+@pytest.mark.slow
 def test_without_the_delay_the_plan_is_kept(tmp_path):
     """The control of the test above: the same run without the injected delay keeps its plan."""
     ranks = _run(tmp_path, AutoCompression(link=SLOW, tolerance=5.0, **FAST), max_steps=14)
@@ -242,6 +244,7 @@ def test_a_resume_on_other_buckets_calibrates_again(tmp_path):
     assert after[0]["steps"] == after[1]["steps"]
 
 
+@pytest.mark.slow
 def test_a_hidden_link_times_no_codec_and_the_plan_is_logged(tmp_path):
     from lightning.pytorch.loggers import CSVLogger
 

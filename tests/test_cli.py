@@ -33,6 +33,7 @@ def _run(*args: str, timeout: int = 300, cwd: str = ROOT, console_script: bool =
     return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_quickstart_trains_compressed_and_dense_and_says_whether_it_paid():
     result = _run("quickstart", "--trainer.max_epochs", "2")  # piped: the progress bar is off by itself
     assert result.returncode == 0, result.stderr[-4000:]
@@ -111,6 +112,7 @@ def test_a_recipe_names_a_class_of_the_current_directory_under_the_console_scrip
     assert "class_path: mymod.MyClassifier" in result.stdout
 
 
+@pytest.mark.slow
 def test_fit_keeps_an_earlier_runs_config_unless_told_to_overwrite(tmp_path):
     (tmp_path / "config.yaml").write_text("earlier: run\n")
     overrides = ["--trainer.default_root_dir", str(tmp_path), "--trainer.devices", "1", "--trainer.max_steps", "1",
@@ -125,6 +127,7 @@ def test_fit_keeps_an_earlier_runs_config_unless_told_to_overwrite(tmp_path):
     assert "max_steps: 1" in (tmp_path / "config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_only_fit_validate_and_test_are_offered():
     assert set(GradcompCLI.subcommands()) == {"fit", "validate", "test"}
     result = _run("predict", "--help", timeout=120)
@@ -163,12 +166,14 @@ def test_quickstart_table_reports_points_and_time_against_dense():
     assert "| dense | Identity | 97.00% | +0.00 | 40.0 | 1.00x | 2.000 | 1.0x |" in table
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("missing", ["nonexistent.yaml"])
 def test_quickstart_names_the_missing_recipe(missing, tmp_path):
     result = _run("quickstart", "--config", str(tmp_path / missing), timeout=120)
     assert result.returncode != 0
 
 
+@pytest.mark.slow
 def test_advise_measures_a_few_steps_and_prints_the_prediction_and_the_recommendation(tmp_path):
     png = tmp_path / "advise.png"
     result = _run("advise", "--config", "recipes/quickstart.yaml", "--calibration-steps", "2", "--png", str(png),
@@ -236,6 +241,7 @@ def test_the_wheel_ships_every_recipe(wheel):
     assert shipped == {p.name for p in Path(ROOT, "recipes").glob("*.yaml")}
 
 
+@pytest.mark.slow
 def test_an_install_under_another_prefix_finds_its_recipes_by_name(wheel, tmp_path):
     """``pip install --prefix``: the recipes are where the install's record says, not under this Python's prefix."""
     prefix = tmp_path / "prefix"

@@ -705,6 +705,7 @@ def _assert_same_state(a, b):
         assert a == b
 
 
+@pytest.mark.slow_beyond_core("case")
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_nonfinite_step_leaves_every_state_as_it_was(case, bad):
     """A NaN or an infinity on one rank: the aggregate is non-finite on every rank (so the usual skip works), no
@@ -744,6 +745,7 @@ def test_a_nonfinite_step_leaves_every_state_as_it_was(case, bad):
 SPIKES = {"above-fp16": ("one", 1e5), "square-overflows": ("one", 3e19), "whole-rank": ("all", 1e18)}
 
 
+@pytest.mark.slow_beyond_core("case")
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 @pytest.mark.parametrize("spike", list(SPIKES), ids=list(SPIKES))
 def test_a_finite_spike_never_reaches_the_state(case, spike, ranks):
@@ -781,6 +783,7 @@ def test_a_finite_spike_never_reaches_the_state(case, spike, ranks):
 ZERO_VOTES_PLUS_ONE = {"signsgd", "signum", "signsgd-two-phase", "signum-two-phase"}
 
 
+@pytest.mark.slow_beyond_core("case")
 @pytest.mark.parametrize("ranks", [1, 2, 3])
 def test_an_all_zero_gradient_averages_to_zero(case, ranks):
     """Gradients that are zero on every rank, from the first step on (layers no batch touched, a loss that does not
@@ -814,6 +817,7 @@ def test_the_witnessed_compressors_are_the_expected_ones():
     ]  # fmt: skip
 
 
+@pytest.mark.slow_beyond_core("name")
 @pytest.mark.parametrize("name", WITNESSED)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")], ids=["nan", "inf", "-inf"])
 def test_a_nonfinite_element_anywhere_reaches_the_witness(name, bad):
@@ -959,6 +963,7 @@ def _interleaved_layers():
     return layers_from_shapes(shapes, names=names)
 
 
+@pytest.mark.slow_beyond_core("case")
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(case, world_size):
     """Compressed matrices interleaved with dense biases in one bucket: the hook's compressed layers, averaged and in
@@ -997,6 +1002,7 @@ def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(ca
                     assert torch.equal(hook.residual(rank, layer.name).reshape(-1), kept.flat(residuals[rank])), name
 
 
+@pytest.mark.slow_beyond_core("case")
 def test_the_hook_state_resumes_bitwise(case):
     """Every rank's whole hook state (residuals, the compressor's own state, the step) saved after 3 steps and loaded
     into fresh states: the next steps are bitwise those of the uninterrupted run (the checkpoint path, per method)."""

@@ -76,6 +76,7 @@ def _assert_ended_naming(returncode: int, output: str, outdir, pattern: str) -> 
     assert re.search(pattern, output), output[-4000:]
 
 
+@pytest.mark.slow
 def test_a_rank_that_raises_ends_every_rank_naming_it_and_the_last_checkpoint_resumes(tmp_path):
     returncode, output, latency = _run(tmp_path / "failed", "raise", rank=1)
     # rank 0's error (the one the script ends with) names rank 1 and its error, not only "Connection closed"
@@ -93,7 +94,10 @@ def test_a_rank_that_raises_ends_every_rank_naming_it_and_the_last_checkpoint_re
     assert int(_read(tmp_path / "resumed" / "finished")) == MAX_STEPS
 
 
-@pytest.mark.parametrize(("fault", "how"), [("exit", "exited with code 3"), ("kill", "was killed by SIGKILL")])
+@pytest.mark.parametrize(
+    ("fault", "how"),
+    [("exit", "exited with code 3"), pytest.param("kill", "was killed by SIGKILL", marks=pytest.mark.slow)],
+)
 def test_a_rank_that_dies_ends_every_rank_naming_it(tmp_path, fault, how):
     """``os._exit`` and SIGKILL: the rank leaves no Python error and no note; its exit status names it."""
     returncode, output, latency = _run(tmp_path, fault, rank=1)
@@ -118,6 +122,7 @@ def test_a_diloco_rank_that_dies_ends_every_rank_naming_it(tmp_path, strategy, f
     assert latency < DILOCO_TIMEOUT_S, f"{latency:.1f} s from the failure to the end"
 
 
+@pytest.mark.slow
 def test_rank_zero_raising_stops_the_other_ranks(tmp_path):
     """The main process's own error is kept (a user's ``except ValueError`` still works); its children are stopped,
     although they would wait in their collective for the whole timeout."""
@@ -127,6 +132,7 @@ def test_rank_zero_raising_stops_the_other_ranks(tmp_path):
     assert latency < TIMEOUT_S, f"{latency:.1f} s from the failure to the end"
 
 
+@pytest.mark.slow
 def test_a_rank_that_hangs_is_stopped_after_the_timeout(tmp_path):
     """Rank 1 sleeps in ``training_step``: rank 0's collective times out, then rank 1 is killed, not left running."""
     returncode, output, latency = _run(tmp_path, "hang", rank=1)

@@ -285,6 +285,7 @@ def _strategy():
     return CompressedDDP(Identity(), bucket_cap_mb=0.01, start_method="spawn")
 
 
+@pytest.mark.slow
 def test_lightning_fused_sgd_equals_torch_sgd_and_resumes_exactly(tmp_path):
     _, _, torch_sgd = fit(_strategy(), str(tmp_path / "torch"), model=Scheduled(False, **DATA), max_steps=-1,
                           max_epochs=4)  # fmt: skip

@@ -242,6 +242,7 @@ def test_the_run_of_non_finite_steps_is_counted_on_cuda_without_a_host_sync():
 # ---------------------------------------------------------------------------------------------------------------------
 # Without a GPU
 # ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU tests above run")
 def test_this_file_still_runs_where_its_gpu_tests_are_skipped(in_process_ddp):
     """CI has no GPU, so the tests above are skipped there and could break unseen (a renamed configuration, a changed

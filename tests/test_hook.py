@@ -14,6 +14,7 @@ from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_fro
 from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 from tests.distributed import run_distributed
+from tests.selection import selected_params
 
 # every example of the shared table, and three whose levels change mid-run
 COMPRESSORS = {name: factory() for name, factory in EXAMPLES.items()}
@@ -49,10 +50,11 @@ def _local_grads(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[tor
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def _hook_vs_reference(rank: int, world_size: int) -> dict:
+def _hook_vs_reference(rank: int, world_size: int, names: list[str]) -> dict:
     """Per compressor: DDP with the hook over several buckets vs the compressor simulated over all ranks' grads."""
     results = {}
-    for name, prototype in COMPRESSORS.items():
+    for name in names:
+        prototype = COMPRESSORS[name]
         model = small_net()
         reference_model = copy.deepcopy(model)
         ddp = DDP(model, bucket_cap_mb=0.004)  # ~1000 floats per bucket: the model spans several buckets
@@ -120,10 +122,12 @@ def _hook_vs_reference(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hook_runs():
-    return run_distributed(_hook_vs_reference)
+def hook_runs(request):
+    # one launch for the compressors this run selected (the core examples by default, the others with -m slow)
+    return run_distributed(_hook_vs_reference, selected_params(request, "name", *_HOOK_TESTS))
 
 
+@pytest.mark.slow_beyond_core("name")
 @pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_hook_equals_the_compressor_applied_to_every_ranks_gradient(hook_runs, name):
     """Bitwise: dense layers are the plain average, compressed layers the compressor over all ranks' gradients,
@@ -139,23 +143,33 @@ def test_hook_equals_the_compressor_applied_to_every_ranks_gradient(hook_runs, n
             assert result["compressed_mismatches"] == []
 
 
+@pytest.mark.slow_beyond_core("name")
 @pytest.mark.parametrize("name", list(LEVELS))
 def test_changing_levels_between_steps_changes_the_payload(hook_runs, name):
     sent = hook_runs[0][name]["bytes_sent"]  # step 0 runs on DDP's initial single bucket: its padding differs
     assert sent[1] != sent[2] == sent[3]
 
 
+@pytest.mark.slow_beyond_core("name")
 @pytest.mark.parametrize("name", list(COMPRESSORS))
 def test_replicas_stay_identical(hook_runs, name):
     assert all(rank_result[name]["replicas_identical"] for rank_result in hook_runs)
 
 
-def _skips_after_a_nan(rank: int, world_size: int) -> dict:
+_HOOK_TESTS = (
+    test_hook_equals_the_compressor_applied_to_every_ranks_gradient,
+    test_changing_levels_between_steps_changes_the_payload,
+    test_replicas_stay_identical,
+)
+
+
+def _skips_after_a_nan(rank: int, world_size: int, names: list[str]) -> dict:
     """Rank 1's loss times NaN (or inf) at step 2; the usual guard (zero the gradients when one is not finite) skips
     steps. Counted per compressor, with plain DDP as the control; replicas must stay identical."""
     results = {}
     configs = {"ddp": None, **EXAMPLES}
-    for name, factory in configs.items():
+    for name in names:
+        factory = configs[name]
         for bad in (float("nan"), float("inf")):
             model = small_net()
             ddp = DDP(model, bucket_cap_mb=0.004)
@@ -186,10 +200,12 @@ def _skips_after_a_nan(rank: int, world_size: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def nan_runs():
-    return run_distributed(_skips_after_a_nan)
+def nan_runs(request):
+    selected = selected_params(request, "name", test_one_nonfinite_step_costs_one_step_as_with_plain_ddp)
+    return run_distributed(_skips_after_a_nan, selected)
 
 
+@pytest.mark.slow_beyond_core("name")
 @pytest.mark.parametrize("name", ["ddp", *EXAMPLES])
 def test_one_nonfinite_step_costs_one_step_as_with_plain_ddp(nan_runs, name):
     for rank_result in nan_runs:

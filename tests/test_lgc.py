@@ -263,6 +263,7 @@ def _both_forms_on_gloo(rank, world_size):
     return out
 
 
+@pytest.mark.slow
 def test_the_gather_form_agrees_with_the_all_gather_form_on_real_gloo_processes():
     ranks = run_distributed(_both_forms_on_gloo, world_size=2)
     for step in range(6):

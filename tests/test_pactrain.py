@@ -236,6 +236,7 @@ def _check_masks(rank, world_size):
     return results
 
 
+@pytest.mark.slow
 def test_masks_that_differ_between_ranks_are_caught():
     for same, different in run_distributed(_check_masks):
         assert same == "same"

@@ -121,6 +121,7 @@ def _layout_invariance(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_powersgd_over_many_buckets_equals_one_bucket():
     """Many buckets (two ordered rounds per bucket on gloo) give bitwise the result of one bucket.
 
@@ -162,6 +163,7 @@ def _zero_init_residual(rank: int, world_size: int) -> dict:
     return finite
 
 
+@pytest.mark.slow
 def test_powersgd_survives_exactly_zero_gradients():
     for result in run_distributed(_zero_init_residual):
         assert result[1e-8] == [True, True, True]

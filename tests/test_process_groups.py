@@ -2,6 +2,7 @@
 
 import time
 
+import pytest
 import torch
 
 
@@ -34,6 +35,7 @@ def _settle_on_one_rank(rank, world_size):
             "left": len(collectives._running)}  # fmt: skip
 
 
+@pytest.mark.slow
 def test_settle_waits_for_the_collectives_still_running():
     from tests.distributed import run_distributed
 
@@ -66,6 +68,7 @@ def _gather_rows_released_late(rank: int, world_size: int) -> dict:
     return {"rows": rows, "seconds": time.monotonic() - started, "alive": sum(ref() is not None for ref in held)}
 
 
+@pytest.mark.slow
 def test_gather_rows_returns_every_ranks_rows_once_the_collectives_tensors_are_released():
     from tests.distributed import run_distributed
 

@@ -360,12 +360,14 @@ def _replica_check(rank, world_size):
     return strategy.identical_on_all_ranks([same]), strategy.identical_on_all_ranks([same, same + rank * 1e-7])
 
 
+@pytest.mark.slow
 def test_the_replica_check_sees_a_tiny_difference():
     for same, different in run_distributed(_replica_check):
         assert same is True
         assert different is False
 
 
+@pytest.mark.slow
 def test_factorized_from_the_first_step(tmp_path):
     model, ranks, extra = _fit(tmp_path, "step0", 1, [Pufferfish(warmup_epochs=0, full_rank=["conv1"])])
     assert extra[0]["factorized"] == ["conv2", "fc1", "fc2"]

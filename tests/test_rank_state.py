@@ -184,6 +184,7 @@ def _save_with_a_slow_rank_1(rank: int, world_size: int, path: str) -> tuple[boo
     return os.path.exists(path), other is not None and other.state["global_step"] == 8
 
 
+@pytest.mark.slow
 def test_rank_0_writes_the_checkpoint_only_once_every_rank_has_written_its_file(tmp_path):
     """The order that keeps a checkpoint whole when the ranks run at different speeds: when rank 0 has written the
     checkpoint, a slower rank's file of the same step is already there (without the barrier it is not)."""

@@ -138,6 +138,7 @@ def _bytes_per_rank(rank: int, world_size: int) -> dict:
     return {"sent": sent, "identical": all(torch.equal(everyone[0], e) for e in everyone)}
 
 
+@pytest.mark.slow
 def test_bytes_per_rank_with_2_and_4_processes():
     """Real gloo processes: every rank all-reduces the same values each step and broadcasts indices when it leads
     (step mod n); those numbers are the same with 4 processes as with 2, so bytes per rank do not grow with n."""

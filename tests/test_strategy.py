@@ -60,6 +60,7 @@ def test_identity_is_bitwise_plain_ddp(fits, variant):
     assert [s["reductions"] for s in ours[0]["steps"]] == [(i + 1) // accumulate for i in range(4 * accumulate)]
 
 
+@pytest.mark.slow
 def test_identity_is_bitwise_plain_ddp_at_3_ranks_under_the_spawn_launcher(tmp_path):
     """At 3 ranks scaling by ``1 / 3`` and dividing by 3 round differently (DDP's reducer scales)."""
     dense, _, dense_ranks = fit(DDPStrategy(**SPAWN), str(tmp_path / "dense"), devices=3)
@@ -227,6 +228,7 @@ def test_trainer_features_train_compressed_as_they_train_under_plain_ddp(fits):
     assert all(torch.equal(fits[f"{s}:frozen"][0]["state_dict"][frozen], initial) for s in ("ddp", "topk"))
 
 
+@pytest.mark.slow
 def test_a_python_reducer_is_refused_before_the_first_step(tmp_path):
     """``torch._dynamo.config.optimize_ddp = "python_reducer"`` makes DDP call communication hooks per parameter
     with ``(grad, param)`` instead of per bucket; the compression hook would fail in the first backward pass
@@ -256,6 +258,7 @@ class _SwitchAt(Callback):
             trainer.strategy.compression_enabled = False
 
 
+@pytest.mark.slow
 def test_compressor_and_switch_can_change_between_steps(tmp_path):
     strategy = CompressedDDP(Identity(), min_compress_numel=64, **SPAWN)
     _, _, ranks = fit(strategy, str(tmp_path), callbacks=[_SwitchAt()], max_steps=8)
@@ -441,7 +444,9 @@ class _NaNOnce(TinyNet):
                 g.zero_()
 
 
-@pytest.mark.parametrize("compressor", [TopK(ratio=0.05), PowerSGD(rank=2)], ids=["topk", "powersgd"])
+@pytest.mark.parametrize(
+    "compressor", [TopK(ratio=0.05), pytest.param(PowerSGD(rank=2), marks=pytest.mark.slow)], ids=["topk", "powersgd"]
+)
 def test_one_nan_costs_one_step_and_is_counted(tmp_path, compressor):
     """One NaN step under Lightning: after it every step is finite again (a residual that kept the NaN once made 5 of 5
     later steps non-finite with TopK and PowerSGD); the monitor counts the step; replicas stay identical."""
@@ -465,6 +470,7 @@ class _NaNThrice(_NaNOnce):
         return loss
 
 
+@pytest.mark.slow
 def test_three_non_finite_steps_in_a_row_reset_the_state_on_every_rank(tmp_path):
     """Under Lightning, with DDP's own buckets: after reset_state_after=3 non-finite steps in a row every rank starts
     its state afresh at the same step (a warning says so, the monitor counts it); replicas stay identical."""

@@ -319,6 +319,7 @@ def _both(rank: int, world_size: int) -> dict:
     return {"plain": _train(rank, world_size, False), "zen": _train(rank, world_size, True)}
 
 
+@pytest.mark.slow
 def test_zen_on_gloo_ddp_equals_plain_ddp_bitwise():
     """Two processes: the embedding's gradient (a few rows of 500) goes through Zen, the head is averaged densely;
     with two ranks (a + b) / 2 is exactly a / 2 + b / 2, so training is bitwise plain DDP, and replicas agree."""
