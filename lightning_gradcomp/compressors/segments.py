@@ -192,6 +192,7 @@ class Segments:
         self.numel = sum(lengths)
         self.device = device
         self.lengths = torch.tensor(lengths, dtype=torch.int64, device=device)
+        self.starts = torch.tensor(starts, dtype=torch.int64, device=device)
         self.rows = AlignedRows(starts, lengths, ROW, device)
         self._groups: dict[int, GroupLayout] = {}
         self._blocks: dict[int, tuple[AlignedRows, Tensor]] = {}

@@ -309,13 +309,12 @@ class SignSGD(ShardedExchange):
     def _momentum_step(self, tensor: Tensor, ctx: BucketContext) -> None:
         if not self.momentum:
             return
-        for layer in ctx.layers:
-            g = layer.flat(tensor)
-            m = self._momenta.get(layer, g)
-            new_m = self._next_momenta.get(layer, g)  # reused every step: no allocation on the hook path
-            torch.mul(g, 1.0 - self.momentum, out=new_m).add_(m, alpha=self.momentum)
-            g.copy_(new_m)  # the new m is what is signed
-            ctx.stage(m, new_m, swap=True)  # new_m is rewritten whole next step
+        # the bucket at once: every layer's m is a view of one flat tensor (kept and saved per layer)
+        m = self._momenta.flat(ctx.layers, tensor)
+        new_m = self._next_momenta.flat(ctx.layers, tensor)  # reused every step: no allocation on the hook path
+        torch.mul(tensor, 1.0 - self.momentum, out=new_m).add_(m, alpha=self.momentum)
+        tensor.copy_(new_m)  # the new m is what is signed
+        ctx.stage(m, new_m)  # copied at commit: a swap of storage would leave the layers' views behind
 
     def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Signs all-gathered (or voted by shard owners); every rank holds the majority vote (nothing to declare)."""
