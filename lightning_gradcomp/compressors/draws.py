@@ -44,10 +44,10 @@ def _signed(value: int) -> int:
     return value - (1 << 32) if value >= 1 << 31 else value
 
 
-def _mix_numpy(x: np.ndarray) -> np.ndarray:
-    """lowbias32 of every ``uint32`` of ``x``, in place."""
+def _mix_numpy(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """lowbias32 of every ``uint32`` of ``x``, in place (``scratch``: a buffer like ``x``, reused for the shifts)."""
     for i, shift in enumerate(_SHIFTS):
-        x ^= x >> np.uint32(shift)
+        x ^= np.right_shift(x, np.uint32(shift), out=scratch)
         if i < len(_MULTIPLIERS):
             x *= np.uint32(_MULTIPLIERS[i])
     return x
@@ -120,9 +120,10 @@ def _draws_numpy(a: Tensor, c: Tensor, lengths: Tensor, bits: int | None, out: T
     """The draws on the CPU, in NumPy's ``uint32``: the same values as :func:`_draws_torch`."""
     counts = lengths.numpy()
     x = np.arange(out.numel(), dtype=np.uint32)
-    x *= np.repeat(a.numpy().view(np.uint32), counts)
+    scratch = np.repeat(a.numpy().view(np.uint32), counts)
+    x *= scratch
     x += np.repeat(c.numpy().view(np.uint32), counts)
-    h = _mix_numpy(x)
+    h = _mix_numpy(x, scratch)
     target = out.numpy()
     if bits == 16:
         np.right_shift(h, np.uint32(16), out=h)
