@@ -55,8 +55,6 @@ from lightning_gradcomp.validation import check_bool
 log = logging.getLogger(__name__)
 
 _MiscError = MisconfigurationException
-
-
 def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
     """Parameter indices cut into ``fragments`` consecutive runs of about equal size (in elements).
 

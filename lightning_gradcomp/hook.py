@@ -118,11 +118,7 @@ def _relayout(layers: list[Layer]) -> tuple[Layer, ...]:
 
 
 def _make_plan(
-    names: dict[int, tuple[int, str]],
-    min_numel: int,
-    signature: tuple[int, ...],
-    params: list[Tensor],
-    numel: int,
+    names: dict[int, tuple[int, str]], min_numel: int, signature: tuple[int, ...], params: list[Tensor], numel: int,
     compressor: Compressor,
 ) -> _BucketPlan:
     """The plan of one bucket layout: its layers, which of them ``compressor`` takes at ``min_numel``, where each lies.

@@ -468,7 +468,9 @@ class Compressor(ABC):
         return f"{type(self).__name__}({args})"
 
 
-def check_gradient_dtypes(compressor: Compressor, layers: Iterable[tuple[Layer, torch.dtype]], min_numel: int) -> None:
+def check_gradient_dtypes(
+    compressor: Compressor, layers: Iterable[tuple[Layer, torch.dtype]], min_numel: int
+) -> None:
     """Ask ``compressor`` to check the gradient dtype of each of ``layers`` (layer, dtype) that it compresses.
 
     A layer the compressor leaves dense (below ``min_numel`` elements, or not its kind) is not asked.

@@ -64,7 +64,7 @@ def _flat_nonzero_of_mask(mask: np.ndarray) -> np.ndarray:
     if n < _WORD_SCAN_MIN or not mask.flags.c_contiguous:
         return np.flatnonzero(mask)
     words = mask[:full].view(np.uint64)
-    head = words[: _WORD_SCAN_MIN // 8]  # the density is judged from the first words: either path is exact
+    head = words[:_WORD_SCAN_MIN // 8]  # the density is judged from the first words: either path is exact
     if 4 * np.count_nonzero(head) > head.size:
         return np.flatnonzero(mask)
     occupied = np.flatnonzero(words != 0)

@@ -257,7 +257,9 @@ class GPTLanguageModel(_NextTokenModel):
                             ("n_head", n_head), ("n_embd", n_embd)):  # fmt: skip
             check_positive_int(value, name, error=MisconfigurationException)
         if n_embd % n_head:
-            raise MisconfigurationException(f"Expected `n_head` to divide `n_embd` ({n_embd}), got n_head={n_head}.")
+            raise MisconfigurationException(
+                f"Expected `n_head` to divide `n_embd` ({n_embd}), got n_head={n_head}."
+            )
         check_number(dropout, "dropout", low=0, high=1, high_open=True, error=MisconfigurationException)
         check_number(lr, "lr", low=0, low_open=True, error=MisconfigurationException)
         check_number(weight_decay, "weight_decay", low=0, error=MisconfigurationException)
