@@ -13,9 +13,9 @@ telemetry measures (``gradcomp/encode_ms + decode_ms``), as:
 * *passes*: the time divided by the time of one memory pass over the compressed gradient (``dst.copy_(src)``: one
   read and one write of every element), the unit every elementwise stage costs at least. A codec that reads the
   gradient, writes a residual and writes the output is three passes at best, whatever the device;
-* next to them, one fp32 uniform draw per element (``torch.rand``), the floor of the stochastic quantisers
-  (QSGD and TernGrad draw one per element: stochastic rounding needs independent draws), and the same with 16 random
-  bits per element (their ``random_bits=16``: four draws cut from each 64-bit output of the generator);
+* next to them, one fp32 uniform draw per element (``compressors.draws.uniform_draws``: a counter-based hash of
+  the layer and position), the floor of the stochastic quantisers (QSGD and TernGrad draw one per element:
+  stochastic rounding needs independent draws), and the same with 16 random bits per element (``random_bits=16``);
 * on a line of its own, the end-of-step commit of the error-feedback residual (outside encode+decode): a storage
   swap on the CPU, ``torch.where`` on CUDA, next to what a copy would cost.
 
@@ -62,8 +62,8 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors import LGC, Identity, LGCAllReduce, MaskedCompressor, Masks, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer
+from lightning_gradcomp.compressors.draws import uniform_draws
 from lightning_gradcomp.compressors.exchange import StepUpdates
-from lightning_gradcomp.compressors.quantize import _uniform
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
@@ -393,16 +393,15 @@ def main() -> None:
     backward = backward_ms(model, args, device)
     src, dst = torch.randn(numel, device=device), torch.empty(numel, device=device)
     one_pass = _median_ms(lambda: dst.copy_(src), device, 20)
-    # the stochastic quantisers' floor: QSGD and TernGrad draw one uniform per element and layer (from a CPU
-    # generator, as ``BucketContext.generator`` makes them, except on CUDA), fp32 and as ``random_bits=16`` draws
-    # them; timed as they run it (``quantize._uniform``), into a kept buffer (a fresh one adds page faults that vary
-    # from run to run with the allocator's state)
+    # the stochastic quantisers' floor: QSGD and TernGrad draw one uniform per element (a counter-based hash of the
+    # layer and position, the bucket at once), fp32 and as ``random_bits=16`` draws them; timed as they run it
+    # (``draws.uniform_draws``), into a kept buffer (a fresh one adds page faults that vary from run to run with the
+    # allocator's state)
     ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=layers, device=device)
 
     def draws(bits: int | None) -> Callable[[], None]:
         def run() -> None:
-            for layer in layers:
-                _uniform(ctx, layer, layer.numel, torch.float32, bits, out=layer.flat(dst))
+            uniform_draws(ctx, torch.float32, bits, out=dst)
 
         return run
 

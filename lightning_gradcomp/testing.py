@@ -155,6 +155,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "onebit-two-phase": lambda: OneBit(transport="two_phase"),
     "qsgd-two-phase": lambda: QSGD(transport="two_phase"),
     "qsgd-2bit-two-phase": lambda: QSGD(levels=1, bucket_size=100, transport="two_phase"),
+    "terngrad-two-phase": lambda: TernGrad(aggregation="two_phase"),
     "minmax8-two-phase": lambda: MinMax(bits=8, transport="two_phase"),
     "minmax4-two-phase": lambda: MinMax(bits=4, transport="two_phase"),
     "efsignsgd-allgather": lambda: EFSignSGD(transport="allgather"),

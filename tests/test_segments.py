@@ -62,3 +62,34 @@ def test_expand_repeats_each_layer_value(layers) -> None:  # type: ignore[no-unt
     assert torch.equal(
         segments.expand(values), torch.cat([torch.full((layer.numel,), float(i)) for i, layer in enumerate(layers)])
     )
+
+
+@pytest.mark.parametrize("neighbours", [(0, 0), (1, 5), (ROW - 1, 700), (3 * ROW + 17, 2 * ROW)])
+def test_a_layers_values_are_bitwise_the_same_alone_and_in_any_bucket(neighbours: tuple[int, int]) -> None:
+    """Rows start at every layer's own start: its sum, 1-norm, count and maximum do not depend on its neighbours."""
+    torch.manual_seed(1)
+    before, after = neighbours
+    for numel in (1, ROW, 5 * ROW + 3, ROW * ROW + 2 * ROW + 5):  # one level, two, and three
+        shapes = [s for s in ((before,), (numel,), (after,)) if s[0]]
+        bucket = layers_from_shapes(shapes)
+        mine = bucket[1 if before else 0]
+        x = torch.randn(sum(layer.numel for layer in bucket)) * 1e-3
+        alone_x = mine.flat(x).clone()
+        alone = segments_of(layers_from_shapes([(numel,)]), x.device)
+        together = segments_of(bucket, x.device)
+        i = 1 if before else 0
+        for reduce in ("sums", "l1", "max_magnitudes"):
+            found = getattr(together, reduce)(x, torch.float32)[i]
+            assert torch.equal(found, getattr(alone, reduce)(alone_x, torch.float32)[0])
+        assert torch.equal(together.counts(x > 0)[i], alone.counts(alone_x > 0)[0])
+        # and a sum of rows of rows is the sum, to rounding
+        torch.testing.assert_close(alone.sums(alone_x, torch.float64).float(), alone_x.double().sum().float().view(1))
+
+
+def test_block_rows_reduce_every_block_of_every_layer(layers) -> None:  # type: ignore[no-untyped-def]
+    x = _flat(layers)
+    rows, lengths = segments_of(layers, x.device).block_rows(512)
+    norms = rows.reduce(x, lambda r: torch.linalg.vector_norm(r, dim=1), lambda r: r)
+    blocks = [block for layer in layers for block in layer.flat(x).split(512)]
+    torch.testing.assert_close(norms, torch.stack([torch.linalg.vector_norm(block) for block in blocks]))
+    assert torch.equal(lengths, torch.tensor([block.numel() for block in blocks]))

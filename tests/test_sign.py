@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import EFSignSGD, OneBit, SignSGD
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, layers_from_shapes
+from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, LayerBuffers, layers_from_shapes
+from lightning_gradcomp.compressors.exchange import StepUpdates
 from lightning_gradcomp.compressors.packing import unpack_bits
 from lightning_gradcomp.compressors.sign import _group_width, _looked_up_codes, _rank_codes
 from lightning_gradcomp.telemetry import Telemetry
@@ -190,3 +191,34 @@ def test_rank_codes_put_every_ranks_bits_side_by_side(ranks):
     assert found.dtype == torch.uint8
     assert torch.equal(found.long(), expected)
     assert torch.equal(found, _looked_up_codes(packed, width))
+
+
+def test_signum_momentum_is_bitwise_the_per_layer_update_across_a_bucket_rebuild() -> None:
+    """Signum's momentum is updated a bucket at once (its layers' buffers are views of one flat tensor), yet it is
+    still kept and saved per layer: after a rebuild into other buckets, and after a load, it goes on bitwise as
+    ``m <- beta m + (1 - beta) g`` layer by layer."""
+    layers = layers_from_shapes([(30,), (7, 5), (100,)])
+    beta = 0.9
+    compressor = SignSGD(momentum=beta)
+    expected = {layer.name: torch.zeros(layer.numel) for layer in layers}
+    generator = torch.Generator().manual_seed(3)
+    layouts = [layers, layers[:1], layers[1:]]  # one bucket, then DDP's rebuild into two
+    for step in range(4):
+        for bucket in layouts[:1] if step < 2 else layouts[1:]:
+            offsets = [sum(layer.numel for layer in bucket[:i]) for i in range(len(bucket))]
+            bucket = tuple(Layer(layer.name, layer.index, layer.shape, at) for layer, at in zip(bucket, offsets))
+            g = torch.randn(sum(layer.numel for layer in bucket), generator=generator)
+            for layer in bucket:
+                expected[layer.name] = torch.mul(layer.flat(g), 1 - beta).add_(expected[layer.name], alpha=beta)
+            ctx = BucketContext(index=0, step=step, rank=0, world_size=1, layers=bucket, updates=StepUpdates())
+            compressor._momentum_step(g, ctx)
+            ctx.updates.commit()
+        if step == 2:  # a resume: the per-layer state loaded into a fresh compressor
+            state = compressor.state_dict()
+            compressor = SignSGD(momentum=beta)
+            compressor.load_state_dict(state)
+    saved = compressor.state_dict()["momentum"]
+    assert set(saved) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(saved[name], value), name
+    assert isinstance(compressor.layer_state("momentum"), LayerBuffers)

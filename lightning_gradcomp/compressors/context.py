@@ -250,14 +250,44 @@ class LayerBuffers:
 
     def __init__(self) -> None:
         self._tensors: dict[str, Tensor] = {}
+        self._flats: dict[tuple[tuple[str, int], ...], Tensor] = {}  # a bucket's buffers as one tensor, by layout
+        self._flat_of: dict[str, tuple[tuple[str, int], ...]] = {}  # the layout whose flat tensor holds a buffer
 
     def get(self, layer: Layer, like: Tensor) -> Tensor:
         """``layer``'s buffer, zero-initialised like ``like`` when missing or no longer matching it."""
         buffer = self._tensors.get(layer.name)
         if buffer is None or buffer.shape != like.shape or buffer.dtype != like.dtype:
-            buffer = self._tensors[layer.name] = torch.zeros_like(like)
+            buffer = self._replace(layer.name, torch.zeros_like(like))
         elif buffer.device != like.device:  # loaded from a checkpoint on another device: moved, not lost
-            buffer = self._tensors[layer.name] = buffer.to(like.device)
+            buffer = self._replace(layer.name, buffer.to(like.device))
+        return buffer
+
+    def flat(self, layers: Sequence[Layer], like: Tensor) -> Tensor:
+        """The buffers of ``layers`` as one flat tensor like ``like`` (a bucket), each layer's buffer a view of it.
+
+        Built once per layout (the existing buffers copied in, missing ones zero); afterwards a bucket's buffers are
+        updated in a fixed number of operators. Still saved and loaded per layer (:meth:`state_dict`), so they
+        follow their layer across DDP's bucket rebuild.
+        """
+        key = tuple((layer.name, layer.numel) for layer in layers)
+        found = self._flats.get(key)
+        if found is not None and found.dtype == like.dtype and found.device == like.device:
+            return found
+        flat = torch.zeros_like(like)
+        for layer in layers:
+            view = layer.flat(flat)
+            view.copy_(self.get(layer, view))
+            self._replace(layer.name, view)
+            self._flat_of[layer.name] = key
+        self._flats[key] = flat
+        return flat
+
+    def _replace(self, name: str, buffer: Tensor) -> Tensor:
+        """Set ``name``'s buffer; a flat tensor that held the old one no longer holds every buffer of its layout."""
+        owner = self._flat_of.pop(name, None)
+        if owner is not None:
+            self._flats.pop(owner, None)
+        self._tensors[name] = buffer
         return buffer
 
     def __getitem__(self, name: str) -> Tensor:
@@ -273,10 +303,15 @@ class LayerBuffers:
     def load_state_dict(self, state_dict: dict[str, Tensor]) -> None:
         """Replace the buffers with copies of ``state_dict``'s."""
         self._tensors = {name: t.clone() for name, t in state_dict.items()}
+        self._flats.clear()
+        self._flat_of.clear()
 
     def clear(self) -> None:
         """Forget every buffer (each starts again from zeros at its next :meth:`get`)."""
         self._tensors.clear()
+        self._flats.clear()
+        self._flat_of.clear()
+
 
 def keep_count(numel: int, ratio: float) -> int:
     """How many of ``numel`` elements a keep-ratio selects: ``max(1, int(numel * ratio))`` (GRACE's rule)."""

@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, ClassVar, Literal
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_gradcomp import wire
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
+from lightning_gradcomp.compressors.draws import uniform_draws
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentValue
 from lightning_gradcomp.compressors.packing import (
     field_planes,
     field_width,
     lookup_uint,
-    max_magnitudes,
     numpy_floats,
     pack_fields,
     pack_uint,
@@ -25,7 +27,8 @@ from lightning_gradcomp.compressors.packing import (
     unpack_uint,
     words_needed,
 )
-from lightning_gradcomp.compressors.two_phase import ShardedExchange, check_transport
+from lightning_gradcomp.compressors.segments import segments_of
+from lightning_gradcomp.compressors.two_phase import ShardedExchange, check_transport, exact_sum, shard_numel
 from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
 
 _WIRE = torch.float32  # norms and scalers travel as fp32
@@ -45,35 +48,15 @@ def _round_up_to_wire(values: Tensor) -> Tensor:
 
 
 _RANDOM_BITS = (None, 16)  # None: torch's uniform in the compute dtype (24 random bits in fp32, 53 in fp64)
-_HALF_STEP_16 = 0.5 + 2.0**-17  # (r + 2^15 + 1/2) 2^-16 for a signed 16-bit r: the centre of r's cell in [0, 1)
 
 
-def _uniform(
-    ctx: BucketContext, layer: Layer, n: int, dtype: torch.dtype, bits: int | None = None, out: Tensor | None = None
-) -> Tensor:
-    """``n`` uniform draws in [0, 1) (in (0, 1) with ``bits=16``), different on every rank, keyed by the layer.
+def _squares(dtype: torch.dtype) -> Callable[[Tensor], Tensor]:
+    """A row reduction: every row's sum of squares in ``dtype`` (the rows are a gathered copy: squared in place)."""
+    return lambda rows: rows.to(dtype).square_().sum(dim=1)
 
-    ``bits=None``: ``torch.rand`` in ``dtype`` (in fp32 a multiple of ``2^-24``: 24 random bits per element, one
-    32-bit output of the generator each). ``bits=16``: ``(r + 1/2) 2^-16`` for a uniform 16-bit integer ``r``, four
-    of them cut from each full-range 64-bit draw (``random_(-2**63, None)``), so the generator does half the work of
-    one 32-bit output per element, and no per-element float conversion inside it (about 3x faster on the CPU,
-    ``python benchmarks/codec.py`` prints both). Every value is exact in the compute dtype (17 significant bits).
 
-    ``out`` (``n`` elements of ``dtype`` on ``ctx.device``), if given, receives the draws: the same values, without
-    a fresh tensor per layer, whose first writes cost their page faults on the CPU.
-    """
-    device = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
-    generator = ctx.generator(layer, per_rank=True, device=device)
-    target = out if out is not None and out.device == device else torch.empty(n, dtype=dtype, device=device)
-    if bits is None:
-        torch.rand(n, generator=generator, dtype=dtype, device=device, out=target)
-    else:
-        words = torch.empty(-(-n // 4), dtype=torch.int64, device=device).random_(-(2**63), None, generator=generator)
-        r = words.view(torch.int16)[:n]  # four 16-bit lanes per word, each uniform over [-2^15, 2^15)
-        target.copy_(r).mul_(2.0**-16).add_(_HALF_STEP_16)  # exact: 17 significant bits at most
-    if out is None:
-        return target.to(ctx.device)
-    return target if target is out else out.copy_(target)
+def _sums(rows: Tensor) -> Tensor:
+    return rows.sum(dim=1)
 
 
 def _magnitudes(x: Tensor, out: Tensor) -> Tensor:
@@ -81,9 +64,11 @@ def _magnitudes(x: Tensor, out: Tensor) -> Tensor:
     return torch.abs(x, out=out) if x.dtype == out.dtype else out.copy_(x).abs_()
 
 
-def _scratch(ctx: BucketContext, dtype: torch.dtype) -> Tensor:
-    """A buffer as large as the bucket's largest layer, reused layer after layer within one call."""
-    return torch.empty(max((layer.numel for layer in ctx.layers), default=0), dtype=dtype, device=ctx.device)
+def _look_up(table: Tensor, index: Tensor, out: Tensor) -> Tensor:
+    """``table[index]`` written into ``out`` (converted to its dtype)."""
+    if out.dtype == table.dtype:
+        return torch.index_select(table, 0, index, out=out)
+    return out.copy_(table.index_select(0, index))
 
 
 def _check_random_bits(value: Any) -> int | None:
@@ -94,12 +79,11 @@ def _check_random_bits(value: Any) -> int | None:
 
 
 def _clamp_(x: Tensor, bound: Tensor) -> None:
-    """``x.clamp_(-bound, bound)`` in ``x``'s dtype (NumPy's ``clip`` on the CPU: the same values, NaN kept)."""
+    """``x.clamp_(-bound, bound)`` elementwise in ``x``'s dtype (NumPy's ``clip`` on the CPU: the same values)."""
     bound = bound.to(x.dtype)
     if numpy_floats(x):
-        array = x.detach().numpy()
-        limit = array.dtype.type(bound.item())
-        np.clip(array, -limit, limit, out=array)
+        limit = bound.numpy()
+        np.clip(x.detach().numpy(), -limit, limit, out=x.detach().numpy())
     else:
         x.clamp_(-bound, bound)
 
@@ -200,10 +184,32 @@ class QSGD(ShardedExchange):
         return values
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
-        """Bucket norms (fp32) and the packed sign and level of every element."""
+        """Bucket norms (fp32) and the packed sign and level of every element.
+
+        Every layer's norm buckets, draws and levels at once (a fixed number of operators per bucket); with per-layer
+        levels, the levels and their packing layer by layer.
+        """
+        dtype = _compute_dtype(ctx.dtype)
+        draws = uniform_draws(ctx, dtype, self.random_bits)
+        if self.layer_levels:
+            return self._compress_layers(tensor, ctx, draws)
+        s, bits = self.levels, self.levels.bit_length()
+        blocks, lengths = segments_of(ctx.layers, ctx.device).block_rows(self.bucket_size)
+        wire = _round_up_to_wire(blocks.reduce(tensor, _squares(dtype), _sums).sqrt_())
+        norm = wire.to(dtype)
+        scale = torch.where(norm > 0, s / norm, 0)  # levels per unit of |x|; an all-zero bucket stays 0
+        # floor(s |x| / norm + u) is l + 1 with probability s |x| / norm - l: the stochastic rounding
+        ratio = _magnitudes(tensor, torch.empty(ctx.numel, dtype=dtype, device=ctx.device))
+        ratio.mul_(torch.repeat_interleave(scale, lengths, output_size=ctx.numel)).add_(draws)
+        level = ratio.to(torch.uint8).clamp_(max=s)  # truncation is floor here; the clamp guards rounding
+        fields = (signbit(tensor).view(torch.uint8) << bits).bitwise_or_(level)  # the sign is the top bit
+        return wire, pack_uint(fields, bits + 1)
+
+    def _compress_layers(self, tensor: Tensor, ctx: BucketContext, draws: Tensor) -> Payload:
+        """:meth:`compress` layer by layer, each at its own levels, packed on its own."""
         dtype = _compute_dtype(ctx.dtype)
         norms, packed = [], []
-        magnitudes, draws = _scratch(ctx, dtype), _scratch(ctx, dtype)
+        magnitudes = torch.empty(ctx.numel, dtype=dtype, device=ctx.device)
         for layer in ctx.layers:
             s = self.level(layer)
             bits = s.bit_length()
@@ -214,12 +220,11 @@ class QSGD(ShardedExchange):
                 bucket_norms.append(torch.linalg.vector_norm(x[full:], dtype=dtype).unsqueeze(0))
             wire = _round_up_to_wire(torch.cat(bucket_norms))
             norm = wire.to(dtype)
-            scale = torch.where(norm > 0, s / norm, 0)  # levels per unit of |x|; an all-zero bucket stays 0
-            # floor(s |x| / norm + u) is l + 1 with probability s |x| / norm - l: the stochastic rounding
-            ratio = self._per_bucket_(_magnitudes(x, magnitudes[: layer.numel]), scale)
-            ratio += _uniform(ctx, layer, layer.numel, dtype, self.random_bits, out=draws[: layer.numel])
-            level = ratio.to(torch.uint8).clamp_(max=s)  # truncation is floor here; the clamp guards rounding
-            fields = (signbit(x).view(torch.uint8) << bits).bitwise_or_(level)  # the sign is the top bit
+            scale = torch.where(norm > 0, s / norm, 0)
+            ratio = self._per_bucket_(_magnitudes(x, layer.flat(magnitudes)), scale)
+            ratio += layer.flat(draws)
+            level = ratio.to(torch.uint8).clamp_(max=s)
+            fields = (signbit(x).view(torch.uint8) << bits).bitwise_or_(level)
             norms.append(wire)
             packed.append(pack_uint(fields, bits + 1))
         return torch.cat(norms), torch.cat(packed)
@@ -238,6 +243,19 @@ class QSGD(ShardedExchange):
         norms, packed = payload
         dtype = _compute_dtype(ctx.dtype)
         out = ctx.output(out)
+        if self.layer_levels:
+            return self._decompress_layers(norms, packed, ctx, out)
+        s, bits = self.levels, self.levels.bit_length()
+        levels = torch.arange(1 << bits, dtype=dtype, device=ctx.device)
+        target = out if out.dtype == dtype else torch.empty(ctx.numel, dtype=dtype, device=out.device)
+        lookup_uint(packed, bits + 1, ctx.numel, torch.cat([levels, -levels]), target)
+        _, lengths = segments_of(ctx.layers, ctx.device).block_rows(self.bucket_size)
+        target.mul_(torch.repeat_interleave(norms.to(dtype) / s, lengths, output_size=ctx.numel))
+        return out if target is out else out.copy_(target)
+
+    def _decompress_layers(self, norms: Tensor, packed: Tensor, ctx: BucketContext, out: Tensor) -> Tensor:
+        """:meth:`decompress` layer by layer (per-layer levels)."""
+        dtype = _compute_dtype(ctx.dtype)
         norm_at = byte_at = 0
         tables: dict[int, Tensor] = {}  # field -> signed level (the sign is the top bit), one table per field width
         for layer in ctx.layers:
@@ -280,7 +298,12 @@ class TernGrad(Compressor):
     source and sum-safe on the wire: ``8 ceil(d / floor(63 / w))`` bytes per rank. With ``"allgather"`` every rank
     sends the paper's 2-bit packing (``ceil(d / 4)`` bytes) and every rank sums the gathered values: fewer bytes per
     rank, but each rank receives ``n - 1`` payloads, while the all-reduce's traffic stays bounded as ``n`` grows.
-    Either way the result is the same.
+    With ``"two_phase"`` (:func:`~lightning_gradcomp.compressors.two_phase.exact_sum`) each rank sends shard ``s``
+    of its 2-bit values to rank ``s``, which sums them exactly and all-gathers the sums in ``ceil(log2(2 n + 1))``
+    bits: ``(n - 1) / n d (2 + ceil(log2(2 n + 1))) / 8`` bytes per rank, 0.156 of a dense fp32 ring all-reduce at 64
+    ranks where the all-reduce's words are 0.28 and the all-gather's 0.98. ``"auto"`` takes whichever of the three
+    moves the fewest bytes per rank at the world size (the all-gather at 2 ranks, the two-phase exchange from 3 on).
+    Whichever way, the sums are exact: the result is bitwise the same.
 
     Unbiased for the clipped gradient; with ``clip=None`` unbiased for the gradient itself (``unbiased`` is then
     ``True``). Error feedback is off by default (the paper has none) even though clipping adds a small bias.
@@ -290,11 +313,12 @@ class TernGrad(Compressor):
 
     Args:
         clip: the clipping factor ``c`` in standard deviations, or ``None`` for no clipping (scaler ``max |g|``).
-        aggregation: ``"allreduce"`` (sum-safe words) or ``"allgather"`` (2-bit values, summed after gathering).
+        aggregation: ``"allreduce"`` (sum-safe words), ``"allgather"`` (2-bit values, summed after gathering),
+            ``"two_phase"`` (2-bit shards to their owners, exact sums gathered) or ``"auto"`` (the fewest bytes).
         random_bits: random bits in each element's uniform draw ``u`` (``b_j`` is 1 where ``u s < |g_j|``).
-            ``None`` (the default): torch's uniform in the compute dtype, 24 bits in fp32. ``16``: ``u = (r + 1/2)
-            2^-16`` for a uniform 16-bit ``r``, about 3x cheaper to draw on the CPU; the keep probability is then
-            off by at most ``2^-17`` per element. Our design, not the paper's; what is sent differs from the default's.
+            ``None`` (the default): 24 random bits in fp32 (:mod:`~lightning_gradcomp.compressors.draws`). ``16``:
+            ``u = (r + 1/2) 2^-16`` for a uniform 16-bit ``r``; the keep probability is then off by at most
+            ``2^-17`` per element. Our design, not the paper's; what is sent differs from the default's.
 
     Raises:
         ValueError: If ``clip`` is not a positive number or ``None``, ``aggregation`` is unknown, or ``random_bits``
@@ -307,24 +331,47 @@ class TernGrad(Compressor):
         TernGrad(clip=2.5, aggregation='allreduce', random_bits=None)
     """
 
-    rounds: ClassVar[int] = 2
     random_bits: int | None = None  # what objects pickled before the argument existed draw
 
     def __init__(
         self,
         clip: float | None = 2.5,
-        aggregation: Literal["allreduce", "allgather"] = "allreduce",
+        aggregation: Literal["allreduce", "allgather", "two_phase", "auto"] = "allreduce",
         random_bits: int | None = None,
     ) -> None:
         super().__init__()
         self.clip = check_number(clip, "clip", low=0.0, low_open=True, allow_none=True)
-        self.aggregation = check_choice(aggregation, "aggregation", ("allreduce", "allgather"))
+        self.aggregation = check_choice(aggregation, "aggregation", ("allreduce", "allgather", "two_phase", "auto"))
         self.random_bits = _check_random_bits(random_bits)
 
     @property
     def collective(self) -> Collective:
-        """How the ternaries travel: summed (``"allreduce"``) or gathered (``"allgather"``)."""
-        return self.aggregation
+        """How the ternaries travel: summed (``"allreduce"``) or gathered (the others)."""
+        return "allreduce" if self.aggregation == "allreduce" else "allgather"
+
+    @property
+    def rounds(self) -> int:
+        """The scalers' maximum, then the ternaries: in one round, or two for the two-phase exchange."""
+        return 3 if self.aggregation in ("two_phase", "auto") else 2
+
+    def mode(self, numel: int, world_size: int) -> str:
+        """How ``numel`` ternaries travel at ``world_size``: ``aggregation``, or for ``"auto"`` the fewest bytes.
+
+        Bytes a rank sends: the all-reduce's words ``2 (n - 1) / n B``, the all-gather's ``(n - 1) B_2``, the
+        two-phase exchange's ``(n - 1) / n (B_2 + B_sums)`` (ties in that order). Decided on the host.
+        """
+        if self.aggregation != "auto":
+            return self.aggregation
+        if world_size < 2:
+            return "allreduce"
+        n = world_size
+        size = -(-shard_numel(numel, n) // 8) * 8  # exact_sum's shards: whole bytes
+        costs = {
+            "allreduce": wire.all_reduce(8 * words_needed(numel, field_width(2 * n)), n).sent,
+            "allgather": wire.all_gather(-(-packed_nbytes(numel, 2) // 8) * 8, n).sent,
+            "two_phase": (n - 1) / n * n * size * (2 + field_width(2 * n)) / 8,
+        }
+        return min(costs, key=lambda name: costs[name])
 
     def error_feedback_growth(self, enabled: bool | None) -> str | None:
         """A reason whenever error feedback is on (the paper has none).
@@ -354,96 +401,96 @@ class TernGrad(Compressor):
     # The steps
     # ------------------------------------------------------------------------------------------------------------
     def _clip_and_scale(self, tensor: Tensor, ctx: BucketContext, inplace: bool) -> tuple[Tensor, Tensor]:
-        """Clip every layer at ``clip`` standard deviations; return the (clipped) tensor and each layer's scaler."""
+        """Clip every layer at ``clip`` standard deviations; return the (clipped) tensor and each layer's scaler.
+
+        Every layer's at once: its mean and its mean squared deviation from it (the population variance, two
+        passes; the squares summed in fp64) as segmented sums in rows aligned to the layer's start (a layer's
+        scaler does not depend on its bucket), its bound expanded to its elements for one clamp of the bucket.
+        """
         if not inplace:
             tensor = tensor.clone()
         dtype = _compute_dtype(ctx.dtype)
         if not ctx.layers:
             return tensor, torch.zeros(0, dtype=_WIRE)
+        segments = segments_of(ctx.layers, ctx.device)
         if self.clip is None:  # max |g| per layer
-            return tensor, _round_up_to_wire(max_magnitudes([layer.flat(tensor) for layer in ctx.layers], dtype))
-        scalers = []
-        for layer in ctx.layers:
-            x = layer.flat(tensor)
-            bound = self.clip * torch.std(x.to(dtype), correction=0)  # the population standard deviation
-            _clamp_(x, bound)
-            scalers.append(bound)
-        return tensor, _round_up_to_wire(torch.stack(scalers))
+            return tensor, _round_up_to_wire(segments.max_magnitudes(tensor, dtype))
+        values = tensor.to(dtype)
+        means = segments.sums(values, dtype) / segments.lengths
+        deviations = torch.sub(values, segments.expand(means))
+        # squares summed in fp64: a finite fp32 value above 1.8e19 has no fp32 square (the deviation from the mean
+        # does not overflow; its square would)
+        squares = segments.rows.reduce(deviations, _squares(torch.float64), _sums)
+        bounds = (self.clip * (squares / segments.lengths).sqrt_()).to(dtype)
+        _clamp_(tensor, segments.expand(bounds))
+        return tensor, _round_up_to_wire(bounds)
 
     def _ternarize(self, tensor: Tensor, scales: Tensor, ctx: BucketContext) -> Tensor:
-        """``t + 1`` in {0, 1, 2} (uint8) for every element, ``t = sign(g) Bernoulli(|g| / s)``."""
+        """``t + 1`` in {0, 1, 2} (uint8) for every element, ``t = sign(g) Bernoulli(|g| / s)``, the bucket at once."""
         dtype = _compute_dtype(ctx.dtype)
         out = torch.empty(ctx.numel, dtype=torch.uint8, device=ctx.device)
-        scratch = _scratch(ctx, dtype)
-        for i, layer in enumerate(ctx.layers):
-            x = layer.flat(tensor)
-            draws = _uniform(ctx, layer, layer.numel, dtype, self.random_bits, out=scratch[: layer.numel])
-            draws.mul_(scales[i].to(dtype))
-            if numpy_floats(x, draws):
-                # with d = u s >= 0 (or NaN): kept and positive is x > d, kept and negative is x < -d, so
-                # t + 1 = 1 + [x > d] - [x < -d]: two NumPy comparisons and two byte passes, no |x|
-                values, bound, offset = x.detach().numpy(), draws.numpy(), layer.flat(out).numpy()
-                np.add(np.greater(values, bound).view(np.uint8), 1, out=offset)
-                np.subtract(offset, np.less(values, np.negative(bound, out=bound)).view(np.uint8), out=offset)
-                continue
-            keep = draws < x.abs()  # probability |g| / s (never where s = 0)
-            # kept and positive: 2 (t = +1); kept and negative: 0 (t = -1); not kept: 1 (t = 0). Bit operations on
-            # bytes: several times faster than nested `where` on the CPU
-            positive = (keep & (x > 0)).view(torch.uint8)
-            torch.bitwise_or(positive << 1, (~keep).view(torch.uint8), out=layer.flat(out))
-        return out
+        draws = uniform_draws(ctx, dtype, self.random_bits)
+        draws.mul_(
+            segments_of(ctx.layers, ctx.device).expand(scales[: len(ctx.layers)].to(device=ctx.device, dtype=dtype))
+        )
+        if numpy_floats(tensor, draws):
+            # with d = u s >= 0 (or NaN): kept and positive is x > d, kept and negative is x < -d, so
+            # t + 1 = 1 + [x > d] - [x < -d]: two NumPy comparisons and two byte passes, no |x|
+            values, bound, offset = tensor.detach().numpy(), draws.numpy(), out.numpy()
+            np.add(np.greater(values, bound).view(np.uint8), 1, out=offset)
+            np.subtract(offset, np.less(values, np.negative(bound, out=bound)).view(np.uint8), out=offset)
+            return out
+        keep = draws < tensor.abs()  # probability |g| / s (never where s = 0)
+        # kept and positive: 2 (t = +1); kept and negative: 0 (t = -1); not kept: 1 (t = 0). Bit operations on
+        # bytes: several times faster than nested `where` on the CPU
+        positive = (keep & (tensor > 0)).view(torch.uint8)
+        return torch.bitwise_or(positive << 1, (~keep).view(torch.uint8), out=out)
 
-    def _wire(self, offset_values: Tensor, world_size: int) -> Tensor:
-        if self.aggregation == "allreduce":
+    def _wire(self, offset_values: Tensor, world_size: int, mode: str | None = None) -> Tensor:
+        if (mode or self.collective) == "allreduce":
             return pack_fields(offset_values, field_width(2 * world_size))
         packed = pack_uint(offset_values, 2)
         return torch.nn.functional.pad(packed, (0, -packed.numel() % 8))  # whole 8-byte words, counted as sent
 
-    def _offset_sum(self, wire: Tensor, ctx: BucketContext) -> Tensor:
+    def _offset_sum(self, wire: Tensor, ctx: BucketContext, mode: str | None = None) -> Tensor:
         """``sum_r (t_r + 1)`` per element from summed words, or ``t + 1`` from one 2-bit payload."""
-        if self.aggregation == "allreduce":
+        if (mode or self.collective) == "allreduce":
             return unpack_fields(wire, field_width(2 * ctx.world_size), ctx.numel)
         return unpack_uint(wire, 2, ctx.numel)
 
     def _scaled(self, offset_sum: Tensor, scales: Tensor, ctx: BucketContext, count: int, out: Tensor) -> Tensor:
         """``s (offset_sum - count) / count`` per layer (the average of ``count`` ranks' ``s t``), by table lookup."""
-        dtype = _compute_dtype(ctx.dtype)
-        index = offset_sum.int()
-        for layer, table in zip(ctx.layers, self._tables(scales, ctx, count, out.device)):
-            if out.dtype == dtype:
-                torch.index_select(table, 0, layer.flat(index), out=layer.flat(out))
-            else:
-                layer.flat(out).copy_(table[layer.flat(index)])
-        return out
+        index = offset_sum.int().add_(self._table_rows(ctx, count, out.device))
+        return _look_up(self._tables(scales, ctx, count, out.device), index, out)
 
-    def _tables(self, scales: Tensor, ctx: BucketContext, count: int, device: torch.device) -> list[Tensor]:
-        """Per layer, the ``2 count + 1`` values ``s (k - count) / count``: the average of ``count`` ranks' ``s t``."""
+    def _table_rows(self, ctx: BucketContext, count: int, device: torch.device) -> Tensor:
+        """Where every element's layer's table starts in :meth:`_tables`' flat tables (int32)."""
+        segments = segments_of(ctx.layers, device)
+        first = torch.arange(len(ctx.layers), dtype=torch.int32, device=device) * (2 * count + 1)
+        return segments.expand(first)
+
+    def _tables(self, scales: Tensor, ctx: BucketContext, count: int, device: torch.device) -> Tensor:
+        """Every layer's ``2 count + 1`` values ``s (k - count) / count``, one after the other (flat).
+
+        ``k`` ranks' ``s t`` sum to ``s (k - count)``: their average is the product of the scaler and a fixed table.
+        """
         dtype = _compute_dtype(ctx.dtype)
         ternary_sums = torch.arange(-count, count + 1, dtype=dtype, device=device) / count
-        # every layer's at once: the same products as layer by layer
-        return list((scales[: len(ctx.layers)].to(device=device, dtype=dtype).unsqueeze(1) * ternary_sums).unbind(0))
+        return (scales[: len(ctx.layers)].to(device=device, dtype=dtype).unsqueeze(1) * ternary_sums).view(-1)
 
     def _scaled_words(self, summed: Tensor, scales: Tensor, ctx: BucketContext, out: Tensor) -> Tensor:
         """:meth:`_scaled` of the average of all ranks, read plane by plane from the summed words.
 
         Each plane of the words holds consecutive elements (:func:`~lightning_gradcomp.compressors.packing.
-        field_planes`); each is looked up in the tables of the layers it covers as it is unpacked, so no
-        element-sized integer array is ever written.
+        field_planes`); each is looked up in the tables of its elements' layers as it is unpacked, so no
+        element-sized integer array of the sums is ever written.
         """
-        dtype = _compute_dtype(ctx.dtype)
         count = ctx.world_size
         tables = self._tables(scales, ctx, count, out.device)
+        rows = self._table_rows(ctx, count, out.device)
         for start, plane in field_planes(summed, field_width(2 * count), ctx.numel):
             end = start + plane.numel()
-            for i, layer in enumerate(ctx.layers):
-                a, b = max(start, layer.offset), min(end, layer.offset + layer.numel)
-                if a >= b:
-                    continue
-                index = plane[a - start : b - start]
-                if out.dtype == dtype:
-                    torch.index_select(tables[i], 0, index, out=out[a:b])
-                else:
-                    out[a:b].copy_(tables[i][index])
+            _look_up(tables, torch.add(rows[start:end], plane), out[start:end])
         return out
 
     def _pad_scales(self, scales: Tensor) -> Tensor:
@@ -481,14 +528,18 @@ class TernGrad(Compressor):
         offset = self._ternarize(source, shared, ctx)
         if ctx.error_feedback:  # what this rank's own ternaries carried
             yield SentValue(self._scaled(offset, shared, ctx, 1, torch.empty_like(tensor)))
-        wire = self._wire(offset, ctx.world_size)
-        if self.aggregation == "allreduce":
-            (summed,) = yield AllReduce((wire,))
+        mode = self.mode(ctx.numel, ctx.world_size)
+        if mode == "two_phase":
+            total = yield from exact_sum(offset, 2, ctx)
+            return self._scaled(total, shared, ctx, ctx.world_size, out)
+        words = self._wire(offset, ctx.world_size, mode)
+        if mode == "allreduce":
+            (summed,) = yield AllReduce((words,))
             return self._scaled_words(summed, shared, ctx, out)
-        gathered = yield AllGather((wire,))
+        gathered = yield AllGather((words,))
         total = torch.zeros(ctx.numel, dtype=torch.int32, device=ctx.device)  # integer sums: exact in any order
         for (rank_wire,) in gathered:
-            total += self._offset_sum(rank_wire, ctx)
+            total += self._offset_sum(rank_wire, ctx, mode)
         return self._scaled(total, shared, ctx, ctx.world_size, out)
 
     def words(self, numel: int, world_size: int) -> int:

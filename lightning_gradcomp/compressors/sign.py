@@ -309,13 +309,12 @@ class SignSGD(ShardedExchange):
     def _momentum_step(self, tensor: Tensor, ctx: BucketContext) -> None:
         if not self.momentum:
             return
-        for layer in ctx.layers:
-            g = layer.flat(tensor)
-            m = self._momenta.get(layer, g)
-            new_m = self._next_momenta.get(layer, g)  # reused every step: no allocation on the hook path
-            torch.mul(g, 1.0 - self.momentum, out=new_m).add_(m, alpha=self.momentum)
-            g.copy_(new_m)  # the new m is what is signed
-            ctx.stage(m, new_m, swap=True)  # new_m is rewritten whole next step
+        # the bucket at once: every layer's m is a view of one flat tensor (kept and saved per layer)
+        m = self._momenta.flat(ctx.layers, tensor)
+        new_m = self._next_momenta.flat(ctx.layers, tensor)  # reused every step: no allocation on the hook path
+        torch.mul(tensor, 1.0 - self.momentum, out=new_m).add_(m, alpha=self.momentum)
+        tensor.copy_(new_m)  # the new m is what is signed
+        ctx.stage(m, new_m)  # copied at commit: a swap of storage would leave the layers' views behind
 
     def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Signs all-gathered (or voted by shard owners); every rank holds the majority vote (nothing to declare)."""
@@ -412,12 +411,10 @@ class EFSignSGD(_TwoValuedSigns):
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Packed signs and one fp32 scale (mean absolute value) per layer."""
-        # mean |p| per layer: an L1 norm is one pass without a temporary. Layer by layer, not segmented over the
-        # bucket: a segmented sum adds in rows aligned to the bucket's start, so a layer's scale would change at the
-        # rounding level with the layers that share its bucket (DDP's rebuild after the first step, a resume)
-        acc = _accumulator(ctx.dtype)
-        scales = torch.stack([torch.linalg.vector_norm(layer.flat(tensor), 1, dtype=acc) / layer.numel
-                              for layer in ctx.layers])  # fmt: skip
+        # mean |p| per layer, every layer's at once: rows that start at each layer's own start, so a layer's scale is
+        # bitwise the same in any bucket (DDP rebuilds its buckets after the first step, and after a resume)
+        segments = segments_of(ctx.layers, tensor.device)
+        scales = segments.l1(tensor, _accumulator(ctx.dtype)) / segments.lengths
         return pack_bits(above(tensor, 0, inclusive=True)), scales.to(_WIRE_SCALE)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
@@ -466,12 +463,11 @@ class OneBit(_TwoValuedSigns):
         positive = above(tensor, 0, inclusive=True)
         acc = _accumulator(ctx.dtype)
         segments = segments_of(ctx.layers, tensor.device)
-        # every layer's count at once (exact); its sum and 1-norm layer by layer, each one pass without a temporary
-        # (a segmented sum would change at the rounding level with the layers that share the bucket, see EFSignSGD);
-        # the sums of the positive and of the negative entries follow from the last two
+        # every layer's count (exact), sum and 1-norm at once, in rows aligned to each layer's start (a layer's values
+        # do not depend on its bucket, see EFSignSGD); the sums of the positive and of the negative entries follow
         n_pos = segments.counts(positive)
-        total = torch.stack([layer.flat(tensor).sum(dtype=acc) for layer in ctx.layers])
-        magnitude = torch.stack([torch.linalg.vector_norm(layer.flat(tensor), 1, dtype=acc) for layer in ctx.layers])
+        total = segments.sums(tensor, acc)
+        magnitude = segments.l1(tensor, acc)
         # an empty group's mean is never used: clamping the count avoids 0 / 0
         positive_means = (magnitude + total) / 2 / n_pos.clamp(min=1)
         negative_means = (total - magnitude) / 2 / (segments.lengths - n_pos).clamp_(min=1)

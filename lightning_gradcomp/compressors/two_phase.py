@@ -44,12 +44,14 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, LayerBuffers, Payload, derive_seed
 from lightning_gradcomp.compressors.exchange import AllGather, AllToAll, Exchange, SentValue
+from lightning_gradcomp.compressors.packing import field_width, pack_uint, unpack_uint
 from lightning_gradcomp.validation import check_choice
 
 __all__ = [
     "TRANSPORTS",
     "ShardedExchange",
     "check_transport",
+    "exact_sum",
     "owner_residuals",
     "shard_context",
     "shard_numel",
@@ -88,6 +90,35 @@ def uses_two_phase(transport: str, world_size: int, second_over_first: float) ->
 def two_phase_bytes(first: float, second: float, world_size: int) -> float:
     """Bytes a rank sends (and receives) in the two-phase exchange for encodings of ``first`` and ``second`` bytes."""
     return (world_size - 1) / world_size * (first + second)
+
+
+def exact_sum(values: Tensor, bits: int, ctx: BucketContext) -> Exchange:
+    """Every rank's ``values`` (integers in ``[0, 2^bits)``), summed exactly by the two-phase exchange.
+
+    Each rank sends shard ``s`` of its values, packed in ``bits`` bits, to rank ``s`` (all-to-all), which sums its
+    shard in integers and all-gathers the sums packed in ``ceil(log2(n (2^bits - 1) + 1))`` bits: every rank then
+    holds the same exact sums, ``(N - 1) / N`` of both packings per rank and direction. Shards are whole multiples of
+    8 elements, so every packed shard is whole bytes and the shards' packings, concatenated, are the bucket's.
+
+    Returns:
+        The sums (int32, ``ctx.numel`` elements).
+    """
+    n, numel = ctx.world_size, ctx.numel
+    size = -(-shard_numel(numel, n) // 8) * 8
+    padded = torch.zeros(n * size, dtype=torch.uint8, device=values.device)
+    padded[:numel].copy_(values)
+    row = size * bits // 8
+    received = yield AllToAll((pack_uint(padded, bits),), (row,) * n, (row,) * n)
+    mine = unpack_uint(torch.cat([part for (part,) in received]), bits, n * size).view(n, size)
+    sums = mine.sum(dim=0, dtype=torch.int32)  # integers: exact in any order
+    width = field_width(n * ((1 << bits) - 1))
+    # past 8 bits (more than 127 ranks of ternaries) the sums travel as 16-bit integers
+    encoded = pack_uint(sums.to(torch.uint8), width) if width <= 8 else sums.to(torch.int16).view(torch.uint8)
+    gathered = yield AllGather((encoded,))
+    shards = torch.cat([part for (part,) in gathered])
+    if width <= 8:
+        return unpack_uint(shards, width, n * size)[:numel].int()
+    return shards.view(torch.int16)[:numel].int()
 
 
 def shard_context(ctx: BucketContext, shard: int, *, owner: bool) -> BucketContext:
