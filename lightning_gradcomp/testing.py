@@ -90,6 +90,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "terngrad": lambda: TernGrad(),
     "terngrad-unclipped": lambda: TernGrad(clip=None),
     "terngrad-allgather": lambda: TernGrad(aggregation="allgather"),
+    "terngrad-allreduce": lambda: TernGrad(aggregation="allreduce"),
     "terngrad-16bit-draws": lambda: TernGrad(random_bits=16),
     # LGC's stages follow the step: the defaults are dense for 200 steps; short stages cross all three within the
     # contract suite's few steps, and the others start in stage 2 or 3 (the ratios are large for the tiny layers)

@@ -15,7 +15,8 @@ import pytest
 CORE_EXAMPLES = frozenset({
     "identity", "fp16", "topk", "randomk", "powersgd", "planned", "masked", "dgc", "adacomp", "scalecom", "signsgd",
     "signum", "efsignsgd", "onebit", "qsgd", "terngrad", "lgc", "lgc-allreduce", "lgc-ps-stages",
-    "lgc-allreduce-stages", "zen", "topk-zen", "minmax8", "efsignsgd-two-phase", "qsgd-two-phase", "sparseloco",
+    "lgc-allreduce-stages", "zen", "topk-zen", "minmax8", "efsignsgd-two-phase", "qsgd-two-phase", "terngrad-two-phase",
+    "sparseloco",
 })  # fmt: skip
 
 

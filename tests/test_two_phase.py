@@ -206,7 +206,7 @@ def test_terngrad_two_phase_sums_exactly_bitwise_as_the_all_reduce(n):
     """TernGrad's ternaries summed by their shard owners: exact integers, so the result is bitwise the all-reduce's
     and the all-gather's, on every rank, with ``"auto"`` whichever it picks."""
     grads = _grads(n, seed=11)
-    reference = _reduce([TernGrad() for _ in range(n)], grads, step=2)
+    reference = _reduce([TernGrad(aggregation="allreduce") for _ in range(n)], grads, step=2)
     for aggregation in ("two_phase", "auto", "allgather"):
         outs = _reduce([TernGrad(aggregation=aggregation) for _ in range(n)], grads, step=2)
         assert all(torch.equal(out, expected) for out, expected in zip(outs, reference)), aggregation
@@ -216,7 +216,7 @@ def test_terngrad_two_phase_sums_past_127_ranks_in_16_bits():
     """At 130 ranks a sum of ternaries needs 9 bits: the sums travel as 16-bit integers, still exact."""
     n, layers = 130, layers_from_shapes([(40,)])
     grads = _grads(n, seed=5, numel=40)
-    expected = _reduce([TernGrad() for _ in range(n)], grads, layers)[0]
+    expected = _reduce([TernGrad(aggregation="allreduce") for _ in range(n)], grads, layers)[0]
     assert torch.equal(_reduce([TernGrad(aggregation="two_phase") for _ in range(n)], grads, layers)[0], expected)
 
 
@@ -230,5 +230,5 @@ def test_terngrad_auto_picks_the_fewest_bytes_and_stays_under_a_sixth_of_dense(n
         ring = 2 * (n - 1) / n * 4 * numel
         moved = traced_wire_bytes(TernGrad(aggregation="auto"), numel, n, error_feedback=False).received
         assert moved / ring <= 0.17, moved / ring
-        words = traced_wire_bytes(TernGrad(), numel, n, error_feedback=False).received
+        words = traced_wire_bytes(TernGrad(aggregation="allreduce"), numel, n, error_feedback=False).received
         assert words / ring >= 0.27, words / ring

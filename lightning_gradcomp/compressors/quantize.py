@@ -292,7 +292,7 @@ class TernGrad(Compressor):
        ``s sum_r t_r / n``.
 
     How the integers travel (``aggregation``): a 2-bit field per value, as the paper's encoder packs them, cannot hold a
-    sum of ``n`` ternaries, so with ``"allreduce"`` (the default) each value is offset to {0, 1, 2} at the source and
+    sum of ``n`` ternaries, so with ``"allreduce"`` each value is offset to {0, 1, 2} at the source and
     packed into int64 words with fields of ``ceil(log2(2 n + 1))`` bits (3 bits for 2 ranks, 4 up to 7 ranks), 63 bits
     used per word: a SUM all-reduce of the words sums every field without carries. The values are 2-bit at the
     source and sum-safe on the wire: ``8 ceil(d / floor(63 / w))`` bytes per rank. With ``"allgather"`` every rank
@@ -301,9 +301,9 @@ class TernGrad(Compressor):
     With ``"two_phase"`` (:func:`~lightning_gradcomp.compressors.two_phase.exact_sum`) each rank sends shard ``s``
     of its 2-bit values to rank ``s``, which sums them exactly and all-gathers the sums in ``ceil(log2(2 n + 1))``
     bits: ``(n - 1) / n d (2 + ceil(log2(2 n + 1))) / 8`` bytes per rank, 0.156 of a dense fp32 ring all-reduce at 64
-    ranks where the all-reduce's words are 0.28 and the all-gather's 0.98. ``"auto"`` takes whichever of the three
-    moves the fewest bytes per rank at the world size (the all-gather at 2 ranks, the two-phase exchange from 3 on).
-    Whichever way, the sums are exact: the result is bitwise the same.
+    ranks where the all-reduce's words are 0.28 and the all-gather's 0.98. ``"auto"`` (the default) takes whichever
+    of the three moves the fewest bytes per rank at the world size (the all-gather at 2 ranks, the two-phase exchange
+    from 3 on). Whichever way, the sums are exact: the result is bitwise the same.
 
     Unbiased for the clipped gradient; with ``clip=None`` unbiased for the gradient itself (``unbiased`` is then
     ``True``). Error feedback is off by default (the paper has none) even though clipping adds a small bias.
@@ -328,7 +328,7 @@ class TernGrad(Compressor):
 
         >>> from lightning_gradcomp.compressors import TernGrad
         >>> TernGrad()
-        TernGrad(clip=2.5, aggregation='allreduce', random_bits=None)
+        TernGrad(clip=2.5, aggregation='auto', random_bits=None)
     """
 
     random_bits: int | None = None  # what objects pickled before the argument existed draw
@@ -336,7 +336,7 @@ class TernGrad(Compressor):
     def __init__(
         self,
         clip: float | None = 2.5,
-        aggregation: Literal["allreduce", "allgather", "two_phase", "auto"] = "allreduce",
+        aggregation: Literal["allreduce", "allgather", "two_phase", "auto"] = "auto",
         random_bits: int | None = None,
     ) -> None:
         super().__init__()
