@@ -143,6 +143,8 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     # the same comparison at learning rate 0.02: at 0.05 dense training itself ends at chance on two of ten seeds of
     # the CIFAR-shaped digits (docs/lgc.md), which makes a per-seed comparison with dense noise
     "identity-lr002": (EXAMPLES["identity"], 0.02, 0.9),
+    "topk-lr002": (EXAMPLES["topk"], 0.02, 0.9),
+    "scalecom-lr002": (EXAMPLES["scalecom"], 0.02, 0.9),
     "lgc-ps-train2x-lr002": (_lgc_ps(), 0.02, 0.9),
     "lgc-allreduce-train2x-lr002": (_lgc_allreduce(), 0.02, 0.9),
     "lgc-allreduce-value-sim0-own-train2x-lr002": (
