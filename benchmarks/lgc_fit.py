@@ -1,5 +1,5 @@
-"""LGC's all-reduce variant looked into: held-out accuracy after every epoch, and how much of each decoded average
-stage 3 kept.
+"""LGC's all-reduce variant looked into: held-out accuracy after every epoch, how much of each decoded average stage 3
+kept, and how far the decoded average is from the true one.
 
 In stage 3 the all-reduce variant scales each layer's decoded average ``x_hat`` by its least-squares fit to the true
 average, ``<mean_i x_i, x_hat> / |x_hat|^2``, clamped to [0, 1] (``project``, on by default). The raw factor says how
@@ -7,6 +7,11 @@ good the decoding was: near 1, the decoded average points where the true one doe
 no update at all, and the clamp sends nothing. This script trains one or more of ``benchmarks/convergence.py``'s LGC
 all-reduce configurations on the CIFAR-shaped digits, through the same training function (so the final accuracy is
 that script's, bit for bit), and records every raw factor on rank 0.
+
+Every stage-3 step it also records how far the decoded average ``D(mean_i E(x_i))`` is from the true average
+``mean_i x_i`` (relative error and cosine over the bucket's slots, before the projection), next to the average of
+per-rank decodings ``mean_i D(E(x_i))``, which would need every rank's values on the wire: whether the averaged code
+loses what the decoder needs, or the decoder is poor on any code.
 
 It is how the all-reduce variant's failure on seed 3 was traced (docs/lgc.md): stage 2 stalls (stage 2 is ScaleCom's
 CLT-k, ``tests/test_lgc.py::test_allreduce_stage_2_is_scalecom_with_its_memory``), and with the code-similarity term
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -33,14 +39,61 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors import LGCAllReduce
 from lightning_gradcomp.compressors.base import BucketContext
+from lightning_gradcomp.compressors.exchange import Exchange
+from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder
+from lightning_gradcomp.compressors.lgc_base import decode_layers, encode_layers
 
 
 class RecordingLGC(LGCAllReduce):
-    """LGCAllReduce keeping each raw projection factor it computes (a host read per layer and step: benchmark only)."""
+    """LGCAllReduce keeping each raw projection factor it computes (a host read per layer and step: benchmark only),
+    and, every stage-3 step, how far the decoded average is from the true average next to what decoding every
+    rank's own code and averaging the results would give (the per-rank decoding the all-reduce cannot do: each
+    rank's values are encoded and decoded with the same autoencoder and scales, and averaged over a side group
+    outside the exchange, so nothing the training sees changes)."""
 
     def __init__(self, **hparams: object) -> None:
         super().__init__(**hparams)  # type: ignore[arg-type]
         self.fits: list[tuple[int, float]] = []  # (step, raw factor), in layer order
+        # (step, relative error and cosine of the decoded average, the same of the average of per-rank decodings,
+        # the mean over the ranks of each rank's own relative decoding error), over the bucket's slots
+        self.decoding: list[tuple[int, float, float, float, float, float]] = []
+        self._shared_scales: Tensor | None = None
+        self._model_seen: LGCAutoencoder | None = None
+        self._side: object = None
+
+    def _exchange_code(self, tensor: Tensor, ctx: BucketContext, model: LGCAutoencoder) -> Exchange:
+        inner, response, first = super()._exchange_code(tensor, ctx, model), None, True
+        self._model_seen = model
+        try:
+            while True:
+                request = inner.send(response)
+                response = yield request
+                if first:  # the leader's broadcast: its index blob and the scales every rank encodes with
+                    self._shared_scales, first = response[1], False
+        except StopIteration as stop:
+            return stop.value
+
+    def _dots(self, x: Tensor, decoded: Tensor, ctx: BucketContext) -> Tensor:
+        if self._shared_scales is not None and ctx.world_size > 1:
+            self._record_decoding(x, decoded, ctx)
+        return super()._dots(x, decoded, ctx)
+
+    def _record_decoding(self, x: Tensor, decoded: Tensor, ctx: BucketContext) -> None:
+        model, segments, scales = self._model_seen, self._segments(ctx), self._shared_scales
+        own = decode_layers(model, 0, encode_layers(model, x, scales, segments), scales, segments)
+        if self._side is None:
+            self._side = dist.new_group(backend="gloo")  # every rank reaches its first stage-3 step together
+        both = torch.stack([x, own, ((own - x).norm() / x.norm().clamp_min(1e-30)).expand_as(x)]) / ctx.world_size
+        dist.all_reduce(both, group=self._side)
+        true, per_rank, own_error = both[0], both[1], float(both[2, 0])
+
+        def error_and_cosine(estimate: Tensor) -> tuple[float, float]:
+            scale = true.norm().clamp_min(1e-30)
+            cosine = torch.dot(estimate, true) / (estimate.norm() * scale).clamp_min(1e-30)
+            return float((estimate - true).norm() / scale), float(cosine)
+
+        self.decoding.append((ctx.step, *error_and_cosine(decoded), *error_and_cosine(per_rank), own_error))
+        self._shared_scales = None
 
     def _factors(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> list[Tensor]:
         for i, (_, at, k) in enumerate(self._segments(ctx)):
@@ -60,6 +113,7 @@ def _worker(rank: int, world_size: int, port: int, configs: list[str], epochs: i
         compressor = RecordingLGC(**convergence.CONFIGS[config][0]().hparams())
         results[config] = convergence.train(rank, world_size, config, epochs, seed, "digits32", compressor=compressor)
         results[config]["fits"] = compressor.fits
+        results[config]["decoding"] = compressor.decoding
     if rank == 0:
         torch.save(results, os.path.join(out, "rank0.pt"))
     dist.destroy_process_group()
@@ -70,12 +124,14 @@ def summary(result: dict) -> str:
     fits = [f for _, f in result["fits"]]
     accuracy = " ".join(f"{100 * a:.0f}" for a in result["epoch_accuracy"][1::2])
     if not fits:
-        return f"{accuracy} | {100 * result['accuracy']:.1f} | (no stage 3) | | |"
+        return f"{accuracy} | {100 * result['accuracy']:.1f} | (no stage 3) | | | | | |"
     at_most_zero = sum(f <= 0 for f in fits) / len(fits)
     kept = sum(min(max(f, 0.0), 1.0) for f in fits) / len(fits)
+    decoding = [statistics.mean(column) for column in list(zip(*result.get("decoding", [])))[1:]] or [math.nan] * 5
     return (
         f"{accuracy} | {100 * result['accuracy']:.1f} | {100 * at_most_zero:.0f}% of {len(fits)} |"
-        f" {statistics.median(fits):+.2f} | {kept:.3f} |"
+        f" {statistics.median(fits):+.2f} | {kept:.3f} | {decoding[0]:.2f}, {decoding[1]:+.2f} |"
+        f" {decoding[2]:.2f}, {decoding[3]:+.2f} | {decoding[4]:.2f} |"
     )
 
 
@@ -96,9 +152,10 @@ def main() -> None:
             runs[seed] = torch.load(os.path.join(out, "rank0.pt"))
     print(
         "| seed | configuration | held-out accuracy (%), every second epoch | final | stage-3 factors <= 0 |"
-        " median factor | mean kept (clamped) |"
+        " median factor | mean kept (clamped) | decoded average: error, cosine | average of per-rank decodings:"
+        " error, cosine | each rank's own decoding error |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for seed, results in runs.items():
         for config, result in results.items():
             print(f"| {seed} | {config} | {summary(result)}")

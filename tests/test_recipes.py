@@ -83,3 +83,27 @@ def test_the_diloco_recipe_builds_the_outer_optimizer_it_names(monkeypatch, tmp_
     assert outer.defaults["lr"] == 0.7
     assert outer.defaults["momentum"] == 0.9
     assert outer.defaults["nesterov"] is True
+
+
+def test_the_lgc_recipe_switches_to_the_all_reduce_variant_as_its_header_says(monkeypatch, tmp_path):
+    """The header's override builds ``LGCAllReduce`` with the recipe's shared arguments and the class's own defaults.
+
+    ``innovation_ratio`` is the parameter-server variant's alone (``LGCAllReduce`` refuses it): switching the class
+    must drop it, not fail.
+    """
+    from lightning_gradcomp.compressors import LGCAllReduce
+
+    monkeypatch.chdir(tmp_path)
+    path = os.path.join(ROOT, "recipes", "cifar10_resnet18_lgc.yaml")
+    with open(path) as f:
+        header = f.read()
+    override = "--trainer.strategy.init_args.compressor lightning_gradcomp.compressors.LGCAllReduce"
+    assert override in header
+    cli = GradcompCLI(
+        args=["--config", path, *override.split(), "--trainer.accelerator", "cpu", "--trainer.devices", "1"], run=False
+    )
+    compressor = cli.trainer.strategy.compressor
+    assert type(compressor) is LGCAllReduce
+    recipe = yaml.safe_load(header)["trainer"]["strategy"]["init_args"]["compressor"]["init_args"]
+    expected = LGCAllReduce(**{k: v for k, v in recipe.items() if k != "innovation_ratio"})
+    assert vars(compressor) == vars(expected)
