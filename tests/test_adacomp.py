@@ -1,4 +1,4 @@
-"""AdaComp against a bin-by-bin reference of the operator's algorithm, and its size exchange on the wire."""
+"""AdaComp against a bin-by-bin reference of the operator's algorithm, and its fixed-size payload on the wire."""
 
 import math
 
@@ -7,7 +7,7 @@ import torch
 
 from lightning_gradcomp.compressors import AdaComp
 from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
-from lightning_gradcomp.compressors.packing import index_nbytes
+from lightning_gradcomp.compressors.adacomp import pack_trits, unpack_trits
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
 
@@ -57,6 +57,12 @@ def test_adacomp_equals_the_reference_over_steps():
             torch.testing.assert_close(residuals[r], reference[r], rtol=1e-6, atol=1e-12)
 
 
+def _counts(payload):
+    """How many elements of each layer a payload sends (its non-zero codes)."""
+    codes = unpack_trits(payload[0], NUMEL)
+    return [int(torch.count_nonzero(layer.flat(codes))) for layer in LAYERS]
+
+
 def test_one_dominant_element_per_bin_is_all_that_is_sent():
     """With no residue, a bin with one dominant gradient sends exactly that element (the paper's adaptivity)."""
     x = torch.full((NUMEL,), 0.01, dtype=torch.float64)
@@ -68,7 +74,7 @@ def test_one_dominant_element_per_bin_is_all_that_is_sent():
             dominant.append(j)
     ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=LAYERS, dtype=torch.float64)
     payload = AdaComp().compress(x, ctx)
-    assert payload[0].tolist() == [math.ceil(LAYERS[0].numel / 50), math.ceil(LAYERS[1].numel / 500)]
+    assert _counts(payload) == [math.ceil(LAYERS[0].numel / 50), math.ceil(LAYERS[1].numel / 500)]
     out = AdaComp().decompress(payload, ctx)
     assert torch.nonzero(out).squeeze(1).tolist() == dominant
 
@@ -90,35 +96,41 @@ def test_an_all_zero_bin_sends_nothing():
     x = torch.zeros(NUMEL, dtype=torch.float64)
     x[:50] = torch.linspace(-1, 1, 50, dtype=torch.float64)
     ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=LAYERS, dtype=torch.float64)
-    counts = AdaComp().compress(x, ctx)[0].tolist()
+    counts = _counts(AdaComp().compress(x, ctx))
     assert counts[1] == 0
     assert 0 < counts[0] <= 50
 
 
-def test_sizes_are_exchanged_then_payloads_padded_to_the_largest():
-    """Round 0: 4 bytes per layer. Round 1: each layer padded to the largest count over the ranks (int32 indices or a
-    bitmap, whichever is smaller for that count), one sign bit per slot, one fp32 scale per layer."""
+@pytest.mark.parametrize("n", [0, 1, 4, 5, 6, 1001])
+def test_codes_pack_five_to_a_byte(n):
+    codes = torch.randint(0, 3, (n,), generator=torch.Generator().manual_seed(n), dtype=torch.uint8)
+    packed = pack_trits(codes)
+    assert packed.dtype == torch.uint8
+    assert packed.numel() == math.ceil(n / 5)
+    assert torch.equal(unpack_trits(packed, n), codes)
+
+
+def test_payloads_are_fixed_size_whatever_is_selected():
+    """One all-gather of ``ceil(d / 5)`` bytes of codes and one fp32 scale per layer, however many are sent: a rank
+    that sends nothing from a layer moves as many bytes as one that sends much."""
     grads = _grads(3, seed=7, dtype=torch.float32)
-    grads[2][: LAYERS[0].numel] = 0.0  # rank 2 sends nothing from the convolution: its slots there are all padding
+    grads[2][: LAYERS[0].numel] = 0.0  # rank 2 sends nothing from the convolution
     ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=LAYERS, dtype=torch.float32)
-    counts = [AdaComp().compress(g, ctx)[0].tolist() for g in grads]
-    slots = [max(c[i] for c in counts) for i in range(len(LAYERS))]
-    assert counts[2][0] == 0 < slots[0]
+    counts = [_counts(AdaComp().compress(g, ctx)) for g in grads]
+    assert counts[2][0] == 0 < counts[0][0]
     telemetry = [Telemetry() for _ in range(3)]
     for t in telemetry:
         t.add_bucket(NUMEL * 4)
     world_checked = simulate_reduce([AdaComp() for _ in range(3)], grads, LAYERS, telemetry=telemetry)
     assert all(torch.equal(world_checked[0], out) for out in world_checked)
     aligned = lambda n: -(-n // 8) * 8  # noqa: E731
-    indices = sum(index_nbytes(s, layer.numel)[1] for s, layer in zip(slots, LAYERS))
-    # round 0: the counts and the non-finite flag (one aligned word); round 1: the padded payloads
-    expected = aligned(4 * len(LAYERS)) + 8 + aligned(indices)
-    expected += aligned(math.ceil(sum(slots) / 8)) + aligned(4 * len(LAYERS))
+    # the codes, the scales and the non-finite flag (one aligned word)
+    expected = aligned(math.ceil(NUMEL / 5)) + aligned(4 * len(LAYERS)) + 8
     for t in telemetry:
-        assert t.pop_step().bytes_payload == expected  # handed to the collectives (the wire: n - 1 times at 3 ranks)
+        assert t.pop_step().bytes_payload == expected  # handed to the collective (the wire: n - 1 times at 3 ranks)
 
 
-def test_two_rounds_in_order():
+def test_one_round():
     world = SimulatedWorld(2)
     from lightning_gradcomp.comm import Comm
 
@@ -128,7 +140,7 @@ def test_two_rounds_in_order():
                             comm=Comm(world.backend(rank), Telemetry(), g.device))  # fmt: skip
         futures.append(AdaComp().reduce(g, ctx))
     world.assert_quiescent()
-    assert [kind for _, kind in world.issued] == [("all_gather",)] * 4  # sizes (both ranks), then payloads
+    assert [kind for _, kind in world.issued] == [("all_gather",)] * 2  # the payloads, from both ranks
     assert torch.equal(futures[0].wait(), futures[1].wait())
 
 

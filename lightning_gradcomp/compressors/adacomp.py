@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
@@ -16,9 +15,9 @@ from lightning_gradcomp.compressors.base import (
     Layer,
     Payload,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, Exchange, SentAt
-from lightning_gradcomp.compressors.packing import flat_nonzero, numpy_floats, pack_bits, unpack_bits
-from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
+from lightning_gradcomp.compressors.exchange import AllGather, Exchange, SentValue
+from lightning_gradcomp.compressors.packing import flat_nonzero, numpy_floats
+from lightning_gradcomp.compressors.segments import segments_of
 from lightning_gradcomp.compressors.transport import TRANSPORTS, SparseTransport, sparse_transport_sum
 from lightning_gradcomp.validation import check_choice, check_positive_int
 
@@ -42,22 +41,29 @@ def _at_least(values: Tensor, bounds: Tensor, out: Tensor) -> None:
         torch.ge(values, bounds, out=out)
 
 
-def _signed(positive: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``scale`` where ``positive``, ``-scale`` elsewhere, in ``dtype``.
-
-    The values of ``torch.where(positive, scale, -scale)``, from a two-entry table: ``index_select`` is about 7x
-    faster than ``where`` on 0-d tensors on the CPU.
-    """
-    return torch.stack([-scale, scale]).to(dtype).index_select(0, positive.view(torch.uint8).int())
+_TRITS_PER_BYTE = 5  # 3^5 = 243 codes fit a byte: 1.6 bits per element
+_TABLES: dict[str, Tensor] = {}
 
 
-class _Selection:
-    """One rank's choice for one layer: local indices, their signs (True: positive) and the layer's scale."""
+def pack_trits(codes: Tensor) -> Tensor:
+    """Pack codes in {0, 1, 2} (uint8) five to a byte, ``c0 + 3 c1 + 9 c2 + 27 c3 + 81 c4``: ``ceil(n / 5)`` bytes."""
+    n = codes.numel()
+    rows = torch.nn.functional.pad(codes, (0, -n % _TRITS_PER_BYTE)).view(-1, _TRITS_PER_BYTE)
+    packed = rows[:, 4].clone()
+    for j in (3, 2, 1, 0):  # Horner; every intermediate stays below 243
+        packed.mul_(3).add_(rows[:, j])
+    return packed
 
-    __slots__ = ("indices", "positive", "scale")
 
-    def __init__(self, indices: Tensor, positive: Tensor, scale: Tensor) -> None:
-        self.indices, self.positive, self.scale = indices, positive, scale
+def unpack_trits(packed: Tensor, n: int) -> Tensor:
+    """The first ``n`` codes of :func:`pack_trits` (uint8), by a table of every byte's five digits."""
+    key = str(packed.device)
+    table = _TABLES.get(key)
+    if table is None:
+        values = torch.arange(243)
+        digits = torch.stack([values // 3**j % 3 for j in range(_TRITS_PER_BYTE)], dim=1)
+        table = _TABLES[key] = digits.to(torch.uint8).to(packed.device)
+    return table.index_select(0, packed.long()).view(-1)[:n]
 
 
 class AdaComp(SparseTransport, Compressor):
@@ -110,8 +116,6 @@ class AdaComp(SparseTransport, Compressor):
 
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = False
-    gather_rounds: ClassVar[int] = 2  # over the all-gather: sizes, then the payloads padded to the largest
-    gather_exchanges_sizes: ClassVar[bool] = True  # payload sizes depend on the data; exchanged in round 0
 
     def __init__(self, bin_size_conv: int = 50, bin_size_fc: int = 500, transport: str = "allgather") -> None:
         super().__init__()
@@ -126,13 +130,17 @@ class AdaComp(SparseTransport, Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # Selection and the wire format
     # ------------------------------------------------------------------------------------------------------------
-    def select(self, residue_plus_grad: Tensor, soft: Tensor, ctx: BucketContext) -> list[_Selection]:
-        """Every layer's selection from ``G = R + dW`` and ``H = G + dW`` (flat, laid out as ``ctx.layers``)."""
-        out = []
+    def select(self, residue_plus_grad: Tensor, soft: Tensor, ctx: BucketContext) -> tuple[Tensor, Tensor]:
+        """Every element's code and every layer's scale, from ``G = R + dW`` and ``H = G + dW`` (flat).
+
+        Codes (uint8): 0 not sent, 1 sent as ``-scale``, 2 sent as ``+scale`` (``G > 0``).
+        """
+        chosen = torch.empty(residue_plus_grad.numel(), dtype=torch.bool, device=residue_plus_grad.device)
+        scales = []
         # one buffer for |G| and |H| of every layer in turn (a fresh temporary per layer costs its page faults)
         scratch = residue_plus_grad.new_empty(max((layer.numel for layer in ctx.layers), default=0))
         for layer in ctx.layers:
-            g, h = layer.flat(residue_plus_grad), layer.flat(soft)
+            g, h, mask = layer.flat(residue_plus_grad), layer.flat(soft), layer.flat(chosen)
             size = self.bin_size(layer)
             full = layer.numel // size * size
             # bin maxima of |G| on 2-D views (the last bin may be short)
@@ -142,62 +150,42 @@ class AdaComp(SparseTransport, Compressor):
             gmax = torch.cat(maxima)
             # an all-zero bin sends nothing (its maximum would select every element)
             threshold = torch.where(gmax > 0, gmax, torch.full_like(gmax, float("inf"))).to(h.dtype)
-            chosen = torch.empty(layer.numel, dtype=torch.bool, device=g.device)
             magnitudes = torch.abs(h, out=scratch[: layer.numel])
             if full:
                 _at_least(magnitudes[:full].view(-1, size), threshold[: full // size].unsqueeze(1),
-                          chosen[:full].view(-1, size))  # fmt: skip
+                          mask[:full].view(-1, size))  # fmt: skip
             if full < layer.numel:
-                _at_least(magnitudes[full:], threshold[-1:], chosen[full:])
-            indices = flat_nonzero(chosen)
-            out.append(_Selection(indices, torch.index_select(g, 0, indices) > 0, gmax.mean().to(_WIRE)))
-        return out
+                _at_least(magnitudes[full:], threshold[-1:], mask[full:])
+            scales.append(gmax.mean().to(_WIRE))
+        codes = torch.gt(residue_plus_grad, 0).view(torch.uint8).add(1).mul_(chosen.view(torch.uint8))
+        scale = torch.stack(scales) if scales else torch.zeros(0, dtype=_WIRE, device=residue_plus_grad.device)
+        return codes, scale
 
-    def _payload(self, selections: Sequence[_Selection], layout: SparseLayout, like: Tensor) -> Payload:
-        """``(index blob, sign bits, scales)`` with ``layout``'s slots per layer."""
-        # indices come from nonzero(), in increasing order: the order a bitmap decodes to, so signs need no reordering
-        indices, signs = [], []
-        for segment, chosen in zip(layout.segments, selections):
-            indices.append(chosen.indices)
-            signs.append(torch.nn.functional.pad(chosen.positive, (0, segment.slots - chosen.positive.numel())))
-        blob, _ = encode_sparse(layout, indices, None, like, ordered_=True)
-        bits = pack_bits(torch.cat(signs)) if signs else torch.empty(0, dtype=torch.uint8, device=like.device)
-        scales = torch.stack([s.scale for s in selections]) if selections else torch.zeros(0, dtype=_WIRE)
-        return blob, bits, scales
-
-    def _add(self, payload: Payload, layout: SparseLayout, counts: Sequence[int], out: Tensor) -> None:
-        """Add one rank's ``sign * scale`` values into ``out``."""
-        blob, bits, scales = payload
-        indices = decode_sparse(layout, blob, counts)
-        signs = unpack_bits(bits, layout.slots)
-        for i, (segment, idx) in enumerate(zip(layout.segments, indices)):
-            positive = signs[segment.value_at : segment.value_at + idx.numel()]
-            out.index_add_(0, idx, _signed(positive, scales[i], out.dtype))  # distinct indices: deterministic
+    def _values(self, codes: Tensor, scales: Tensor, ctx: BucketContext, dtype: torch.dtype) -> Tensor:
+        """The dense ``sign * scale`` values of ``codes`` (zeros where not sent), in ``dtype``."""
+        signs = torch.tensor([0.0, -1.0, 1.0], dtype=dtype, device=codes.device).index_select(0, codes.long())
+        return signs.mul_(segments_of(ctx.layers, codes.device).expand(scales.to(dtype)))
 
     # ------------------------------------------------------------------------------------------------------------
-    # The contract (one rank on its own: slots = its own counts)
+    # The contract
     # ------------------------------------------------------------------------------------------------------------
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
-        """This rank alone: ``(counts, index blob, sign bits, scales)``; ``tensor`` is ``G = R + dW``.
+        """``(codes packed five to a byte, scales)``; ``tensor`` is ``G = R + dW``.
 
         The soft threshold needs the latest gradient ``dW``, which only :meth:`exchange` has; alone, ``H = 2 G`` (as
         without error feedback, where ``G = dW``).
         """
-        soft = tensor + tensor
-        selections = self.select(tensor, soft, ctx)
-        counts = [s.indices.numel() for s in selections]
-        layout = sparse_layout(ctx.layers, counts)
-        return (torch.tensor(counts, dtype=torch.int32, device=ctx.device), *self._payload(selections, layout, tensor))
+        codes, scales = self.select(tensor, tensor + tensor, ctx)
+        return pack_trits(codes), scales
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
-        """``sign * scale`` at the payload's indices, zeros elsewhere."""
-        counts = payload[0].tolist()
-        out = ctx.output(out, zeros=True)
-        self._add(payload[1:], sparse_layout(ctx.layers, counts), counts, out)
-        return out
+        """``sign * scale`` where sent, zeros elsewhere."""
+        packed, scales = payload
+        out = ctx.output(out)
+        return out.copy_(self._values(unpack_trits(packed, ctx.numel), scales, ctx, out.dtype))
 
     # ------------------------------------------------------------------------------------------------------------
-    # The reduction: sizes first, then the payloads padded to the largest size
+    # The reduction
     # ------------------------------------------------------------------------------------------------------------
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor:
         """``dW`` itself, kept in ``tensor``: the soft threshold reads it there (:meth:`exchange`'s ``out``)."""
@@ -209,30 +197,22 @@ class AdaComp(SparseTransport, Compressor):
         return True
 
     def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
-        """Round 0: all-gather the counts per layer. Round 1: all-gather the padded payloads; sum in rank order."""
+        """All-gather every rank's fixed-size payload and sum the values in rank order (or sum over ``transport``)."""
         residue_plus_grad = tensor  # G = R + dW
         # with error feedback ``out`` holds dW (see keeps_input): H = G + dW in place, dW is not needed again;
         # without it G is dW
         soft = out.add_(residue_plus_grad) if ctx.error_feedback else residue_plus_grad + residue_plus_grad
-        selections = self.select(residue_plus_grad, soft, ctx)
-        indices = values = None
+        codes, scales = self.select(residue_plus_grad, soft, ctx)
         if self.transport != "allgather" or ctx.error_feedback:
-            indices = torch.cat([s.indices + layer.offset for layer, s in zip(ctx.layers, selections)])
-            values = torch.cat([_signed(s.positive, s.scale, tensor.dtype) for s in selections])
-            yield SentAt(indices, values)  # R <- G - sent
-        if self.transport != "allgather":
-            assert indices is not None
-            assert values is not None
-            summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, out)
-            return summed.div_(ctx.world_size)
-        counts = torch.tensor([s.indices.numel() for s in selections], dtype=torch.int32, device=ctx.device)
-        gathered_counts = yield AllGather((counts,))
-        # the one host synchronisation: payload shapes (the largest count per layer) must be known here
-        every = [row.tolist() for (row,) in gathered_counts]
-        slots = [max(column) for column in zip(*every)] if every and every[0] else []
-        layout = sparse_layout(ctx.layers, slots)
-        gathered = yield AllGather(self._payload(selections, layout, residue_plus_grad))
+            sent = self._values(codes, scales, ctx, tensor.dtype)
+            yield SentValue(sent)  # R <- G - sent
+            if self.transport != "allgather":  # Zen sums the selected pairs
+                indices = flat_nonzero(codes)
+                summed = yield from sparse_transport_sum(self, self.transport, indices, sent.index_select(0, indices),
+                                                         ctx, out)  # fmt: skip
+                return summed.div_(ctx.world_size)
+        gathered = yield AllGather((pack_trits(codes), scales))
         out.zero_()
-        for counts_r, payload in zip(every, gathered):
-            self._add(payload, layout, counts_r, out)
+        for packed, scales_r in gathered:
+            out.add_(self._values(unpack_trits(packed, ctx.numel), scales_r, ctx, out.dtype))
         return out.div_(ctx.world_size)
