@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lightning_gradcomp.compressors import AdaComp
-from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
 from lightning_gradcomp.compressors.adacomp import pack_trits, unpack_trits
+from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
 
