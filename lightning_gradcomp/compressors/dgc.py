@@ -258,6 +258,8 @@ class DGC(SparseTransport, Compressor):
         k = math.ceil(numel * ratio)
         threshold, sampled = self._threshold(values, ratio, generator)
         magnitudes = values.abs()
+        count: Tensor | None = None
+        exact: Tensor | None = None
         if sampled:
             ladder = [threshold]
             for _ in range(_MAX_ADAPTATION_ITERS):  # as the loop lowers it: one rounding per step
@@ -272,8 +274,6 @@ class DGC(SparseTransport, Compressor):
             threshold = ascending.flip(0).index_select(0, stop.view(1)).squeeze(0)
             count = counts.index_select(0, stop.view(1)).squeeze(0)
             exact = (stop < _MAX_ADAPTATION_ITERS) & (count > _UPPER_BOUND * k)
-        else:
-            count = exact = None
         candidates = magnitudes >= threshold
         rank = torch.cumsum(candidates, 0)
         if count is None:
