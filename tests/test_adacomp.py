@@ -7,7 +7,9 @@ import torch
 
 from lightning_gradcomp.compressors import AdaComp
 from lightning_gradcomp.compressors.adacomp import pack_trits, unpack_trits
-from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
+from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
+from lightning_gradcomp.compressors.two_phase import owner_residuals
+from lightning_gradcomp.compressors.wire_model import traced_wire_bytes
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
 
@@ -81,8 +83,6 @@ def test_one_dominant_element_per_bin_is_all_that_is_sent():
 
 def test_the_latest_gradient_decides_between_equal_residues():
     """Two elements with the same residue: the one whose new gradient agrees with it is sent, the other is not."""
-    from lightning_gradcomp.compressors.base import Layer
-
     layer = (Layer("fc.weight", 0, torch.Size([1, 500]), 0),)
     residue = torch.zeros(500, dtype=torch.float64)
     residue[[10, 20]] = 1.0
@@ -149,3 +149,71 @@ def test_bin_sizes_per_layer_type():
     assert [compressor.bin_size(layer) for layer in LAYERS] == [40, 300]
     with pytest.raises(ValueError, match="`bin_size_fc`"):
         AdaComp(bin_size_fc=0)
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_two_phase_error_feedback_telescopes_through_the_owners(n):
+    """Over 5 steps at N ranks (a padded last shard): sum of aggregates + mean of the ranks' residuals + the owners'
+    residuals == sum of the mean gradients; every rank holds the same aggregate."""
+    compressors = [AdaComp(transport="two_phase") for _ in range(n)]
+    residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
+    applied = torch.zeros(NUMEL, dtype=torch.float64)
+    computed = torch.zeros(NUMEL, dtype=torch.float64)
+    for step in range(5):
+        grads = _grads(n, seed=40 + step)
+        outs = simulate_reduce(compressors, grads, LAYERS, step=step, residuals=residuals)
+        assert all(torch.equal(outs[0], o) for o in outs)
+        applied += outs[0]
+        computed += sum(grads) / n
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=n, layers=LAYERS, dtype=torch.float64)
+    by_owners = owner_residuals(compressors, ctx)
+    assert by_owners.abs().sum() > 0, "the re-encoding loses something: the owners keep it"
+    torch.testing.assert_close(applied + sum(residuals) / n + by_owners, computed, rtol=1e-9, atol=1e-9)
+
+
+def test_two_phase_owner_sends_adacomp_codes_of_the_average():
+    """At 3 ranks without error feedback: every element of the result is 0 or +-(its piece's scale) of the owner's
+    AdaComp selection over the ranks' averaged first encodings, which the test recomputes shard by shard."""
+    n = 3
+    grads = _grads(n, seed=5, dtype=torch.float32)
+    outs = simulate_reduce([AdaComp(transport="two_phase") for _ in range(n)], grads, LAYERS)
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=LAYERS, dtype=torch.float32)
+    first = [AdaComp().decompress(AdaComp().compress(g, ctx), ctx) for g in grads]  # H = 2 G: no residue
+    average = (first[0] + first[1] + first[2]) / n
+    size = -(-NUMEL // n)
+    expected = torch.zeros(NUMEL)
+    for shard in range(n):
+        lo, hi = shard * size, min((shard + 1) * size, NUMEL)
+        pieces = []
+        for layer in LAYERS:
+            start, stop = max(lo, layer.offset), min(hi, layer.offset + layer.numel)
+            if start < stop:
+                shape = torch.Size((stop - start, *([1] * (layer.ndim - 1))))
+                pieces.append(Layer(layer.name, layer.index, shape, start - lo))
+        owner = BucketContext(index=0, step=0, rank=0, world_size=1, layers=tuple(pieces), dtype=torch.float32)
+        part = average[lo:hi].clone()
+        expected[lo:hi] = AdaComp().decompress(AdaComp().compress(part, owner), owner)
+    assert all(torch.equal(outs[0], o) for o in outs)
+    torch.testing.assert_close(outs[0], expected, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(("transport", "n", "two_phase"), [("auto", 2, False), ("auto", 3, True),
+                                                          ("two_phase", 2, True), ("allgather", 8, False)])  # fmt: skip
+def test_auto_takes_the_two_phase_exchange_from_three_ranks(transport, n, two_phase):
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=n, layers=LAYERS, dtype=torch.float32)
+    assert AdaComp(transport=transport).two_phase(ctx) is two_phase
+
+
+def test_two_phase_bytes_per_rank_stay_flat():
+    """What a rank receives against a dense fp32 ring all-reduce: the all-gather grows with N, the two-phase exchange
+    stays at about two encodings (2 x 1.6 bits of 32, plus the scales)."""
+    layers = layers_from_shapes([(64, 32, 3, 3), (256, 64)])
+    fractions = {}
+    for transport in ("allgather", "two_phase"):
+        for n in (2, 16):
+            moved = traced_wire_bytes(AdaComp(transport=transport), layers, n, error_feedback=True)
+            numel = sum(layer.numel for layer in layers)
+            fractions[transport, n] = moved.received / (2 * (n - 1) / n * 4 * numel)
+    assert fractions["allgather", 16] > 7 * fractions["allgather", 2]
+    assert fractions["two_phase", 16] < 0.12
+    assert fractions["two_phase", 16] < 1.2 * fractions["two_phase", 2]

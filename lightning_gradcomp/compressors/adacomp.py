@@ -8,20 +8,31 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.compressors.adacomp_shards import (
+    ShardPlan,
+    owner_context,
+    residual_key,
+    shard_plan,
+    shard_scales,
+)
 from lightning_gradcomp.compressors.base import (
     BucketContext,
     Collective,
     Compressor,
     Layer,
+    LayerBuffers,
     Payload,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, Exchange, SentValue
+from lightning_gradcomp.compressors.exchange import AllGather, AllToAll, Exchange, SentValue
 from lightning_gradcomp.compressors.packing import flat_nonzero, numpy_floats
 from lightning_gradcomp.compressors.segments import segments_of
 from lightning_gradcomp.compressors.transport import TRANSPORTS, SparseTransport, sparse_transport_sum
+from lightning_gradcomp.compressors.two_phase import uses_two_phase
 from lightning_gradcomp.validation import check_choice, check_positive_int
 
 _WIRE = torch.float32
+#: the sparsifiers' transports and the two-phase exchange
+ADACOMP_TRANSPORTS = (*TRANSPORTS, "two_phase")
 
 
 def _abs_max(rows: Tensor, scratch: Tensor) -> Tensor:
@@ -121,7 +132,24 @@ class AdaComp(SparseTransport, Compressor):
         super().__init__()
         self.bin_size_conv = check_positive_int(bin_size_conv, "bin_size_conv")
         self.bin_size_fc = check_positive_int(bin_size_fc, "bin_size_fc")
-        self.transport = check_choice(transport, "transport", TRANSPORTS)
+        self.transport = check_choice(transport, "transport", ADACOMP_TRANSPORTS)
+        self.layer_state("owner_residual")  # the two-phase owner's (declared: a checkpoint's loads into a fresh one)
+        self._next_owner_residual = LayerBuffers()  # staged, swapped in at commit
+
+    @property
+    def rounds(self) -> int:
+        """Two for the two-phase exchange (all-to-all, all-gather); else the all-gather's one or Zen's four."""
+        return 2 if self.transport == "two_phase" else super().rounds
+
+    def two_phase(self, ctx: BucketContext) -> bool:
+        """Whether this bucket goes by the two-phase exchange: ``"two_phase"``, or ``"auto"`` from 3 ranks on.
+
+        Both encodings are codes five to a byte plus scales, so the two-phase exchange moves fewer bytes than the
+        all-gather where ``N > 1 + P_2 / P_1 = 2`` (:func:`~lightning_gradcomp.compressors.two_phase.uses_two_phase`).
+        """
+        if self.transport not in ("two_phase", "auto"):
+            return False
+        return uses_two_phase("two_phase" if self.transport == "two_phase" else "auto", ctx.world_size, 1.0)
 
     def bin_size(self, layer: Layer) -> int:
         """The bin length of ``layer``: convolutions (>= 3-D) vs fully-connected and recurrent weights."""
@@ -203,6 +231,8 @@ class AdaComp(SparseTransport, Compressor):
         # without it G is dW
         soft = out.add_(residue_plus_grad) if ctx.error_feedback else residue_plus_grad + residue_plus_grad
         codes, scales = self.select(residue_plus_grad, soft, ctx)
+        if self.two_phase(ctx):
+            return (yield from self._two_phase_exchange(codes, scales, ctx, out))
         if self.transport != "allgather" or ctx.error_feedback:
             sent = self._values(codes, scales, ctx, tensor.dtype)
             yield SentValue(sent)  # R <- G - sent
@@ -216,3 +246,55 @@ class AdaComp(SparseTransport, Compressor):
         for packed, scales_r in gathered:
             out.add_(self._values(unpack_trits(packed, ctx.numel), scales_r, ctx, out.dtype))
         return out.div_(ctx.world_size)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The two-phase exchange (adacomp_shards.py)
+    # ------------------------------------------------------------------------------------------------------------
+    def _two_phase_exchange(self, codes: Tensor, scales: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
+        """Shards of the codes (with every scale) to their owners; the owners' re-encoded averages to everyone."""
+        n, numel, me = ctx.world_size, ctx.numel, ctx.rank
+        plan = shard_plan(ctx.layers, n, ctx.device)
+        if ctx.error_feedback:
+            yield SentValue(self._values(codes, scales, ctx, ctx.dtype))  # R <- G - sent, as for the all-gather
+        # phase 1: row s holds shard s's codes (padded with 0: not sent) and every layer's scale
+        padded = torch.nn.functional.pad(codes, (0, n * plan.size - numel)).view(n, plan.size)
+        rows = torch.nn.functional.pad(padded, (0, plan.code_bytes * _TRITS_PER_BYTE - plan.size))
+        packed = pack_trits(rows.reshape(-1)).view(n, plan.code_bytes)
+        scale_bytes = scales.to(_WIRE).view(torch.uint8).view(1, -1).expand(n, -1)
+        row = plan.code_bytes + scale_bytes.shape[1]
+        received = yield AllToAll((torch.cat([packed, scale_bytes], dim=1).reshape(-1),), (row,) * n, (row,) * n)
+        # phase 2: the owner's fp32 average of its shard, plus what it owes, re-encoded (AdaComp's rule, per piece)
+        valid = plan.valid(me, numel)
+        owner = owner_context(ctx, plan, me)
+        total = torch.zeros(plan.size, dtype=owner.dtype, device=ctx.device)
+        for (payload,) in received:
+            layer_scales = payload[plan.code_bytes :].clone().view(_WIRE).to(owner.dtype)
+            piece_scales = layer_scales.index_select(0, plan.piece_layers[me])
+            shard_codes = unpack_trits(payload[: plan.code_bytes], valid)
+            total[:valid].add_(self._shard_values(shard_codes, piece_scales, plan, me))
+        reduced = total.div_(n)
+        residual = None
+        if ctx.error_feedback:
+            key = residual_key(ctx, me)
+            residual = self.layer_state("owner_residual").get(key, reduced)
+            reduced.add_(residual)
+        owned_codes, owned_scales = self.select(reduced[:valid], reduced[:valid] * 2, owner)
+        if residual is not None:
+            new = self._next_owner_residual.get(key, reduced)
+            new.zero_()[:valid].copy_(reduced[:valid]).sub_(self._shard_values(owned_codes, owned_scales, plan, me))
+            ctx.stage(residual, new, swap=True)
+        owned = torch.nn.functional.pad(owned_codes, (0, plan.code_bytes * _TRITS_PER_BYTE - valid))
+        owned_scales = torch.nn.functional.pad(owned_scales.to(_WIRE), (0, plan.most_pieces - owned_scales.numel()))
+        gathered = yield AllGather((pack_trits(owned), owned_scales))
+        for shard, (packed_s, scales_s) in enumerate(gathered):
+            lo, valid_s = shard * plan.size, plan.valid(shard, numel)
+            if valid_s:
+                values = self._shard_values(unpack_trits(packed_s, valid_s), scales_s.to(owner.dtype), plan, shard)
+                out[lo : lo + valid_s].copy_(values)
+        return out
+
+    @staticmethod
+    def _shard_values(codes: Tensor, piece_scales: Tensor, plan: ShardPlan, shard: int) -> Tensor:
+        """``sign * scale`` of a shard's codes (inside the bucket), each element with its piece's scale."""
+        signs = torch.tensor([0.0, -1.0, 1.0], dtype=piece_scales.dtype, device=codes.device)
+        return signs.index_select(0, codes.long()).mul_(shard_scales(plan, shard, piece_scales))
