@@ -35,7 +35,6 @@ _CPU_ONLY = {("exchange.py", "commit"), ("packing.py", "above"), ("packing.py", 
 
 # what still reads on the hook path, and where
 KNOWN = {
-    "adacomp-auto": "Zen's sparse sizes",
     "scalecom-lowpass": "the low-pass filter's candidates: nonzero",
     **dict.fromkeys(["zen", "zen-always", "zen-bitmap", "topk-zen", "topk-auto", "dgc-zen"], "sparse sizes"),
     **dict.fromkeys(

@@ -93,7 +93,7 @@ class AdaComp(SparseTransport, Compressor):
     3. element ``j`` is sent iff ``|H_j| >= gmax[bin(j)]``, the number sent adapting to each bin (an all-zero bin,
        whose maximum 0 would select all of it, sends nothing: this package's guard, which the operator lacks);
     4. the layer's scale is ``mean_b gmax[b]``; a sent element is ``+scale`` if ``G_j > 0``, else ``-scale`` (a sign
-       bit each, one fp32 scale per layer, as the operator encodes it); the residue becomes ``G - sent``.
+       each, one fp32 scale per layer, as the operator sends it); the residue becomes ``G - sent``.
 
     What was verified: the selection rule, the soft threshold and the sign-and-scale encoding follow the MXNet
     operator line by line. What was not: the 50/500 bin lengths are remembered from the paper, not re-checked against
@@ -101,19 +101,26 @@ class AdaComp(SparseTransport, Compressor):
     read); which layers the paper exempts could not be checked either, so by default 1-D tensors and small layers go
     dense, as for every compressor. Only the bin lengths are configurable.
 
-    How the data-dependent sizes travel: round 0 all-gathers every rank's number of selected elements per layer
-    (``4`` bytes per layer); round 1 all-gathers the payloads padded to the largest count of each layer over the
-    ranks (padding is counted as sent): per layer the indices (int32, or a bitmap when smaller), one sign bit per slot
-    and the scale. On CUDA reading the counts is one host synchronisation per bucket: payload shapes must be known on
-    the host to issue the all-gather, and they depend on the data. Without error feedback there is no residue
-    (``G = dW``).
+    The wire format is fixed-size, whatever is selected: every element's code (not sent, ``-scale``, ``+scale``)
+    packed five to a byte (``3^5 = 243`` codes fit a byte: 1.6 bits per element) and one fp32 scale per layer, in one
+    all-gather. So nothing is read on the host (no sizes to exchange) and the payload does not depend on the data; a
+    rank selecting more than about 5 % of a layer would have sent more as an int32 list, one selecting less, fewer.
+    Without error feedback there is no residue (``G = dW``).
+
+    ``transport="two_phase"`` keeps the bytes per rank flat in the number of ranks (docs/two_phase.md): every rank
+    selects over its layers as above, then sends shard ``s`` of its codes, with every layer's scale, to rank ``s``
+    (all-to-all); the owner averages its shard of every rank in fp32, adds what it still owes, and re-encodes it with
+    the same rule, the pieces of layers in its shard binned as their layers are (bins cut at the shard's edges,
+    ``H = 2 G``: the owner has no latest gradient); the owners' codes are all-gathered. With error feedback the owner
+    keeps its re-encoding's error and sends it at the next step (its state). ``"auto"`` (by the bytes: both
+    encodings cost the same) is the all-gather at 2 ranks and the two-phase exchange from 3.
 
     Args:
         bin_size_conv: bin length for convolution weights (>= 3-D).
         bin_size_fc: bin length for fully-connected and recurrent weights (2-D).
-        transport: how the selected ``sign * scale`` values are summed: ``"allgather"`` (above), ``"zen"`` or
-            ``"auto"`` (see :class:`~lightning_gradcomp.compressors.TopK` and docs/zen.md; Zen exchanges its own
-            counts, so its four rounds replace these two). The selection and the residue are the same.
+        transport: ``"allgather"`` (above), ``"two_phase"``, ``"auto"`` (the one of the two that moves fewer bytes)
+            or ``"zen"`` (the selected ``sign * scale`` values as pairs summed by Zen, docs/zen.md; it reads sizes on
+            the host). The selection and the residue are the same.
 
     Raises:
         ValueError: If a bin length is not a positive integer or ``transport`` is unknown.
@@ -139,17 +146,23 @@ class AdaComp(SparseTransport, Compressor):
     @property
     def rounds(self) -> int:
         """Two for the two-phase exchange (all-to-all, all-gather); else the all-gather's one or Zen's four."""
-        return 2 if self.transport == "two_phase" else super().rounds
+        return 2 if self.transport in ("two_phase", "auto") else super().rounds
+
+    @property
+    def exchanges_sizes(self) -> bool:
+        """Over Zen only: every other exchange sends fixed-size payloads."""
+        return self.transport == "zen"
 
     def two_phase(self, ctx: BucketContext) -> bool:
         """Whether this bucket goes by the two-phase exchange: ``"two_phase"``, or ``"auto"`` from 3 ranks on.
 
         Both encodings are codes five to a byte plus scales, so the two-phase exchange moves fewer bytes than the
-        all-gather where ``N > 1 + P_2 / P_1 = 2`` (:func:`~lightning_gradcomp.compressors.two_phase.uses_two_phase`).
+        all-gather where ``N > 1 + P_2 / P_1 = 2`` (:func:`~lightning_gradcomp.compressors.two_phase.uses_two_phase`);
+        below, ``"auto"`` is the all-gather.
         """
         if self.transport not in ("two_phase", "auto"):
             return False
-        return uses_two_phase("two_phase" if self.transport == "two_phase" else "auto", ctx.world_size, 1.0)
+        return uses_two_phase(self.transport, ctx.world_size, 1.0)
 
     def bin_size(self, layer: Layer) -> int:
         """The bin length of ``layer``: convolutions (>= 3-D) vs fully-connected and recurrent weights."""
@@ -233,10 +246,10 @@ class AdaComp(SparseTransport, Compressor):
         codes, scales = self.select(residue_plus_grad, soft, ctx)
         if self.two_phase(ctx):
             return (yield from self._two_phase_exchange(codes, scales, ctx, out))
-        if self.transport != "allgather" or ctx.error_feedback:
+        if self.transport == "zen" or ctx.error_feedback:
             sent = self._values(codes, scales, ctx, tensor.dtype)
             yield SentValue(sent)  # R <- G - sent
-            if self.transport != "allgather":  # Zen sums the selected pairs
+            if self.transport == "zen":  # Zen sums the selected pairs
                 indices = flat_nonzero(codes)
                 summed = yield from sparse_transport_sum(self, self.transport, indices, sent.index_select(0, indices),
                                                          ctx, out)  # fmt: skip
