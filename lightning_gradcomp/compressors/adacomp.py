@@ -56,6 +56,15 @@ _TRITS_PER_BYTE = 5  # 3^5 = 243 codes fit a byte: 1.6 bits per element
 _TABLES: dict[str, Tensor] = {}
 
 
+def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[0, -1, 1]``: each code's sign, kept per dtype and device (no copy from the host on every step)."""
+    key = f"signs {dtype} {device}"
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = torch.tensor([0.0, -1.0, 1.0], dtype=dtype).to(device)
+    return table
+
+
 def pack_trits(codes: Tensor) -> Tensor:
     """Pack codes in {0, 1, 2} (uint8) five to a byte, ``c0 + 3 c1 + 9 c2 + 27 c3 + 81 c4``: ``ceil(n / 5)`` bytes."""
     n = codes.numel()
@@ -204,7 +213,7 @@ class AdaComp(SparseTransport, Compressor):
 
     def _values(self, codes: Tensor, scales: Tensor, ctx: BucketContext, dtype: torch.dtype) -> Tensor:
         """The dense ``sign * scale`` values of ``codes`` (zeros where not sent), in ``dtype``."""
-        signs = torch.tensor([0.0, -1.0, 1.0], dtype=dtype, device=codes.device).index_select(0, codes.long())
+        signs = _sign_table(dtype, codes.device).index_select(0, codes.long())
         return signs.mul_(segments_of(ctx.layers, codes.device).expand(scales.to(dtype)))
 
     # ------------------------------------------------------------------------------------------------------------
@@ -309,5 +318,5 @@ class AdaComp(SparseTransport, Compressor):
     @staticmethod
     def _shard_values(codes: Tensor, piece_scales: Tensor, plan: ShardPlan, shard: int) -> Tensor:
         """``sign * scale`` of a shard's codes (inside the bucket), each element with its piece's scale."""
-        signs = torch.tensor([0.0, -1.0, 1.0], dtype=piece_scales.dtype, device=codes.device)
+        signs = _sign_table(piece_scales.dtype, codes.device)
         return signs.index_select(0, codes.long()).mul_(shard_scales(plan, shard, piece_scales))
