@@ -17,12 +17,13 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_gradcomp.compressors import QSGD, EFSignSGD, MinMax, OneBit, SignSGD
+from lightning_gradcomp.compressors import QSGD, AdaComp, EFSignSGD, MinMax, OneBit, SignSGD
 from lightning_gradcomp.compressors.base import Compressor, layers_from_shapes
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 
 FACTORIES: dict[str, Callable[[str], Compressor]] = {
+    "adacomp": lambda t: AdaComp(transport=t),
     "signsgd": lambda t: SignSGD(transport=t),
     "efsignsgd": lambda t: EFSignSGD(transport=t),
     "onebit": lambda t: OneBit(transport=t),

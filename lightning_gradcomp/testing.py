@@ -159,6 +159,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "terngrad-two-phase": lambda: TernGrad(aggregation="two_phase"),
     "minmax8-two-phase": lambda: MinMax(bits=8, transport="two_phase"),
     "minmax4-two-phase": lambda: MinMax(bits=4, transport="two_phase"),
+    "adacomp-two-phase": lambda: AdaComp(bin_size_conv=4, bin_size_fc=6, transport="two_phase"),
     "efsignsgd-allgather": lambda: EFSignSGD(transport="allgather"),
     "qsgd-allgather": lambda: QSGD(transport="allgather"),
     "sparseloco": lambda: SparseLoCo(),

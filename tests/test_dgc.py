@@ -94,6 +94,73 @@ def test_too_few_candidates_lower_the_threshold():
     assert set(sampled[:3].tolist()) | {7} <= set(picked)
 
 
+@pytest.mark.parametrize("case", ["clear", "too many", "near k", "too few", "gaussian", "unsampled", "uniform sample"])
+def test_the_fixed_size_selection_selects_what_the_loop_does(case):
+    """``DGC.select_fixed`` (no host reads) against the reference loop of ``DGC.select``, on each of its paths."""
+    numel, ratio, kwargs = 100_000, 0.001, {}
+    g = torch.Generator().manual_seed(3)
+    x = torch.rand(numel, generator=g, dtype=torch.float64)
+    generator = torch.Generator().manual_seed(4)
+    sampled = _sampled_positions(numel, ratio, generator)
+    if case == "clear":
+        x[torch.randperm(numel, generator=g)[:100]] += 10
+    elif case == "too many":
+        x = 0.5 + 0.5 * x
+        x[sampled] = 0.1 * torch.rand(sampled.numel(), generator=g, dtype=torch.float64)
+        x[sampled[:3]] = 0.6
+    elif case == "too few":
+        x = torch.full((numel,), 0.5, dtype=torch.float64)
+        x[sampled[:3]] = 2.0
+        x[7] = 0.6
+    elif case == "gaussian":
+        x, ratio = torch.randn(numel, generator=g), 0.01
+    elif case == "unsampled":
+        x, ratio = torch.randn(1500, generator=g), 0.001
+    elif case == "uniform sample":
+        x, kwargs = torch.randn(numel, generator=g), {"strided_sample": False}
+    expected = DGC(ratio=ratio, **kwargs).select(x, ratio, copy.deepcopy(generator))
+    found, used = DGC(ratio=ratio, **kwargs).select_fixed(x, ratio, generator)
+    assert sorted(expected.tolist()) == found[used].tolist()
+    assert found.numel() == math.ceil(x.numel() * ratio)
+    assert torch.all(found[~used] == found[0])
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"ratio": 0.01}, {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
+               {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5}]
+)  # fmt: skip
+def test_both_selections_give_the_same_steps(kwargs, monkeypatch):
+    """The reduction with the fixed-size selection (a GPU's) is bitwise the one with the loop (the CPU's)."""
+    from lightning_gradcomp.compressors import dgc
+
+    results = []
+    for early_exit in (True, False):
+        monkeypatch.setattr(dgc, "EARLY_EXIT_ON_CPU", early_exit)
+        compressors = [DGC(**kwargs) for _ in range(2)]
+        residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
+        outs = [simulate_reduce(compressors, _grads(2, step), LAYERS, step=step, residuals=residuals)
+                for step in range(3)]  # fmt: skip
+        results.append((outs, residuals, [c.state_dict() for c in compressors]))
+    (outs_a, res_a, state_a), (outs_b, res_b, state_b) = results
+    for a, b in zip(outs_a, outs_b):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(res_a, res_b))
+    tensors_a, tensors_b = list(_tensors(state_a)), list(_tensors(state_b))
+    assert len(tensors_a) == len(tensors_b) > 0  # the momenta
+    assert all(torch.equal(u, v) for u, v in zip(tensors_a, tensors_b))
+
+
+def _tensors(state):
+    if isinstance(state, torch.Tensor):
+        yield state
+    elif isinstance(state, dict):
+        for key in sorted(state):
+            yield from _tensors(state[key])
+    elif isinstance(state, list | tuple):
+        for item in state:
+            yield from _tensors(item)
+
+
 def _reference(grads_per_step, momentum=0.9, nesterov=False, masking=True, clip_norm=None, ratio=0.01):
     """Every rank's DGC by hand (selection through DGC.select, with the generators the compressor uses)."""
     n = len(grads_per_step[0])

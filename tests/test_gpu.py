@@ -27,16 +27,8 @@ SHAPES = [(64, 32, 3, 3), (128, 256), (256, 128), (10, 128)]
 DETERMINISTIC = ("identity", "fp16", "bf16", "topk", "topk-10%", "randomk", "powersgd", "scalecom", "signsgd",
                  "efsignsgd", "onebit", "dgc-no-momentum")  # fmt: skip
 # What cannot avoid a host read on the codec path, and why (docs/benchmarks.md#gpu)
-_SELECTION = "DGC's selection reads how many entries pass its sampled threshold (the reference's adaptive loop)"
-_SIZES = "payload sizes are data-dependent: the exchanged sizes are read to size the second round"
 _BITMAP = "indices sent as a bitmap are decoded with nonzero, whose output size is read"
 SYNCS = {
-    "adacomp": _SIZES,
-    "adacomp-small-bins": _SIZES,
-    "dgc": _SELECTION,
-    "dgc-bitmap": _SELECTION,
-    "dgc-no-momentum": _SELECTION,
-    "dgc-warmup-nesterov-clip": _SELECTION,
     "scalecom-lowpass": _BITMAP,  # at ratio 0.1 the leader's indices travel as a bitmap
 }
 

@@ -43,14 +43,14 @@ def test_scalecom_spans_65x_to_400x(digits_cnn, char_lstm):
 
 
 def test_adacomp_ratios(digits_cnn, char_lstm):
-    """AdaComp's measured ratios with its defaults: about 29x on convolutions and 32-50x on fully-connected and
-    recurrent layers. The paper reports ~40x and ~200x; these workloads do not reach that (docs/measurements.md
-    gives the numbers and the analysis); the bounds here guard against regressions of what is measured."""
+    """AdaComp's measured ratios with its defaults: its fixed-size payload sends 1.6 bits per compressed element (codes
+    five to a byte) and a scale per layer, about 20x whatever is selected. The paper reports ~40x and ~200x
+    (docs/measurements.md gives the numbers measured with the former variable-size lists, about 29x and 32-50x)."""
     cnn = _ratios(digits_cnn, "adacomp")
     lstm = _ratios(char_lstm, "adacomp")
-    assert cnn.ratio(["conv"]) >= 25
-    assert cnn.ratio(["fc"]) >= 25
-    assert lstm.ratio(["fc", "recurrent"]) >= 25
+    assert cnn.ratio(["conv"]) >= 19
+    assert cnn.ratio(["fc"]) >= 19
+    assert lstm.ratio(["fc", "recurrent"]) >= 19
 
 
 @pytest.mark.parametrize(

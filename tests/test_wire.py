@@ -30,7 +30,7 @@ def _layers(shapes):
 LAYERS = _layers([(16, 8, 3, 3), (16,), (32, 16, 3, 3), (32,), (10, 128)])  # 7,338 elements, 3 compressed
 #: exchanges whose sizes differ between ranks even when the ranks hold the same gradient (hash-balanced shards of
 #: Zen's all-to-all, gathered padded to the largest): the model, traced on one rank, is an estimate there
-RANK_DEPENDENT = {"zen-always", "zen-bitmap", "topk-zen", "topk-auto", "dgc-zen", "adacomp-auto"}
+RANK_DEPENDENT = {"zen-always", "zen-bitmap", "topk-zen", "topk-auto", "dgc-zen"}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 64])

@@ -2,27 +2,37 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import ClassVar
 
 import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.compressors.adacomp_shards import (
+    ShardPlan,
+    owner_context,
+    residual_key,
+    shard_plan,
+    shard_scales,
+)
 from lightning_gradcomp.compressors.base import (
     BucketContext,
     Collective,
     Compressor,
     Layer,
+    LayerBuffers,
     Payload,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, Exchange, SentAt
-from lightning_gradcomp.compressors.packing import flat_nonzero, numpy_floats, pack_bits, unpack_bits
-from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
+from lightning_gradcomp.compressors.exchange import AllGather, AllToAll, Exchange, SentValue
+from lightning_gradcomp.compressors.packing import flat_nonzero, numpy_floats
+from lightning_gradcomp.compressors.segments import segments_of
 from lightning_gradcomp.compressors.transport import TRANSPORTS, SparseTransport, sparse_transport_sum
+from lightning_gradcomp.compressors.two_phase import uses_two_phase
 from lightning_gradcomp.validation import check_choice, check_positive_int
 
 _WIRE = torch.float32
+#: the sparsifiers' transports and the two-phase exchange
+ADACOMP_TRANSPORTS = (*TRANSPORTS, "two_phase")
 
 
 def _abs_max(rows: Tensor, scratch: Tensor) -> Tensor:
@@ -42,22 +52,38 @@ def _at_least(values: Tensor, bounds: Tensor, out: Tensor) -> None:
         torch.ge(values, bounds, out=out)
 
 
-def _signed(positive: Tensor, scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``scale`` where ``positive``, ``-scale`` elsewhere, in ``dtype``.
-
-    The values of ``torch.where(positive, scale, -scale)``, from a two-entry table: ``index_select`` is about 7x
-    faster than ``where`` on 0-d tensors on the CPU.
-    """
-    return torch.stack([-scale, scale]).to(dtype).index_select(0, positive.view(torch.uint8).int())
+_TRITS_PER_BYTE = 5  # 3^5 = 243 codes fit a byte: 1.6 bits per element
+_TABLES: dict[str, Tensor] = {}
 
 
-class _Selection:
-    """One rank's choice for one layer: local indices, their signs (True: positive) and the layer's scale."""
+def _sign_table(dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``[0, -1, 1]``: each code's sign, kept per dtype and device (no copy from the host on every step)."""
+    key = f"signs {dtype} {device}"
+    table = _TABLES.get(key)
+    if table is None:
+        table = _TABLES[key] = torch.tensor([0.0, -1.0, 1.0], dtype=dtype).to(device)
+    return table
 
-    __slots__ = ("indices", "positive", "scale")
 
-    def __init__(self, indices: Tensor, positive: Tensor, scale: Tensor) -> None:
-        self.indices, self.positive, self.scale = indices, positive, scale
+def pack_trits(codes: Tensor) -> Tensor:
+    """Pack codes in {0, 1, 2} (uint8) five to a byte, ``c0 + 3 c1 + 9 c2 + 27 c3 + 81 c4``: ``ceil(n / 5)`` bytes."""
+    n = codes.numel()
+    rows = torch.nn.functional.pad(codes, (0, -n % _TRITS_PER_BYTE)).view(-1, _TRITS_PER_BYTE)
+    packed = rows[:, 4].clone()
+    for j in (3, 2, 1, 0):  # Horner; every intermediate stays below 243
+        packed.mul_(3).add_(rows[:, j])
+    return packed
+
+
+def unpack_trits(packed: Tensor, n: int) -> Tensor:
+    """The first ``n`` codes of :func:`pack_trits` (uint8), by a table of every byte's five digits."""
+    key = str(packed.device)
+    table = _TABLES.get(key)
+    if table is None:
+        values = torch.arange(243)
+        digits = torch.stack([values // 3**j % 3 for j in range(_TRITS_PER_BYTE)], dim=1)
+        table = _TABLES[key] = digits.to(torch.uint8).to(packed.device)
+    return table.index_select(0, packed.long()).view(-1)[:n]
 
 
 class AdaComp(SparseTransport, Compressor):
@@ -76,7 +102,7 @@ class AdaComp(SparseTransport, Compressor):
     3. element ``j`` is sent iff ``|H_j| >= gmax[bin(j)]``, the number sent adapting to each bin (an all-zero bin,
        whose maximum 0 would select all of it, sends nothing: this package's guard, which the operator lacks);
     4. the layer's scale is ``mean_b gmax[b]``; a sent element is ``+scale`` if ``G_j > 0``, else ``-scale`` (a sign
-       bit each, one fp32 scale per layer, as the operator encodes it); the residue becomes ``G - sent``.
+       each, one fp32 scale per layer, as the operator sends it); the residue becomes ``G - sent``.
 
     What was verified: the selection rule, the soft threshold and the sign-and-scale encoding follow the MXNet
     operator line by line. What was not: the 50/500 bin lengths are remembered from the paper, not re-checked against
@@ -84,19 +110,26 @@ class AdaComp(SparseTransport, Compressor):
     read); which layers the paper exempts could not be checked either, so by default 1-D tensors and small layers go
     dense, as for every compressor. Only the bin lengths are configurable.
 
-    How the data-dependent sizes travel: round 0 all-gathers every rank's number of selected elements per layer
-    (``4`` bytes per layer); round 1 all-gathers the payloads padded to the largest count of each layer over the
-    ranks (padding is counted as sent): per layer the indices (int32, or a bitmap when smaller), one sign bit per slot
-    and the scale. On CUDA reading the counts is one host synchronisation per bucket: payload shapes must be known on
-    the host to issue the all-gather, and they depend on the data. Without error feedback there is no residue
-    (``G = dW``).
+    The wire format is fixed-size, whatever is selected: every element's code (not sent, ``-scale``, ``+scale``)
+    packed five to a byte (``3^5 = 243`` codes fit a byte: 1.6 bits per element) and one fp32 scale per layer, in one
+    all-gather. So nothing is read on the host (no sizes to exchange) and the payload does not depend on the data; a
+    rank selecting more than about 5 % of a layer would have sent more as an int32 list, one selecting less, fewer.
+    Without error feedback there is no residue (``G = dW``).
+
+    ``transport="two_phase"`` keeps the bytes per rank flat in the number of ranks (docs/two_phase.md): every rank
+    selects over its layers as above, then sends shard ``s`` of its codes, with every layer's scale, to rank ``s``
+    (all-to-all); the owner averages its shard of every rank in fp32, adds what it still owes, and re-encodes it with
+    the same rule, the pieces of layers in its shard binned as their layers are (bins cut at the shard's edges,
+    ``H = 2 G``: the owner has no latest gradient); the owners' codes are all-gathered. With error feedback the owner
+    keeps its re-encoding's error and sends it at the next step (its state). ``"auto"`` (by the bytes: both
+    encodings cost the same) is the all-gather at 2 ranks and the two-phase exchange from 3.
 
     Args:
         bin_size_conv: bin length for convolution weights (>= 3-D).
         bin_size_fc: bin length for fully-connected and recurrent weights (2-D).
-        transport: how the selected ``sign * scale`` values are summed: ``"allgather"`` (above), ``"zen"`` or
-            ``"auto"`` (see :class:`~lightning_gradcomp.compressors.TopK` and docs/zen.md; Zen exchanges its own
-            counts, so its four rounds replace these two). The selection and the residue are the same.
+        transport: ``"allgather"`` (above), ``"two_phase"``, ``"auto"`` (the one of the two that moves fewer bytes)
+            or ``"zen"`` (the selected ``sign * scale`` values as pairs summed by Zen, docs/zen.md; it reads sizes on
+            the host). The selection and the residue are the same.
 
     Raises:
         ValueError: If a bin length is not a positive integer or ``transport`` is unknown.
@@ -110,14 +143,35 @@ class AdaComp(SparseTransport, Compressor):
 
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = False
-    gather_rounds: ClassVar[int] = 2  # over the all-gather: sizes, then the payloads padded to the largest
-    gather_exchanges_sizes: ClassVar[bool] = True  # payload sizes depend on the data; exchanged in round 0
 
     def __init__(self, bin_size_conv: int = 50, bin_size_fc: int = 500, transport: str = "allgather") -> None:
         super().__init__()
         self.bin_size_conv = check_positive_int(bin_size_conv, "bin_size_conv")
         self.bin_size_fc = check_positive_int(bin_size_fc, "bin_size_fc")
-        self.transport = check_choice(transport, "transport", TRANSPORTS)
+        self.transport = check_choice(transport, "transport", ADACOMP_TRANSPORTS)
+        self.layer_state("owner_residual")  # the two-phase owner's (declared: a checkpoint's loads into a fresh one)
+        self._next_owner_residual = LayerBuffers()  # staged, swapped in at commit
+
+    @property
+    def rounds(self) -> int:
+        """Two for the two-phase exchange (all-to-all, all-gather); else the all-gather's one or Zen's four."""
+        return 2 if self.transport in ("two_phase", "auto") else super().rounds
+
+    @property
+    def exchanges_sizes(self) -> bool:
+        """Over Zen only: every other exchange sends fixed-size payloads."""
+        return self.transport == "zen"
+
+    def two_phase(self, ctx: BucketContext) -> bool:
+        """Whether this bucket goes by the two-phase exchange: ``"two_phase"``, or ``"auto"`` from 3 ranks on.
+
+        Both encodings are codes five to a byte plus scales, so the two-phase exchange moves fewer bytes than the
+        all-gather where ``N > 1 + P_2 / P_1 = 2`` (:func:`~lightning_gradcomp.compressors.two_phase.uses_two_phase`);
+        below, ``"auto"`` is the all-gather.
+        """
+        if self.transport not in ("two_phase", "auto"):
+            return False
+        return uses_two_phase(self.transport, ctx.world_size, 1.0)
 
     def bin_size(self, layer: Layer) -> int:
         """The bin length of ``layer``: convolutions (>= 3-D) vs fully-connected and recurrent weights."""
@@ -126,13 +180,17 @@ class AdaComp(SparseTransport, Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # Selection and the wire format
     # ------------------------------------------------------------------------------------------------------------
-    def select(self, residue_plus_grad: Tensor, soft: Tensor, ctx: BucketContext) -> list[_Selection]:
-        """Every layer's selection from ``G = R + dW`` and ``H = G + dW`` (flat, laid out as ``ctx.layers``)."""
-        out = []
+    def select(self, residue_plus_grad: Tensor, soft: Tensor, ctx: BucketContext) -> tuple[Tensor, Tensor]:
+        """Every element's code and every layer's scale, from ``G = R + dW`` and ``H = G + dW`` (flat).
+
+        Codes (uint8): 0 not sent, 1 sent as ``-scale``, 2 sent as ``+scale`` (``G > 0``).
+        """
+        chosen = torch.empty(residue_plus_grad.numel(), dtype=torch.bool, device=residue_plus_grad.device)
+        scales = []
         # one buffer for |G| and |H| of every layer in turn (a fresh temporary per layer costs its page faults)
         scratch = residue_plus_grad.new_empty(max((layer.numel for layer in ctx.layers), default=0))
         for layer in ctx.layers:
-            g, h = layer.flat(residue_plus_grad), layer.flat(soft)
+            g, h, mask = layer.flat(residue_plus_grad), layer.flat(soft), layer.flat(chosen)
             size = self.bin_size(layer)
             full = layer.numel // size * size
             # bin maxima of |G| on 2-D views (the last bin may be short)
@@ -142,62 +200,42 @@ class AdaComp(SparseTransport, Compressor):
             gmax = torch.cat(maxima)
             # an all-zero bin sends nothing (its maximum would select every element)
             threshold = torch.where(gmax > 0, gmax, torch.full_like(gmax, float("inf"))).to(h.dtype)
-            chosen = torch.empty(layer.numel, dtype=torch.bool, device=g.device)
             magnitudes = torch.abs(h, out=scratch[: layer.numel])
             if full:
                 _at_least(magnitudes[:full].view(-1, size), threshold[: full // size].unsqueeze(1),
-                          chosen[:full].view(-1, size))  # fmt: skip
+                          mask[:full].view(-1, size))  # fmt: skip
             if full < layer.numel:
-                _at_least(magnitudes[full:], threshold[-1:], chosen[full:])
-            indices = flat_nonzero(chosen)
-            out.append(_Selection(indices, torch.index_select(g, 0, indices) > 0, gmax.mean().to(_WIRE)))
-        return out
+                _at_least(magnitudes[full:], threshold[-1:], mask[full:])
+            scales.append(gmax.mean().to(_WIRE))
+        codes = torch.gt(residue_plus_grad, 0).view(torch.uint8).add(1).mul_(chosen.view(torch.uint8))
+        scale = torch.stack(scales) if scales else torch.zeros(0, dtype=_WIRE, device=residue_plus_grad.device)
+        return codes, scale
 
-    def _payload(self, selections: Sequence[_Selection], layout: SparseLayout, like: Tensor) -> Payload:
-        """``(index blob, sign bits, scales)`` with ``layout``'s slots per layer."""
-        # indices come from nonzero(), in increasing order: the order a bitmap decodes to, so signs need no reordering
-        indices, signs = [], []
-        for segment, chosen in zip(layout.segments, selections):
-            indices.append(chosen.indices)
-            signs.append(torch.nn.functional.pad(chosen.positive, (0, segment.slots - chosen.positive.numel())))
-        blob, _ = encode_sparse(layout, indices, None, like, ordered_=True)
-        bits = pack_bits(torch.cat(signs)) if signs else torch.empty(0, dtype=torch.uint8, device=like.device)
-        scales = torch.stack([s.scale for s in selections]) if selections else torch.zeros(0, dtype=_WIRE)
-        return blob, bits, scales
-
-    def _add(self, payload: Payload, layout: SparseLayout, counts: Sequence[int], out: Tensor) -> None:
-        """Add one rank's ``sign * scale`` values into ``out``."""
-        blob, bits, scales = payload
-        indices = decode_sparse(layout, blob, counts)
-        signs = unpack_bits(bits, layout.slots)
-        for i, (segment, idx) in enumerate(zip(layout.segments, indices)):
-            positive = signs[segment.value_at : segment.value_at + idx.numel()]
-            out.index_add_(0, idx, _signed(positive, scales[i], out.dtype))  # distinct indices: deterministic
+    def _values(self, codes: Tensor, scales: Tensor, ctx: BucketContext, dtype: torch.dtype) -> Tensor:
+        """The dense ``sign * scale`` values of ``codes`` (zeros where not sent), in ``dtype``."""
+        signs = _sign_table(dtype, codes.device).index_select(0, codes.long())
+        return signs.mul_(segments_of(ctx.layers, codes.device).expand(scales.to(dtype)))
 
     # ------------------------------------------------------------------------------------------------------------
-    # The contract (one rank on its own: slots = its own counts)
+    # The contract
     # ------------------------------------------------------------------------------------------------------------
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
-        """This rank alone: ``(counts, index blob, sign bits, scales)``; ``tensor`` is ``G = R + dW``.
+        """``(codes packed five to a byte, scales)``; ``tensor`` is ``G = R + dW``.
 
         The soft threshold needs the latest gradient ``dW``, which only :meth:`exchange` has; alone, ``H = 2 G`` (as
         without error feedback, where ``G = dW``).
         """
-        soft = tensor + tensor
-        selections = self.select(tensor, soft, ctx)
-        counts = [s.indices.numel() for s in selections]
-        layout = sparse_layout(ctx.layers, counts)
-        return (torch.tensor(counts, dtype=torch.int32, device=ctx.device), *self._payload(selections, layout, tensor))
+        codes, scales = self.select(tensor, tensor + tensor, ctx)
+        return pack_trits(codes), scales
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
-        """``sign * scale`` at the payload's indices, zeros elsewhere."""
-        counts = payload[0].tolist()
-        out = ctx.output(out, zeros=True)
-        self._add(payload[1:], sparse_layout(ctx.layers, counts), counts, out)
-        return out
+        """``sign * scale`` where sent, zeros elsewhere."""
+        packed, scales = payload
+        out = ctx.output(out)
+        return out.copy_(self._values(unpack_trits(packed, ctx.numel), scales, ctx, out.dtype))
 
     # ------------------------------------------------------------------------------------------------------------
-    # The reduction: sizes first, then the payloads padded to the largest size
+    # The reduction
     # ------------------------------------------------------------------------------------------------------------
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor:
         """``dW`` itself, kept in ``tensor``: the soft threshold reads it there (:meth:`exchange`'s ``out``)."""
@@ -209,30 +247,76 @@ class AdaComp(SparseTransport, Compressor):
         return True
 
     def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
-        """Round 0: all-gather the counts per layer. Round 1: all-gather the padded payloads; sum in rank order."""
+        """All-gather every rank's fixed-size payload and sum the values in rank order (or sum over ``transport``)."""
         residue_plus_grad = tensor  # G = R + dW
         # with error feedback ``out`` holds dW (see keeps_input): H = G + dW in place, dW is not needed again;
         # without it G is dW
         soft = out.add_(residue_plus_grad) if ctx.error_feedback else residue_plus_grad + residue_plus_grad
-        selections = self.select(residue_plus_grad, soft, ctx)
-        indices = values = None
-        if self.transport != "allgather" or ctx.error_feedback:
-            indices = torch.cat([s.indices + layer.offset for layer, s in zip(ctx.layers, selections)])
-            values = torch.cat([_signed(s.positive, s.scale, tensor.dtype) for s in selections])
-            yield SentAt(indices, values)  # R <- G - sent
-        if self.transport != "allgather":
-            assert indices is not None
-            assert values is not None
-            summed = yield from sparse_transport_sum(self, self.transport, indices, values, ctx, out)
-            return summed.div_(ctx.world_size)
-        counts = torch.tensor([s.indices.numel() for s in selections], dtype=torch.int32, device=ctx.device)
-        gathered_counts = yield AllGather((counts,))
-        # the one host synchronisation: payload shapes (the largest count per layer) must be known here
-        every = [row.tolist() for (row,) in gathered_counts]
-        slots = [max(column) for column in zip(*every)] if every and every[0] else []
-        layout = sparse_layout(ctx.layers, slots)
-        gathered = yield AllGather(self._payload(selections, layout, residue_plus_grad))
+        codes, scales = self.select(residue_plus_grad, soft, ctx)
+        if self.two_phase(ctx):
+            return (yield from self._two_phase_exchange(codes, scales, ctx, out))
+        if self.transport == "zen" or ctx.error_feedback:
+            sent = self._values(codes, scales, ctx, tensor.dtype)
+            yield SentValue(sent)  # R <- G - sent
+            if self.transport == "zen":  # Zen sums the selected pairs
+                indices = flat_nonzero(codes)
+                summed = yield from sparse_transport_sum(self, self.transport, indices, sent.index_select(0, indices),
+                                                         ctx, out)  # fmt: skip
+                return summed.div_(ctx.world_size)
+        gathered = yield AllGather((pack_trits(codes), scales))
         out.zero_()
-        for counts_r, payload in zip(every, gathered):
-            self._add(payload, layout, counts_r, out)
+        for packed, scales_r in gathered:
+            out.add_(self._values(unpack_trits(packed, ctx.numel), scales_r, ctx, out.dtype))
         return out.div_(ctx.world_size)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The two-phase exchange (adacomp_shards.py)
+    # ------------------------------------------------------------------------------------------------------------
+    def _two_phase_exchange(self, codes: Tensor, scales: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
+        """Shards of the codes (with every scale) to their owners; the owners' re-encoded averages to everyone."""
+        n, numel, me = ctx.world_size, ctx.numel, ctx.rank
+        plan = shard_plan(ctx.layers, n, ctx.device)
+        if ctx.error_feedback:
+            yield SentValue(self._values(codes, scales, ctx, ctx.dtype))  # R <- G - sent, as for the all-gather
+        # phase 1: row s holds shard s's codes (padded with 0: not sent) and every layer's scale
+        padded = torch.nn.functional.pad(codes, (0, n * plan.size - numel)).view(n, plan.size)
+        rows = torch.nn.functional.pad(padded, (0, plan.code_bytes * _TRITS_PER_BYTE - plan.size))
+        packed = pack_trits(rows.reshape(-1)).view(n, plan.code_bytes)
+        scale_bytes = scales.to(_WIRE).view(torch.uint8).view(1, -1).expand(n, -1)
+        row = plan.code_bytes + scale_bytes.shape[1]
+        received = yield AllToAll((torch.cat([packed, scale_bytes], dim=1).reshape(-1),), (row,) * n, (row,) * n)
+        # phase 2: the owner's fp32 average of its shard, plus what it owes, re-encoded (AdaComp's rule, per piece)
+        valid = plan.valid(me, numel)
+        owner = owner_context(ctx, plan, me)
+        total = torch.zeros(plan.size, dtype=owner.dtype, device=ctx.device)
+        for (payload,) in received:
+            layer_scales = payload[plan.code_bytes :].clone().view(_WIRE).to(owner.dtype)
+            piece_scales = layer_scales.index_select(0, plan.piece_layers[me])
+            shard_codes = unpack_trits(payload[: plan.code_bytes], valid)
+            total[:valid].add_(self._shard_values(shard_codes, piece_scales, plan, me))
+        reduced = total.div_(n)
+        residual = None
+        if ctx.error_feedback:
+            key = residual_key(ctx, me)
+            residual = self.layer_state("owner_residual").get(key, reduced)
+            reduced.add_(residual)
+        owned_codes, owned_scales = self.select(reduced[:valid], reduced[:valid] * 2, owner)
+        if residual is not None:
+            new = self._next_owner_residual.get(key, reduced)
+            new.zero_()[:valid].copy_(reduced[:valid]).sub_(self._shard_values(owned_codes, owned_scales, plan, me))
+            ctx.stage(residual, new, swap=True)
+        owned = torch.nn.functional.pad(owned_codes, (0, plan.code_bytes * _TRITS_PER_BYTE - valid))
+        owned_scales = torch.nn.functional.pad(owned_scales.to(_WIRE), (0, plan.most_pieces - owned_scales.numel()))
+        gathered = yield AllGather((pack_trits(owned), owned_scales))
+        for shard, (packed_s, scales_s) in enumerate(gathered):
+            lo, valid_s = shard * plan.size, plan.valid(shard, numel)
+            if valid_s:
+                values = self._shard_values(unpack_trits(packed_s, valid_s), scales_s.to(owner.dtype), plan, shard)
+                out[lo : lo + valid_s].copy_(values)
+        return out
+
+    @staticmethod
+    def _shard_values(codes: Tensor, piece_scales: Tensor, plan: ShardPlan, shard: int) -> Tensor:
+        """``sign * scale`` of a shard's codes (inside the bucket), each element with its piece's scale."""
+        signs = _sign_table(piece_scales.dtype, codes.device)
+        return signs.index_select(0, codes.long()).mul_(shard_scales(plan, shard, piece_scales))

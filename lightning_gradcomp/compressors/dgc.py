@@ -18,8 +18,9 @@ from lightning_gradcomp.compressors.base import (
     Payload,
 )
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange, SentExactly
-from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
-from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
+from lightning_gradcomp.compressors.packing import decode_indices, flat_nonzero, magnitude_above, unpack_bits
+from lightning_gradcomp.compressors.random_subsets import draws, uniform_below
+from lightning_gradcomp.compressors.sparse import SparseLayout, encode_sparse, sparse_layout
 from lightning_gradcomp.compressors.sparsify import top_k_among
 from lightning_gradcomp.compressors.transport import TRANSPORTS, SparseTransport, sparse_transport_sum
 from lightning_gradcomp.validation import (
@@ -35,6 +36,8 @@ from lightning_gradcomp.validation import (
 _UPPER_BOUND = 1.3  # more than 1.3 k candidates: exact top-k among them
 _LOWER_BOUND = 0.8  # fewer than 0.8 k: lower the threshold by this factor and count again
 _MAX_ADAPTATION_ITERS = 10
+# the CPU selects with the reference's loop, reading counts (free there); False takes the fixed-size selection there too
+EARLY_EXIT_ON_CPU = True
 WARMUP_RATIOS = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75%, 93.75%, 98.4375%, 99.6%, then the final ratio
 
 
@@ -42,6 +45,11 @@ def _clip_norm_(tensor: Tensor, max_norm: float) -> None:
     """Scale ``tensor`` so its L2 norm is at most ``max_norm`` (the reference's per-tensor ``clip_grad_norm_``)."""
     coefficient = (max_norm / (tensor.norm() + 1e-6)).clamp(max=1.0)  # a tensor: no host sync
     tensor.mul_(coefficient)
+
+
+def _host_randint(high: int, generator: torch.Generator) -> int:
+    """A draw in ``[0, high)`` from the CPU ``generator``: a host value, whatever the gradient's device."""
+    return int(torch.randint(0, high, (1,), generator=generator))
 
 
 def sample_plan(numel: int, ratio: float, sample_ratio: float) -> tuple[int, int, int]:
@@ -108,7 +116,13 @@ class DGC(SparseTransport, Compressor):
     bytes each) plus the indices as int32 (``4 k`` bytes) or a bitmap (``ceil(d / 32) * 4`` bytes) when smaller;
     unused slots (fewer than ``k`` selected) are sent as zeros. Dense layers: ``4 d`` (their own all-reduce).
 
-    On CUDA the selection synchronises with the host per layer (candidate counts), as the reference code does.
+    No host synchronisation on a GPU: the reference's loop reads the candidate count after every threshold; here
+    (:meth:`select_fixed`) the counts at every threshold the loop may try come from one histogram, its decisions are
+    taken on the device, and every layer sends its ``k`` slots with the unused ones zero. Where the loop would take
+    the exact top-k among more than 1.3 k candidates, the fixed-size path takes the layer's top-k (the same
+    elements). On the CPU, where reading a count costs nothing, the loop itself selects; both select the same
+    elements. The uniform sample (``strided_sample=False``) is drawn on the gradient's device from a counter-based
+    hash.
 
     Args:
         ratio: final fraction of each layer sent, in (0, 1] (0.001: 99.9% sparsity).
@@ -191,24 +205,34 @@ class DGC(SparseTransport, Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # Selection
     # ------------------------------------------------------------------------------------------------------------
-    def select(self, values: Tensor, ratio: float, generator: torch.Generator) -> Tensor:
-        """Layer-local indices of at most ``ceil(ratio d)`` large entries of ``values`` (the reference's rules)."""
+    def _threshold(self, values: Tensor, ratio: float, generator: torch.Generator) -> tuple[Tensor, bool]:
+        """The sampled threshold of ``|values|`` (a 0-d tensor), and whether it came from a sample (not the layer)."""
         numel = values.numel()
-        k = math.ceil(numel * ratio)
-        # the importance |values| is formed only where it is read (the sample, the candidates): the masks compare the
-        # values with both signs of the threshold, the same elements without a gradient-sized |values|
         num_samples, top_k_samples, stride = sample_plan(numel, ratio, self.sample_ratio)
         if num_samples == numel:
             samples = values.abs()
         elif self.strided_sample:
-            start = int(torch.randint(0, stride, (1,), generator=generator))
+            start = _host_randint(stride, generator)
             samples = values[start::stride].abs()
-        else:
-            picks = torch.randint(0, numel, (num_samples,), generator=generator).to(values.device)
-            samples = values.index_select(0, picks).abs()
+        else:  # uniform positions, drawn on the layer's device from a key the generator gives
+            key = _host_randint(2**31, generator)
+            counters = torch.arange(num_samples, dtype=torch.int64, device=values.device)
+            samples = values.index_select(0, uniform_below(draws(key, counters), numel)).abs()
         threshold = torch.topk(samples, min(top_k_samples, samples.numel()), sorted=False).values.min()
+        return threshold, numel > num_samples
+
+    def select(self, values: Tensor, ratio: float, generator: torch.Generator) -> Tensor:
+        """Layer-local indices of at most ``ceil(ratio d)`` large entries of ``values`` (the reference's rules).
+
+        The reference's loop, which reads the candidate count after every threshold: the path taken on the CPU (where
+        reading a count waits for nothing). :meth:`select_fixed` selects the same elements without reading.
+        """
+        k = math.ceil(values.numel() * ratio)
+        # the importance |values| is formed only where it is read (the sample, the candidates): the masks compare the
+        # values with both signs of the threshold, the same elements without a gradient-sized |values|
+        threshold, sampled = self._threshold(values, ratio, generator)
         indices = flat_nonzero(magnitude_above(values, threshold, inclusive=True))
-        if numel > num_samples:
+        if sampled:
             for _ in range(_MAX_ADAPTATION_ITERS):
                 count = indices.numel()
                 if count > k:
@@ -221,16 +245,75 @@ class DGC(SparseTransport, Compressor):
                 indices = flat_nonzero(magnitude_above(values, threshold, inclusive=True))
         return indices[:k]
 
+    def select_fixed(self, values: Tensor, ratio: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        """:meth:`select`'s elements in ``k = ceil(ratio d)`` slots, and which slots are used: no host reads.
+
+        The counts at every threshold the loop may try (the sampled one lowered 0 to 10 times by 0.8) come from one
+        histogram of ``|values|`` over those thresholds; the loop's decisions are then made on the device. Where the
+        loop stops at more than 1.3 k candidates, the exact top-k among them is the layer's top-k, taken from the
+        whole layer (the candidates' number is not known on the host); otherwise the candidates in index order, at
+        most ``k``. The selected indices come in increasing order, then the unused slots, which repeat the first.
+        """
+        numel = values.numel()
+        k = math.ceil(numel * ratio)
+        threshold, sampled = self._threshold(values, ratio, generator)
+        magnitudes = values.abs()
+        count: Tensor | None = None
+        exact: Tensor | None = None
+        if sampled:
+            ladder = [threshold]
+            for _ in range(_MAX_ADAPTATION_ITERS):  # as the loop lowers it: one rounding per step
+                ladder.append(ladder[-1] * _LOWER_BOUND)
+            ascending = torch.stack(ladder[::-1])
+            level = torch.bucketize(magnitudes, ascending, right=True)  # thresholds at or below each |x|
+            histogram = torch.zeros(len(ladder) + 1, dtype=torch.int64, device=values.device)
+            histogram.index_add_(0, level, torch.ones(1, dtype=torch.int64, device=values.device).expand(numel))
+            counts = histogram.flip(0).cumsum(0)[: len(ladder)]  # counts[j]: |x| >= threshold lowered j times
+            enough = counts[:-1] >= _LOWER_BOUND * k
+            stop = torch.where(enough.any(), enough.int().argmax(), _MAX_ADAPTATION_ITERS)
+            threshold = ascending.flip(0).index_select(0, stop.view(1)).squeeze(0)
+            count = counts.index_select(0, stop.view(1)).squeeze(0)
+            exact = (stop < _MAX_ADAPTATION_ITERS) & (count > _UPPER_BOUND * k)
+        candidates = magnitudes >= threshold
+        rank = torch.cumsum(candidates, 0)
+        if count is None:
+            count = rank[-1]
+        slot = torch.where(candidates & (rank <= k), rank - 1, k)
+        first = torch.zeros(k + 1, dtype=torch.int64, device=values.device)
+        first.scatter_(0, slot, torch.arange(numel, device=values.device))  # slot k takes the rest: dropped
+        kept = torch.clamp(count, max=k)
+        if exact is not None:
+            top = torch.topk(magnitudes, k, sorted=False).indices.sort().values
+            first = torch.where(exact, torch.cat([top, top[:1]]), first)
+            kept = torch.where(exact, k, kept)
+        used = torch.arange(k, device=values.device) < kept
+        return torch.where(used, first[:k], first[:1]), used
+
     # ------------------------------------------------------------------------------------------------------------
     # The contract: sparsify what is given (momentum and accumulation are in reduce)
     # ------------------------------------------------------------------------------------------------------------
+    def _fixed(self, tensor: Tensor) -> bool:
+        """Whether :meth:`select_fixed` selects (all but the CPU's all-gather, where :meth:`select` reads freely)."""
+        return self.transport == "allgather" and not (tensor.device.type == "cpu" and EARLY_EXIT_ON_CPU)
+
     def _encode(self, tensor: Tensor, ctx: BucketContext, layout: SparseLayout) -> tuple[Payload, list[Tensor]]:
-        picked = [
-            self.select(layer.flat(tensor), self.ratio_at(layer, ctx.step), ctx.generator(layer, per_rank=True))
-            for layer in ctx.layers
-        ]
-        values = [layer.flat(tensor).index_select(0, idx) for layer, idx in zip(ctx.layers, picked)]
-        blob, slotted = encode_sparse(layout, picked, values, tensor)
+        fixed = self._fixed(tensor)
+        picked, values = [], []
+        for layer in ctx.layers:
+            flat, ratio, generator = (
+                layer.flat(tensor),
+                self.ratio_at(layer, ctx.step),
+                ctx.generator(layer, per_rank=True),
+            )
+            if fixed:  # k slots: the unused ones repeat a selected index with the value 0
+                idx, used = self.select_fixed(flat, ratio, generator)
+                values.append(flat.index_select(0, idx).masked_fill_(~used, 0))
+            else:
+                idx = self.select(flat, ratio, generator)
+                values.append(flat.index_select(0, idx))
+            picked.append(idx)
+        # the fixed selection is in increasing order already, its unused slots last (as a bitmap decodes)
+        blob, slotted = encode_sparse(layout, picked, values, tensor, ordered_=fixed)
         assert slotted is not None  # values were given
         return (blob, slotted), picked
 
@@ -239,10 +322,17 @@ class DGC(SparseTransport, Compressor):
         return self._encode(tensor, ctx, self._layout(ctx))[0]
 
     def _add_sparse(self, layout: SparseLayout, blob: Tensor, values: Tensor, out: Tensor) -> None:
-        indices = decode_sparse(layout, blob)
-        for segment, idx in zip(layout.segments, indices):
-            # within one rank the indices are distinct (padding adds zeros), so this is deterministic on CUDA too
-            out.index_add_(0, idx, values[segment.value_at : segment.value_at + idx.numel()].to(out.dtype))
+        """Add one rank's slot values at its indices; a bitmap's through the ranks of its set bits (fixed sizes)."""
+        for segment in layout.segments:
+            part = blob[segment.blob_at : segment.blob_at + segment.nbytes]
+            slotted = values[segment.value_at : segment.value_at + segment.slots].to(out.dtype)
+            target = segment.layer.flat(out)
+            if segment.bitmap:  # the i-th set bit takes the i-th slot (zeros elsewhere): no data-dependent size
+                mask = unpack_bits(part, segment.layer.numel)
+                rank = torch.cumsum(mask, 0).sub_(1).clamp_(0, segment.slots - 1)
+                target.add_(slotted.index_select(0, rank).masked_fill_(~mask, 0))
+            else:  # within one rank the indices are distinct or carry 0 (unused slots): deterministic on CUDA too
+                target.index_add_(0, decode_indices(part, segment.layer.numel, segment.slots, False), slotted)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Sparse values scattered into zeros."""

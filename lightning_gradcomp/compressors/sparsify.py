@@ -17,9 +17,12 @@ from lightning_gradcomp.compressors.base import (
     keep_count,
 )
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentExactly
-from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above, sorted_distinct
+from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
+from lightning_gradcomp.compressors.random_subsets import shared_subsets, stream_key
 from lightning_gradcomp.compressors.transport import TRANSPORTS, SparseTransport, sparse_transport_sum
 from lightning_gradcomp.validation import check_bool, check_choice, check_ratio
+
+_RANDOMK_SALT = 0x52414E44  # RandomK's streams, apart from any other compressor's
 
 
 def _zeros(ctx: BucketContext, out: Tensor | None) -> Tensor:
@@ -232,12 +235,8 @@ class RandomK(Compressor):
         cached = self._cache.get(key)
         if cached is not None:
             return cached
-        picked = [
-            _uniform_subset(layer.numel, k, ctx.generator(layer)) + layer.offset for layer, k in zip(ctx.layers, counts)
-        ]
-        indices = torch.cat(picked)
-        if ctx.device.type == "cuda":  # drawn on the CPU (the same on every device); copied without a host sync
-            indices = indices.pin_memory().to(ctx.device, non_blocking=True)
+        keys = [stream_key(ctx.seed, layer.index, _RANDOMK_SALT) for layer in ctx.layers]
+        indices = shared_subsets(ctx.layers, counts, keys, ctx.step, ctx.device)
         if len(self._cache) >= 32:  # compress and decompress of one step hit the cache; older steps never do
             self._cache.clear()
         self._cache[key] = indices
@@ -289,36 +288,3 @@ class RandomK(Compressor):
         super().__setstate__(state)
         self._cache = {}
 
-
-def _uniform_subset(n: int, k: int, generator: torch.Generator) -> Tensor:
-    """A uniformly random ``k``-subset of ``range(n)``, sorted (int64), in O(k log k) (``randperm(n)`` costs O(n)).
-
-    Draw ``m >= k`` indices with replacement and keep the distinct ones: by symmetry, the set of distinct values of
-    i.i.d. uniform draws, given its size, is a uniformly random subset of that size; a uniformly random ``k``-subset
-    of it is then uniform over all ``k``-subsets of ``range(n)``. Deterministic for a given generator state.
-
-    The draws are made as int32 below ``2^31``: torch draws the same values and advances the generator alike for
-    either width (one 32-bit draw per value below ``2^32``), and NumPy sorts half the bytes. The ``k`` chosen of the
-    ``d`` distinct values are the first ``k`` of ``randperm(d)``; they are put in order by clearing the other
-    ``d - k`` in a mask of ones (a few percent of ``d`` at 1 %) rather than setting the ``k`` in a mask of zeros.
-    """
-    if k >= n:
-        return torch.arange(n)
-    if 2 * k > n:
-        return _in_order(torch.randperm(n, generator=generator)[:k], n)
-    m = k + 16 + int(2 * k * k / n)  # covers the expected k^2 / (2n) collisions
-    dtype = torch.int32 if n <= 2**31 else torch.int64
-    while True:
-        distinct = sorted_distinct(torch.randint(0, n, (m,), generator=generator, dtype=dtype))
-        d = distinct.numel()
-        if d >= k:
-            dropped = torch.randperm(d, generator=generator)[k:]
-            kept = torch.ones(d, dtype=torch.bool).index_fill_(0, dropped, False)
-            return distinct.index_select(0, flat_nonzero(kept)).to(torch.int64)
-        m *= 2
-
-
-def _in_order(positions: Tensor, n: int) -> Tensor:
-    """``positions`` (distinct, in ``range(n)``) sorted, through a mask: ``sort`` costs 8x more for a 1 % subset."""
-    keep = torch.zeros(n, dtype=torch.bool).index_fill_(0, positions, True)
-    return flat_nonzero(keep)

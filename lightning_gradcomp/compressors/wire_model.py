@@ -8,7 +8,7 @@ count what each moves with :mod:`lightning_gradcomp.wire`, the formulas the tele
 ranks, where ranks differ: a broadcast's source, an all-to-all's destinations). So any exchange,
 one of all-reduces, all-gathers, all-to-alls, broadcasts or a mix of them, is covered by the requests it yields, and
 the figure equals what the telemetry logs for ranks holding that tensor. Where payload sizes depend on the data
-(AdaComp's bins, Zen's non-zeros), the model holds for the tensor it is given (by default a seeded Gaussian, which
+(Zen's non-zeros), the model holds for the tensor it is given (by default a seeded Gaussian, which
 no real gradient is: pass one). The last round's decoding is skipped, so the model costs about one encoding even at
 thousands of ranks.
 """
