@@ -143,7 +143,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "topk-zen": lambda: TopK(ratio=0.01, transport="zen"),
     "topk-auto": lambda: TopK(ratio=0.1, transport="auto"),
     "dgc-zen": lambda: DGC(ratio=0.01, transport="zen"),
-    "adacomp-auto": lambda: AdaComp(transport="auto"),
+    "adacomp-allgather": lambda: AdaComp(transport="allgather"),
     # the outer exchange's quantizers (INTELLECT-1's 8 bits, Streaming DiLoCo's 4) and SparseLoCo's top-k in 2 bits;
     # small chunks so that the contract suite's layers span several
     "minmax8": lambda: MinMax(bits=8),

@@ -127,9 +127,9 @@ class AdaComp(SparseTransport, Compressor):
     Args:
         bin_size_conv: bin length for convolution weights (>= 3-D).
         bin_size_fc: bin length for fully-connected and recurrent weights (2-D).
-        transport: ``"allgather"`` (above), ``"two_phase"``, ``"auto"`` (the one of the two that moves fewer bytes)
-            or ``"zen"`` (the selected ``sign * scale`` values as pairs summed by Zen, docs/zen.md; it reads sizes on
-            the host). The selection and the residue are the same.
+        transport: ``"allgather"`` (above), ``"two_phase"``, ``"auto"`` (the default: the one of the two that moves
+            fewer bytes) or ``"zen"`` (the selected ``sign * scale`` values as pairs summed by Zen, docs/zen.md; it
+            reads sizes on the host). The selection and the residue are the same.
 
     Raises:
         ValueError: If a bin length is not a positive integer or ``transport`` is unknown.
@@ -138,13 +138,13 @@ class AdaComp(SparseTransport, Compressor):
 
         >>> from lightning_gradcomp.compressors import AdaComp
         >>> AdaComp()
-        AdaComp(bin_size_conv=50, bin_size_fc=500, transport='allgather')
+        AdaComp(bin_size_conv=50, bin_size_fc=500, transport='auto')
     """
 
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = False
 
-    def __init__(self, bin_size_conv: int = 50, bin_size_fc: int = 500, transport: str = "allgather") -> None:
+    def __init__(self, bin_size_conv: int = 50, bin_size_fc: int = 500, transport: str = "auto") -> None:
         super().__init__()
         self.bin_size_conv = check_positive_int(bin_size_conv, "bin_size_conv")
         self.bin_size_fc = check_positive_int(bin_size_fc, "bin_size_fc")
