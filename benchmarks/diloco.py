@@ -202,9 +202,9 @@ def _make_clock() -> Any:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def launch(spec: dict, namespace: str | None) -> list[dict]:
+def launch(spec: dict, namespace: str | None, script: str | None = None) -> list[dict]:
     """Run ``spec["world"]`` worker processes (under ``ip netns exec namespace`` if given); rank 0's record of each
-    of ``spec["runs"]``."""
+    of ``spec["runs"]``. ``script``: the worker's script (run as ``script _worker SPEC``; default this one)."""
     from lightning_gradcomp.demo.ports import free_port
 
     prefix = ["ip", "netns", "exec", namespace] if namespace else []
@@ -215,7 +215,8 @@ def launch(spec: dict, namespace: str | None) -> list[dict]:
         procs = []
         for rank in range(spec["world"]):
             arg = json.dumps({**spec, "rank": rank})
-            procs.append(subprocess.Popen([*prefix, sys.executable, os.path.abspath(__file__), "_worker", arg]))
+            worker = script or os.path.abspath(__file__)
+            procs.append(subprocess.Popen([*prefix, sys.executable, worker, "_worker", arg]))
         codes = [p.wait() for p in procs]
         if any(codes) or not os.path.exists(out):
             return [{"error": f"workers exited with {codes}"}] * len(spec["runs"])
@@ -240,7 +241,7 @@ def measure_steps(rate: str, args: argparse.Namespace, namespace: str | None) ->
     for config in args.configs:
         if config in ("ddp", "powersgd"):
             # at 10 Mbit/s and below a dense step takes minutes: two timed steps
-            slow = rate != "none" and rate_bytes_per_second(rate) <= 1.25e6
+            slow = rate != "none" and rate_bytes_per_second(rate.split()[0]) <= 1.25e6
             warmup, timed = 1, min(args.dense_steps, 2) if slow else args.dense_steps
         elif config in PROBES:  # one warm-up step, then a window of two rounds (two syncs); no partial round
             warmup, timed = 1, 2 * args.probe_every - 1
@@ -248,8 +249,8 @@ def measure_steps(rate: str, args: argparse.Namespace, namespace: str | None) ->
             # 100 consecutive steps that hold one round's exchanges: the sync at step 100, and with streaming the
             # fragments started at steps 20, ..., 100 and applied overlap_steps later (the last at step 115)
             warmup, timed = 15, 100
-        else:
-            warmup, timed = 2, args.compute_steps
+        else:  # the same warm-up as the h100 runs, and as many timed steps by default: the baseline is not noisier
+            warmup, timed = 15, args.compute_steps
         plan.append((config, warmup, timed))
     records: dict[str, dict] = {}
     for alone in (True, False):  # the no-communication runs in one launch, the others in another
@@ -354,8 +355,13 @@ def run_steps(args: argparse.Namespace) -> None:
         if rate == "none":
             raw += measure_steps(rate, args, None)
             continue
-        with shaped_namespace(rate) as name:
-            raw += measure_steps(rate, args, name)
+        if args.per_worker:  # each worker's uplink is the rate: the one shared bucket gets the workers' sum
+            shaped = f"{rate_bytes_per_second(rate) * 8 * args.workers / 1e3:g}kbit"
+            with shaped_namespace(shaped) as name:
+                raw += measure_steps(f"{rate} per worker", args, name)
+        else:
+            with shaped_namespace(rate) as name:
+                raw += measure_steps(rate, args, name)
     table = compose(raw, args.sync_every, 4 * params)  # the model is fp32
     text = steps_markdown(table, raw, args, params, load)
     _write(args.out, text, {"args": vars(args), "parameters": params, "load": load, "raw": raw, "table": table})
@@ -448,11 +454,14 @@ def main() -> None:
     steps.add_argument("--rates", nargs="+", default=RATES, help="tc rates; 'none' for the unshaped loopback")
     steps.add_argument("--configs", nargs="+", default=STEP_CONFIGS, choices=STEP_CONFIGS)
     steps.add_argument("--workers", type=int, default=2)
+    steps.add_argument("--per-worker", action="store_true",
+                       help="each rate is every worker's own uplink (a switched network): the one shaped loopback,"
+                            " which all workers share, gets the rate times the workers")  # fmt: skip
     steps.add_argument("--n-layer", type=int, default=8)
     steps.add_argument("--n-embd", type=int, default=512)
     steps.add_argument("--seq-len", type=int, default=32)
     steps.add_argument("--batch-size", type=int, default=1)
-    steps.add_argument("--compute-steps", type=int, default=8, help="timed steps of the no-communication run")
+    steps.add_argument("--compute-steps", type=int, default=100, help="timed steps of the no-communication run")
     steps.add_argument(
         "--dense-steps",
         type=int,
