@@ -253,14 +253,27 @@ def measure_steps(rate: str, args: argparse.Namespace, namespace: str | None) ->
             warmup, timed = 15, args.compute_steps
         plan.append((config, warmup, timed))
     records: dict[str, dict] = {}
-    for alone in (True, False):  # the no-communication runs in one launch, the others in another
+    # the no-communication runs in one launch, the others in another; when there are both, the no-communication
+    # run again afterwards: the machine's load drifts over minutes, so the baseline brackets the runs it divides
+    others = [c for c, _, _ in plan if c != "compute"]
+    order = [True, False, True] if others and len(others) < len(plan) else [True, False]
+    for index, alone in enumerate(order):
         runs = [{"config": c, "steps": w + t, "alone": alone} for c, w, t in plan if (c == "compute") == alone]
         if runs:
             begin = time.time()
             for run, record in zip(runs, launch({**base, "runs": runs, "alone": alone}, namespace)):
-                records[run["config"]] = record
+                records[run["config"] + ("-after" if index == 2 else "")] = record
             print(f"# {rate} {[r['config'] for r in runs]}: {time.time() - begin:.0f} s", file=sys.stderr, flush=True)
-    return [_step_row(rate, config, warmup, timed, records[config], args) for config, warmup, timed in plan]
+    rows = [_step_row(rate, config, warmup, timed, records[config], args) for config, warmup, timed in plan]
+    for row in rows:
+        if row["config"] == "compute" and "compute-after" in records and "error" not in row:
+            warmup, timed = next((w, t) for c, w, t in plan if c == "compute")
+            after = _step_row(rate, "compute", warmup, timed, records["compute-after"], args)
+            if "error" not in after:  # the baseline: the mean of the runs before and after the others
+                row.update(
+                    before_s=row["step_s"], after_s=after["step_s"], step_s=(row["step_s"] + after["step_s"]) / 2
+                )
+    return rows
 
 
 def _step_row(rate: str, config: str, warmup: int, timed: int, record: dict, args: argparse.Namespace) -> dict:
@@ -330,7 +343,10 @@ def steps_markdown(table: list[dict], raw: list[dict], args: argparse.Namespace,
         ratio = f"{r['vs_compute']:.2f}x" if "vs_compute" in r else ""
         nbytes = f"{r['bytes_per_step']:,.0f}" if "bytes_per_step" in r else ""
         over = f"{r['ddp_bytes_over']:,.0f}" if "ddp_bytes_over" in r else ""
-        lines.append(f"| {r['rate']} | {name} | {r['step_s']:.3f} | {ratio} | {nbytes} | {over} |")
+        seconds = f"{r['step_s']:.3f}"
+        if "before_s" in r:
+            seconds += f" (mean of {r['before_s']:.3f} before the others and {r['after_s']:.3f} after)"
+        lines.append(f"| {r['rate']} | {name} | {seconds} | {ratio} | {nbytes} | {over} |")
     lines += ["", f"Probes (DiLoCo, sync_every={args.probe_every}): inner step, sync step, bytes per sync:", ""]
     for r in raw:
         if r["config"] in PROBES and "error" not in r:
