@@ -271,8 +271,9 @@ def measure_steps(rate: str, args: argparse.Namespace, namespace: str | None) ->
             after = _step_row(rate, "compute", warmup, timed, records["compute-after"], args)
             if "error" not in after:  # the baseline: the mean of the runs before and after the others
                 row.update(
-                    before_s=row["step_s"], after_s=after["step_s"], step_s=(row["step_s"] + after["step_s"]) / 2
-                )
+                    before_s=row["step_s"], after_s=after["step_s"], step_s=(row["step_s"] + after["step_s"]) / 2,
+                    median_s=(row["median_s"] + after["median_s"]) / 2,
+                )  # fmt: skip
     return rows
 
 
@@ -281,7 +282,10 @@ def _step_row(rate: str, config: str, warmup: int, timed: int, record: dict, arg
     if "error" in record:
         return {**row, "error": record["error"]}
     durations = _window(record["ends"], warmup + 1, warmup + timed)
-    row.update(step_s=sum(durations) / len(durations), steps_timed=len(durations))
+    # the median as well: on a shared machine a few steps held up by other work move the mean
+    row.update(
+        step_s=sum(durations) / len(durations), median_s=statistics.median(durations), steps_timed=len(durations)
+    )
     sent = record["sent"]
     if sent[-1] is not None:  # bytes sent over the timed window, per step
         row["bytes_per_step"] = (sent[warmup + timed - 1] - sent[warmup - 1]) / timed
@@ -343,7 +347,7 @@ def steps_markdown(table: list[dict], raw: list[dict], args: argparse.Namespace,
         ratio = f"{r['vs_compute']:.2f}x" if "vs_compute" in r else ""
         nbytes = f"{r['bytes_per_step']:,.0f}" if "bytes_per_step" in r else ""
         over = f"{r['ddp_bytes_over']:,.0f}" if "ddp_bytes_over" in r else ""
-        seconds = f"{r['step_s']:.3f}"
+        seconds = f"{r['step_s']:.3f}" + (f" (median {r['median_s']:.3f})" if "median_s" in r else "")
         if "before_s" in r:
             seconds += f" (mean of {r['before_s']:.3f} before the others and {r['after_s']:.3f} after)"
         lines.append(f"| {r['rate']} | {name} | {seconds} | {ratio} | {nbytes} | {over} |")
