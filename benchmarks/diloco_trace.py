@@ -186,7 +186,7 @@ def summarize(events: list, first: int, last: int) -> dict:
         "plain_step_cpu_s": plain, "thread_cpu_s": threads,
         "extra_cpu_s": extra,
         "exchanges": [{k: v for k, v in x.items() if k not in ("started", "finishing", "done", "issued", "encoded")}
-                      for x in exchanges],
+                      for x in exchanges if first <= x["start_step"] <= last],
     }  # fmt: skip
 
 
