@@ -202,9 +202,9 @@ def _make_clock() -> Any:
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def launch(spec: dict, namespace: str | None) -> list[dict]:
+def launch(spec: dict, namespace: str | None, script: str | None = None) -> list[dict]:
     """Run ``spec["world"]`` worker processes (under ``ip netns exec namespace`` if given); rank 0's record of each
-    of ``spec["runs"]``."""
+    of ``spec["runs"]``. ``script``: the worker's script (run as ``script _worker SPEC``; default this one)."""
     from lightning_gradcomp.demo.ports import free_port
 
     prefix = ["ip", "netns", "exec", namespace] if namespace else []
@@ -215,7 +215,8 @@ def launch(spec: dict, namespace: str | None) -> list[dict]:
         procs = []
         for rank in range(spec["world"]):
             arg = json.dumps({**spec, "rank": rank})
-            procs.append(subprocess.Popen([*prefix, sys.executable, os.path.abspath(__file__), "_worker", arg]))
+            worker = script or os.path.abspath(__file__)
+            procs.append(subprocess.Popen([*prefix, sys.executable, worker, "_worker", arg]))
         codes = [p.wait() for p in procs]
         if any(codes) or not os.path.exists(out):
             return [{"error": f"workers exited with {codes}"}] * len(spec["runs"])
@@ -240,7 +241,7 @@ def measure_steps(rate: str, args: argparse.Namespace, namespace: str | None) ->
     for config in args.configs:
         if config in ("ddp", "powersgd"):
             # at 10 Mbit/s and below a dense step takes minutes: two timed steps
-            slow = rate != "none" and rate_bytes_per_second(rate) <= 1.25e6
+            slow = rate != "none" and rate_bytes_per_second(rate.split()[0]) <= 1.25e6
             warmup, timed = 1, min(args.dense_steps, 2) if slow else args.dense_steps
         elif config in PROBES:  # one warm-up step, then a window of two rounds (two syncs); no partial round
             warmup, timed = 1, 2 * args.probe_every - 1
@@ -248,18 +249,32 @@ def measure_steps(rate: str, args: argparse.Namespace, namespace: str | None) ->
             # 100 consecutive steps that hold one round's exchanges: the sync at step 100, and with streaming the
             # fragments started at steps 20, ..., 100 and applied overlap_steps later (the last at step 115)
             warmup, timed = 15, 100
-        else:
-            warmup, timed = 2, args.compute_steps
+        else:  # the same warm-up as the h100 runs, and as many timed steps by default: the baseline is not noisier
+            warmup, timed = 15, args.compute_steps
         plan.append((config, warmup, timed))
     records: dict[str, dict] = {}
-    for alone in (True, False):  # the no-communication runs in one launch, the others in another
+    # the no-communication runs in one launch, the others in another; when there are both, the no-communication
+    # run again afterwards: the machine's load drifts over minutes, so the baseline brackets the runs it divides
+    others = [c for c, _, _ in plan if c != "compute"]
+    order = [True, False, True] if others and len(others) < len(plan) else [True, False]
+    for index, alone in enumerate(order):
         runs = [{"config": c, "steps": w + t, "alone": alone} for c, w, t in plan if (c == "compute") == alone]
         if runs:
             begin = time.time()
             for run, record in zip(runs, launch({**base, "runs": runs, "alone": alone}, namespace)):
-                records[run["config"]] = record
+                records[run["config"] + ("-after" if index == 2 else "")] = record
             print(f"# {rate} {[r['config'] for r in runs]}: {time.time() - begin:.0f} s", file=sys.stderr, flush=True)
-    return [_step_row(rate, config, warmup, timed, records[config], args) for config, warmup, timed in plan]
+    rows = [_step_row(rate, config, warmup, timed, records[config], args) for config, warmup, timed in plan]
+    for row in rows:
+        if row["config"] == "compute" and "compute-after" in records and "error" not in row:
+            warmup, timed = next((w, t) for c, w, t in plan if c == "compute")
+            after = _step_row(rate, "compute", warmup, timed, records["compute-after"], args)
+            if "error" not in after:  # the baseline: the mean of the runs before and after the others
+                row.update(
+                    before_s=row["step_s"], after_s=after["step_s"], step_s=(row["step_s"] + after["step_s"]) / 2,
+                    median_s=(row["median_s"] + after["median_s"]) / 2,
+                )  # fmt: skip
+    return rows
 
 
 def _step_row(rate: str, config: str, warmup: int, timed: int, record: dict, args: argparse.Namespace) -> dict:
@@ -267,7 +282,10 @@ def _step_row(rate: str, config: str, warmup: int, timed: int, record: dict, arg
     if "error" in record:
         return {**row, "error": record["error"]}
     durations = _window(record["ends"], warmup + 1, warmup + timed)
-    row.update(step_s=sum(durations) / len(durations), steps_timed=len(durations))
+    # the median as well: on a shared machine a few steps held up by other work move the mean
+    row.update(
+        step_s=sum(durations) / len(durations), median_s=statistics.median(durations), steps_timed=len(durations)
+    )
     sent = record["sent"]
     if sent[-1] is not None:  # bytes sent over the timed window, per step
         row["bytes_per_step"] = (sent[warmup + timed - 1] - sent[warmup - 1]) / timed
@@ -329,7 +347,10 @@ def steps_markdown(table: list[dict], raw: list[dict], args: argparse.Namespace,
         ratio = f"{r['vs_compute']:.2f}x" if "vs_compute" in r else ""
         nbytes = f"{r['bytes_per_step']:,.0f}" if "bytes_per_step" in r else ""
         over = f"{r['ddp_bytes_over']:,.0f}" if "ddp_bytes_over" in r else ""
-        lines.append(f"| {r['rate']} | {name} | {r['step_s']:.3f} | {ratio} | {nbytes} | {over} |")
+        seconds = f"{r['step_s']:.3f}" + (f" (median {r['median_s']:.3f})" if "median_s" in r else "")
+        if "before_s" in r:
+            seconds += f" (mean of {r['before_s']:.3f} before the others and {r['after_s']:.3f} after)"
+        lines.append(f"| {r['rate']} | {name} | {seconds} | {ratio} | {nbytes} | {over} |")
     lines += ["", f"Probes (DiLoCo, sync_every={args.probe_every}): inner step, sync step, bytes per sync:", ""]
     for r in raw:
         if r["config"] in PROBES and "error" not in r:
@@ -354,8 +375,13 @@ def run_steps(args: argparse.Namespace) -> None:
         if rate == "none":
             raw += measure_steps(rate, args, None)
             continue
-        with shaped_namespace(rate) as name:
-            raw += measure_steps(rate, args, name)
+        if args.per_worker:  # each worker's uplink is the rate: the one shared bucket gets the workers' sum
+            shaped = f"{rate_bytes_per_second(rate) * 8 * args.workers / 1e3:g}kbit"
+            with shaped_namespace(shaped) as name:
+                raw += measure_steps(f"{rate} per worker", args, name)
+        else:
+            with shaped_namespace(rate) as name:
+                raw += measure_steps(rate, args, name)
     table = compose(raw, args.sync_every, 4 * params)  # the model is fp32
     text = steps_markdown(table, raw, args, params, load)
     _write(args.out, text, {"args": vars(args), "parameters": params, "load": load, "raw": raw, "table": table})
@@ -448,11 +474,14 @@ def main() -> None:
     steps.add_argument("--rates", nargs="+", default=RATES, help="tc rates; 'none' for the unshaped loopback")
     steps.add_argument("--configs", nargs="+", default=STEP_CONFIGS, choices=STEP_CONFIGS)
     steps.add_argument("--workers", type=int, default=2)
+    steps.add_argument("--per-worker", action="store_true",
+                       help="each rate is every worker's own uplink (a switched network): the one shaped loopback,"
+                            " which all workers share, gets the rate times the workers")  # fmt: skip
     steps.add_argument("--n-layer", type=int, default=8)
     steps.add_argument("--n-embd", type=int, default=512)
     steps.add_argument("--seq-len", type=int, default=32)
     steps.add_argument("--batch-size", type=int, default=1)
-    steps.add_argument("--compute-steps", type=int, default=8, help="timed steps of the no-communication run")
+    steps.add_argument("--compute-steps", type=int, default=100, help="timed steps of the no-communication run")
     steps.add_argument(
         "--dense-steps",
         type=int,

@@ -86,3 +86,34 @@ def test_diloco_benchmark_reads_its_outer_optimizer_from_the_config_name_and_ref
                          cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].endswith("got 'diloco-h50-m2'")
+
+
+def test_diloco_trace_summary_times_each_exchange_and_counts_the_cpu_beyond_plain_steps():
+    from benchmarks.diloco_trace import summarize
+
+    main_cpu, gloo_cpu, events = 0.0, 0.0, []
+    for step in range(1, 11):  # step k ends at t = k; the main thread spends 0.2 s of CPU on a plain step
+        main_cpu += 0.2 + {3: 0.3, 7: 0.1}.get(step, 0.0)  # what starting and applying the exchange cost it
+        gloo_cpu += 0.05 if step == 4 else 0.0  # decoding on gloo's thread
+        events.append(("step", float(step), True, {"cpu": {"100:python": main_cpu, "200:pt_gloo_runloop": gloo_cpu}}))
+    events += [
+        ("start>", 2.5, True, {}), ("compress<", 2.55, True, {}), ("issue all_gather", 2.6, True, {"nbytes": 1000}),
+        ("start<", 2.7, True, {}), ("done all_gather", 3.6, False, {"nbytes": 1000}), ("decompress<", 3.8, False, {}),
+        ("finish>", 6.5, True, {}), ("wait>", 6.5, True, {}), ("wait<", 6.6, True, {}), ("finish<", 6.7, True, {}),
+    ]  # fmt: skip
+    events.sort(key=lambda e: e[1])
+    summary = summarize(events, 2, 10)
+    assert summary["steps"] == 9
+    assert summary["wall_s"] == pytest.approx(9.0)
+    assert summary["plain_step_cpu_s"] == pytest.approx(0.2)
+    assert summary["extra_cpu_s"] == pytest.approx(0.3 + 0.1 + 0.05)
+    (exchange,) = summary["exchanges"]
+    assert exchange["start_step"] == 3
+    assert exchange["finish_step"] == 7
+    assert exchange["start_s"] == pytest.approx(0.2)
+    assert exchange["wire_bytes"] == 1000
+    assert exchange["on_wire_s"] == pytest.approx(1.0)
+    assert exchange["decoded_after_s"] == pytest.approx(0.2)
+    assert exchange["decode_thread"] == "gloo"
+    assert exchange["waited_s"] == pytest.approx(0.1)
+    assert exchange["finish_s"] == pytest.approx(0.2)
