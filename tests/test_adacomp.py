@@ -121,7 +121,8 @@ def test_payloads_are_fixed_size_whatever_is_selected():
     telemetry = [Telemetry() for _ in range(3)]
     for t in telemetry:
         t.add_bucket(NUMEL * 4)
-    world_checked = simulate_reduce([AdaComp() for _ in range(3)], grads, LAYERS, telemetry=telemetry)
+    gathering = [AdaComp(transport="allgather") for _ in range(3)]  # "auto" would take the two-phase exchange at 3
+    world_checked = simulate_reduce(gathering, grads, LAYERS, telemetry=telemetry)
     assert all(torch.equal(world_checked[0], out) for out in world_checked)
     aligned = lambda n: -(-n // 8) * 8  # noqa: E731
     # the codes, the scales and the non-finite flag (one aligned word)
