@@ -109,6 +109,8 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     "lgc-allreduce": (_lgc_at_defaults(LGCAllReduce), 0.05, 0.9),
     "lgc-ps-lr002": (_lgc_at_defaults(LGC, innovation_ratio=0.001), 0.02, 0.9),
     "lgc-allreduce-lr002": (_lgc_at_defaults(LGCAllReduce), 0.02, 0.9),
+    # the all-reduce variant at its defaults but with the projection's factor bounded by 2 instead of 1 (docs/lgc.md)
+    "lgc-allreduce-maxfactor2-lr002": (_lgc_at_defaults(LGCAllReduce, max_factor=2.0), 0.02, 0.9),
     # the first entries (88 steps of stage 2), at their first defaults
     "lgc-ps-train88-noproject": (_lgc_ps(training_steps=88), 0.05, 0.9),
     "lgc-allreduce-train88": (_lgc_allreduce(training_steps=88), 0.05, 0.9),

@@ -13,6 +13,7 @@ from lightning_gradcomp import CompressedDDP, CompressionState
 from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import LGC, LGCAllReduce, ScaleCom
 from lightning_gradcomp.compressors.base import BucketContext, ResidualBuffers, keep_count, layers_from_shapes
+from lightning_gradcomp.compressors.lgc_base import layer_dots
 from lightning_gradcomp.process_groups import TorchCollectives
 from lightning_gradcomp.rank_state import load_rank_state
 from lightning_gradcomp.telemetry import Telemetry
@@ -329,6 +330,8 @@ def test_the_code_is_about_a_quarter_of_the_values():
         ("allreduce", {"order": "magnitude"}, "order"),
         ("allreduce", {"residual": "rank"}, "residual"),
         ("allreduce", {"residual": "own", "project": False}, "project"),  # own needs the factor
+        ("allreduce", {"max_factor": 0.0}, "max_factor"),
+        ("allreduce", {"max_factor": 2.0, "project": False}, "max_factor"),  # it bounds the projection's factor
     ],
 )
 def test_bad_arguments_are_refused_with_the_argument_named(variant, kwargs, match):
@@ -518,6 +521,35 @@ def test_own_residual_keeps_what_the_aggregate_left_of_each_rank_s_values(leader
                 assert torch.equal(r[off], pr[off]), "unsent entries are owed whole"
         assert not torch.allclose(r_average[0], memory[0]), "the average accounting owes the decoder's error"
     assert any(0.01 < f < 0.99 for f in factors), f"{factors}: a factor strictly inside (0, 1) is tested"
+
+
+def test_max_factor_bounds_the_projection_s_factor_and_never_moves_further_than_no_update():
+    """A decoded average half the true one fits with factor 2: ``max_factor=2`` (and ``None``) give 2, the default
+    (1) gives 1; a decoded vector pointing away gives 0. Whatever the bound, the fitted update ``f d`` is never further
+    from the true values ``x`` than no update (``|x - f d| <= |x|``, the least-squares factor clamped to an interval
+    that holds 0)."""
+    ctx = BucketContext(index=0, step=0, rank=0, world_size=1, layers=LAYERS)
+    k = sum(keep_count(layer.numel, 0.05) for layer in LAYERS)
+    x = torch.randn(k, generator=torch.Generator().manual_seed(0))
+
+    def factors(max_factor, decoded):
+        compressor = _lgc("allreduce", **({} if max_factor == "default" else {"max_factor": max_factor}))
+        segments = compressor._segments(ctx)
+        return compressor._factors(decoded, layer_dots(x, decoded, segments), ctx), segments
+
+    for max_factor, expected in (("default", 1.0), (2.0, 2.0), (None, 2.0), (1.5, 1.5)):
+        fs, _ = factors(max_factor, 0.5 * x)
+        torch.testing.assert_close(torch.stack(fs), torch.full((len(LAYERS),), expected))
+    fs, _ = factors(2.0, -0.5 * x)
+    assert torch.equal(torch.stack(fs), torch.zeros(len(LAYERS))), "an opposed decoding is not used at all"
+    g = torch.Generator().manual_seed(1)
+    for max_factor in ("default", 2.0, None):
+        for _ in range(5):
+            decoded = 0.2 * x + torch.randn(k, generator=g)
+            fs, segments = factors(max_factor, decoded)
+            for f, (_, at, n) in zip(fs, segments):
+                xi, di = x[at : at + n], decoded[at : at + n]
+                assert torch.linalg.vector_norm(xi - f * di) <= torch.linalg.vector_norm(xi) * (1 + 1e-6)
 
 
 @pytest.mark.parametrize("variant", ["ps", "allreduce"])

@@ -71,7 +71,12 @@ class LGCAllReduce(LGCBase):
             stops the autoencoder from learning: docs/lgc.md).
         normalize: divide the values by the leader's root mean square before encoding (sent along, one float).
         project: ``None`` or ``True``: scale the decoded average of each layer to its least-squares fit to the true
-            average, clamped to [0, 1], from one more all-reduce of one number per layer (a third round).
+            average, clamped to [0, ``max_factor``], from one more all-reduce of one number per layer (a third round).
+        max_factor: the upper bound of that factor, > 0; ``None``: none. Any bound keeps the update no further from
+            the true average than no update (the clamped least-squares factor never does worse than 0, which the
+            interval holds). With ``residual="own"`` each rank keeps ``(1 - f) p_i``, no larger than ``p_i`` while
+            ``f <= 2``. 1 (the default) never scales the decoded values up; the decoder tends to output too little
+            (docs/lgc.md measures the factor and a bound of 2). Needs ``project``.
         seed: the autoencoder's seed (its initialisation and the random rank of each training step).
         beta: ScaleCom's low-pass filtered memory, ``m <- (1 - beta) m + beta r`` with ``r`` what the aggregate did
             not use, in (0, 1]; ``m / beta`` is then what is owed. ``None``: 1, plain error feedback. Needs error
@@ -120,6 +125,7 @@ class LGCAllReduce(LGCBase):
         beta: float | None = None,
         order: str | None = None,
         residual: str | None = None,
+        max_factor: float | None = 1.0,
     ) -> None:
         super().__init__(
             ratio=ratio, dense_steps=dense_steps, training_steps=training_steps, leader=leader, channels=channels,
@@ -131,6 +137,12 @@ class LGCAllReduce(LGCBase):
         self.beta = check_number(beta, "beta", low=0.0, high=1.0, low_open=True, allow_none=True)
         self.order = check_choice(order, "order", (None, *_ORDERS))
         self.residual = check_choice(residual, "residual", (None, *_RESIDUALS))
+        self.max_factor = check_number(max_factor, "max_factor", low=0.0, low_open=True, allow_none=True)
+        if project is False and max_factor != 1.0:
+            raise ValueError(
+                f"Expected `max_factor` to be 1.0 (the default) with project=False (it bounds the projection's factor),"
+                f" got {max_factor!r}."
+            )
         if residual == "own" and project is False:
             raise ValueError(
                 "Expected `project` to be None or True with residual='own' (the share each rank counts as sent is the"
@@ -261,8 +273,8 @@ class LGCAllReduce(LGCBase):
         decoded = decode_layers(model, 0, summed, scales, self._segments(ctx))
         if self._projects:
             # the decoded average scaled, per layer, to its least-squares fit to the true average (clamped to
-            # [0, 1]): the update never moves further from the average than no update would, so error feedback stays
-            # contractive however poorly the autoencoder decodes
+            # [0, max_factor]): the update never moves further from the average than no update would, however poorly
+            # the autoencoder decodes
             dots = self._dots(tensor.index_select(0, indices).float(), decoded, ctx).div_(ctx.world_size)
             (dots,) = yield AllReduce((dots,))
             factors = self._factors(decoded, dots, ctx)
@@ -289,8 +301,8 @@ class LGCAllReduce(LGCBase):
         return layer_dots(x, decoded, self._segments(ctx))
 
     def _factors(self, decoded: Tensor, dots: Tensor, ctx: BucketContext) -> list[Tensor]:
-        """Per layer ``clamp(dots / |decoded|^2, 0, 1)`` (:func:`fit_factors`), 0-dim tensors."""
-        return fit_factors(decoded, dots, self._segments(ctx))
+        """Per layer ``clamp(dots / |decoded|^2, 0, max_factor)`` (:func:`fit_factors`), 0-dim tensors."""
+        return fit_factors(decoded, dots, self._segments(ctx), self.max_factor)
 
     def _projected(self, decoded: Tensor, factors: Sequence[Tensor], ctx: BucketContext) -> Tensor:
         """``decoded`` scaled per layer by its factor (:meth:`_factors`)."""

@@ -97,18 +97,22 @@ def layer_dots(x: Tensor, decoded: Tensor, segments: Sequence[tuple[Layer, int, 
     return torch.stack([dot(x[at : at + k], decoded[at : at + k]) for _, at, k in segments])
 
 
-def fit_factors(decoded: Tensor, dots: Tensor, segments: Sequence[tuple[Layer, int, int]]) -> list[Tensor]:
-    """Per layer ``clamp(dots / |decoded|^2, 0, 1)`` (0 where ``decoded`` is all zeros), 0-dim tensors.
+def fit_factors(
+    decoded: Tensor, dots: Tensor, segments: Sequence[tuple[Layer, int, int]], high: float | None = 1.0
+) -> list[Tensor]:
+    """Per layer ``clamp(dots / |decoded|^2, 0, high)`` (0 where ``decoded`` is all zeros), 0-dim tensors.
 
-    With ``dots = <x, decoded>``, ``f decoded`` is the least-squares fit of ``decoded`` to ``x`` clamped to [0, 1],
-    so ``|x - f decoded| <= |x|``: the decoded values scaled by it are never further from ``x`` than nothing at all,
-    however poorly the autoencoder decodes, and error feedback's memory cannot grow from one step to the next.
+    With ``dots = <x, decoded>``, ``f decoded`` is the least-squares fit of ``decoded`` to ``x`` clamped to
+    ``[0, high]`` (``[0, inf)`` with ``high=None``). ``|x - f decoded|^2`` is a convex quadratic in ``f`` whose value
+    at ``f = 0`` is ``|x|^2``, so its minimum over any interval that holds 0 is at most ``|x|^2``: ``|x - f decoded|
+    <= |x|`` for every ``high >= 0``. The decoded values scaled by it are never further from ``x`` than nothing at
+    all, however poorly the autoencoder decodes, and error feedback's memory cannot grow from one step to the next.
     """
     out = []
     for i, (_, at, k) in enumerate(segments):
         part = decoded[at : at + k]
         norm = dot(part, part)
-        out.append(torch.where(norm > 0, dots[i] / torch.where(norm > 0, norm, 1.0), 0.0).clamp(0.0, 1.0))
+        out.append(torch.where(norm > 0, dots[i] / torch.where(norm > 0, norm, 1.0), 0.0).clamp(0.0, high))
     return out
 
 
