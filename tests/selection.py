@@ -13,8 +13,8 @@ import pytest
 #: One configuration per compressor and per exchange, of ``lightning_gradcomp.testing.EXAMPLES``. The other examples
 #: are variants of these (another ratio, rank, bit width, stage or option).
 CORE_EXAMPLES = frozenset({
-    "identity", "fp16", "topk", "randomk", "powersgd", "planned", "masked", "dgc", "adacomp", "scalecom", "signsgd",
-    "signum", "efsignsgd", "onebit", "qsgd", "terngrad", "lgc", "lgc-allreduce", "lgc-ps-stages",
+    "identity", "fp16", "bf16", "topk", "randomk", "powersgd", "planned", "masked", "dgc", "adacomp", "scalecom",
+    "signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad", "lgc", "lgc-allreduce", "lgc-ps-stages",
     "lgc-allreduce-stages", "zen", "topk-zen", "minmax8", "efsignsgd-two-phase", "qsgd-two-phase", "terngrad-two-phase",
     "sparseloco",
 })  # fmt: skip
