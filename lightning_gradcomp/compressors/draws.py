@@ -30,7 +30,7 @@ from torch import Tensor
 from lightning_gradcomp.compressors.context import BucketContext, Layer, derive_seed
 from lightning_gradcomp.compressors.segments import Segments, segments_of
 
-__all__ = ["layer_keys", "uniform_draws"]
+__all__ = ["layer_keys", "lowbias32_", "uniform_draws"]
 
 _MULTIPLIERS = (0x7FEB352D, 0x846CA68B)  # lowbias32's
 _SHIFTS = (16, 15, 16)
@@ -53,7 +53,7 @@ def _mix_numpy(x: np.ndarray, scratch: np.ndarray) -> np.ndarray:
     return x
 
 
-def _mix_torch(x: Tensor) -> Tensor:
+def lowbias32_(x: Tensor) -> Tensor:
     """lowbias32 of every ``int32`` of ``x`` (read as ``uint32``), in place; arithmetic shifts masked to logical."""
     for i, shift in enumerate(_SHIFTS):
         x.bitwise_xor_((x >> shift).bitwise_and_((1 << (32 - shift)) - 1))
@@ -72,9 +72,9 @@ def layer_keys(indices: Tensor, seed: int) -> tuple[Tensor, Tensor]:
 
     ``indices`` is int64 on any device; the keys are computed there, in a few operators over the layers.
     """
-    k = _mix_torch(((indices * _GOLDEN + seed) & 0xFFFFFFFF).to(torch.int32))  # the low 32 bits, as int32
-    a = _mix_torch(k.clone()).bitwise_or_(1)
-    b = _mix_torch(k.bitwise_xor_(_signed(_STREAM)))
+    k = lowbias32_(((indices * _GOLDEN + seed) & 0xFFFFFFFF).to(torch.int32))  # the low 32 bits, as int32
+    a = lowbias32_(k.clone()).bitwise_or_(1)
+    b = lowbias32_(k.bitwise_xor_(_signed(_STREAM)))
     return a, b
 
 
@@ -143,7 +143,7 @@ def _draws_numpy(a: Tensor, c: Tensor, lengths: Tensor, bits: int | None, out: T
 def _draws_torch(a: Tensor, c: Tensor, segments: Segments, bits: int | None, out: Tensor) -> Tensor:
     """The draws in torch's ``int32`` on any device (a fixed number of operators)."""
     x = torch.arange(out.numel(), dtype=torch.int32, device=out.device)
-    h = _mix_torch(x.mul_(segments.expand(a)).add_(segments.expand(c)))
+    h = lowbias32_(x.mul_(segments.expand(a)).add_(segments.expand(c)))
     if bits == 16:
         return torch.add((h >> 16).bitwise_and_(0xFFFF), 0.5, out=out).mul_(2.0**-16)
     if out.dtype == torch.float64:  # the int32's bit pattern read as unsigned

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.context import Layer, derive_seed
+from lightning_gradcomp.compressors.draws import lowbias32_
 
 __all__ = ["draws", "hash32", "shared_subsets", "stream_key", "streams", "uniform_below"]
 
@@ -29,20 +30,9 @@ _M32 = 0xFFFFFFFF
 _CACHE_SIZE = 32
 
 
-def _mul32(x: Tensor, constant: int) -> Tensor:
-    """``(x * constant) mod 2^32`` for ``x`` in ``[0, 2^32)`` (int64), in two 16-bit halves: no product overflows."""
-    low = x * (constant & 0xFFFF)
-    high = ((x * (constant >> 16)) & 0xFFFF) << 16
-    return (low + high) & _M32
-
-
 def hash32(x: Tensor) -> Tensor:
     """``lowbias32`` of every element of the int64 ``x`` (values in ``[0, 2^32)``): a bijection, well mixed."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
+    return lowbias32_(x.to(torch.int32)).to(torch.int64) & _M32  # int32 wraps: the same 32-bit patterns
 
 
 def stream_key(*parts: int) -> int:
