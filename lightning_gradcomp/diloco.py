@@ -47,7 +47,7 @@ from lightning_gradcomp.outer import (
     forget_nonfinite_state,
 )
 from lightning_gradcomp.outer_monitor import OuterMonitor
-from lightning_gradcomp.process_groups import hand_off_gil, release_round_groups
+from lightning_gradcomp.process_groups import hand_off_gil, release_round_groups, side_group
 from lightning_gradcomp.rank_state import remove_rank_states
 from lightning_gradcomp.replica_groups import ReplicaGroups, average_in_group, replica_groups_for
 from lightning_gradcomp.validation import check_bool
@@ -233,6 +233,10 @@ class DiLoCo(DDPStrategy):
         self._replicas = self._outer.replicas = replica_groups_for(
             self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
         )
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            # the outer exchange on a group of its own: on the default group, an exchange overlapped with inner steps
+            # would hold up the broadcast Lightning's loop issues there at every step (process_groups.side_group)
+            self._outer.process_group = side_group()
         names = [n for n, p in self._module().named_parameters() if p.requires_grad]
         self._outer.attach(params, self._buffers(), fragments=len(self._fragments), names=names)
         self._attached = True
@@ -472,7 +476,7 @@ class DiLoCo(DDPStrategy):
         super().teardown()
         if dist.is_available() and dist.is_initialized():
             if self._outer.exchange is not None:
-                release_round_groups(dist.group.WORLD)
+                release_round_groups(self._outer.process_group or dist.group.WORLD)
             hand_off_gil()
         self._attached = False
         self._local = None

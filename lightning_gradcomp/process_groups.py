@@ -28,7 +28,7 @@ from torch import Tensor
 
 from lightning_gradcomp.comm import ReduceOpName
 
-__all__ = ["TorchCollectives", "gather_objects", "gather_rows", "hand_off_gil", "release_round_groups"]
+__all__ = ["TorchCollectives", "gather_objects", "gather_rows", "hand_off_gil", "release_round_groups", "side_group"]
 
 log = logging.getLogger(__name__)
 
@@ -76,13 +76,17 @@ def _round_groups(base: dist.ProcessGroup) -> list[dist.ProcessGroup]:
     return groups
 
 
+def _destroy(group: dist.ProcessGroup) -> None:
+    if _is_alive(group):
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError) as error:  # already torn down with its peers: nothing left to free
+            log.debug("gradcomp: could not destroy a process group of ours: %s", error)
+
+
 def _release(groups: list[dist.ProcessGroup]) -> None:
     for group in groups[1:]:  # round 0 is the caller's group (DDP's): never ours to destroy
-        if _is_alive(group):
-            try:
-                dist.destroy_process_group(group)
-            except (RuntimeError, ValueError) as error:  # already torn down with its peers: nothing left to free
-                log.debug("gradcomp: could not destroy a round group: %s", error)
+        _destroy(group)
     # the list is shared by every TorchCollectives over this base group: emptying it drops all their references
     groups.clear()
 
@@ -101,6 +105,48 @@ def release_round_groups(base: dist.ProcessGroup | None = None) -> None:
         if base is None or old_base is base:
             del _ROUND_GROUPS[key]
             _release(groups)
+
+
+# Side groups: one per base group, created once and reused by every later fit in the process (a fit's setup must not
+# leave a group behind each time), released on the main thread at exit like the round groups.
+_SIDE_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
+_SIDE_RELEASE_AT_EXIT = False
+
+
+def side_group(base: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
+    """A second process group over ``base``'s ranks (default: the world), for collectives that must not share its queue.
+
+    A backend runs one group's collectives in the order they were issued. Lightning's training loop broadcasts a
+    one-element flag on the default group at the start of every step (whether a rank received SIGTERM), so an
+    exchange left running on that group across inner steps (Streaming DiLoCo's overlap) would make the next step's
+    broadcast wait for the whole exchange: the overlap would hide nothing. On a group of its own the exchange runs
+    beside the loop's broadcasts. The first call creates the group (like every ``new_group``, a collective call:
+    every rank at the same point); later calls return it while it and ``base`` live.
+    """
+    base = base if base is not None else _world()
+    entry = _SIDE_GROUPS.get(id(base))
+    if entry is not None and entry[0] is base and _is_alive(entry[1]):
+        return entry[1]
+    for key, (old_base, old) in list(_SIDE_GROUPS.items()):
+        if not (_is_alive(old_base) and _is_alive(old)):  # destroyed with destroy_process_group(): forget here
+            del _SIDE_GROUPS[key]
+    group = dist.new_group(ranks=dist.get_process_group_ranks(base))
+    if not isinstance(group, dist.ProcessGroup):  # only a rank outside the ranks gets none: never here
+        raise RuntimeError("torch.distributed.new_group over every rank of a group gave this rank no process group.")
+    _SIDE_GROUPS[id(base)] = (base, group)
+    global _SIDE_RELEASE_AT_EXIT
+    if not _SIDE_RELEASE_AT_EXIT:
+        # on the main thread while the interpreter lives: see release_round_groups
+        atexit.register(_release_side_groups)
+        _SIDE_RELEASE_AT_EXIT = True
+    return group
+
+
+def _release_side_groups() -> None:
+    for key, (_, group) in list(_SIDE_GROUPS.items()):
+        del _SIDE_GROUPS[key]
+        release_round_groups(group)
+        _destroy(group)
 
 
 def gather_rows(tensor: Tensor, group: dist.ProcessGroup | None = None) -> Tensor:

@@ -156,9 +156,12 @@ def fit(strategy: Any, dirpath: str, model: pl.LightningModule | None = None, ca
     return model, trainer, records
 
 
-def collectives_so_far() -> int:
-    """How many collectives the default process group has run (its own sequence number: C++ callers count too)."""
-    return torch.distributed.distributed_c10d._get_default_group()._get_sequence_number_for_group()
+def collectives_so_far(*groups: Any) -> int:
+    """How many collectives the default process group and ``groups`` have run (each group's own sequence number: C++
+    callers count too)."""
+    default = torch.distributed.distributed_c10d._get_default_group()
+    others = [g for g in groups if g is not None and g is not default]
+    return sum(g._get_sequence_number_for_group() for g in [default, *others])
 
 
 class CountAllReduces:
@@ -205,7 +208,9 @@ class RecordRounds(Callback):
         return torch.cat([t.detach().flatten().clone() for t in tensors])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._before = collectives_so_far()
+        self._group = trainer.strategy.outer_state.process_group  # DiLoCo's own group for the outer exchange
+        self._before = collectives_so_far(self._group)
+        self._world_before = collectives_so_far()
         self._reduced_before = self._counter.nbytes if self._counter else 0
         if self.steps:  # the metrics a step logs reach callback_metrics after its batch-end hooks
             self.steps[-1]["logged"] = self._logged(trainer)
@@ -215,7 +220,8 @@ class RecordRounds(Callback):
         self.steps.append(
             {
                 "global_step": trainer.global_step,
-                "collectives": collectives_so_far() - self._before,
+                "collectives": collectives_so_far(self._group) - self._before,
+                "world_collectives": collectives_so_far() - self._world_before,  # the default group's alone
                 "all_reduced": (self._counter.nbytes if self._counter else 0) - self._reduced_before,
                 "phase": outer.phase,
                 "params": self._flat(pl_module.parameters()),
