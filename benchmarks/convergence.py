@@ -115,9 +115,6 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     # the control for stage 3: the same run, with stage 2 (ScaleCom's CLT-k, the exact average at the leader's slots)
     # to the end instead of the code; steps 0-219 are bit for bit the defaults' (benchmarks/lgc_fit.py --trace)
     "lgc-allreduce-stage2-only-lr002": (_lgc_at_defaults(LGCAllReduce, training_steps=396), 0.02, 0.9),
-    # the all-reduce variant at its defaults but owing what the decoder missed of each rank's values in stage 3
-    # (residual="decoded") instead of dropping it (docs/lgc.md)
-    "lgc-allreduce-decoded-lr002": (_lgc_at_defaults(LGCAllReduce, residual="decoded"), 0.02, 0.9),
     # the first entries (88 steps of stage 2), at their first defaults
     "lgc-ps-train88-noproject": (_lgc_ps(training_steps=88), 0.05, 0.9),
     "lgc-allreduce-train88": (_lgc_allreduce(training_steps=88), 0.05, 0.9),

@@ -36,7 +36,7 @@ from lightning_gradcomp.validation import check_bool, check_choice, check_number
 __all__ = ["LGCAllReduce"]
 
 _ORDERS = ("index", "value")
-_RESIDUALS = ("average", "own", "decoded")
+_RESIDUALS = ("average", "own")
 
 
 class LGCAllReduce(LGCBase):
@@ -87,11 +87,8 @@ class LGCAllReduce(LGCBase):
         residual: what a rank's error feedback counts as sent in stage 3. ``"own"`` (``None``; ScaleCom's
             accounting): the share ``f`` of its own values that the projected aggregate carried, so each rank keeps
             ``(1 - f) p_i`` at the slots; needs ``project``. ``"average"`` (``None`` with ``project=False``): the
-            decoded average itself, so that ``sum of updates + mean residual`` telescopes exactly. ``"decoded"``:
-            its own values' decoding ``D(E(p_i))`` times ``min(f, h_i)``, with ``h_i`` its own least-squares factor
-            clamped at 0, so each rank keeps ``p_i - min(f, h_i) D(E(p_i))`` (never larger than ``p_i``) and what
-            the decoder misses of its values is owed, not dropped; one more decoder pass per rank, no more bytes;
-            needs ``project``. Needs error feedback.
+            decoded average itself, so that ``sum of updates + mean residual`` telescopes exactly. Needs error
+            feedback.
 
     Raises:
         ValueError: If an argument is out of range or of the wrong type.
@@ -146,10 +143,10 @@ class LGCAllReduce(LGCBase):
                 f"Expected `max_factor` to be 1.0 (the default) with project=False (it bounds the projection's factor),"
                 f" got {max_factor!r}."
             )
-        if residual in ("own", "decoded") and project is False:
+        if residual == "own" and project is False:
             raise ValueError(
-                f"Expected `project` to be None or True with residual={residual!r} (what each rank counts as sent is"
-                " scaled by the projection's factor), got False."
+                "Expected `project` to be None or True with residual='own' (the share each rank counts as sent is the"
+                " projection's factor), got False."
             )
 
     @property
@@ -272,9 +269,6 @@ class LGCAllReduce(LGCBase):
         shared, scales = yield Broadcast((blob, scales), src=leader)
         indices = torch.cat(decode_sparse(layout, shared))
         z = encode_layers(model, tensor.index_select(0, indices), scales, self._segments(ctx))
-        own = None  # this rank's own values decoded (``residual="decoded"``), before its code is averaged
-        if ctx.error_feedback and self.residual_accounting == "decoded":
-            own = decode_layers(model, 0, z, scales, self._segments(ctx))
         (summed,) = yield AllReduce((z.div_(ctx.world_size),))
         decoded = decode_layers(model, 0, summed, scales, self._segments(ctx))
         if self._projects:
@@ -293,26 +287,10 @@ class LGCAllReduce(LGCBase):
                 # code of the average can carry, is not owed (see the class docstring)
                 kept = torch.cat([(1.0 - f).expand(k) for f, (_, _, k) in zip(factors, self._segments(ctx))])
                 yield OwedAt(indices, tensor.index_select(0, indices) * kept.to(ctx.dtype))
-            elif own is not None:
-                # what the aggregate used of this rank's values is their decoding, at the share the projection kept:
-                # the decoder's error on them is owed (over the ranks, the decoder's error on the average, exactly so
-                # for a linear autoencoder); bounded by the rank's own fit, so that its memory never exceeds p_i
-                yield OwedAt(indices, self._owed_after_decoding(tensor.index_select(0, indices), own, factors, ctx))
             else:
                 # every rank's share of the aggregate is the aggregate: sum of updates + mean residual telescopes
                 yield SentAt(indices, decoded)
         return tensor.zero_().index_copy_(0, indices, decoded)
-
-    def _owed_after_decoding(self, p: Tensor, own: Tensor, factors: Sequence[Tensor], ctx: BucketContext) -> Tensor:
-        """``p - min(f, h) D(E(p))`` per layer, ``h`` the least-squares factor of ``D(E(p))`` to ``p`` clamped at 0.
-
-        ``|p - t D|^2`` is a convex quadratic in ``t`` equal to ``|p|^2`` at ``t = 0`` and at ``t = 2 h``, so any ``t``
-        in ``[0, h]`` keeps it at most ``|p|^2``: the memory never grows from one step to the next.
-        """
-        segments = self._segments(ctx)
-        fits = fit_factors(own, layer_dots(p.float(), own, segments), segments, None)
-        shares = [torch.minimum(f, h) for f, h in zip(factors, fits)]
-        return p - scaled(own.to(p.dtype), shares, segments)
 
     @property
     def _projects(self) -> bool:
