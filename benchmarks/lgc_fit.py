@@ -17,9 +17,15 @@ It is how the all-reduce variant's failure on seed 3 was traced (docs/lgc.md): s
 CLT-k, ``tests/test_lgc.py::test_allreduce_stage_2_is_scalecom_with_its_memory``), and with the code-similarity term
 most of stage 3's factors are at or below 0.
 
+With ``--trace`` it also records every step, per rank: the gradient's and the error-feedback memory's norms, the
+aggregate against the true average of the ranks' compensated gradients, what error feedback lost (applied by no step,
+owed by no rank), and stage 3's decoded average and factors per layer (docs/lgc.md, "What the all-reduce variant's
+stage 3 drops").
+
 Example::
 
     python benchmarks/lgc_fit.py --configs lgc-allreduce-train2x lgc-allreduce-sim0-beta05-train2x --seeds 3
+    python benchmarks/lgc_fit.py --configs lgc-allreduce-lr002 lgc-allreduce-stage2-only-lr002 --seeds 3 --trace t.json
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors import LGCAllReduce
 from lightning_gradcomp.compressors.base import BucketContext
-from lightning_gradcomp.compressors.exchange import Exchange, Lossless, OwedAt, SentAt, SentExactly
+from lightning_gradcomp.compressors.context import ResidualBuffers
+from lightning_gradcomp.compressors.driver import _DECLARATIONS, settle
+from lightning_gradcomp.compressors.exchange import Exchange
 from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder
 from lightning_gradcomp.compressors.lgc_base import decode_layers, encode_layers
 
@@ -110,8 +118,9 @@ class TracingLGC(RecordingLGC):
     (neither applied nor kept in any rank's memory), and in stage 3 the decoded average against the true average at
     the leader's slots with each layer's raw and clamped projection factor.
 
-    The memory is rebuilt from what the exchange declares (``x - sent``, low-pass filtered with ``beta``), as the
-    driver does; the averages go over a side group outside the exchange, so nothing the training sees changes.
+    The memory is rebuilt from what the exchange declares with the driver's own ``settle`` (``x - sent``, low-pass
+    filtered with ``beta``); the averages go over a side group outside the exchange, so nothing the training sees
+    changes.
     """
 
     def __init__(self, **hparams: object) -> None:
@@ -127,17 +136,17 @@ class TracingLGC(RecordingLGC):
         previous = self._memory.get(ctx.index)
         if previous is None or previous.shape != x.shape:
             previous = torch.zeros_like(x)
-        residual, self._layer_fits, self._last_true = torch.zeros_like(x), [], None
+        self._layer_fits, self._last_true = [], None
+        memory = torch.zeros_like(x)  # the residual after the step, as the driver writes it (``settle``)
         inner, response = super().exchange(tensor, ctx, out), None
         try:
             while True:
                 item = inner.send(response)
-                residual = _residual(item, x, residual)
+                if isinstance(item, _DECLARATIONS):
+                    settle(item, x, ResidualBuffers(previous, memory), self, ctx)
                 response = yield item
         except StopIteration as stop:
             update = stop.value
-        beta = self.memory_beta if self.stage(ctx.step) > 1 else 1.0
-        memory = residual.mul(beta).add_(previous, alpha=1.0 - beta)
         self._memory[ctx.index] = memory
         self._record_step(ctx, x, x - previous, memory, update.detach().float())
         return update
@@ -193,20 +202,6 @@ class TracingLGC(RecordingLGC):
         raws = [raw for _, raw in self.fits[-len(factors) :]] if factors else []
         self._layer_fits = [(raw, float(f)) for raw, f in zip(raws, factors)]
         return factors
-
-
-def _residual(item: object, x: Tensor, residual: Tensor) -> Tensor:
-    """What error feedback keeps after a declaration of what went out of ``x`` (the other items pass through)."""
-    if isinstance(item, Lossless):
-        return torch.zeros_like(x)
-    if isinstance(item, SentExactly):
-        return x.clone().index_fill_(0, item.indices, 0.0)
-    if isinstance(item, OwedAt):
-        return x.clone().index_copy_(0, item.indices, item.owed.float())
-    if isinstance(item, SentAt):
-        kept = x.clone().index_copy_(0, item.indices, x.index_select(0, item.indices) - item.values.float())
-        return kept if item.exactly is None else kept.index_fill_(0, item.exactly, 0.0)
-    return residual
 
 
 def _cosine(a: Tensor, b: Tensor) -> float:
