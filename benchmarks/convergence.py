@@ -59,7 +59,8 @@ _FIRST_DEFAULTS = {"order": "index", "similarity_weight": 0.5, "residual": "aver
 
 def _lgc_at_defaults(cls: type[Compressor], **options: object) -> Callable[[], Compressor]:
     """``cls`` at its defaults, at 1% with the stage lengths scaled to the 440 steps: 44 dense, 176 of stage 2."""
-    return lambda: cls(ratio=0.01, dense_steps=44, training_steps=176, **options)  # type: ignore[call-arg]
+    options = {"training_steps": 176, **options}
+    return lambda: cls(ratio=0.01, dense_steps=44, **options)  # type: ignore[call-arg]
 
 
 # the parameter-server variant's first defaults (no projection, the code-similarity term, the autoencoder's learning
@@ -111,6 +112,9 @@ CONFIGS: dict[str, tuple[Callable[[], Compressor], float, float]] = {
     "lgc-allreduce-lr002": (_lgc_at_defaults(LGCAllReduce), 0.02, 0.9),
     # the all-reduce variant at its defaults but with the projection's factor bounded by 2 instead of 1 (docs/lgc.md)
     "lgc-allreduce-maxfactor2-lr002": (_lgc_at_defaults(LGCAllReduce, max_factor=2.0), 0.02, 0.9),
+    # the control for stage 3: the same run, with stage 2 (ScaleCom's CLT-k, the exact average at the leader's slots)
+    # to the end instead of the code; steps 0-219 are bit for bit the defaults' (benchmarks/lgc_fit.py --trace)
+    "lgc-allreduce-stage2-only-lr002": (_lgc_at_defaults(LGCAllReduce, training_steps=396), 0.02, 0.9),
     # the first entries (88 steps of stage 2), at their first defaults
     "lgc-ps-train88-noproject": (_lgc_ps(training_steps=88), 0.05, 0.9),
     "lgc-allreduce-train88": (_lgc_allreduce(training_steps=88), 0.05, 0.9),
