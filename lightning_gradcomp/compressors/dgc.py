@@ -141,7 +141,10 @@ class DGC(SparseShards, SparseTransport, Compressor):
             moves fewer bytes at the world size, the all-gather up to 3 ranks), ``"zen"`` or ``"zen-auto"`` (see
             :class:`~lightning_gradcomp.compressors.TopK` and docs/zen.md). Each rank's selection is the same;
             momentum factor masking clears what went out (over the two-phase exchange, a pair an owner's row had no
-            slot for stays in ``v`` and ``u``).
+            slot for stays in ``v`` and ``u``). On a ResNet-18-shaped bucket (1.58M parameters) the default moves
+            0.005 of a dense ring all-reduce's bytes at 2 ranks, 0.006 at 4 to 256 and 0.007 at 1024, where the
+            all-gather moves 0.067 at 64 (``python benchmarks/scaling.py --workers 2 --analytical 2 4 8 16 32 64 128
+            256 1024``).
 
     Raises:
         ValueError: If an argument is out of range.

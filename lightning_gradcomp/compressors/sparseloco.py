@@ -41,7 +41,10 @@ class SparseLoCo(Compressor):
     of the owner's chunks (all-to-all), the owner sums them in fp32 in rank order, adds what it still owes (its error
     feedback), encodes the sum with the same chunk-wise top-k in 2 bits and the owners' encodings are all-gathered:
     two encodings' bytes whatever ``n``. ``"auto"``, the default, takes whichever of the two moves fewer bytes: the
-    all-gather at 2 ranks, the two-phase exchange from 3.
+    all-gather at 2 ranks, the two-phase exchange from 3. On a ResNet-18-shaped bucket (1.58M parameters, 396
+    chunks) the default moves 0.012 of a dense ring all-reduce's bytes at 2 ranks, 0.013 at 64 and 0.028 at 1024
+    (more ranks than chunks: most owners' rows are padding), where the all-gather moves 0.300 at 64 (``python
+    benchmarks/scaling.py --workers 2 --analytical 2 4 8 16 32 64 128 256 1024``).
 
     Biased: error feedback is on by default (what the selection and the rounding leave out is sent in later rounds).
 

@@ -103,9 +103,9 @@ class TopK(SparseShards, SparseTransport, Compressor):
     all-gathered: about three selections' bytes whatever ``n`` (:mod:`~lightning_gradcomp.compressors.sparse_shards`,
     docs/two_phase.md). ``"auto"``, the default, takes whichever of the all-gather and the two-phase exchange moves
     fewer bytes at the world size: the all-gather up to 3 ranks, the two-phase exchange from 4. On a ResNet-18-shaped
-    bucket (1.58M parameters, ``ratio=0.01``) the default moves 0.023 of a dense ring all-reduce's bytes at 2 ranks
-    and 0.031 at 64, where the all-gather moves 0.641 (``python benchmarks/scaling.py --workers 2 --analytical 2 4 8
-    16 32 64 128 256 1024``).
+    bucket (1.58M parameters, ``ratio=0.01``) the default moves 0.023 of a dense ring all-reduce's bytes at 2 ranks,
+    0.033 at 4 to 256 and 0.034 at 1024, where the all-gather moves 0.641 at 64 (``python benchmarks/scaling.py
+    --workers 2 --analytical 2 4 8 16 32 64 128 256 1024``).
 
     With ``transport="zen"`` the pairs are summed by Zen (:mod:`lightning_gradcomp.compressors.transport`): each rank
     receives about its ``1 / n`` share of the pairs and the sum, not every rank's pairs, which pays when the ranks'
