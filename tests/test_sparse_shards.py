@@ -6,16 +6,19 @@ import math
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_gradcomp import wire
+from lightning_gradcomp import CompressionState, compression_hook, wire
 from lightning_gradcomp.compressors import DGC, SparseLoCo, TopK
 from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
 from lightning_gradcomp.compressors.sparse_shards import capacity, reselected, two_phase_wire
 from lightning_gradcomp.compressors.transport import owner_of, zen_seed
 from lightning_gradcomp.compressors.two_phase import owner_residuals
-from lightning_gradcomp.compressors.wire_model import traced_wire_bytes
+from lightning_gradcomp.compressors.wire_model import bucket_wire_bytes, traced_wire_bytes
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
+from tests.distributed import run_distributed
 
 SHAPES = [(24, 30), (40, 9), (7, 5, 3, 3)]  # 720 + 360 + 315 elements
 
@@ -181,3 +184,46 @@ def test_auto_takes_the_two_phase_exchange_where_it_moves_fewer_bytes():
     fractions = [two_phase_wire(k, n, 4).moved / wire.all_reduce(4 * 2**20, n).moved for n in (4, 64, 1024)]
     assert max(fractions) <= 2 * 8 * k / (4 * 2**20)
     assert math.isclose(fractions[0], fractions[2], rel_tol=0.2)
+
+
+def _train_on_gloo(rank: int, world_size: int) -> dict:
+    """Three steps of a two-layer MLP under DDP with each default sparsifier's hook; replicas and bytes per step."""
+    out = {}
+    for name, make in (("topk", lambda: TopK(ratio=0.05)), ("dgc", lambda: DGC(ratio=0.05, momentum=0.0)),
+                       ("sparseloco", lambda: SparseLoCo(ratio=0.05, chunk_size=256))):  # fmt: skip
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
+        ddp = DDP(model)
+        state = CompressionState(make())
+        state.attach(ddp)
+        ddp.register_comm_hook(state, compression_hook)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        received = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            x, y = torch.randn(8, 32, generator=g), torch.randn(8, 32, generator=g)
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            optimizer.step()
+            received.append(state.telemetry.pop_step().bytes_received)
+        flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+        everyone = [torch.empty_like(flat) for _ in range(world_size)]
+        dist.all_gather(everyone, flat)
+        out[name] = {"identical": all(torch.equal(everyone[0], e) for e in everyone), "received": received}
+    return out
+
+
+@pytest.mark.slow
+def test_the_defaults_on_four_gloo_processes_keep_replicas_identical_and_receive_fewer_bytes():
+    """Four processes over gloo (the real all-to-all): each default takes its two-phase exchange, the replicas stay
+    bitwise identical, and each rank receives what the byte model declares, less than the all-gather would."""
+    results = run_distributed(_train_on_gloo, world_size=4)
+    layers = layers_from_shapes([(64, 32), (64,), (32, 64), (32,)])
+    for name, make in (("topk", lambda t: TopK(ratio=0.05, transport=t)),
+                       ("dgc", lambda t: DGC(ratio=0.05, momentum=0.0, transport=t)),
+                       ("sparseloco", lambda t: SparseLoCo(ratio=0.05, chunk_size=256, transport=t))):  # fmt: skip
+        model = bucket_wire_bytes(make("auto"), layers, 4).received
+        assert model < bucket_wire_bytes(make("allgather"), layers, 4).received, name
+        for result in results:
+            assert result[name]["identical"], name
+            assert result[name]["received"][1:] == [model, model], (name, result[name]["received"], model)
