@@ -186,6 +186,26 @@ def test_auto_takes_the_two_phase_exchange_where_it_moves_fewer_bytes():
     assert math.isclose(fractions[0], fractions[2], rel_tol=0.2)
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_auto_below_its_threshold_is_the_all_gather_bitwise(n):
+    """Where ``"auto"`` keeps the all-gather (TopK and DGC up to 3 ranks, SparseLoCo at 2), it is
+    ``transport="allgather"`` bit for bit, residuals included."""
+    makers = [lambda t: TopK(ratio=0.05, transport=t), lambda t: DGC(ratio=0.05, transport=t)]
+    if n == 2:
+        makers.append(lambda t: SparseLoCo(ratio=0.05, chunk_size=64, transport=t))
+    for make in makers:
+        results = []
+        for transport in ("auto", "allgather"):
+            compressors = [make(transport) for _ in range(n)]
+            residuals = [torch.zeros(sum(layer.numel for layer in _layers()), dtype=torch.float64) for _ in range(n)]
+            outs = [simulate_reduce(compressors, _grads(n, seed=30 + step), _layers(), step=step, residuals=residuals)
+                    for step in range(2)]  # fmt: skip
+            results.append((outs, residuals))
+        (auto, auto_residuals), (gathered, gathered_residuals) = results
+        assert all(torch.equal(x, y) for at, gt in zip(auto, gathered) for x, y in zip(at, gt))
+        assert all(torch.equal(x, y) for x, y in zip(auto_residuals, gathered_residuals))
+
+
 def _train_on_gloo(rank: int, world_size: int) -> dict:
     """Three steps of a two-layer MLP under DDP with each default sparsifier's hook; replicas and bytes per step."""
     out = {}
