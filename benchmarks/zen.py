@@ -47,7 +47,7 @@ CONFIGS = {
     "zen-embedding": lambda: Zen(layers=["embedding.weight"]),
     "topk-allgather": lambda: TopK(ratio=0.01),
     "topk-zen": lambda: TopK(ratio=0.01, transport="zen"),
-    "topk-auto": lambda: TopK(ratio=0.01, transport="auto"),
+    "topk-auto": lambda: TopK(ratio=0.01, transport="zen-auto"),
 }
 VOCAB, DIM, SEQ, CLASSES = 20_000, 64, 35, 1000
 

@@ -141,7 +141,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "zen-always": lambda: Zen(dense_threshold=1.0),
     "zen-bitmap": lambda: Zen(dense_threshold=1.0, index_encoding="bitmap"),
     "topk-zen": lambda: TopK(ratio=0.01, transport="zen"),
-    "topk-auto": lambda: TopK(ratio=0.1, transport="auto"),
+    "topk-auto": lambda: TopK(ratio=0.1, transport="zen-auto"),
     "dgc-zen": lambda: DGC(ratio=0.01, transport="zen"),
     "adacomp-allgather": lambda: AdaComp(transport="allgather"),
     # the outer exchange's quantizers (INTELLECT-1's 8 bits, Streaming DiLoCo's 4) and SparseLoCo's top-k in 2 bits;
@@ -160,6 +160,10 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "minmax8-two-phase": lambda: MinMax(bits=8, transport="two_phase"),
     "minmax4-two-phase": lambda: MinMax(bits=4, transport="two_phase"),
     "adacomp-two-phase": lambda: AdaComp(bin_size_conv=4, bin_size_fc=6, transport="two_phase"),
+    # the sparsifiers' two-phase exchange: pairs to their owners, the owners' re-selections gathered
+    "topk-two-phase": lambda: TopK(ratio=0.1, transport="two_phase"),
+    "dgc-two-phase": lambda: DGC(ratio=0.1, momentum=0.0, transport="two_phase"),
+    "sparseloco-two-phase": lambda: SparseLoCo(ratio=0.03, chunk_size=256, transport="two_phase"),
     "efsignsgd-allgather": lambda: EFSignSGD(transport="allgather"),
     "qsgd-allgather": lambda: QSGD(transport="allgather"),
     "sparseloco": lambda: SparseLoCo(),

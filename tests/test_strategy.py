@@ -367,7 +367,7 @@ def test_the_setup_line_counts_the_compressed_tensors_of_this_model(tmp_path, in
             trainer.fit(TinyNet())
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("CompressedDDP: TopK")]
         assert lines == [
-            f"CompressedDDP: TopK(ratio=0.1, transport='allgather') compresses {tensors} of 10 parameter tensors"
+            f"CompressedDDP: TopK(ratio=0.1, transport='auto') compresses {tensors} of 10 parameter tensors"
             f" ({numel:,} of {total:,} elements; the rest are averaged densely); error feedback on; 1 process."
         ]
 

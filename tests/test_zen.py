@@ -103,7 +103,7 @@ def test_the_partition_is_balanced_deterministic_and_complete():
 @pytest.mark.parametrize(
     "factory",
     [lambda: TopK(ratio=0.05, transport="zen"), lambda: DGC(ratio=0.05, momentum=0.0, transport="zen"),
-     lambda: AdaComp(bin_size_fc=8, transport="zen"), lambda: TopK(ratio=0.05, transport="auto")],
+     lambda: AdaComp(bin_size_fc=8, transport="zen"), lambda: TopK(ratio=0.05, transport="zen-auto")],
     ids=["topk", "dgc", "adacomp", "topk-auto"],
 )  # fmt: skip
 def test_sparsifiers_over_zen_equal_their_allgather_bitwise(n, factory):
@@ -155,7 +155,7 @@ def test_dense_fallback_and_the_auto_selector_pick_by_density_and_overlap():
     base = torch.zeros(5000)
     base[torch.randperm(5000, generator=torch.Generator().manual_seed(0))[:50]] = 100.0
     overlapping = [base + 0.01 * torch.randn(5000, generator=torch.Generator().manual_seed(r)) for r in range(4)]
-    kinds, compressors = _kinds(lambda: TopK(ratio=0.01, transport="auto"), overlapping, layers, 4)
+    kinds, compressors = _kinds(lambda: TopK(ratio=0.01, transport="zen-auto"), overlapping, layers, 4)
     assert "all_to_all" in kinds
     assert "zen_union" in compressors[0].state_dict()  # the measured overlap is state (checkpointed)
 
@@ -244,10 +244,10 @@ def test_resume_of_the_auto_selector_is_exact():
     layers = layers_from_shapes([(100, 50)])
     g = torch.Generator().manual_seed(3)
     data = [[torch.randn(5000, generator=g) for _ in range(2)] for _ in range(4)]
-    straight = [TopK(ratio=0.05, transport="auto") for _ in range(2)]
+    straight = [TopK(ratio=0.05, transport="zen-auto") for _ in range(2)]
     for step in range(2):
         simulate_reduce(straight, data[step], layers, step=step)
-    resumed = [TopK(ratio=0.05, transport="auto") for _ in range(2)]
+    resumed = [TopK(ratio=0.05, transport="zen-auto") for _ in range(2)]
     for a, b in zip(resumed, straight):
         a.load_state_dict(pickle.loads(pickle.dumps(b.state_dict())))
     for step in range(2, 4):

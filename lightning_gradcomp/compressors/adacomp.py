@@ -26,13 +26,14 @@ from lightning_gradcomp.compressors.base import (
 from lightning_gradcomp.compressors.exchange import AllGather, AllToAll, Exchange, SentValue
 from lightning_gradcomp.compressors.packing import flat_nonzero, numpy_floats
 from lightning_gradcomp.compressors.segments import segments_of
-from lightning_gradcomp.compressors.transport import TRANSPORTS, SparseTransport, sparse_transport_sum
+from lightning_gradcomp.compressors.transport import SparseTransport, sparse_transport_sum
 from lightning_gradcomp.compressors.two_phase import uses_two_phase
 from lightning_gradcomp.validation import check_choice, check_positive_int
 
 _WIRE = torch.float32
-#: the sparsifiers' transports and the two-phase exchange
-ADACOMP_TRANSPORTS = (*TRANSPORTS, "two_phase")
+#: the all-gather, Zen, the two-phase exchange, and the one of the all-gather and the two-phase exchange that moves
+#: fewer bytes
+ADACOMP_TRANSPORTS = ("allgather", "zen", "auto", "two_phase")
 
 
 def _abs_max(rows: Tensor, scratch: Tensor) -> Tensor:

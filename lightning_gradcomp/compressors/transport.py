@@ -54,8 +54,9 @@ __all__ = [
 ]
 
 Path = Literal["none", "dense", "allgather", "zen"]
-#: The transports a sparsifier accepts: its own all-gather of pairs, Zen, or the selector's choice per bucket.
-TRANSPORTS = ("allgather", "zen", "auto")
+#: Zen's transports for a sparsifier: always Zen, or the selector's choice per bucket and step (dense, the all-gather
+#: of pairs or Zen).
+TRANSPORTS = ("zen", "zen-auto")
 #: Rounds of a Zen reduction (counts, push, sizes, pull).
 ZEN_ROUNDS = 4
 _M32 = 0xFFFFFFFF
@@ -416,15 +417,20 @@ def _decode_pull(
 # Zen as the transport of a sparsifier (TopK, DGC, AdaComp)
 # ------------------------------------------------------------------------------------------------------------------
 def transport_rounds(transport: str, own: int) -> int:
-    """Rounds of a sparsifier over ``transport`` (``own``: its rounds over its own all-gather)."""
-    return own if transport == "allgather" else ZEN_ROUNDS
+    """Rounds of a sparsifier over ``transport`` (``own``: its rounds over its own all-gather).
+
+    Zen's four over Zen; two (push, pull) where the two-phase exchange may run (``"two_phase"``, ``"auto"``).
+    """
+    if transport in TRANSPORTS:
+        return ZEN_ROUNDS
+    return max(own, 2) if transport in ("two_phase", "auto") else own
 
 
 class SparseTransport:
     """The class facts of a sparsifier whose pairs travel over its ``transport`` (a mixin before ``Compressor``).
 
-    Over ``"allgather"`` it takes its own rounds (``gather_rounds``); over ``"zen"`` and ``"auto"`` Zen's four, whose
-    first exchanges the sizes (they depend on the data).
+    Over ``"allgather"`` it takes its own rounds (``gather_rounds``); over ``"zen"`` and ``"zen-auto"`` Zen's four,
+    whose first exchanges the sizes (they depend on the data); over the two-phase exchange two, of fixed sizes.
     """
 
     transport: str
@@ -439,15 +445,15 @@ class SparseTransport:
     @property
     def exchanges_sizes(self) -> bool:
         """Over Zen sizes depend on the data and are exchanged first (all-gather: ``gather_exchanges_sizes``)."""
-        return self.gather_exchanges_sizes or self.transport != "allgather"
+        return self.gather_exchanges_sizes or self.transport in TRANSPORTS
 
 
 def sparse_transport_sum(
     compressor: Compressor, transport: str, indices: Tensor, values: Tensor, ctx: BucketContext, out: Tensor
 ) -> Any:
-    """The sum over ranks of every rank's ``(indices, values)`` over ``"zen"`` or ``"auto"`` (``yield from`` it).
+    """The sum over ranks of every rank's ``(indices, values)`` over ``"zen"`` or ``"zen-auto"`` (``yield from`` it).
 
-    ``"auto"`` picks, per bucket and step, the path :func:`choose` finds cheapest from the exchanged counts and the
+    ``"zen-auto"`` picks, per bucket and step, the path :func:`choose` finds cheapest from the exchanged counts and the
     union measured at the bucket's previous step (the overlap of the ranks' supports): a first step assumes the
     supports overlap fully, the most favourable case for Zen, and corrects itself once measured. The measured union is
     the compressor's state (``state_dict``: a resume chooses as the uninterrupted run does), staged like every state.

@@ -52,6 +52,7 @@ __all__ = [
     "ShardedExchange",
     "check_transport",
     "exact_sum",
+    "next_owner_residuals",
     "owner_residuals",
     "shard_context",
     "shard_numel",
@@ -255,7 +256,7 @@ class ShardedExchange(Compressor):
             reduced.add_(residual)
         encoded = self.encode_shard(reduced, owner)
         if residual is not None:
-            new = _next_residuals(self).get(owner.layers[0], reduced)
+            new = next_owner_residuals(self).get(owner.layers[0], reduced)
             torch.sub(reduced, self.decode_shard(encoded, owner, new), out=new)
             new[valid:] = 0
             ctx.stage(residual, new, swap=True)
@@ -266,7 +267,7 @@ class ShardedExchange(Compressor):
         return out.copy_(result[:numel])
 
 
-def _next_residuals(compressor: Compressor) -> LayerBuffers:
+def next_owner_residuals(compressor: Compressor) -> LayerBuffers:
     """Scratch for the owner's next residual (staged, swapped in at commit; not state)."""
     return compressor.__dict__.setdefault("_owner_next_residual", LayerBuffers())
 
@@ -275,12 +276,17 @@ def owner_residuals(compressors: Sequence[Compressor], ctx: BucketContext) -> Te
     """What the owners still owe of ``ctx``'s bucket, every rank's shard in rank order (zeros where none is kept).
 
     Error feedback's identity with the two-phase exchange: the sum of the applied averages, plus the mean of the
-    ranks' residuals, plus this, equals the sum of the average gradients.
+    ranks' residuals, plus this, equals the sum of the average gradients. A compressor whose owners keep something
+    else than a contiguous shard (the sparsifiers' owners) says what it owes with ``owner_owed(ctx)``.
     """
     n = len(compressors)
     size = shard_numel(ctx.numel, n)
     owed = torch.zeros(n * size, dtype=torch.promote_types(ctx.dtype, torch.float32), device=ctx.device)
     for rank, compressor in enumerate(compressors):
+        own = getattr(compressor, "owner_owed", None)
+        if own is not None:
+            owed[: ctx.numel] += own(dataclasses.replace(ctx, rank=rank, world_size=n)).to(owed.dtype)
+            continue
         name = shard_context(dataclasses.replace(ctx, world_size=n), rank, owner=True).layers[0].name
         state = compressor.state_dict().get("owner_residual", {})
         if name in state:
