@@ -167,6 +167,9 @@ def summarize(events: list, first: int, last: int) -> dict:
             current = None
     for x in exchanges:
         x["decode_thread"] = ", ".join(sorted(x["decode_thread"])) or "main"
+        k = x["start_step"]  # the step after it: the first that runs while the exchange is on the wire
+        if k < len(step_at):
+            x["next_step_s"] = step_at[k] - step_at[k - 1]
     window = steps[first - 2 : last]  # the step before the window ends where the window starts
     durations = [b[0] - a[0] for a, b in zip(window, window[1:])]
     main = [_main_cpu(b[1]) - _main_cpu(a[1]) for a, b in zip(window, window[1:])]
@@ -204,9 +207,9 @@ def markdown(summary: dict, args: argparse.Namespace, load: str) -> str:
         "",
         "CPU seconds by thread: " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(s["thread_cpu_s"].items())),
         "",
-        "| started in step | main thread held at start (s) | bytes of the largest collective | on the wire (s)"
-        " | decoded after (s), by | applied in step | main thread waited (s) | finish held (s) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| started in step | main thread held at start (s) | the next step (s) | bytes of the largest collective"
+        " | on the wire (s) | decoded after (s), by | applied in step | main thread waited (s) | finish held (s) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for x in s["exchanges"]:
 
@@ -214,9 +217,9 @@ def markdown(summary: dict, args: argparse.Namespace, load: str) -> str:
             return fmt.format(x[key]) if key in x else ""
 
         lines.append(
-            f"| {f('start_step', '{}')} | {f('start_s')} | {f('wire_bytes', '{:,}')} | {f('on_wire_s')}"
-            f" | {f('decoded_after_s')} ({x['decode_thread']}) | {f('finish_step', '{}')} | {f('waited_s')}"
-            f" | {f('finish_s')} |"
+            f"| {f('start_step', '{}')} | {f('start_s')} | {f('next_step_s')} | {f('wire_bytes', '{:,}')}"
+            f" | {f('on_wire_s')} | {f('decoded_after_s')} ({x['decode_thread']}) | {f('finish_step', '{}')}"
+            f" | {f('waited_s')} | {f('finish_s')} |"
         )
     return "\n".join(lines)
 
