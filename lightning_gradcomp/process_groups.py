@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import datetime
 import logging
 import pickle
 import threading
@@ -107,6 +108,20 @@ def release_round_groups(base: dist.ProcessGroup | None = None) -> None:
             _release(groups)
 
 
+def _timeout_of(group: dist.ProcessGroup) -> datetime.timedelta | None:
+    """The timeout ``group`` was made with, for the groups made beside it.
+
+    ``new_group`` without a timeout takes the backend's default (30 minutes for gloo), not what
+    ``init_process_group`` (a strategy's ``timeout``) was given: a rank that stops answering would hold a collective
+    on such a group that long. ``None`` where torch does not say (``new_group`` then keeps its default).
+    """
+    device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
+    try:
+        return group._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError):
+        return None
+
+
 # Side groups: one per base group, created once and reused by every later fit in the process (a fit's setup must not
 # leave a group behind each time), released on the main thread at exit like the round groups.
 _SIDE_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup]] = {}
@@ -130,7 +145,7 @@ def side_group(base: dist.ProcessGroup | None = None) -> dist.ProcessGroup:
     for key, (old_base, old) in list(_SIDE_GROUPS.items()):
         if not (_is_alive(old_base) and _is_alive(old)):  # destroyed with destroy_process_group(): forget here
             del _SIDE_GROUPS[key]
-    group = dist.new_group(ranks=dist.get_process_group_ranks(base))
+    group = dist.new_group(ranks=dist.get_process_group_ranks(base), timeout=_timeout_of(base))
     if not isinstance(group, dist.ProcessGroup):  # only a rank outside the ranks gets none: never here
         raise RuntimeError("torch.distributed.new_group over every rank of a group gave this rank no process group.")
     _SIDE_GROUPS[id(base)] = (base, group)
@@ -247,7 +262,7 @@ class TorchCollectives:
         """Create process groups until ``rounds`` rounds have one (a collective call on every rank)."""
         ranks = dist.get_process_group_ranks(self._groups[0])
         while len(self._groups) < rounds:
-            group = dist.new_group(ranks=ranks)
+            group = dist.new_group(ranks=ranks, timeout=_timeout_of(self._groups[0]))
             if not isinstance(group, dist.ProcessGroup):  # only a rank outside ``ranks`` gets none: never here
                 raise RuntimeError(f"torch.distributed.new_group({ranks}) gave this rank no process group.")
             self._groups.append(group)

@@ -90,3 +90,36 @@ def test_gather_rows_without_a_process_group_is_the_tensor_as_one_row():
     assert torch.equal(rows[0], tensor)
     rows[0, 0] = 7.0
     assert tensor[0] == 0.0  # a copy: the caller's tensor is never handed to a collective
+
+
+def _groups_made_beside(rank, world_size):
+    import datetime
+
+    import torch.distributed as dist
+
+    from lightning_gradcomp import process_groups
+
+    base = dist.new_group([0], timeout=datetime.timedelta(seconds=17))
+    side = process_groups.side_group(base)
+    collectives = process_groups.TorchCollectives(base)
+    collectives.ensure_rounds(2)
+    timeouts = {
+        "side": process_groups._timeout_of(side),
+        "round 1": process_groups._timeout_of(collectives._groups[1]),
+        "plain new_group": process_groups._timeout_of(dist.new_group([0])),  # the control: the backend's default
+    }
+    again = process_groups.side_group(base) is side
+    process_groups.release_round_groups(base)
+    process_groups._release_side_groups()
+    return {"timeouts": {k: v.total_seconds() for k, v in timeouts.items()}, "reused": again}
+
+
+def test_groups_made_beside_a_group_keep_its_timeout_and_the_side_group_is_made_once():
+    """A rank that stops answering must be found within the strategy's timeout on every group the package makes, not
+    within the backend's default (30 minutes for gloo), which ``new_group`` would otherwise take."""
+    from tests.distributed import run_distributed
+
+    (result,) = run_distributed(_groups_made_beside, world_size=1)
+    assert result["timeouts"]["side"] == result["timeouts"]["round 1"] == 17.0
+    assert result["timeouts"]["plain new_group"] > 17.0
+    assert result["reused"]
