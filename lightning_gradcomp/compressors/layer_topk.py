@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -199,6 +200,23 @@ def _sampled(bucket: Tensor, plan: _Plan, samples: _Samples) -> Tensor | None:
     return None
 
 
+_SCRATCH = threading.local()
+
+
+def _scratch(size: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """Buffers for ``|x|`` and the mask, kept per thread, size and dtype.
+
+    A fresh array of a bucket's size costs its page faults on every step, more than the pass that fills it.
+    """
+    kept: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]] = _SCRATCH.__dict__.setdefault("kept", {})
+    found = kept.get((size, dtype.str))
+    if found is None:
+        if len(kept) >= 4:  # a few bucket sizes: the most recent only
+            kept.clear()
+        found = kept[(size, dtype.str)] = (np.empty(size, dtype=dtype), np.empty(size, dtype=np.bool_))
+    return found
+
+
 def _candidates(bucket: Tensor, bounds: Tensor, plan: _Plan) -> Tensor:
     """The positions whose magnitude is not at or below its layer's bound (NaN is a candidate), in increasing order.
 
@@ -206,8 +224,10 @@ def _candidates(bucket: Tensor, bounds: Tensor, plan: _Plan) -> Tensor:
     ``repeat_interleave`` gathers through an index of every element).
     """
     if numpy_floats(bucket, bounds):
-        magnitudes = np.abs(bucket.detach().numpy())
-        mask = np.less_equal(magnitudes, np.repeat(bounds.numpy(), plan.sizes))
+        values = bucket.detach().numpy()
+        magnitudes, mask = _scratch(values.size, values.dtype)
+        np.abs(values, out=magnitudes)
+        np.less_equal(magnitudes, np.repeat(bounds.numpy(), plan.sizes), out=mask)
         return flat_nonzero(torch.from_numpy(np.logical_not(mask, out=mask)))
     expanded = torch.repeat_interleave(bounds, plan.lengths, output_size=plan.numel)
     return flat_nonzero(torch.le(bucket.abs(), expanded).logical_not_())
