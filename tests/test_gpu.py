@@ -27,10 +27,7 @@ SHAPES = [(64, 32, 3, 3), (128, 256), (256, 128), (10, 128)]
 DETERMINISTIC = ("identity", "fp16", "bf16", "topk", "topk-10%", "randomk", "powersgd", "scalecom", "signsgd",
                  "efsignsgd", "onebit", "dgc-no-momentum")  # fmt: skip
 # What cannot avoid a host read on the codec path, and why (docs/benchmarks.md#gpu)
-_BITMAP = "indices sent as a bitmap are decoded with nonzero, whose output size is read"
-SYNCS = {
-    "scalecom-lowpass": _BITMAP,  # at ratio 0.1 the leader's indices travel as a bitmap
-}
+SYNCS: dict[str, str] = {}
 
 
 def _grads(layers, n, device, seed=0):

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_gradcomp.compressors import adacomp, dgc, masked, packing, sparsify, transport, zen
+from lightning_gradcomp.compressors import adacomp, dgc, layer_topk, masked, packing, sparsify, transport, zen
 from lightning_gradcomp.compressors.context import layers_from_shapes
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
@@ -32,12 +32,11 @@ _READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_se
           aten.unique_consecutive.default, aten.unique_dim.default}  # fmt: skip
 # (file, function) of the branches that run only on the CPU, where reading a scalar is no synchronisation
 _CPU_ONLY = {("exchange.py", "commit"), ("packing.py", "above"), ("packing.py", "magnitude_above"),
-             ("quantize.py", "_clamp_"), ("dgc.py", "_host_randint"),
+             ("quantize.py", "_clamp_"), ("dgc.py", "_host_randint"), ("layer_topk.py", "_sampled"),
              ("sparse_shards.py", "device_owners")}  # fmt: skip
 
 # what still reads on the hook path, and where
 KNOWN = {
-    "scalecom-lowpass": "the low-pass filter's candidates: nonzero",
     **dict.fromkeys(["zen", "zen-always", "zen-bitmap", "topk-zen", "topk-auto", "dgc-zen"], "sparse sizes"),
     **dict.fromkeys(
         [name for name in EXAMPLES if name.startswith("lgc") and name.endswith(("stages", "stage2"))],
@@ -81,7 +80,7 @@ def _torch_nonzero(values: torch.Tensor) -> torch.Tensor:
 def device_paths(monkeypatch: pytest.MonkeyPatch) -> HostReads:
     """A recording mode, with ``flat_nonzero`` and ``tolist`` seen as the device runs them."""
     reads = HostReads()
-    for module in (packing, adacomp, dgc, masked, sparsify, transport, zen):
+    for module in (packing, adacomp, dgc, layer_topk, masked, sparsify, transport, zen):
         monkeypatch.setattr(module, "flat_nonzero", _torch_nonzero, raising=False)
     # DGC takes its early-exit selection on the CPU only (reading a count there waits for nothing): watch the other
     monkeypatch.setattr(dgc, "EARLY_EXIT_ON_CPU", False, raising=False)

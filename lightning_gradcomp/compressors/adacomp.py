@@ -8,6 +8,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from lightning_gradcomp.compressors.adacomp_bins import bin_plan
 from lightning_gradcomp.compressors.adacomp_shards import (
     ShardPlan,
     owner_context,
@@ -34,15 +35,6 @@ _WIRE = torch.float32
 #: the all-gather, Zen, the two-phase exchange, and the one of the all-gather and the two-phase exchange that moves
 #: fewer bytes
 ADACOMP_TRANSPORTS = ("allgather", "zen", "auto", "two_phase")
-
-
-def _abs_max(rows: Tensor, scratch: Tensor) -> Tensor:
-    """``max |x|`` of every row, ``|x|`` written into ``scratch`` (as many elements as ``rows``).
-
-    ``|x|`` then ``amax``: half the time of ``aminmax`` on the rows on the CPU, and no temporary of its own.
-    """
-    magnitudes = torch.abs(rows, out=scratch.view(rows.shape))
-    return magnitudes.amax(dim=1)
 
 
 def _at_least(values: Tensor, bounds: Tensor, out: Tensor) -> None:
@@ -187,29 +179,16 @@ class AdaComp(SparseTransport, Compressor):
         Codes (uint8): 0 not sent, 1 sent as ``-scale``, 2 sent as ``+scale`` (``G > 0``).
         """
         chosen = torch.empty(residue_plus_grad.numel(), dtype=torch.bool, device=residue_plus_grad.device)
-        scales = []
-        # one buffer for |G| and |H| of every layer in turn (a fresh temporary per layer costs its page faults)
-        scratch = residue_plus_grad.new_empty(max((layer.numel for layer in ctx.layers), default=0))
-        for layer in ctx.layers:
-            g, h, mask = layer.flat(residue_plus_grad), layer.flat(soft), layer.flat(chosen)
-            size = self.bin_size(layer)
-            full = layer.numel // size * size
-            # bin maxima of |G| on 2-D views (the last bin may be short)
-            maxima = [_abs_max(g[:full].view(-1, size), scratch[:full])] if full else []
-            if full < layer.numel:
-                maxima.append(_abs_max(g[full:].view(1, -1), scratch[full : layer.numel]))
-            gmax = torch.cat(maxima)
-            # an all-zero bin sends nothing (its maximum would select every element)
-            threshold = torch.where(gmax > 0, gmax, torch.full_like(gmax, float("inf"))).to(h.dtype)
-            magnitudes = torch.abs(h, out=scratch[: layer.numel])
-            if full:
-                _at_least(magnitudes[:full].view(-1, size), threshold[: full // size].unsqueeze(1),
-                          mask[:full].view(-1, size))  # fmt: skip
-            if full < layer.numel:
-                _at_least(magnitudes[full:], threshold[-1:], mask[full:])
-            scales.append(gmax.mean().to(_WIRE))
+        if not ctx.layers:
+            return chosen.view(torch.uint8).zero_(), torch.zeros(0, dtype=_WIRE, device=residue_plus_grad.device)
+        # every layer's bins at once (adacomp_bins.py): the maxima of |G|, each element against its bin's
+        plan = bin_plan(ctx.layers, self.bin_size, residue_plus_grad.device)
+        gmax = plan.maxima(residue_plus_grad)
+        # an all-zero bin sends nothing (its maximum would select every element)
+        threshold = torch.where(gmax > 0, gmax, torch.full_like(gmax, float("inf"))).to(soft.dtype)
+        _at_least(soft.abs(), plan.expand(threshold), chosen)
+        scale = plan.means(gmax.to(torch.promote_types(gmax.dtype, torch.float32))).to(_WIRE)
         codes = torch.gt(residue_plus_grad, 0).view(torch.uint8).add(1).mul_(chosen.view(torch.uint8))
-        scale = torch.stack(scales) if scales else torch.zeros(0, dtype=_WIRE, device=residue_plus_grad.device)
         return codes, scale
 
     def _values(self, codes: Tensor, scales: Tensor, ctx: BucketContext, dtype: torch.dtype) -> Tensor:

@@ -11,12 +11,14 @@ from lightning_gradcomp.compressors.base import (
     BucketContext,
     Collective,
     Compressor,
+    Layer,
     Payload,
     keep_count,
 )
 from lightning_gradcomp.compressors.exchange import AllReduce, Broadcast, Exchange, SentExactly
-from lightning_gradcomp.compressors.sparse import SparseLayout, decode_sparse, encode_sparse, sparse_layout
-from lightning_gradcomp.compressors.sparsify import topk_indices
+from lightning_gradcomp.compressors.layer_topk import layer_topk
+from lightning_gradcomp.compressors.sparse import SparseLayout, sparse_layout
+from lightning_gradcomp.compressors.sparse_blob import decode_blob, encode_full_blob
 from lightning_gradcomp.validation import check_ratio
 
 
@@ -102,18 +104,14 @@ class ScaleCom(Compressor):
         """As the leader: the index blob of this rank's top-k, and its values there."""
         layout = self._layout(ctx)
         blob = self._indices(tensor, layout)
-        indices = decode_sparse(layout, blob)
-        return blob, torch.cat([tensor.index_select(0, idx) for idx in indices]) if indices else tensor.new_empty(0)
+        return blob, tensor.index_select(0, _decoded(layout, blob))
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """The values scattered into zeros at the payload's indices."""
         blob, values = payload
         layout = self._layout(ctx)
         out = ctx.output(out, zeros=True)
-        indices = decode_sparse(layout, blob)
-        if indices:
-            out.index_copy_(0, torch.cat(indices), values.to(ctx.dtype))
-        return out
+        return out.index_copy_(0, _decoded(layout, blob), values.to(ctx.dtype))
 
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: broadcast of the leader's indices, all-reduce of everyone's values at them
@@ -137,7 +135,7 @@ class ScaleCom(Compressor):
         else:  # filled by the broadcast; the size depends only on the layout
             blob = torch.zeros(index_blob_nbytes(layout), dtype=torch.uint8, device=ctx.device)
         (shared,) = yield Broadcast((blob,), src=leader)
-        indices = torch.cat(decode_sparse(layout, shared)) if layout.segments else shared.long()
+        indices = _decoded(layout, shared)
         values = tensor.index_select(0, indices).div_(ctx.world_size)  # dividing first: half sums stay in range
         yield SentExactly(indices)  # r = p with the sent entries zeroed (the values are a copy)
         (average,) = yield AllReduce((values,))
@@ -157,17 +155,27 @@ def top_k_blob(tensor: Tensor, layout: SparseLayout, *, order: str | None = None
     the selection returns them; ``"index"``, increasing (a bitmap always decodes in that order), so the decoded
     indices are sorted; ``"value"``, largest signed value first (LGC's value order; the layout must send lists).
     """
-    picked = []
-    for segment in layout.segments:
-        flat = segment.layer.flat(tensor)
-        idx = topk_indices(flat, segment.slots)
-        if order == "index":
-            idx = idx.sort().values
-        elif order == "value":
-            idx = idx[torch.argsort(flat[idx], descending=True, stable=True)]
-        picked.append(idx)
-    blob = encode_sparse(layout, picked, None, tensor, ordered_=order == "value")[0]
+    if not layout.segments:
+        return torch.zeros(0, dtype=torch.uint8, device=tensor.device)
+    layers = [segment.layer for segment in layout.segments]
+    picked = layer_topk(tensor, layers, [segment.slots for segment in layout.segments])
+    if order == "index":  # the layers lie in increasing offsets: one sort orders every layer's
+        picked = picked.sort().values
+    elif order == "value":  # by value, then by layer, both stable: every layer's largest value first
+        picked = picked.index_select(0, torch.sort(tensor.index_select(0, picked), descending=True, stable=True)[1])
+        layer = torch.searchsorted(_ends(layers, tensor.device), picked, right=True)
+        picked = picked.index_select(0, torch.sort(layer, stable=True)[1])
+    blob = encode_full_blob(layout, picked)
     return torch.nn.functional.pad(blob, (0, index_blob_nbytes(layout) - blob.numel()))
+
+
+def _ends(layers: list[Layer], device: torch.device) -> Tensor:
+    return torch.tensor([layer.offset + layer.numel for layer in layers], dtype=torch.int64, device=device)
+
+
+def _decoded(layout: SparseLayout, blob: Tensor) -> Tensor:
+    """Every flat index of a (padded) index blob, at once (:func:`decode_blob`)."""
+    return decode_blob(layout, blob[: layout.nbytes]) if layout.segments else blob.long()
 
 
 def index_blob_nbytes(layout: SparseLayout) -> int:

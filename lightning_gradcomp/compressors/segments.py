@@ -23,18 +23,21 @@ a boundary crosses are rewritten afterwards.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.context import Layer
 
-__all__ = ["ROW", "AlignedRows", "GroupLayout", "Segments", "segments_of"]
+__all__ = ["ROW", "AlignedRows", "GroupLayout", "LayoutCache", "Segments", "segments_of"]
 
 ROW = 1024  # elements per row: long enough for a vectorised row reduction, short enough that padding is little
 _CACHE_SIZE = 64
+
+Built = TypeVar("Built")
 
 #: A row reduction: a ``[rows, width]`` matrix to one value per row.
 RowReduction = Callable[[Tensor], Tensor]
@@ -92,6 +95,10 @@ class AlignedRows:
                 break
             starts = _cumulative(lengths)
             width = ROW
+
+    def row_values(self, tensor: Tensor, reduction: RowReduction, fill: float | bool = 0) -> Tensor:
+        """Every row's value at the first level (rows of ``width``, padded with ``fill``), segment after segment."""
+        return _reduce_level(tensor, self.levels[0], reduction, fill)
 
     def reduce(self, tensor: Tensor, first: RowReduction, then: RowReduction, fill: float | bool = 0) -> Tensor:
         """One value per segment, in the segments' order.
@@ -260,17 +267,33 @@ def _group_layout(starts: list[int], lengths: list[int], numel: int, width: int,
                        torch.tensor(layers, dtype=torch.int64, device=device))  # fmt: skip
 
 
-_SEGMENTS: OrderedDict[tuple, Segments] = OrderedDict()
+class LayoutCache(Generic[Built]):
+    """What was built for a layout (index tensors on a device), by key, the most recent ``size`` kept."""
+
+    def __init__(self, size: int = _CACHE_SIZE) -> None:
+        self.size = size
+        self._found: OrderedDict[Hashable, Built] = OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], Built]) -> Built:
+        """The value kept under ``key``, built by ``build()`` when missing."""
+        found = self._found.get(key)
+        if found is None:
+            found = self._found[key] = build()
+            if len(self._found) > self.size:
+                self._found.popitem(last=False)
+        else:
+            self._found.move_to_end(key)
+        return found
+
+    def clear(self) -> None:
+        """Forget everything kept."""
+        self._found.clear()
+
+
+_SEGMENTS: LayoutCache[Segments] = LayoutCache()
 
 
 def segments_of(layers: Sequence[Layer], device: torch.device) -> Segments:
     """The :class:`Segments` of ``layers`` on ``device``, built once per layout (the most recent 64 kept)."""
     key = (tuple((layer.offset, layer.numel) for layer in layers), str(device))
-    found = _SEGMENTS.get(key)
-    if found is None:
-        found = _SEGMENTS[key] = Segments(layers, device)
-        if len(_SEGMENTS) > _CACHE_SIZE:
-            _SEGMENTS.popitem(last=False)
-    else:
-        _SEGMENTS.move_to_end(key)
-    return found
+    return _SEGMENTS.get(key, lambda: Segments(layers, device))

@@ -17,6 +17,7 @@ from lightning_gradcomp.compressors.base import (
     keep_count,
 )
 from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentExactly
+from lightning_gradcomp.compressors.layer_topk import layer_topk
 from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
 from lightning_gradcomp.compressors.random_subsets import shared_subsets, stream_key
 from lightning_gradcomp.compressors.sparse_shards import SPARSE_TRANSPORTS, SparseShards, owner_exchange, route_pairs
@@ -93,7 +94,9 @@ class TopK(SparseShards, SparseTransport, Compressor):
 
     Top-k sparsification with error feedback (Aji & Heafield, 2017, "Sparse Communication for Distributed Gradient
     Descent"; Stich et al., 2018, "Sparsified SGD with Memory"): every compressed layer keeps
-    ``max(1, int(ratio * numel))`` entries; what is not sent stays in the error-feedback residual. Indices differ
+    ``max(1, int(ratio * numel))`` entries; what is not sent stays in the error-feedback residual. A bucket's layers
+    are selected at once (:func:`~lightning_gradcomp.compressors.layer_topk.layer_topk`: a few operators per bucket,
+    not per layer); where magnitudes tie at a layer's k-th value, the lowest indices are kept. Indices differ
     between ranks, so payloads are all-gathered and each rank sums them in rank order. A payload costs
     ``k * (4 + 4)`` bytes for fp32 gradients.
 
@@ -161,12 +164,8 @@ class TopK(SparseShards, SparseTransport, Compressor):
         return summed.div_(ctx.world_size)
 
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
-        """Values and flat indices of each layer's top-k."""
-        picked = []
-        for layer in ctx.layers:
-            k = keep_count(layer.numel, self.level(layer))
-            picked.append(topk_indices(layer.flat(tensor), k) + layer.offset)
-        indices = torch.cat(picked)
+        """Values and flat indices of each layer's top-k, every layer's selected at once (:func:`layer_topk`)."""
+        indices = layer_topk(tensor, ctx.layers, [keep_count(layer.numel, self.level(layer)) for layer in ctx.layers])
         return tensor.index_select(0, indices), indices.to(_index_dtype(ctx.numel))
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
