@@ -20,15 +20,17 @@ Bytes per step are what the package's telemetry counts: ``OuterState.bytes_sent`
 send), ``CompressedDDP``'s telemetry for PowerSGD, and the gradients' bytes for plain DDP (what the telemetry counts
 for an all-reduce: the buffer sent).
 
-``convergence``: the language task (``TextDataModule`` on Python's standard library, bytes), 2 workers, plain DDP
-against ``DiLoCo`` at equal steps, for several seeds (``nice`` it: it is not timed); validation loss against steps
-and against wall-clock time.
+``convergence``: the language task (``TextDataModule`` on Python's standard library, bytes), ``--workers`` worker
+processes (2 by default), plain DDP against ``DiLoCo`` at equal steps, its outer exchange in fp32 or through
+``MinMax(bits=8)``, ``MinMax(bits=4)`` or ``SparseLoCo()``, for several seeds (``nice`` it: it is not timed);
+validation loss against steps and against wall-clock time.
 
 Examples::
 
     python benchmarks/diloco.py steps --rates 100mbit --configs compute ddp probe-minmax8 --quick
     python benchmarks/diloco.py steps --out benchmarks/results/diloco_steps
     nice -n 10 python benchmarks/diloco.py convergence --seeds 0 1 2 --out benchmarks/results/diloco_convergence
+    nice -n 10 python benchmarks/diloco.py convergence --seeds 0 --configs ddp diloco-h50-minmax8 --workers 4
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import sys
 import tempfile
 import time
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RATES = ["10mbit", "100mbit", "1gbit"]
@@ -60,10 +62,14 @@ CONVERGENCE_CONFIGS = ["ddp", "diloco-h50"]
 # ----------------------------------------------------------------------------------------------------------------
 
 
+OUTER_COMPRESSORS = ("minmax8", "minmax4", "sparseloco")
+
+
 def _compressor(name: str) -> Any:
+    """``none`` or one of ``OUTER_COMPRESSORS``: ``MinMax(bits=8)``, ``MinMax(bits=4)``, ``SparseLoCo()``."""
     from lightning_gradcomp.compressors import MinMax, SparseLoCo
 
-    return {"none": None, "minmax8": MinMax(bits=8), "sparseloco": SparseLoCo()}[name]
+    return {"none": None, "minmax8": MinMax(bits=8), "minmax4": MinMax(bits=4), "sparseloco": SparseLoCo()}[name]
 
 
 def _strategy(spec: dict) -> Any:
@@ -87,24 +93,39 @@ def _strategy(spec: dict) -> Any:
             sync_every=100, compressor=_compressor("minmax8"), fragments=spec["fragments"] if streaming else 1,
             overlap_steps=spec["overlap_steps"] if streaming else 0,
         )  # fmt: skip
-    # convergence: diloco-h<H>[-lr<outer lr>][-m<outer momentum>]
-    sync_every, outer_lr, momentum = parse_diloco_config(config)
-    outer = partial(torch.optim.SGD, lr=outer_lr, momentum=momentum, nesterov=momentum > 0)
-    return DiLoCo(sync_every=sync_every, outer_optimizer=outer)
+    # convergence: diloco-h<H>[-lr<outer lr>][-m<outer momentum>][-<outer compressor>]
+    parsed = parse_diloco_config(config)
+    outer = partial(torch.optim.SGD, lr=parsed.outer_lr, momentum=parsed.momentum, nesterov=parsed.momentum > 0)
+    return DiLoCo(sync_every=parsed.sync_every, outer_optimizer=outer, compressor=_compressor(parsed.compressor))
 
 
-DILOCO_CONFIG = re.compile(r"diloco-h([1-9][0-9]*)(?:-lr([0-9]*\.?[0-9]+))?(?:-m(0|0?\.[0-9]+))?")
+class DiLoCoConfig(NamedTuple):
+    """A convergence configuration's DiLoCo: H, the outer SGD's lr and momentum, the outer exchange's compressor."""
+
+    sync_every: int
+    outer_lr: float
+    momentum: float
+    compressor: str  # "none" (fp32) or one of OUTER_COMPRESSORS
 
 
-def parse_diloco_config(config: str) -> tuple[int, float, float]:
-    """``diloco-h<H>[-lr<outer lr>][-m<outer momentum>]`` as (H, outer lr, outer momentum); the defaults are the
-    paper's outer Nesterov SGD, lr 0.7, momentum 0.9 (momentum 0 is plain SGD: lr 1.0 averages the replicas)."""
+DILOCO_CONFIG = re.compile(
+    r"diloco-h([1-9][0-9]*)(?:-lr([0-9]*\.?[0-9]+))?(?:-m(0|0?\.[0-9]+))?(?:-(" + "|".join(OUTER_COMPRESSORS) + "))?"
+)
+
+
+def parse_diloco_config(config: str) -> DiLoCoConfig:
+    """``diloco-h<H>[-lr<outer lr>][-m<outer momentum>][-<outer compressor>]`` as a ``DiLoCoConfig``; the defaults
+    are the paper's outer Nesterov SGD, lr 0.7, momentum 0.9 (momentum 0 is plain SGD: lr 1.0 averages the replicas),
+    and an uncompressed (fp32) outer exchange."""
     match = DILOCO_CONFIG.fullmatch(config)
     if match is None or float(match.group(2) or 0.7) <= 0:
         raise ValueError(
-            f"--configs: expected ddp or diloco-h<H>[-lr<outer lr>][-m<momentum in [0, 1)>], got {config!r}"
+            "--configs: expected ddp or diloco-h<H>[-lr<outer lr>][-m<momentum in [0, 1)>]"
+            f"[-{'|'.join(OUTER_COMPRESSORS)}], got {config!r}"
         )
-    return int(match.group(1)), float(match.group(2) or 0.7), float(match.group(3) or 0.9)
+    return DiLoCoConfig(
+        int(match.group(1)), float(match.group(2) or 0.7), float(match.group(3) or 0.9), match.group(4) or "none"
+    )
 
 
 def _worker(spec: dict) -> None:
@@ -397,7 +418,7 @@ def run_convergence(args: argparse.Namespace) -> None:
              "n_embd": args.n_embd, "lr": args.lr, "warmup_steps": args.lr_warmup}  # fmt: skip
     runs = []
     for seed in args.seeds:  # one launch per seed, its configurations in turn
-        spec = {"task": "convergence", "world": 2, "threads": 1, "alone": False, "model": model,
+        spec = {"task": "convergence", "world": args.workers, "threads": 1, "alone": False, "model": model,
                 "batch_size": args.batch_size, "val_every": args.val_every, "val_batches": args.val_batches,
                 "runs": [{"config": c, "seed": seed, "steps": args.steps} for c in args.configs]}  # fmt: skip
         begin = time.time()
@@ -405,8 +426,8 @@ def run_convergence(args: argparse.Namespace) -> None:
             runs.append({"seed": seed, "config": run["config"], **record})
         print(f"# seed {seed}: {time.time() - begin:.0f} s", file=sys.stderr, flush=True)
     lines = [
-        f"GPT ({args.n_layer} blocks, width {args.n_embd}), bytes of the standard library, 2 workers x batch"
-        f" {args.batch_size} x {args.seq_len}, AdamW lr {args.lr}, {args.steps} steps; validation loss"
+        f"GPT ({args.n_layer} blocks, width {args.n_embd}), bytes of the standard library, {args.workers} workers"
+        f" x batch {args.batch_size} x {args.seq_len}, AdamW lr {args.lr}, {args.steps} steps; validation loss"
         f" ({args.val_batches} batches) at the last step, mean ± std over seeds {args.seeds}:",
         "",
         "| configuration | final val loss | vs plain DDP | wall-clock (s) |",
@@ -497,9 +518,11 @@ def main() -> None:
     steps.add_argument("--out", default=os.path.join(HERE, "results", "diloco_steps"), help="writes OUT.md, OUT.json")
     conv = sub.add_parser("convergence", help="validation loss of plain DDP and DiLoCo on the language task")
     conv.add_argument("--configs", nargs="+", default=CONVERGENCE_CONFIGS,
-                      help="ddp, or diloco-h<H>[-lr<outer lr>][-m<outer momentum>] (e.g. diloco-h50,"
-                           " diloco-h20-lr1.0-m0; default outer Nesterov SGD lr 0.7 momentum 0.9, momentum 0 is plain"
-                           " SGD)")  # fmt: skip
+                      help="ddp, or diloco-h<H>[-lr<outer lr>][-m<outer momentum>][-minmax8|-minmax4|-sparseloco]"
+                           " (e.g. diloco-h50, diloco-h20-lr1.0-m0, diloco-h50-lr0.7-m0.5-minmax8; default outer"
+                           " Nesterov SGD lr 0.7 momentum 0.9, momentum 0 is plain SGD; the suffix compresses the"
+                           " outer exchange: MinMax(bits=8), MinMax(bits=4), SparseLoCo(); default fp32)")  # fmt: skip
+    conv.add_argument("--workers", type=int, default=2, help="worker processes (ranks)")
     conv.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     conv.add_argument("--steps", type=int, default=400)
     conv.add_argument("--val-every", type=int, default=50)
@@ -518,6 +541,8 @@ def main() -> None:
             args.n_layer, args.n_embd, args.compute_steps, args.dense_steps = 1, 64, 3, 2
         run_steps(args)
     else:
+        if args.workers < 1:
+            parser.error(f"--workers: expected an integer >= 1, got {args.workers}")
         for config in args.configs:
             if config != "ddp":
                 try:
