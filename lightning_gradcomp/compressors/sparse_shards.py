@@ -30,7 +30,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections import OrderedDict
 
 import torch
 from torch import Tensor
@@ -38,6 +37,7 @@ from torch import Tensor
 from lightning_gradcomp import wire
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.compressors.exchange import AllGather, AllToAll, Exchange, SentAt
+from lightning_gradcomp.compressors.segments import LayoutCache
 from lightning_gradcomp.compressors.transport import by_owner, owner_map, zen_seed
 from lightning_gradcomp.compressors.two_phase import next_owner_residuals
 
@@ -100,7 +100,7 @@ class Owners:
     starts: Tensor
 
 
-_OWNERS: OrderedDict[tuple, Owners] = OrderedDict()
+_OWNERS: LayoutCache[Owners] = LayoutCache(size=4)
 _OWNERS_LOCK = threading.Lock()  # rounds run on the collectives' threads
 
 
@@ -109,21 +109,15 @@ def device_owners(numel: int, world_size: int, seed: int, device: torch.device) 
 
     Built on the CPU, where the owners' sizes are read on the host without waiting for a device.
     """
-    key = (numel, world_size, seed, str(device))
+
+    def build() -> Owners:
+        omap = owner_map(numel, world_size, seed, torch.device("cpu"))
+        starts = torch.tensor((0, *omap.sizes[:-1]), dtype=torch.int64).cumsum(0)
+        return Owners(omap.owners.to(device), omap.positions.to(device), omap.order.to(device), omap.sizes,
+                      starts.to(device))  # fmt: skip
+
     with _OWNERS_LOCK:
-        cached = _OWNERS.get(key)
-        if cached is not None:
-            _OWNERS.move_to_end(key)
-            return cached
-    omap = owner_map(numel, world_size, seed, torch.device("cpu"))
-    starts = torch.tensor((0, *omap.sizes[:-1]), dtype=torch.int64).cumsum(0)
-    built = Owners(omap.owners.to(device), omap.positions.to(device), omap.order.to(device), omap.sizes,
-                   starts.to(device))  # fmt: skip
-    with _OWNERS_LOCK:
-        _OWNERS[key] = built
-        while len(_OWNERS) > 4:
-            _OWNERS.popitem(last=False)
-    return built
+        return _OWNERS.get((numel, world_size, seed, str(device)), build)
 
 
 @dataclasses.dataclass(frozen=True)
