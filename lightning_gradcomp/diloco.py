@@ -50,11 +50,13 @@ from lightning_gradcomp.outer_monitor import OuterMonitor
 from lightning_gradcomp.process_groups import hand_off_gil, release_round_groups, side_group
 from lightning_gradcomp.rank_state import remove_rank_states
 from lightning_gradcomp.replica_groups import ReplicaGroups, average_in_group, replica_groups_for
-from lightning_gradcomp.validation import check_bool
+from lightning_gradcomp.validation import check_bool, check_choice
 
 log = logging.getLogger(__name__)
 
 _MiscError = MisconfigurationException
+
+SIGTERM_CHECKS = ("sync", "step")  # DiLoCo's ``sigterm_check``: once per sync period, or at every step as Lightning
 def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
     """Parameter indices cut into ``fragments`` consecutive runs of about equal size (in elements).
 
@@ -122,6 +124,10 @@ class DiLoCo(DDPStrategy):
             step and a summary line at the end of ``fit``) unless the trainer has one.
         compressor: average the pseudo-gradient through this compressor, with each rank's error feedback kept
             across outer steps (``None``: a plain all-reduce); see "Compressing the outer exchange" in the docs.
+        sigterm_check: when the ranks agree on a SIGTERM that rank 0 received (Lightning broadcasts rank 0's flag
+            on the default group, then every rank stops). ``"sync"``: once per sync period (every
+            ``sync_every / fragments`` steps, when no exchange is in flight), so that inner steps cross no wire;
+            ``"step"``: at every step, as Lightning does, at the cost of one round trip of the link per step.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``start_method``, ...).
 
@@ -150,9 +156,11 @@ class DiLoCo(DDPStrategy):
         replica_group: int | str | None = None,
         monitor: bool = True,
         compressor: Compressor | None = None,
+        sigterm_check: str = "sync",
         **kwargs: Any,
     ) -> None:
         check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
+        self.sigterm_check = check_choice(sigterm_check, "sigterm_check", SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
         super().__init__(**strategy_kwargs(kwargs))
@@ -168,6 +176,7 @@ class DiLoCo(DDPStrategy):
         self._shared_exchange: dict[str, Any] | None = None  # rank 0's compressor state, on another world size
         self._local: list[Tensor] | None = None  # this rank's parameters and buffers while validation runs on global
         self._synchronous = False
+        self._gated_loop: Any = None  # the training loop whose per-step SIGTERM broadcast this strategy gates
 
     @classmethod
     @override
@@ -240,10 +249,46 @@ class DiLoCo(DDPStrategy):
         names = [n for n, p in self._module().named_parameters() if p.requires_grad]
         self._outer.attach(params, self._buffers(), fragments=len(self._fragments), names=names)
         self._attached = True
+        if self.sigterm_check == "sync" and self.world_size > 1:
+            self._gate_sigterm_broadcast(trainer)
         if self._restored is not None:
             self._restore(self._restored)
         self._restored = None
         rank_zero_info(_setup_line(self, self._params()))
+
+    def _gate_sigterm_broadcast(self, trainer: pl.Trainer) -> None:
+        """Let Lightning's per-step SIGTERM broadcast run only once a sync period, when no exchange is in flight.
+
+        The broadcast is one element, but on a slow link it costs a round trip per step, and while a streamed fragment
+        is on the wire it waits in the link's queue behind it. The decision reads the phase in the round, the same on
+        every rank, so every rank broadcasts at the same steps.
+        """
+        loop = trainer.fit_loop.epoch_loop
+        broadcast = getattr(type(loop), "_broadcast_sigterm_tensor", None)
+        if broadcast is None:  # a Lightning without the per-step broadcast: nothing to gate
+            return
+
+        def gated() -> None:
+            if self._checks_sigterm_now():
+                broadcast(loop)
+
+        loop.__dict__["_broadcast_sigterm_tensor"] = gated  # an instance attribute: other trainers keep theirs
+        self._gated_loop = loop
+
+    def _checks_sigterm_now(self) -> bool:
+        """Whether the coming step takes Lightning's SIGTERM broadcast: in dense steps always, else once a period.
+
+        Once a period is the step right after the period's exchange completed: ``overlap_steps`` steps after it
+        started (at once without overlap), so the broadcast never queues behind an exchange on the link.
+        """
+        if not self._attached or self.synchronous:
+            return True
+        return self._outer.phase % (self.sync_every // self.fragments) == self.overlap_steps
+
+    def _ungate_sigterm_broadcast(self) -> None:
+        if self._gated_loop is not None:
+            self._gated_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            self._gated_loop = None
 
     def _module(self) -> pl.LightningModule:
         if self.lightning_module is None:
@@ -478,6 +523,7 @@ class DiLoCo(DDPStrategy):
             if self._outer.exchange is not None:
                 release_round_groups(self._outer.process_group or dist.group.WORLD)
             hand_off_gil()
+        self._ungate_sigterm_broadcast()
         self._attached = False
         self._local = None
         self._own = self._shared_exchange = None

@@ -76,6 +76,7 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4f2": _diloco(sync_every=4, fragments=2),
     "diloco-h4-offload": _diloco(sync_every=4, offload=True),
     "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
+    "diloco-h4-sigterm-every-step": _diloco(sync_every=4, sigterm_check="step"),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
     # with DenseWarmup(steps=W) (WARMUP_STEPS): W steps of plain data parallelism, then the rounds
     "diloco-h2-w3": _diloco(sync_every=2),

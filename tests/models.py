@@ -202,6 +202,7 @@ class RecordRounds(Callback):
 
         self._counter = CountAllReduces(outer_module.dist)
         outer_module.dist = self._counter
+        self._world_at_end = collectives_so_far()
 
     @staticmethod
     def _flat(tensors) -> torch.Tensor:
@@ -222,12 +223,15 @@ class RecordRounds(Callback):
                 "global_step": trainer.global_step,
                 "collectives": collectives_so_far(self._group) - self._before,
                 "world_collectives": collectives_so_far() - self._world_before,  # the default group's alone
+                # the default group's since the last step ended: also Lightning's loop, before the batch starts
+                "world_collectives_since_last_step": collectives_so_far() - self._world_at_end,
                 "all_reduced": (self._counter.nbytes if self._counter else 0) - self._reduced_before,
                 "phase": outer.phase,
                 "params": self._flat(pl_module.parameters()),
                 "global": self._flat(outer.params),
             }
         )
+        self._world_at_end = collectives_so_far()
 
     def on_validation_batch_start(self, trainer, pl_module, batch, batch_idx, dataloader_idx=0) -> None:
         if trainer.state.fn == "fit":

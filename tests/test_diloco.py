@@ -34,6 +34,7 @@ LAUNCH = [
     "ddp:eager",
     "diloco-h1:eager",
     "diloco-h4:steps8",
+    "diloco-h4-sigterm-every-step:steps8",
     "diloco-h2:eager",
     "diloco-h2:manual",
     "diloco-h2:accumulate2",
@@ -250,6 +251,23 @@ def test_no_collective_on_an_inner_step_and_replicas_identical_after_every_sync(
             assert torch.equal(mine["params"], theirs["params"])
             assert torch.equal(mine["params"], mine["global"])
     assert_replicas_identical(ranks, "the ranks after fit")
+
+
+def test_the_sigterm_broadcast_runs_once_a_period_when_no_exchange_is_in_flight(launch):
+    """Lightning's per-step broadcast of rank 0's SIGTERM flag, the one collective of an inner step on the default
+    group, runs at the step after each period's exchange has completed, and at every step with ``"step"``."""
+    _, _, records = launch
+    # the step (1-based) whose start takes the broadcast: phase % period == overlap_steps before it
+    expected = {
+        "diloco-h4:steps8": {1, 5},  # period 4, no overlap: the first step of each round
+        "diloco-h4t1:steps8": {2, 6},  # period 4, the exchange applied 1 step after it started
+        "diloco-h4f2t1:steps8": {2, 4, 6, 8},  # period 2 (2 fragments), overlap 1
+        "diloco-h4-sigterm-every-step:steps8": set(range(1, 9)),  # Lightning's own: every step (the control)
+    }
+    for name, steps in expected.items():
+        for rank in records[name]:
+            moved = [s["world_collectives_since_last_step"] for s in rank["steps"]]
+            assert moved == [1 if i + 1 in steps else 0 for i in range(8)], name
 
 
 def test_fragments_sync_every_parameter_exactly_once_per_round(launch):
