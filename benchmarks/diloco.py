@@ -91,7 +91,7 @@ def _strategy(spec: dict) -> Any:
         streaming = config.endswith("streaming")
         return DiLoCo(
             sync_every=100, compressor=_compressor("minmax8"), fragments=spec["fragments"] if streaming else 1,
-            overlap_steps=spec["overlap_steps"] if streaming else 0,
+            overlap_steps=spec["overlap_steps"] if streaming else 0, sigterm_check=spec["sigterm_check"],
         )  # fmt: skip
     # convergence: diloco-h<H>[-lr<outer lr>][-m<outer momentum>][-<outer compressor>]
     parsed = parse_diloco_config(config)
@@ -257,7 +257,7 @@ def measure_steps(rate: str, args: argparse.Namespace, namespace: str | None) ->
     model = _step_model(args)
     base = {"task": "steps", "world": args.workers, "threads": 1, "seed": 0, "model": model,
             "batch_size": args.batch_size, "probe_every": args.probe_every, "fragments": args.fragments,
-            "overlap_steps": args.overlap_steps}  # fmt: skip
+            "overlap_steps": args.overlap_steps, "sigterm_check": args.sigterm_check}  # fmt: skip
     plan = []
     for config in args.configs:
         if config in ("ddp", "powersgd"):
@@ -513,6 +513,9 @@ def main() -> None:
     steps.add_argument("--sync-every", type=int, nargs="+", default=[20, 100, 500], help="H of the composed rows")
     steps.add_argument("--fragments", type=int, default=5, help="fragments of h100-minmax8-streaming")
     steps.add_argument("--overlap-steps", type=int, default=15, help="overlap_steps of h100-minmax8-streaming")
+    steps.add_argument("--sigterm-check", choices=["sync", "step"], default="sync",
+                       help="sigterm_check of the h100-* configurations (Lightning's SIGTERM broadcast once per "
+                       "sync period, or at every step)")  # fmt: skip
     steps.add_argument("--quick", action="store_true",
                        help="a tiny model and few steps, to check the harness (numbers meaningless)")  # fmt: skip
     steps.add_argument("--out", default=os.path.join(HERE, "results", "diloco_steps"), help="writes OUT.md, OUT.json")

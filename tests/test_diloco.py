@@ -575,6 +575,7 @@ def test_registered_by_name():
         ({"sync_every": 4, "fragments": 2, "overlap_steps": 2}, "`overlap_steps` to be an integer in [0, 1], got 2"),
         ({"outer_optimizer": 0.7}, "Expected `outer_optimizer` to be a callable"),
         ({"offload": 1}, "Expected `offload` to be True or False, got 1."),
+        ({"sigterm_check": "never"}, "Expected `sigterm_check` to be one of 'sync', 'step', got 'never'."),
         ({"bucket_cap_mb": 25}, "DiLoCo does not accept `bucket_cap_mb`=25"),
         ({"sync_evry": 5}, "Did you mean `sync_every`?"),
         ({"ddp_comm_hook": print}, "DiLoCo does not accept `ddp_comm_hook`"),
