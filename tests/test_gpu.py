@@ -176,7 +176,7 @@ def test_two_processes_share_the_gpu_over_gloo_and_stay_identical(name):
         assert torch.equal(a, b)
 
 
-def _fit_with_lightning(rank, world_size, accelerator="gpu"):
+def _fit_with_lightning(rank, world_size, accelerator="gpu", strategy=None):
     import lightning as L
 
     from lightning_gradcomp import CompressedDDP
@@ -197,7 +197,8 @@ def _fit_with_lightning(rank, world_size, accelerator="gpu"):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(64, 3, 16, 16, generator=g), torch.randint(0, 10, (64,), generator=g)
     data = torch.utils.data.TensorDataset(x, y)
-    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=CompressedDDP(compressor=PowerSGD(rank=2)),
+    strategy = CompressedDDP(compressor=PowerSGD(rank=2)) if strategy is None else strategy
+    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=strategy,
                         max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
     module = Module()
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
@@ -209,6 +210,29 @@ def test_lightning_trainer_fits_with_compressed_ddp_on_the_gpu(in_process_ddp):
     params = _fit_with_lightning(0, 1)
     assert all(torch.isfinite(p).all() for p in params)
     assert not torch.equal(params[0], _model()[0].weight.detach())
+
+
+def _fit_diloco(accelerator, offload):
+    """DiLoCo with an 8-bit outer exchange, 2 rounds of 2 steps: the parameters after ``fit`` and the outer state."""
+    from lightning_gradcomp import DiLoCo
+    from lightning_gradcomp.compressors import MinMax
+
+    strategy = DiLoCo(sync_every=2, offload=offload, compressor=MinMax(bits=8))
+    return _fit_with_lightning(0, 1, accelerator=accelerator, strategy=strategy), strategy.outer_state
+
+
+@needs_gpu
+def test_diloco_over_nccl_keeps_theta_global_on_the_gpu_or_offloads_it(in_process_ddp):
+    """DiLoCo on the GPU (NCCL, one process): theta_global and the outer momentum on the GPU, or in CPU memory with
+    ``offload=True``; the same model either way, to rounding (the outer step runs on the other device)."""
+    kept, kept_state = _fit_diloco("gpu", offload=False)
+    offloaded, offloaded_state = _fit_diloco("gpu", offload=True)
+    assert kept_state.params[0].is_cuda
+    assert not offloaded_state.params[0].is_cuda
+    assert kept_state.syncs == offloaded_state.syncs == 2
+    for a, b in zip(kept, offloaded):
+        torch.testing.assert_close(a, b)
+    assert not torch.equal(kept[0], _model()[0].weight.detach())  # it trained
 
 
 @needs_gpu
@@ -237,7 +261,7 @@ def test_this_file_still_runs_where_its_gpu_tests_are_skipped(in_process_ddp):
     """CI has no GPU, so the tests above are skipped there and could break unseen (a renamed configuration, a changed
     signature) until the next run on a GPU. Their parts run here on the CPU: every configuration they name exists and
     reduces (finite, the same on both ranks), the DDP helper trains (Identity bitwise plain DDP, as on NCCL), and the
-    Lightning fit trains."""
+    Lightning fits (CompressedDDP and DiLoCo) train."""
     for name in sorted({*DETERMINISTIC, *SYNCS, *NO_SYNC_METHODS}):
         for outs in _reduce_steps(name, "cpu"):
             assert torch.equal(outs[0], outs[1]), name
@@ -249,4 +273,7 @@ def test_this_file_still_runs_where_its_gpu_tests_are_skipped(in_process_ddp):
     assert not torch.equal(plain["params"][0], _model()[0].weight.detach())  # it trained
     params = _fit_with_lightning(0, 1, accelerator="cpu")  # in this process, as the GPU test runs it
     assert all(torch.isfinite(p).all() for p in params)
+    assert not torch.equal(params[0], _model()[0].weight.detach())
+    params, outer = _fit_diloco("cpu", offload=True)
+    assert outer.syncs == 2 and not outer.params[0].is_cuda
     assert not torch.equal(params[0], _model()[0].weight.detach())
