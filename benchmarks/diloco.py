@@ -22,8 +22,8 @@ for an all-reduce: the buffer sent).
 
 ``convergence``: the language task (``TextDataModule`` on Python's standard library, bytes), ``--workers`` worker
 processes (2 by default), plain DDP against ``DiLoCo`` at equal steps, its outer exchange in fp32 or through
-``MinMax(bits=8)``, ``MinMax(bits=4)`` or ``SparseLoCo()``, for several seeds (``nice`` it: it is not timed);
-validation loss against steps and against wall-clock time.
+``MinMax(bits=8)``, ``MinMax(bits=4)`` or ``SparseLoCo()``, optionally after a dense warm-up (``DenseWarmup``), for
+several seeds (``nice`` it: it is not timed); validation loss against steps and against wall-clock time.
 
 Examples::
 
@@ -31,6 +31,7 @@ Examples::
     python benchmarks/diloco.py steps --out benchmarks/results/diloco_steps
     nice -n 10 python benchmarks/diloco.py convergence --seeds 0 1 2 --out benchmarks/results/diloco_convergence
     nice -n 10 python benchmarks/diloco.py convergence --seeds 0 --configs ddp diloco-h50-minmax8 --workers 4
+    nice -n 10 python benchmarks/diloco.py convergence --seeds 0 --configs diloco-h50-w50 diloco-h50-w50-lr0.7-m0.5
 """
 
 from __future__ import annotations
@@ -93,39 +94,53 @@ def _strategy(spec: dict) -> Any:
             sync_every=100, compressor=_compressor("minmax8"), fragments=spec["fragments"] if streaming else 1,
             overlap_steps=spec["overlap_steps"] if streaming else 0, sigterm_check=spec["sigterm_check"],
         )  # fmt: skip
-    # convergence: diloco-h<H>[-lr<outer lr>][-m<outer momentum>][-<outer compressor>]
+    # convergence: diloco-h<H>[-w<dense warm-up steps>][-lr<outer lr>][-m<outer momentum>][-<outer compressor>]
     parsed = parse_diloco_config(config)
     outer = partial(torch.optim.SGD, lr=parsed.outer_lr, momentum=parsed.momentum, nesterov=parsed.momentum > 0)
     return DiLoCo(sync_every=parsed.sync_every, outer_optimizer=outer, compressor=_compressor(parsed.compressor))
 
 
 class DiLoCoConfig(NamedTuple):
-    """A convergence configuration's DiLoCo: H, the outer SGD's lr and momentum, the outer exchange's compressor."""
+    """A convergence configuration's DiLoCo: H, the outer SGD's lr and momentum, the outer exchange's compressor,
+    and the optimizer steps of plain data parallelism (``DenseWarmup(steps=...)``) before the first round."""
 
     sync_every: int
     outer_lr: float
     momentum: float
     compressor: str  # "none" (fp32) or one of OUTER_COMPRESSORS
+    warmup_steps: int  # 0: DiLoCo's rounds from the first step
 
 
 DILOCO_CONFIG = re.compile(
-    r"diloco-h([1-9][0-9]*)(?:-lr([0-9]*\.?[0-9]+))?(?:-m(0|0?\.[0-9]+))?(?:-(" + "|".join(OUTER_COMPRESSORS) + "))?"
+    r"diloco-h([1-9][0-9]*)(?:-w([1-9][0-9]*))?(?:-lr([0-9]*\.?[0-9]+))?(?:-m(0|0?\.[0-9]+))?"
+    r"(?:-(" + "|".join(OUTER_COMPRESSORS) + "))?"
 )
 
 
 def parse_diloco_config(config: str) -> DiLoCoConfig:
-    """``diloco-h<H>[-lr<outer lr>][-m<outer momentum>][-<outer compressor>]`` as a ``DiLoCoConfig``; the defaults
-    are the paper's outer Nesterov SGD, lr 0.7, momentum 0.9 (momentum 0 is plain SGD: lr 1.0 averages the replicas),
-    and an uncompressed (fp32) outer exchange."""
+    """``diloco-h<H>[-w<warm-up steps>][-lr<outer lr>][-m<outer momentum>][-<outer compressor>]`` as a
+    ``DiLoCoConfig``; the defaults are no dense warm-up, the paper's outer Nesterov SGD, lr 0.7, momentum 0.9
+    (momentum 0 is plain SGD: lr 1.0 averages the replicas), and an uncompressed (fp32) outer exchange."""
     match = DILOCO_CONFIG.fullmatch(config)
-    if match is None or float(match.group(2) or 0.7) <= 0:
+    if match is None or float(match.group(3) or 0.7) <= 0:
         raise ValueError(
-            "--configs: expected ddp or diloco-h<H>[-lr<outer lr>][-m<momentum in [0, 1)>]"
+            "--configs: expected ddp or diloco-h<H>[-w<warm-up steps >= 1>][-lr<outer lr>][-m<momentum in [0, 1)>]"
             f"[-{'|'.join(OUTER_COMPRESSORS)}], got {config!r}"
         )
+    sync_every, warmup, outer_lr, momentum, compressor = match.groups()
     return DiLoCoConfig(
-        int(match.group(1)), float(match.group(2) or 0.7), float(match.group(3) or 0.9), match.group(4) or "none"
+        int(sync_every), float(outer_lr or 0.7), float(momentum or 0.9), compressor or "none", int(warmup or 0)
     )
+
+
+def _warmup(config: str) -> list:
+    """A convergence configuration's ``DenseWarmup(steps=W)`` (its ``-w<W>``), or no callback."""
+    from lightning_gradcomp.callbacks import DenseWarmup
+
+    if not config.startswith("diloco-h"):
+        return []
+    steps = parse_diloco_config(config).warmup_steps
+    return [DenseWarmup(steps=steps)] if steps else []
 
 
 def _worker(spec: dict) -> None:
@@ -158,7 +173,7 @@ def _fit(spec: dict, rank: int, world: int) -> dict:
     common: dict[str, Any] = {
         "accelerator": "cpu", "devices": world, "max_steps": spec["steps"], "logger": False,
         "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-        "callbacks": [clock], "num_sanity_val_steps": 0, "max_epochs": -1,
+        "callbacks": [clock, *_warmup(spec["config"])], "num_sanity_val_steps": 0, "max_epochs": -1,
         "strategy": "auto" if spec["alone"] else _strategy(spec),
     }  # fmt: skip
     if spec["task"] == "steps":
@@ -521,10 +536,13 @@ def main() -> None:
     steps.add_argument("--out", default=os.path.join(HERE, "results", "diloco_steps"), help="writes OUT.md, OUT.json")
     conv = sub.add_parser("convergence", help="validation loss of plain DDP and DiLoCo on the language task")
     conv.add_argument("--configs", nargs="+", default=CONVERGENCE_CONFIGS,
-                      help="ddp, or diloco-h<H>[-lr<outer lr>][-m<outer momentum>][-minmax8|-minmax4|-sparseloco]"
-                           " (e.g. diloco-h50, diloco-h20-lr1.0-m0, diloco-h50-lr0.7-m0.5-minmax8; default outer"
-                           " Nesterov SGD lr 0.7 momentum 0.9, momentum 0 is plain SGD; the suffix compresses the"
-                           " outer exchange: MinMax(bits=8), MinMax(bits=4), SparseLoCo(); default fp32)")  # fmt: skip
+                      help="ddp, or diloco-h<H>[-w<W>][-lr<outer lr>][-m<outer momentum>]"
+                           "[-minmax8|-minmax4|-sparseloco] (e.g. diloco-h50, diloco-h20-lr1.0-m0,"
+                           " diloco-h50-w50-lr0.7-m0.5, diloco-h50-lr0.7-m0.5-minmax8; -w<W>: DenseWarmup(steps=W),"
+                           " plain data parallelism for the first W steps, then DiLoCo's rounds; default outer"
+                           " Nesterov SGD lr 0.7 momentum 0.9, momentum 0 is plain SGD; the last suffix compresses"
+                           " the outer exchange: MinMax(bits=8), MinMax(bits=4), SparseLoCo(); default"
+                           " fp32)")  # fmt: skip
     conv.add_argument("--workers", type=int, default=2, help="worker processes (ranks)")
     conv.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     conv.add_argument("--steps", type=int, default=400)

@@ -72,17 +72,26 @@ def test_no_benchmark_imports_the_test_suite_even_inside_a_function():
     assert not {s: m for s, m in offenders.items() if m}
 
 
-def test_diloco_benchmark_reads_its_outer_optimizer_from_the_config_name_and_refuses_a_bad_one():
-    from benchmarks.diloco import parse_diloco_config
+def test_diloco_benchmark_reads_its_outer_optimizer_and_warmup_from_the_config_name_and_refuses_a_bad_one():
+    from benchmarks.diloco import _warmup, parse_diloco_config
+    from lightning_gradcomp.callbacks import DenseWarmup
 
-    assert parse_diloco_config("diloco-h50") == (50, 0.7, 0.9, "none")  # the paper's outer Nesterov SGD, fp32
-    assert parse_diloco_config("diloco-h20-lr1.0-m0") == (20, 1.0, 0.0, "none")
-    assert parse_diloco_config("diloco-h50-lr0.5") == (50, 0.5, 0.9, "none")
-    assert parse_diloco_config("diloco-h50-m0.5") == (50, 0.7, 0.5, "none")
-    assert parse_diloco_config("diloco-h50-minmax8") == (50, 0.7, 0.9, "minmax8")
-    assert parse_diloco_config("diloco-h50-lr0.7-m0.5-sparseloco") == (50, 0.7, 0.5, "sparseloco")
+    assert parse_diloco_config("diloco-h50") == (50, 0.7, 0.9, "none", 0)  # the paper's outer Nesterov SGD, fp32
+    assert parse_diloco_config("diloco-h20-lr1.0-m0") == (20, 1.0, 0.0, "none", 0)
+    assert parse_diloco_config("diloco-h50-lr0.5") == (50, 0.5, 0.9, "none", 0)
+    assert parse_diloco_config("diloco-h50-m0.5") == (50, 0.7, 0.5, "none", 0)
+    assert parse_diloco_config("diloco-h50-minmax8") == (50, 0.7, 0.9, "minmax8", 0)
+    assert parse_diloco_config("diloco-h50-lr0.7-m0.5-sparseloco") == (50, 0.7, 0.5, "sparseloco", 0)
+    assert parse_diloco_config("diloco-h50-w100") == (50, 0.7, 0.9, "none", 100)
+    assert parse_diloco_config("diloco-h50-w50-lr1.0-m0-minmax4") == (50, 1.0, 0.0, "minmax4", 50)
+    (warmup,) = _warmup("diloco-h50-w30-m0.5")
+    assert isinstance(warmup, DenseWarmup)
+    assert (warmup.unit, warmup.length) == ("steps", 30)
+    assert _warmup("diloco-h50-m0.5") == []
+    assert _warmup("ddp") == []
     for bad in ("diloco-h0", "diloco-hx", "diloco-h50-lr0", "diloco-h50-m1", "diloco-h50-m0.5-lr1", "diloco-h5-m",
-                "diloco-h50-minmax2", "diloco-h50-minmax8-m0.5"):  # fmt: skip
+                "diloco-h50-minmax2", "diloco-h50-minmax8-m0.5", "diloco-h50-w0", "diloco-h50-w", "diloco-h50-w1.5",
+                "diloco-h50-m0.5-w50", "diloco-h50-w-5"):  # fmt: skip
         with pytest.raises(ValueError, match=f"--configs: expected ddp or diloco-h<H>.*got '{bad}'"):
             parse_diloco_config(bad)
     run = subprocess.run([sys.executable, "benchmarks/diloco.py", "convergence", "--configs", "ddp", "diloco-h50-m2"],
