@@ -275,5 +275,6 @@ def test_this_file_still_runs_where_its_gpu_tests_are_skipped(in_process_ddp):
     assert all(torch.isfinite(p).all() for p in params)
     assert not torch.equal(params[0], _model()[0].weight.detach())
     params, outer = _fit_diloco("cpu", offload=True)
-    assert outer.syncs == 2 and not outer.params[0].is_cuda
+    assert outer.syncs == 2
+    assert not outer.params[0].is_cuda
     assert not torch.equal(params[0], _model()[0].weight.detach())
