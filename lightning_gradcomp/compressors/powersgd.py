@@ -177,14 +177,14 @@ batch_same_shape=None, init='layer')
 
     def _load_queries(self, workspace: Workspace, ctx: BucketContext) -> None:
         """This step's queries into ``workspace.q_work``: the warm-start memory (one copy), else fresh draws."""
-        if self.warm_start and workspace.memory_ready:
-            workspace.q_work.copy_(workspace.q_memory)
+        memory = workspace.q_memory
+        if memory is not None and workspace.memory_ready:
+            workspace.q_work.copy_(memory)
             return
-        fresh: dict[str, Tensor] = {}
-        if self.warm_start:
+        if memory is not None:
             fresh = self._adopt_memory(workspace, ctx)
             if not fresh:
-                workspace.q_work.copy_(workspace.q_memory)
+                workspace.q_work.copy_(memory)
                 return
         else:
             fresh = self._random_host_queries(ctx)
@@ -225,7 +225,7 @@ batch_same_shape=None, init='layer')
         workspace.orthogonalize_queries(self.orthogonalization_epsilon)
         workspace.project(tensor)
         workspace.orthogonalize_projections(self.orthogonalization_epsilon)
-        workspace.back_project(tensor)
+        workspace.back_project()
         return workspace.gather(p=True), workspace.gather(p=False)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
@@ -256,7 +256,7 @@ batch_same_shape=None, init='layer')
         (p_summed,) = yield AllReduce((workspace.gather(p=True),))
         workspace.p_work.index_copy_(0, workspace.p_index, p_summed.view(-1))
         workspace.orthogonalize_projections(self.orthogonalization_epsilon)
-        workspace.back_project(tensor)  # Q^T = P^T M
+        workspace.back_project()  # Q^T = P^T M
         (q_summed,) = yield AllReduce((workspace.gather(p=False),))
         workspace.q_work.index_copy_(0, workspace.q_index, q_summed.view(-1)).div_(ctx.world_size)
         # ``out`` is spent (it holds g, or M without error feedback): reconstruct into it instead of allocating

@@ -4,9 +4,10 @@ A bucket's compressed matrices are grouped by shape (and rank), and every group 
 at equal distances in the flat gradient (two always do). A run is one strided view of the gradient, ``(b, n, m)``, so
 its products ``Q^T M^T`` and ``P^T M`` are one batched product each, without copying the matrices, and ``P Q^T`` is
 written straight into the output's view. The factors ``P^T`` and ``Q^T`` of every matrix live in two flat workspaces,
-each matrix's block at a 64-byte aligned offset; the payload is gathered from them and scattered back with one
-``index_select`` / ``index_copy_`` each. A bucket then costs a few operators per run, whatever its number of layers
-(ResNet-18's buckets hold 2 to 6 runs, ResNet-50's 3 to 19).
+each matrix's block at a 64-byte aligned offset and the blocks of one shape back to back, so Gram-Schmidt takes one
+batch per factor shape; the payload is gathered from the workspaces and scattered back with one ``index_select`` /
+``index_copy_`` each. A bucket then costs a few operators per run and per factor shape, whatever its number of layers
+(ResNet-18's two buckets hold 3 and 12 runs, ResNet-50's four 3 to 21).
 
 Why aligned blocks: BLAS picks kernels by the 64-byte alignment of a short-output product's factor and output (and
 of the matrix at rank 1), and their vectorised rounding differs. With every block aligned, a matrix's factors are
@@ -138,13 +139,42 @@ def plan_runs(layers: Sequence[Layer], ranks: Sequence[int], batched: bool, item
                 members.append((key, current, spacing))
                 current, spacing = [layer], 0
         members.append((key, current, spacing))
-    runs, p_at, q_at = [], 0, 0
-    for (rows, cols, rank), run_layers, spacing in members:
-        p_stride, q_stride = _aligned(rank * rows, itemsize), _aligned(rank * cols, itemsize)
-        runs.append(Run(tuple(run_layers), rows, cols, rank, spacing or rows * cols, p_at, p_stride, q_at, q_stride))
-        p_at += len(run_layers) * p_stride
-        q_at += len(run_layers) * q_stride
-    return tuple(runs)
+    # every factor block of one shape (P^T: r x n, Q^T: r x m) lies in one stretch of its workspace, a run's blocks
+    # together: a stretch is one batch of Gram-Schmidt, whichever runs its blocks come from
+    p_at = _stretches([(rows, rank, len(run_layers)) for (rows, _, rank), run_layers, _ in members], itemsize)
+    q_at = _stretches([(cols, rank, len(run_layers)) for (_, cols, rank), run_layers, _ in members], itemsize)
+    return tuple(
+        Run(tuple(run_layers), rows, cols, rank, spacing or rows * cols, p_at[i], _aligned(rank * rows, itemsize),
+            q_at[i], _aligned(rank * cols, itemsize))  # fmt: skip
+        for i, ((rows, cols, rank), run_layers, spacing) in enumerate(members)
+    )
+
+
+def _stretches(blocks: Sequence[tuple[int, int, int]], itemsize: int) -> list[int]:
+    """Where each of ``blocks`` (length, rank, count) starts in its workspace.
+
+    Blocks of one (length, rank) come back to back, each 64-byte aligned; shapes in the order they first appear.
+    """
+    order: dict[tuple[int, int], list[int]] = {}
+    for i, (length, rank, _) in enumerate(blocks):
+        order.setdefault((length, rank), []).append(i)
+    starts, at = [0] * len(blocks), 0
+    for (length, rank), members in order.items():
+        for i in members:
+            starts[i] = at
+            at += blocks[i][2] * _aligned(rank * length, itemsize)
+    return starts
+
+
+def _batches(runs: Sequence[Run], p: bool) -> list[tuple[int, int, int, int, int]]:
+    """Every stretch of one factor shape: (start, matrices, stride, rank, length) for ``P^T`` (``p``) or ``Q^T``."""
+    found: dict[tuple[int, int], list[int]] = {}
+    for run in runs:
+        length, at, stride = (run.rows, run.p_at, run.p_stride) if p else (run.cols, run.q_at, run.q_stride)
+        entry = found.setdefault((length, run.rank), [at, 0, stride])
+        entry[0] = min(entry[0], at)
+        entry[1] += run.batch
+    return [(at, count, stride, rank, length) for (length, rank), (at, count, stride) in found.items()]
 
 
 def _payload_index(runs: Sequence[Run], device: torch.device, p: bool) -> Tensor:
@@ -159,28 +189,39 @@ def _payload_index(runs: Sequence[Run], device: torch.device, p: bool) -> Tensor
 
 @dataclass
 class _RunViews:
-    """One run's views of the workspaces, made once: ``P^T`` ``(b, r, n)``, ``Q^T`` ``(b, r, m)`` and their columns."""
+    """One run's views of the workspaces, made once.
+
+    ``P^T`` ``(b, r, n)``, ``Q^T`` ``(b, r, m)``, and the outer products' factors: ``P``'s columns ``(b, n, 1)`` and
+    ``Q^T``'s rows ``(b, 1, m)``.
+    """
 
     pt: Tensor
     qt: Tensor
-    p_columns: list[Tensor]  # column i of P, (b, n, 1)
-    p_rests: list[Tensor]  # the columns after it
-    q_columns: list[Tensor]
-    q_rests: list[Tensor]
-    q_rows: list[Tensor]  # row i of Q^T, (b, 1, m): the outer products' right factors
+    p_columns: list[Tensor]
+    q_rows: list[Tensor]
 
 
 def _views(run: Run, p_work: Tensor, q_work: Tensor) -> _RunViews:
     b, n, m, r = run.batch, run.rows, run.cols, run.rank
     pt = p_work.as_strided((b, r, n), (run.p_stride, n, 1), run.p_at)
     qt = q_work.as_strided((b, r, m), (run.q_stride, m, 1), run.q_at)
-    p, q = pt.transpose(1, 2), qt.transpose(1, 2)
-    return _RunViews(
-        pt, qt,
-        [p[:, :, i : i + 1] for i in range(r)], [p[:, :, i + 1 :] for i in range(r - 1)],
-        [q[:, :, i : i + 1] for i in range(r)], [q[:, :, i + 1 :] for i in range(r - 1)],
-        [qt[:, i : i + 1, :] for i in range(r)],
-    )  # fmt: skip
+    p = pt.transpose(1, 2)
+    return _RunViews(pt, qt, [p[:, :, i : i + 1] for i in range(r)], [qt[:, i : i + 1, :] for i in range(r)])
+
+
+@dataclass
+class _Batch:
+    """A stretch of same-shaped factors ``X^T`` ``(b, r, length)``, orthogonalised at once: its column views."""
+
+    transposed: Tensor
+    columns: list[Tensor]  # column i of X, (b, length, 1)
+    rests: list[Tensor]  # the columns after it
+
+
+def _batch_views(work: Tensor, at: int, count: int, stride: int, rank: int, length: int) -> _Batch:
+    transposed = work.as_strided((count, rank, length), (stride, length, 1), at)
+    x = transposed.transpose(1, 2)
+    return _Batch(transposed, [x[:, :, i : i + 1] for i in range(rank)], [x[:, :, i + 1 :] for i in range(rank - 1)])
 
 
 @dataclass
@@ -199,7 +240,10 @@ class Workspace:
     q_work: Tensor
     q_memory: Tensor | None
     views: list[_RunViews] = field(default_factory=list)
+    p_batches: list[_Batch] = field(default_factory=list)
+    q_batches: list[_Batch] = field(default_factory=list)
     memory_ready: bool = False  # whether ``q_memory`` holds the layers' warm-start queries
+    _step_matrices: list[Tensor] = field(default_factory=list)  # this step's gradient matrices, run by run
 
     @property
     def names(self) -> set[str]:
@@ -209,14 +253,16 @@ class Workspace:
     @classmethod
     def build(cls, runs: tuple[Run, ...], dtype: torch.dtype, device: torch.device, memory: bool) -> Workspace:
         """Zeroed workspaces for ``runs``, with every view made once."""
-        p_numel = runs[-1].p_at + runs[-1].batch * runs[-1].p_stride if runs else 0
-        q_numel = runs[-1].q_at + runs[-1].batch * runs[-1].q_stride if runs else 0
+        p_numel = max((run.p_at + run.batch * run.p_stride for run in runs), default=0)
+        q_numel = max((run.q_at + run.batch * run.q_stride for run in runs), default=0)
         p_work = torch.zeros(p_numel, dtype=dtype, device=device)
         q_work = torch.zeros(q_numel, dtype=dtype, device=device)
         q_memory = torch.zeros_like(q_work) if memory else None
         workspace = cls(runs, _payload_index(runs, device, p=True), _payload_index(runs, device, p=False),
                         p_work, q_work, q_memory)  # fmt: skip
         workspace.views = [_views(run, p_work, q_work) for run in runs]
+        workspace.p_batches = [_batch_views(p_work, *batch) for batch in _batches(runs, p=True)]
+        workspace.q_batches = [_batch_views(q_work, *batch) for batch in _batches(runs, p=False)]
         return workspace
 
     def query_views(self, tensor: Tensor) -> dict[str, Tensor]:
@@ -233,13 +279,13 @@ class Workspace:
     # -------------------------------------------------------------------------------------------------------------
     def orthogonalize_queries(self, epsilon: float) -> None:
         """Orthonormalise the columns of every ``Q``."""
-        for views in self.views:
-            _orthogonalize(views.qt, views.q_columns, views.q_rests, epsilon)
+        for batch in self.q_batches:
+            _orthogonalize(batch.transposed, batch.columns, batch.rests, epsilon)
 
     def orthogonalize_projections(self, epsilon: float) -> None:
         """Orthonormalise the columns of every ``P``."""
-        for views in self.views:
-            _orthogonalize(views.pt, views.p_columns, views.p_rests, epsilon)
+        for batch in self.p_batches:
+            _orthogonalize(batch.transposed, batch.columns, batch.rests, epsilon)
 
     def gather(self, p: bool) -> Tensor:
         """The payload of ``P`` (``p``) or ``Q``: every matrix's factor, transposed and flattened, run after run."""
@@ -253,14 +299,16 @@ class Workspace:
         self._reconstruct(out, [_views(run, p_work, q_work) for run in self.runs])
 
     def project(self, flat: Tensor) -> None:
-        """``P^T = Q^T M^T`` for every matrix of the flat ``flat``."""
-        for run, views in zip(self.runs, self.views):
-            torch.bmm(views.qt, self._matrices(run, flat).transpose(1, 2), out=views.pt)
+        """``P^T = Q^T M^T`` for every matrix of the flat ``flat`` (its views kept for :meth:`back_project`)."""
+        self._step_matrices = [self._matrices(run, flat) for run in self.runs]
+        for matrices, views in zip(self._step_matrices, self.views):
+            torch.bmm(views.qt, matrices.transpose(1, 2), out=views.pt)
 
-    def back_project(self, flat: Tensor) -> None:
-        """``Q^T = P^T M`` for every matrix of the flat ``flat``."""
-        for run, views in zip(self.runs, self.views):
-            torch.bmm(views.pt, self._matrices(run, flat), out=views.qt)
+    def back_project(self) -> None:
+        """``Q^T = P^T M`` for every matrix of the flat tensor :meth:`project` read."""
+        for matrices, views in zip(self._step_matrices, self.views):
+            torch.bmm(views.pt, matrices, out=views.qt)
+        self._step_matrices = []
 
     def reconstruct(self, out: Tensor) -> None:
         """Write ``P Q^T`` of every matrix into its place in the flat ``out``.
