@@ -171,6 +171,10 @@ batch_same_shape=None, init='layer')
                ctx.dtype, str(ctx.device))  # fmt: skip
         found = self._workspaces.get(key)
         if found is None:
+            # a layer is in one layout at a time (DDP's buckets after their rebuild, a new rank): the others go, and
+            # their memory stays in ``_memory`` (views that keep it alive) for this one to adopt
+            names = {layer.name for layer in ctx.layers}
+            self._workspaces = {k: w for k, w in self._workspaces.items() if not names & w.names}
             runs = plan_runs(ctx.layers, ranks, self.batch_same_shape is not False, ctx.dtype.itemsize)
             found = self._workspaces[key] = Workspace.build(runs, ctx.dtype, ctx.device, memory=self.warm_start)
         return found
@@ -196,14 +200,10 @@ batch_same_shape=None, init='layer')
 
         A layer seen for the first time starts from a fresh draw, which stays its memory if this step is not finite.
         With ``init="torch"``, a bucket with a new layer takes fresh queries for all its layers this step (torch's
-        hook starts a bucket afresh), while the memory of the others stays as it was until the step commits. Any other
-        layout's memory that shared a layer with this one is dropped: a layer's memory lives in one place.
+        hook starts a bucket afresh), while the memory of the others stays as it was until the step commits.
         """
         assert workspace.q_memory is not None
         names = {layer.name for layer in ctx.layers}
-        for key, other in list(self._workspaces.items()):
-            if other is not workspace and other.memory_ready and names & other.names:
-                del self._workspaces[key]
         views = workspace.query_views(workspace.q_memory)
         known = {name: q for name, view in views.items()
                  if (q := self._memory.get(name)) is not None and q.shape == view.shape}  # fmt: skip
