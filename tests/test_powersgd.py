@@ -1,6 +1,7 @@
 """PowerSGD against torch's own powerSGD_hook, and across DDP bucket layouts (two gloo processes)."""
 
 import copy
+import math
 
 import pytest
 import torch
@@ -11,8 +12,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import PowerSGD
-from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.compressors.powersgd import _reconstruct_into
+from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
+from lightning_gradcomp.compressors.powersgd_plan import Workspace, plan_runs
+from lightning_gradcomp.testing import simulate_reduce
 from tests.distributed import run_distributed
 
 CASES = [(1, True), (2, True), (2, False), (4, True)]  # (rank, warm_start); rank 4 takes the QR path
@@ -171,31 +173,98 @@ def test_powersgd_survives_exactly_zero_gradients():
         assert result[0.0][0] is False
 
 
-@pytest.mark.parametrize("r", [1, 2, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_reconstruction_is_p_q_transposed_wherever_the_layers_sit(r, dtype):
-    """``P Q^T`` into a flat bucket: the product to within rounding, and the same bits at any offset in the bucket.
+# odd sizes: a matrix's factors and its place in a batch are not 64-byte aligned unless padded
+ODD_SHAPES = [(17, 31), (64, 27), (17, 31), (300, 40), (17, 31), (5, 7, 3)]
 
-    On the CPU in fp32 at ranks 1 and 2 it is computed as elementwise outer products, elsewhere by one batched
-    product; either way DDP's bucket layout (where a layer starts) must not change a bit.
-    """
+
+def _at_offsets(shapes, lead):
+    """``shapes`` laid out back to back after ``lead`` elements of another layer (which is then dropped)."""
+    return layers_from_shapes([(lead,), *shapes])[1:] if lead else layers_from_shapes(shapes)
+
+
+@pytest.mark.parametrize("r", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_layer_s_result_is_the_same_alone_or_batched_anywhere_in_a_bucket(r, dtype):
+    """Every layer compressed alone, in a bucket of all (same shapes batched) and at odd offsets: the same ``P Q^T``
+    bit for bit. DDP's bucket layout changes after the first step and
+    after a resume; a resumed run is bitwise an uninterrupted one only if this holds."""
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(math.prod(shape), generator=g, dtype=dtype) for shape in ODD_SHAPES]
+
+    def run(layers, batch_same_shape=None):
+        compressor = PowerSGD(rank=r, min_compression_rate=0.0, batch_same_shape=batch_same_shape)
+        flat = torch.cat([torch.zeros(layers[0].offset, dtype=dtype), *(grads[layer.index] for layer in layers)])
+        ctx = BucketContext(index=0, step=1, rank=0, world_size=1, layers=tuple(layers), dtype=dtype, seed=5)
+        payload = compressor.compress(flat[layers[0].offset :], _shifted(ctx))
+        out = torch.full_like(flat, float("nan"))
+        compressor.decompress(payload, _shifted(ctx), out=out[layers[0].offset :])
+        return [layer.matrix(out).clone() for layer in layers]
+
+    alone = []
+    for i, shape in enumerate(ODD_SHAPES):
+        (layer,) = layers_from_shapes([shape], names=[f"param{i}"])
+        alone.append(run([Layer(layer.name, i, layer.shape, 0)], batch_same_shape=False)[0])
+    for lead in (0, 1, 5):
+        layers = [Layer(f"param{i}", i, layer.shape, layer.offset)
+                  for i, layer in enumerate(_at_offsets(ODD_SHAPES, lead))]  # fmt: skip
+        for a, b in zip(alone, run(layers)):
+            assert torch.equal(a, b), (r, dtype, lead)
+    assert all(approx.isfinite().all() for approx in alone)
+
+
+def _shifted(ctx):
+    """``ctx`` with its layers' offsets counted from the first layer's (the compressor's flat tensor starts there)."""
+    start = ctx.layers[0].offset
+    layers = tuple(Layer(layer.name, layer.index, layer.shape, layer.offset - start) for layer in ctx.layers)
+    return BucketContext(index=ctx.index, step=ctx.step, rank=ctx.rank, world_size=ctx.world_size, layers=layers,
+                         dtype=ctx.dtype, seed=ctx.seed)  # fmt: skip
+
+
+@pytest.mark.parametrize("r", [1, 2, 3])
+def test_reconstruction_is_p_q_transposed(r):
+    """``P Q^T`` written into a flat bucket is the product of the payload's factors to within rounding."""
     shapes = [(17, 31), (17, 31), (64, 27), (300, 40)]
-    results = []
-    for pad in (0, 1, 5):
-        layers = layers_from_shapes([(pad,), *shapes])[1:] if pad else layers_from_shapes(shapes)
-        g = torch.Generator().manual_seed(3)
-        out = torch.full((pad + sum(a * b for a, b in shapes),), float("nan"), dtype=dtype)
-        got = []
-        for same_shape in ([layers[0], layers[1]], [layers[2]], [layers[3]]):
-            n, m = same_shape[0].shape
-            pt = torch.randn(len(same_shape), r, n, generator=g, dtype=dtype)
-            qt = torch.randn(len(same_shape), r, m, generator=g, dtype=dtype)
-            _reconstruct_into(same_shape, pt, qt, out)
-            for i, layer in enumerate(same_shape):
-                got.append(layer.matrix(out).clone())
-                exact = pt[i].double().t() @ qt[i].double()
-                bound = (pt[i].double().abs().t() @ qt[i].double().abs()) * (r * torch.finfo(dtype).eps)
-                assert ((got[-1].double() - exact).abs() <= bound).all()
-        results.append(got)
-    for other in results[1:]:
-        assert all(torch.equal(a, b) for a, b in zip(results[0], other))
+    layers = layers_from_shapes(shapes)
+    runs = plan_runs(layers, [r] * len(layers), True, 8)
+    workspace = Workspace.build(runs, torch.float64, torch.device("cpu"), memory=False)
+    g = torch.Generator().manual_seed(3)
+    pt = {layer.name: torch.randn(r, layer.shape[0], generator=g, dtype=torch.float64) for layer in layers}
+    qt = {layer.name: torch.randn(r, layer.shape[1], generator=g, dtype=torch.float64) for layer in layers}
+    order = [layer for run in runs for layer in run.layers]  # the payload's order: run after run
+    out = torch.full((sum(a * b for a, b in shapes),), float("nan"), dtype=torch.float64)
+    workspace.reconstruct_from(torch.cat([pt[layer.name].reshape(-1) for layer in order]),
+                               torch.cat([qt[layer.name].reshape(-1) for layer in order]), out)  # fmt: skip
+    for layer in layers:
+        exact = pt[layer.name].t() @ qt[layer.name]
+        bound = (pt[layer.name].abs().t() @ qt[layer.name].abs()) * (r * torch.finfo(torch.float64).eps)
+        assert ((layer.matrix(out) - exact).abs() <= bound).all()
+
+
+def _operators(layers, r=2):
+    """Top-level torch operators of one PowerSGD reduction of ``layers`` (2 simulated ranks, after a warm-up step)."""
+    from torch.profiler import profile
+
+    numel = sum(layer.numel for layer in layers)
+    compressors = [PowerSGD(rank=r) for _ in range(2)]
+    grads = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    residuals = [torch.zeros(numel) for _ in range(2)]
+    simulate_reduce(compressors, [g.clone() for g in grads], layers, step=0, residuals=residuals)
+    with profile() as prof:
+        simulate_reduce(compressors, [g.clone() for g in grads], layers, step=1, residuals=residuals)
+    return sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith("aten::"))
+
+
+@pytest.mark.parametrize("r", [1, 2, 4])
+def test_the_operators_per_bucket_do_not_grow_with_layers_of_one_shape(r):
+    """A bucket of eight same-shaped layers issues as many operators as a bucket of one (one run of each shape); two
+    shapes alternating are two runs, at a fixed number of operators more."""
+    one = _operators(layers_from_shapes([(32, 72)]), r)
+    assert _operators(layers_from_shapes([(32, 72)] * 8), r) == one
+    two = _operators(layers_from_shapes([(32, 72), (16, 40)]), r)
+    assert two > one
+    assert _operators(layers_from_shapes([(32, 72), (16, 40)] * 4), r) == two  # equally spaced: still two runs
+
+
+def test_a_saved_query_that_is_not_a_matrix_is_a_clear_error():
+    with pytest.raises(ValueError, match="queries must be m x r matrices"):
+        PowerSGD(rank=2).load_state_dict({"queries": {"param0": torch.zeros(3)}})

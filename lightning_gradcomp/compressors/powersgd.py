@@ -15,29 +15,10 @@ from lightning_gradcomp.compressors.base import (
     Payload,
 )
 from lightning_gradcomp.compressors.exchange import AllReduce, Exchange, SentValue
+from lightning_gradcomp.compressors.powersgd_plan import Workspace, orthogonalize, plan_runs
+
+__all__ = ["PowerSGD", "orthogonalize"]
 from lightning_gradcomp.validation import check_bool, check_choice, check_number, check_positive_int
-
-
-def orthogonalize(matrices: Tensor, epsilon: float = 1e-8) -> None:
-    """Orthonormalise the columns of every matrix of the batch ``matrices`` ``(b, n, r)`` in place (views work).
-
-    Gram-Schmidt for rank <= 2 and half precision, QR otherwise (the rule of torch's ``powerSGD_hook``, which the
-    paper's code follows). ``epsilon`` is added to every column norm, so an all-zero column (a layer whose gradient is
-    exactly zero, as every residual branch of a ResNet with ``zero_init_residual=True`` at its first step) stays zero
-    instead of becoming 0 / 0.
-    """
-    rank = matrices.shape[2]
-    if rank <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
-        for i in range(rank):
-            col = matrices[:, :, i : i + 1]
-            col /= torch.linalg.vector_norm(col, dim=1, keepdim=True) + epsilon
-            if i + 1 < rank:
-                rest = matrices[:, :, i + 1 :]
-                rest -= torch.sum(col * rest, dim=1, keepdim=True) * col
-    else:
-        # on a fresh copy: LAPACK's blocked QR rounds differently depending on where its input lives, and these
-        # factors sit at offsets that depend on DDP's bucket layout
-        matrices.copy_(torch.linalg.qr(matrices.contiguous()).Q)
 
 
 def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
@@ -51,61 +32,6 @@ def _to_device(tensor: Tensor, device: torch.device) -> Tensor:
     if device.type == "cuda" and tensor.device.type == "cpu":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
-
-
-def _into(buffer: Tensor, received: Tensor) -> Tensor:
-    """``buffer`` holding ``received`` (a collective reduces in place unless it packed the payload with others)."""
-    if received.data_ptr() != buffer.data_ptr():
-        buffer.copy_(received.view_as(buffer))
-    return buffer
-
-
-def _outer_products_into(pt: Tensor, qt: Tensor, out: Tensor) -> None:
-    """``out = P Q^T`` for one ``r x n`` ``P^T`` and ``r x m`` ``Q^T`` at rank 1 or 2, as elementwise products.
-
-    ``p_0 q_0^T``, then ``out += p_1 q_1^T`` with torch's ``addcmul_`` (a fused multiply-add where the CPU has
-    one). MKL's GEMM with an inner dimension of 2 runs at about a fifth of memory speed once the output leaves the
-    cache (ResNet-18's 512 x 4608 layers: 1.0 ms, against 0.2 ms for these two passes; ``benchmarks/codec.py``).
-    Every output row is computed alike whatever its address, so results do not depend on DDP's bucket layout.
-    """
-    torch.mul(pt[0].unsqueeze(1), qt[0].unsqueeze(0), out=out)
-    if pt.shape[0] == 2:
-        out.addcmul_(pt[1].unsqueeze(1), qt[1].unsqueeze(0))
-
-
-def _reconstruct_into(group: list[Layer], pt: Tensor, qt: Tensor, out: Tensor) -> None:
-    """Write ``P Q^T`` of every layer of ``group`` into its place in the flat ``out``.
-
-    On the CPU, in fp32, at rank 1 or 2: as :func:`_outer_products_into`, layer by layer; otherwise one batched
-    product.
-    """
-    if out.device.type == "cpu" and out.dtype == torch.float32 and pt.shape[1] <= 2:
-        for i, layer in enumerate(group):
-            _outer_products_into(pt[i], qt[i], layer.matrix(out))
-        return
-    if len(group) == 1:
-        torch.bmm(pt.transpose(1, 2), qt, out=group[0].matrix(out).unsqueeze(0))
-        return
-    approx = torch.bmm(pt.transpose(1, 2), qt)
-    for i, layer in enumerate(group):
-        layer.matrix(out).copy_(approx[i])
-
-
-def _bmm_into(factor: Tensor, matrix: Tensor, out: Tensor) -> None:
-    """``out = factor @ matrix`` (batched), with a result that does not depend on where the operands live in memory.
-
-    With a short output (``r`` rows) BLAS picks kernels whose vectorised rounding depends on the 64-byte alignment
-    of the factor and of the output, and, at rank 1 (GEMV), of the matrix too. DDP's bucket layout decides those
-    offsets and changes after the first step and after a resume, so the products run on aligned operands into a
-    fresh output, then are copied into place: results do not depend on the layout and resumes are bitwise exact.
-    Only the small factors are copied, and the gradient matrix only at rank 1 when it is misaligned.
-    """
-    # clone() keeps a transposed view's strides, in fresh (64-byte aligned) memory
-    if factor.data_ptr() % 64:
-        factor = factor.clone()
-    if factor.shape[1] == 1 and matrix.data_ptr() % 64:
-        matrix = matrix.clone()
-    out.copy_(torch.bmm(factor, matrix))
 
 
 class PowerSGD(Compressor):
@@ -122,10 +48,11 @@ class PowerSGD(Compressor):
     4. the average is ``P Q^T``; the residual is ``e = M - P Q^T`` (local ``M``, global reconstruction, as in the
        paper's code and torch's hook).
 
-    Matrices of the same shape are multiplied in one batched product when ``batch_same_shape`` is on (the default on
-    CUDA). On the CPU the default is off: MKL's batched GEMM rounds differently from its single GEMM, so batching by
-    bucket would make results depend on DDP's bucket layout, which changes after the first step and after a resume.
-    Per-layer products keep a resumed run bitwise equal to an uninterrupted one.
+    Matrices of the same shape that lie at equal distances in the bucket (a *run*) are multiplied, orthogonalised and
+    rebuilt as one batch, so a bucket costs a few operators per run, not per layer
+    (:mod:`~lightning_gradcomp.compressors.powersgd_plan`). Every matrix's factors sit at 64-byte aligned offsets, where
+    BLAS rounds a matrix's product the same whether it is alone or in a batch: results do not depend on DDP's bucket
+    layout, which changes after the first step and after a resume, and a resumed run is bitwise an uninterrupted one.
 
     The second round is issued through ``ctx.comm.after`` on its own process group, so every rank issues the
     collectives of every bucket in the same order; torch's ``powerSGD_hook`` issues it from a future callback on the
@@ -138,7 +65,9 @@ class PowerSGD(Compressor):
             the others are averaged densely.
         orthogonalization_epsilon: added to column norms in Gram-Schmidt: 1e-8 as in the paper's code (torch's hook
             uses 0, which turns an all-zero gradient into NaN).
-        batch_same_shape: batch same-shaped matrices of a bucket into one product; ``None`` means "on CUDA only".
+        batch_same_shape: batch same-shaped matrices of a bucket (``None``, the default, and ``True``: on every
+            device); ``False``: one product per layer, the same results with more operators. With ``init="torch"``,
+            ``True`` also draws a shape group's queries at once, as torch's ``batch_tensors_with_same_shape``.
         init: how the shared random ``Q`` is drawn. ``"layer"``: from a seed derived from the shared seed, the step
             and the layer, independent of DDP's buckets (exact resume, results independent of ``bucket_cap_mb``).
             ``"torch"``: exactly torch's ``PowerSGDState(random_seed=seed)`` draws, one per bucket, for
@@ -176,7 +105,8 @@ batch_same_shape=None, init='layer')
         self.orthogonalization_epsilon = check_number(orthogonalization_epsilon, "orthogonalization_epsilon", low=0.0)
         self.batch_same_shape = check_bool(batch_same_shape, "batch_same_shape", allow_none=True)
         self.init = check_choice(init, "init", ("layer", "torch"))
-        self._memory: dict[str, Tensor] = {}
+        self._memory: dict[str, Tensor] = {}  # every layer's warm-start Q^T (r x m), a view of a workspace's memory
+        self._workspaces: dict[tuple, Workspace] = {}
         self._torch_rng: Any = None  # numpy RandomState, for init="torch"
 
     # ------------------------------------------------------------------------------------------------------------
@@ -206,14 +136,8 @@ batch_same_shape=None, init='layer')
             groups.setdefault((layer.shape[0], layer.numel // layer.shape[0]), []).append(layer)
         return list(groups.values())
 
-    def _batched(self, ctx: BucketContext) -> bool:
-        return self.batch_same_shape if self.batch_same_shape is not None else ctx.device.type == "cuda"
-
-    def _random_queries(self, ctx: BucketContext) -> dict[str, Tensor]:
-        """Fresh N(0, 1) queries for every layer of ``ctx``, identical on every rank (drawn on the CPU)."""
-        return {name: _to_device(q, ctx.device) for name, q in self._random_host_queries(ctx).items()}
-
     def _random_host_queries(self, ctx: BucketContext) -> dict[str, Tensor]:
+        """Fresh N(0, 1) queries ``Q`` (``m x r``) for every layer of ``ctx``, identical on every rank (on the CPU)."""
         shape = {layer.name: (layer.numel // layer.shape[0], self._rank_for(layer)) for layer in ctx.layers}
         if self.init == "layer":
             return {
@@ -221,7 +145,8 @@ batch_same_shape=None, init='layer')
                 for layer in ctx.layers
             }
         # torch's protocol: one numpy draw per bucket seeds the CPU generator; queries are filled in shape-group
-        # order, one tensor (or one same-shape batch when batching) at a time
+        # order, one tensor (or one same-shape batch with batch_tensors_with_same_shape, here batch_same_shape=True)
+        # at a time
         if self._torch_rng is None:
             import numpy as np
 
@@ -230,7 +155,7 @@ batch_same_shape=None, init='layer')
         queries = {}
         for group in self._shape_groups(ctx.layers):
             cols, r = shape[group[0].name]
-            if self._batched(ctx):
+            if self.batch_same_shape:
                 drawn = torch.randn((len(group), cols, r), generator=generator, dtype=ctx.dtype)
                 queries.update({layer.name: drawn[i] for i, layer in enumerate(group)})
             else:
@@ -239,73 +164,74 @@ batch_same_shape=None, init='layer')
                 )
         return queries
 
-    def _queries(self, ctx: BucketContext) -> dict[str, Tensor]:
-        """Warm-start queries where available and of the right shape, fresh ones otherwise (all rank-consistent)."""
-        expected = {layer.name: (layer.numel // layer.shape[0], self._rank_for(layer)) for layer in ctx.layers}
-        if self.warm_start:
-            known = {name: self._memory.get(name) for name in expected}
-            for name, q in known.items():
-                if q is not None and q.device != ctx.device:  # loaded from a checkpoint: moved once, kept
-                    known[name] = self._memory[name] = _to_device(q, ctx.device)
-            if all(q is not None and tuple(q.shape) == expected[name] for name, q in known.items()):
-                return known  # type: ignore[return-value]
-            if self.init == "layer":
-                fresh = self._random_queries(ctx)
-                return {
-                    name: q if q is not None and tuple(q.shape) == expected[name] else fresh[name]
-                    for name, q in known.items()
-                }
-        return self._random_queries(ctx)
+    def _workspace(self, ctx: BucketContext) -> Workspace:
+        """The bucket layout's runs and factor workspaces, made once per layout (and device and dtype)."""
+        ranks = tuple(self._rank_for(layer) for layer in ctx.layers)
+        key = (tuple((layer.name, layer.offset, tuple(layer.shape)) for layer in ctx.layers), ranks,
+               ctx.dtype, str(ctx.device))  # fmt: skip
+        found = self._workspaces.get(key)
+        if found is None:
+            # a layer is in one layout at a time (DDP's buckets after their rebuild, a new rank): the others go, and
+            # their memory stays in ``_memory`` (views that keep it alive) for this one to adopt
+            names = {layer.name for layer in ctx.layers}
+            self._workspaces = {k: w for k, w in self._workspaces.items() if not names & w.names}
+            runs = plan_runs(ctx.layers, ranks, self.batch_same_shape is not False, ctx.dtype.itemsize)
+            found = self._workspaces[key] = Workspace.build(runs, ctx.dtype, ctx.device, memory=self.warm_start)
+        return found
+
+    def _load_queries(self, workspace: Workspace, ctx: BucketContext) -> None:
+        """This step's queries into ``workspace.q_work``: the warm-start memory (one copy), else fresh draws."""
+        memory = workspace.q_memory
+        if memory is not None and workspace.memory_ready:
+            workspace.q_work.copy_(memory)
+            return
+        if memory is not None:
+            fresh = self._adopt_memory(workspace, ctx)
+            if not fresh:
+                workspace.q_work.copy_(memory)
+                return
+        else:
+            fresh = self._random_host_queries(ctx)
+        for name, view in workspace.query_views(workspace.q_work).items():
+            view.copy_(_to_device(fresh[name], ctx.device).t())
+
+    def _adopt_memory(self, workspace: Workspace, ctx: BucketContext) -> dict[str, Tensor]:
+        """Move every layer's warm-start query into ``workspace.q_memory`` (fresh ones where missing); the draws.
+
+        A layer seen for the first time starts from a fresh draw, which stays its memory if this step is not finite.
+        With ``init="torch"``, a bucket with a new layer takes fresh queries for all its layers this step (torch's
+        hook starts a bucket afresh), while the memory of the others stays as it was until the step commits.
+        """
+        assert workspace.q_memory is not None
+        names = {layer.name for layer in ctx.layers}
+        views = workspace.query_views(workspace.q_memory)
+        known = {name: q for name, view in views.items()
+                 if (q := self._memory.get(name)) is not None and q.shape == view.shape}  # fmt: skip
+        fresh = self._random_host_queries(ctx) if len(known) < len(names) else {}
+        for name, view in views.items():
+            view.copy_(_to_device(known[name] if name in known else fresh[name].t(), ctx.device))
+            self._memory[name] = view
+        workspace.memory_ready = True
+        return fresh if self.init == "torch" else {}
 
     # ------------------------------------------------------------------------------------------------------------
     # The factors: P and Q are kept transposed (r x n and r x m, row-major), which turns every product into a
     # short-output GEMM; BLAS runs M^T P as (P^T M)^T about ten times faster than with a 2-column output.
     # ------------------------------------------------------------------------------------------------------------
-    def _layout(self, ctx: BucketContext) -> list[tuple[list[Layer], int, int, int, int]]:
-        """Groups of layers multiplied together, with (batch, rows, cols, rank); the payload follows this order."""
-        groups = self._shape_groups(ctx.layers) if self._batched(ctx) else [[layer] for layer in ctx.layers]
-        return [(g, len(g), g[0].shape[0], g[0].numel // g[0].shape[0], self._rank_for(g[0])) for g in groups]
-
-    def _blocks(self, tensor: Tensor, ctx: BucketContext, queries: dict[str, Tensor]) -> tuple[
-            list[tuple[list[Layer], Tensor, Tensor, Tensor]], Tensor, Tensor]:  # fmt: skip
-        """Batched matrices with views of ``P^T`` and ``Q^T`` in two flat buffers; ``Q`` filled and orthonormalised."""
-        layout = self._layout(ctx)
-        p_buffer = torch.empty(sum(b * n * r for _, b, n, _, r in layout), dtype=tensor.dtype, device=tensor.device)
-        q_buffer = torch.empty(sum(b * m * r for _, b, _, m, r in layout), dtype=tensor.dtype, device=tensor.device)
-        blocks, p_at, q_at = [], 0, 0
-        for group, b, n, m, r in layout:
-            matrices = [layer.matrix(tensor) for layer in group]
-            batch = matrices[0].unsqueeze(0) if b == 1 else torch.stack(matrices)
-            pt = p_buffer[p_at : p_at + b * r * n].view(b, r, n)
-            qt = q_buffer[q_at : q_at + b * r * m].view(b, r, m)
-            for i, layer in enumerate(group):
-                qt[i].copy_(queries[layer.name].t())
-            orthogonalize(qt.transpose(1, 2), self.orthogonalization_epsilon)
-            blocks.append((group, batch, pt, qt))
-            p_at += b * r * n
-            q_at += b * r * m
-        return blocks, p_buffer, q_buffer
-
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """One worker's PowerSGD step: ``P = orth(M Q)``, ``Q = M^T P``; the payload is ``(P^T, Q^T)`` flattened."""
-        blocks, p_buffer, q_buffer = self._blocks(tensor, ctx, self._queries(ctx))
-        for _, batch, pt, qt in blocks:
-            _bmm_into(qt, batch.transpose(1, 2), pt)  # P^T = Q^T M^T
-            orthogonalize(pt.transpose(1, 2), self.orthogonalization_epsilon)
-            _bmm_into(pt, batch, qt)  # Q^T = P^T M
-        return p_buffer, q_buffer
+        workspace = self._workspace(ctx)
+        self._load_queries(workspace, ctx)
+        workspace.orthogonalize_queries(self.orthogonalization_epsilon)
+        workspace.project(tensor)
+        workspace.orthogonalize_projections(self.orthogonalization_epsilon)
+        workspace.back_project()
+        return workspace.gather(p=True), workspace.gather(p=False)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """``P Q^T`` for every layer."""
-        p_buffer, q_buffer = payload
         out = ctx.output(out)
-        p_at = q_at = 0
-        for group, b, n, m, r in self._layout(ctx):
-            pt = p_buffer[p_at : p_at + b * r * n].view(b, r, n)
-            qt = q_buffer[q_at : q_at + b * r * m].view(b, r, m)
-            _reconstruct_into(group, pt, qt, out)
-            p_at += b * r * n
-            q_at += b * r * m
+        self._workspace(ctx).reconstruct_from(payload[0], payload[1], out)
         return out
 
     # ------------------------------------------------------------------------------------------------------------
@@ -317,44 +243,37 @@ batch_same_shape=None, init='layer')
         return True
 
     def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
-        """Round 0: all-reduce the ``P`` of all layers. Round 1: all-reduce their ``Q``. Then ``P Q^T``."""
-        queries = self._queries(ctx)
-        blocks, p_buffer, q_buffer = self._blocks(tensor, ctx, queries)
-        for _, batch, pt, qt in blocks:
-            _bmm_into(qt, batch.transpose(1, 2), pt)  # P^T = Q^T M^T
-        (p_summed,) = yield AllReduce((p_buffer,))  # its scale does not matter: it is orthonormalised
-        _into(p_buffer, p_summed)
-        for _, batch, pt, qt in blocks:
-            orthogonalize(pt.transpose(1, 2), self.orthogonalization_epsilon)
-            _bmm_into(pt, batch, qt)  # Q^T = P^T M
-        (q_summed,) = yield AllReduce((q_buffer,))
-        _into(q_buffer, q_summed).div_(ctx.world_size)
+        """Round 0: all-reduce the ``P`` of all layers. Round 1: all-reduce their ``Q``. Then ``P Q^T``.
+
+        A few operators per run of same-shaped matrices (:mod:`~lightning_gradcomp.compressors.powersgd_plan`);
+        the payloads are gathered from the workspaces and scattered back with one operator each.
+        """
+        workspace = self._workspace(ctx)
+        self._load_queries(workspace, ctx)
+        workspace.orthogonalize_queries(self.orthogonalization_epsilon)
+        workspace.project(tensor)  # P^T = Q^T M^T
+        # its scale does not matter: it is orthonormalised
+        (p_summed,) = yield AllReduce((workspace.gather(p=True),))
+        workspace.p_work.index_copy_(0, workspace.p_index, p_summed.view(-1))
+        workspace.orthogonalize_projections(self.orthogonalization_epsilon)
+        workspace.back_project()  # Q^T = P^T M
+        (q_summed,) = yield AllReduce((workspace.gather(p=False),))
+        workspace.q_work.index_copy_(0, workspace.q_index, q_summed.view(-1)).div_(ctx.world_size)
         # ``out`` is spent (it holds g, or M without error feedback): reconstruct into it instead of allocating
-        for group, _, pt, qt in blocks:
-            _reconstruct_into(group, pt, qt, out)
-            if self.warm_start:
-                for i, layer in enumerate(group):
-                    self._stage_query(layer, qt[i].t(), queries[layer.name], ctx)
+        workspace.reconstruct(out)
+        if self.warm_start:
+            assert workspace.q_memory is not None
+            ctx.stage(workspace.q_memory, workspace.q_work)  # once the step is finite on every rank
         yield SentValue(out)  # error feedback keeps M - P Q^T
         return out
-
-    def _stage_query(self, layer: Layer, query: Tensor, used: Tensor, ctx: BucketContext) -> None:
-        """Keep ``query`` (a view of this step's buffer) as ``layer``'s warm start, once the step is finite.
-
-        A layer seen for the first time starts from the query this step used (a finite one, which a non-finite step
-        then leaves in place).
-        """
-        memory = self._memory.get(layer.name)
-        if memory is None or memory.shape != query.shape:
-            memory = self._memory[layer.name] = used.clone()
-        ctx.stage(memory, query)
 
     # ------------------------------------------------------------------------------------------------------------
     # State
     # ------------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Warm-start queries per layer and, for ``init="torch"``, the numpy generator's state."""
-        state: dict[str, Any] = {**super().state_dict(), "queries": dict(self._memory)}
+        """Warm-start queries ``Q`` (``m x r``) per layer and, for ``init="torch"``, the numpy generator's state."""
+        queries = {name: q.t().clone(memory_format=torch.contiguous_format) for name, q in self._memory.items()}
+        state: dict[str, Any] = {**super().state_dict(), "queries": queries}
         if self._torch_rng is not None:
             # plain tensors and numbers, so checkpoints load with torch.load(weights_only=True)
             _, keys, pos, has_gauss, cached = self._torch_rng.get_state()
@@ -366,12 +285,22 @@ batch_same_shape=None, init='layer')
         """Also forget the warm-start queries and, for ``init="torch"``, restart its generator from the seed."""
         super().reset_state()
         self._memory.clear()
+        self._workspaces.clear()
         self._torch_rng = None
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`."""
+        """Restore :meth:`state_dict`.
+
+        Raises:
+            ValueError: If a saved query is not a matrix (``m x r``).
+        """
         super().load_state_dict(state_dict)
-        self._memory = {name: q.clone() for name, q in state_dict.get("queries", {}).items()}
+        queries = state_dict.get("queries", {})
+        bad = [name for name, q in queries.items() if not isinstance(q, Tensor) or q.dim() != 2]
+        if bad:
+            raise ValueError(f"PowerSGD state: the saved queries must be m x r matrices; {bad[0]!r} is not.")
+        self._memory = {name: q.t().clone() for name, q in queries.items()}
+        self._workspaces.clear()
         if "torch_rng" in state_dict:
             import numpy as np
 
