@@ -345,7 +345,10 @@ def _clip_layers_(tensor: Tensor, ctx: BucketContext, max_norm: float) -> None:
 
     The reference's per-tensor ``clip_grad_norm_``; the norms are segmented sums of squares (``segments.py``).
     """
-    segments = segments_of(ctx.layers, tensor.device)
+    layers = [layer for layer in ctx.layers if layer.numel]  # a zero-size parameter has nothing to clip
+    if not layers:
+        return
+    segments = segments_of(layers, tensor.device)
     dtype = torch.promote_types(tensor.dtype, torch.float32)
     squares = segments.rows.reduce(tensor, lambda rows: rows.to(dtype).square().sum(1), lambda rows: rows.sum(1))
     coefficient = (max_norm / (squares.sqrt_() + 1e-6)).clamp_(max=1.0).to(tensor.dtype)  # a tensor: no host sync
