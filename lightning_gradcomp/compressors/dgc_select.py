@@ -212,9 +212,7 @@ def select_layers(bucket: Tensor, layers: Sequence[Layer], ratios: Sequence[floa
         ladder.append(ladder[-1] * LOWER_BOUND)
     layer = torch.repeat_interleave(torch.arange(len(plan.sample_ks), device=bucket.device), plan.lengths,
                                     output_size=numel)  # fmt: skip
-    level = layer * _LEVELS
-    for rung in ladder:  # how many of the thresholds each |x| reaches
-        level.add_(magnitudes >= rung.index_select(0, layer))
+    level = _levels(magnitudes, layer, ladder)
     histogram = torch.zeros(len(plan.sample_ks) * _LEVELS, dtype=torch.int64, device=bucket.device)
     histogram.index_add_(0, level, torch.ones(1, dtype=torch.int64, device=bucket.device).expand(numel))
     # counts[l, j]: layer l's elements at or above its threshold lowered j times
@@ -239,6 +237,27 @@ def select_layers(bucket: Tensor, layers: Sequence[Layer], ratios: Sequence[floa
     used = plan.within < kept.index_select(0, plan.slot_layer)
     repeated = first.index_select(0, plan.slot_starts).index_select(0, plan.slot_layer)
     return torch.where(used, first, repeated), used
+
+
+def _levels(magnitudes: Tensor, layer: Tensor, ladder: list[Tensor]) -> Tensor:
+    """``layer * 12 + `` how many of its layer's thresholds each ``|x|`` reaches (int64), exactly.
+
+    Up to 32-bit floats, one search: a non-negative fp32 orders as its bits, so the key ``layer << 32 | bits(|x|)``
+    orders the elements by layer, then magnitude, and its place among the thresholds' keys (each layer's 11, plus its
+    magnitude 0, which every element of the layer reaches) counts the thresholds at or below it. fp64 compares with
+    each threshold in turn.
+    """
+    if magnitudes.dtype == torch.float64:
+        level = layer * _LEVELS
+        for rung in ladder:
+            level.add_(magnitudes >= rung.index_select(0, layer))
+        return level
+    floor = torch.zeros_like(ladder[0], dtype=torch.float32)
+    rungs = torch.stack([floor, *(rung.float() for rung in ladder)], 1)  # [L, 12]: every rung at or above 0
+    owner = torch.arange(rungs.shape[0], device=layer.device).unsqueeze(1) << 32
+    bounds = (rungs.view(torch.int32).long() | owner).view(-1).sort().values
+    key = magnitudes.float().view(torch.int32).long().bitwise_or_(layer << 32)
+    return torch.searchsorted(bounds, key, right=True).sub_(1)
 
 
 def _sampled_thresholds(magnitudes: Tensor, plan: _Plan, streams_: Tensor) -> Tensor:
