@@ -376,8 +376,12 @@ class _Operators(TorchDispatchMode):
     [{"ratio": 0.01}, {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
      {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5}, {"ratio": 0.1, "transport": "two_phase"}],
 )  # fmt: skip
-def test_operators_per_bucket_do_not_grow_with_the_layers(kwargs):
-    """A bucket of twice the layers costs the same number of operators: no loop over the layers on the hook path."""
+def test_operators_per_bucket_do_not_grow_with_the_layers(kwargs, monkeypatch):
+    """A bucket of twice the layers costs the same number of operators: no loop over the layers on the hook path
+    (the CPU's layer-by-layer selection off, as on every other device)."""
+    from lightning_gradcomp.compressors import dgc
+
+    monkeypatch.setattr(dgc, "LOOP_ON_CPU", False)
     counts = []
     for repeats in (3, 6):
         layers = layers_from_shapes([(32, 100), (50, 60)] * repeats)
@@ -391,3 +395,28 @@ def test_operators_per_bucket_do_not_grow_with_the_layers(kwargs):
                 simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)
         counts.append(mode.count)
     assert counts[0] == counts[1] > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"ratio": 0.01}, {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
+               {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5}]
+)  # fmt: skip
+def test_both_selections_give_the_same_steps(kwargs, monkeypatch):
+    """The reduction with the bucket's selection (every device's) is bitwise the one with the CPU's loop."""
+    from lightning_gradcomp.compressors import dgc
+
+    results = []
+    for loop in (True, False):
+        monkeypatch.setattr(dgc, "LOOP_ON_CPU", loop)
+        compressors = [DGC(**kwargs) for _ in range(2)]
+        residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
+        outs = [simulate_reduce(compressors, _grads(2, step), LAYERS, step=step, residuals=residuals)
+                for step in range(3)]  # fmt: skip
+        results.append((outs, residuals, [c.state_dict() for c in compressors]))
+    (outs_a, res_a, state_a), (outs_b, res_b, state_b) = results
+    for a, b in zip(outs_a, outs_b):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(res_a, res_b))
+    tensors_a, tensors_b = list(_tensors(state_a)), list(_tensors(state_b))
+    assert len(tensors_a) == len(tensors_b) > 0  # the momenta
+    assert all(torch.equal(u, v) for u, v in zip(tensors_a, tensors_b))

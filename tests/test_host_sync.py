@@ -83,6 +83,8 @@ def device_paths(monkeypatch: pytest.MonkeyPatch) -> HostReads:
     reads = HostReads()
     for module in (packing, adacomp, dgc, layer_topk, masked, sparsify, transport, zen):
         monkeypatch.setattr(module, "flat_nonzero", _torch_nonzero, raising=False)
+    # DGC selects layer by layer on the CPU only (reading a count there waits for nothing): watch the bucket's path
+    monkeypatch.setattr(dgc, "LOOP_ON_CPU", False)
     tolist = torch.Tensor.tolist
 
     def recorded(self: torch.Tensor) -> Any:

@@ -32,7 +32,6 @@ from lightning_gradcomp.compressors.segments import segments_of
 from lightning_gradcomp.compressors.sparse import SparseLayout, sparse_layout
 from lightning_gradcomp.compressors.sparse_blob import decode_pairs, encode_full_blob
 from lightning_gradcomp.compressors.sparse_shards import SPARSE_TRANSPORTS, SparseShards, owner_exchange, route_pairs
-from lightning_gradcomp.compressors.sparsify import top_k_among
 from lightning_gradcomp.compressors.transport import SparseTransport, sparse_transport_sum
 from lightning_gradcomp.validation import (
     check_bool,
@@ -44,6 +43,9 @@ from lightning_gradcomp.validation import (
 )
 
 WARMUP_RATIOS = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75%, 93.75%, 98.4375%, 99.6%, then the final ratio
+#: on the CPU, where reading a count waits for nothing, the reference's loop selects layer by layer: the same elements
+#: as the bucket's selection in a fraction of its memory passes (False: the bucket's selection there too)
+LOOP_ON_CPU = True
 __all__ = ["DGC", "WARMUP_RATIOS", "sample_plan"]
 
 
@@ -211,7 +213,9 @@ class DGC(SparseShards, SparseTransport, Compressor):
                 count = indices.numel()
                 if count > k:
                     if count > UPPER_BOUND * k:  # the reference's `resample`: exact top-k among the candidates
-                        indices = top_k_among(values, indices, k)
+                        # (ties at the k-th magnitude: the lowest indices, as the bucket's selection keeps)
+                        order = torch.sort(values.index_select(0, indices).abs(), descending=True, stable=True)
+                        indices = indices.index_select(0, order.indices[:k]).sort().values
                     break
                 if count >= LOWER_BOUND * k:
                     break
@@ -219,11 +223,25 @@ class DGC(SparseShards, SparseTransport, Compressor):
                 indices = flat_nonzero(magnitude_above(values, threshold, inclusive=True))
         return indices[:k]
 
+    def _select_by_layer(self, tensor: Tensor, ctx: BucketContext, ratios: list[float]) -> tuple[Tensor, Tensor]:
+        """:func:`~.dgc_select.select_layers`'s slots through the reference loop, layer by layer (the CPU's path)."""
+        streams, picked, used = layer_streams(ctx), [], []
+        for i, (layer, ratio) in enumerate(zip(ctx.layers, ratios)):
+            idx = self.select(layer.flat(tensor), ratio, streams[i]).sort().values
+            k = math.ceil(layer.numel * ratio)
+            first = idx[:1] if idx.numel() else torch.zeros(1, dtype=torch.int64)
+            picked.append(torch.cat([idx, first.expand(k - idx.numel())]).add_(layer.offset))
+            used.append(torch.arange(k) < idx.numel())
+        return torch.cat(picked), torch.cat(used)
+
     def _encode(self, tensor: Tensor, ctx: BucketContext, layout: SparseLayout) -> tuple[Payload, Tensor, Tensor]:
         """The payload, the selected flat indices (``k`` slots per layer) and which slots are used."""
         ratios = [self.ratio_at(layer, ctx.step) for layer in ctx.layers]
-        indices, used = select_layers(tensor, ctx.layers, ratios, layer_streams(ctx), self.sample_ratio,
-                                      self.strided_sample)  # fmt: skip
+        if tensor.device.type == "cpu" and LOOP_ON_CPU:
+            indices, used = self._select_by_layer(tensor, ctx, ratios)
+        else:
+            indices, used = select_layers(tensor, ctx.layers, ratios, layer_streams(ctx), self.sample_ratio,
+                                          self.strided_sample)  # fmt: skip
         values = tensor.index_select(0, indices).masked_fill_(~used, 0)  # unused slots repeat an index: value 0
         return (encode_full_blob(layout, indices), values), indices, used
 
