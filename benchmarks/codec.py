@@ -27,7 +27,8 @@ step with ``torch.cuda.set_sync_debug_mode("error")``: any host synchronisation 
 table says ``sync`` instead of ``0``. ``--operators-only`` skips the timings and counts the operators of one step (after
 a warm-up step) on two layouts, ResNet-18's 62 parameters and ResNet-50's 161, every parameter compressed, in
 ``--bucket-mb`` buckets, per step and per bucket: a codec whose count per bucket is the same on both does not loop
-over the layers. Timings are medians over ``--steps`` steps after two warm-up steps; on CPU one
+over the layers (``--device-paths``: the paths a GPU takes, where the CPU has a shortcut of its own, as DGC's
+layer-by-layer selection). Timings are medians over ``--steps`` steps after two warm-up steps; on CPU one
 torch thread, as each worker of ``step_time.py`` has. Gradients are random normal scaled to 1e-3 (``--gradients
 gaussian``, the tables' default) or, with ``--gradients model``, the model's own: each rank's gradient of the
 cross-entropy of a batch of random images and labels (a seed per rank) through the freshly initialised model, whose
@@ -60,7 +61,7 @@ import torchvision
 from codec_profile import compressed_layers
 from torch import Tensor
 
-from lightning_gradcomp.compressors import LGC, Identity, LGCAllReduce, MaskedCompressor, Masks, TopK
+from lightning_gradcomp.compressors import LGC, Identity, LGCAllReduce, MaskedCompressor, Masks, TopK, dgc
 from lightning_gradcomp.compressors.base import BucketContext, Layer
 from lightning_gradcomp.compressors.draws import uniform_draws
 from lightning_gradcomp.compressors.exchange import StepUpdates
@@ -371,6 +372,11 @@ def main() -> None:
     parser.add_argument("--operators", action="store_true",
                         help="also count the top-level torch operators of one step per rank")  # fmt: skip
     parser.add_argument(
+        "--device-paths",
+        action="store_true",
+        help="on the CPU, take the paths a GPU takes (DGC selects the bucket at once, not layer by layer)",
+    )
+    parser.add_argument(
         "--operators-only",
         action="store_true",
         help="only count operators per step: ResNet-18's and ResNet-50's layouts, no timing",
@@ -380,6 +386,8 @@ def main() -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if args.device_paths:  # DGC's CPU-only shortcut off: the operators a GPU issues
+        dgc.LOOP_ON_CPU = False
     if args.operators_only:
         table = operator_table(args.compressors, args, device)
         if args.out:

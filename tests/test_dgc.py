@@ -1,14 +1,16 @@
 """DGC against a step-by-step reference of the authors' code: momentum correction, clipping, masking, selection."""
 
-import copy
+import contextlib
 import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_gradcomp.compressors import DGC, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
 from lightning_gradcomp.compressors.dgc import sample_plan
+from lightning_gradcomp.compressors.dgc_select import layer_streams, sample_positions, select_layers
 from lightning_gradcomp.hook import CompressionState
 from lightning_gradcomp.optim import DGCSGD
 from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
@@ -45,23 +47,32 @@ def test_sample_plan_follows_the_reference_code():
     assert sample_plan(5000, 0.01, 1.0) == (5000, 50, 1)
 
 
+def _stream(seed):
+    """A layer's sample stream, as the hook derives it (layer_streams)."""
+    ctx = BucketContext(index=0, step=seed, rank=0, world_size=1, layers=LAYERS[:1], dtype=torch.float64)
+    return layer_streams(ctx)[0]
+
+
 def test_selection_with_a_clear_top_k_is_exact():
+    """100 outliers: a sample (this one) whose threshold admits them and few others selects exactly them.
+
+    (A sample whose threshold admits between k and 1.3 k candidates keeps the first k in index order, outliers or
+    not: the reference's rule, exercised by test_candidates_near_k_are_kept_as_they_are.)
+    """
     x = torch.rand(100_000, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     top = torch.randperm(100_000, generator=torch.Generator().manual_seed(1))[:100]
     x[top] += 10
-    picked = DGC().select(x, 0.001, torch.Generator().manual_seed(2))
+    picked = DGC().select(x, 0.001, _stream(3))
     assert sorted(picked.tolist()) == sorted(top.tolist())
 
 
-def _sampled_positions(numel, ratio, generator):
-    _, _, stride = sample_plan(numel, ratio, 0.01)
-    start = int(torch.randint(0, stride, (1,), generator=copy.deepcopy(generator)))
-    return torch.arange(numel)[start::stride]
+def _sampled_positions(numel, ratio, stream):
+    return sample_positions(numel, ratio, 0.01, True, stream)
 
 
 def test_too_many_candidates_fall_back_to_exact_top_k_among_them():
     """The sample sits low: its threshold admits far more than 1.3 k candidates; exact top-k among them."""
-    generator = torch.Generator().manual_seed(4)
+    generator = _stream(4)
     x = 0.5 + 0.5 * torch.rand(100_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
     sampled = _sampled_positions(100_000, 0.001, generator)
     x[sampled] = 0.1 * torch.rand(sampled.numel(), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
@@ -73,7 +84,7 @@ def test_too_many_candidates_fall_back_to_exact_top_k_among_them():
 def test_candidates_near_k_are_kept_as_they_are():
     """Between 0.8 k and 1.3 k candidates: every element at or above the sampled threshold, at most k of them."""
     x = torch.rand(100_000, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    generator = torch.Generator().manual_seed(4)
+    generator = _stream(8)
     sampled = _sampled_positions(100_000, 0.001, generator)
     threshold = torch.topk(x[sampled], 3).values.min()
     candidates = torch.nonzero(x >= threshold).squeeze(1)
@@ -84,7 +95,7 @@ def test_candidates_near_k_are_kept_as_they_are():
 def test_too_few_candidates_lower_the_threshold():
     """The sample holds 3 large values the rest of the layer lacks: the threshold drops by 0.8 until enough pass."""
     numel, ratio = 100_000, 0.001
-    generator = torch.Generator().manual_seed(5)
+    generator = _stream(5)
     sampled = _sampled_positions(numel, ratio, generator)
     x = torch.full((numel,), 0.5, dtype=torch.float64)
     x[sampled[:3]] = 2.0
@@ -95,13 +106,13 @@ def test_too_few_candidates_lower_the_threshold():
 
 
 @pytest.mark.parametrize("case", ["clear", "too many", "near k", "too few", "gaussian", "unsampled", "uniform sample"])
-def test_the_fixed_size_selection_selects_what_the_loop_does(case):
-    """``DGC.select_fixed`` (no host reads) against the reference loop of ``DGC.select``, on each of its paths."""
+def test_the_bucket_selection_selects_what_the_loop_does(case):
+    """``select_layers`` (every layer at once, no host reads) against the reference loop, on each of its paths."""
     numel, ratio, kwargs = 100_000, 0.001, {}
     g = torch.Generator().manual_seed(3)
     x = torch.rand(numel, generator=g, dtype=torch.float64)
-    generator = torch.Generator().manual_seed(4)
-    sampled = _sampled_positions(numel, ratio, generator)
+    stream = _stream(4)
+    sampled = _sampled_positions(numel, ratio, stream)
     if case == "clear":
         x[torch.randperm(numel, generator=g)[:100]] += 10
     elif case == "too many":
@@ -118,36 +129,36 @@ def test_the_fixed_size_selection_selects_what_the_loop_does(case):
         x, ratio = torch.randn(1500, generator=g), 0.001
     elif case == "uniform sample":
         x, kwargs = torch.randn(numel, generator=g), {"strided_sample": False}
-    expected = DGC(ratio=ratio, **kwargs).select(x, ratio, copy.deepcopy(generator))
-    found, used = DGC(ratio=ratio, **kwargs).select_fixed(x, ratio, generator)
+    compressor = DGC(ratio=ratio, **kwargs)
+    expected = compressor.select(x, ratio, stream)
+    if case == "too few":  # the exact top-k among tied magnitudes (0.5): the lowest indices, where topk's are its own
+        k = math.ceil(numel * ratio)
+        assert set(torch.topk(x, 4).indices.tolist()) <= set(expected.tolist())
+        expected = torch.sort(x.abs(), descending=True, stable=True).indices[:k]
+    layer = Layer("w", 0, torch.Size((x.numel(),)))
+    found, used = select_layers(x, [layer], [ratio], stream.view(1), compressor.sample_ratio, compressor.strided_sample)
     assert sorted(expected.tolist()) == found[used].tolist()
     assert found.numel() == math.ceil(x.numel() * ratio)
     assert torch.all(found[~used] == found[0])
 
 
-@pytest.mark.parametrize(
-    "kwargs", [{"ratio": 0.01}, {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
-               {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5}]
-)  # fmt: skip
-def test_both_selections_give_the_same_steps(kwargs, monkeypatch):
-    """The reduction with the fixed-size selection (a GPU's) is bitwise the one with the loop (the CPU's)."""
-    from lightning_gradcomp.compressors import dgc
-
-    results = []
-    for early_exit in (True, False):
-        monkeypatch.setattr(dgc, "EARLY_EXIT_ON_CPU", early_exit)
-        compressors = [DGC(**kwargs) for _ in range(2)]
-        residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
-        outs = [simulate_reduce(compressors, _grads(2, step), LAYERS, step=step, residuals=residuals)
-                for step in range(3)]  # fmt: skip
-        results.append((outs, residuals, [c.state_dict() for c in compressors]))
-    (outs_a, res_a, state_a), (outs_b, res_b, state_b) = results
-    for a, b in zip(outs_a, outs_b):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert all(torch.equal(x, y) for x, y in zip(res_a, res_b))
-    tensors_a, tensors_b = list(_tensors(state_a)), list(_tensors(state_b))
-    assert len(tensors_a) == len(tensors_b) > 0  # the momenta
-    assert all(torch.equal(u, v) for u, v in zip(tensors_a, tensors_b))
+@pytest.mark.parametrize("kwargs", [{}, {"strided_sample": False}, {"sample_ratio": 1.0}])
+@pytest.mark.parametrize("ratio", [0.001, 0.01, 0.05])
+def test_every_layer_of_a_bucket_is_selected_as_the_loop_selects_it(kwargs, ratio):
+    """A bucket at once (layers of every size, sampled or not) equals the reference loop layer by layer."""
+    layers = layers_from_shapes([(64, 80), (16,), (200, 30), (4, 4), (300, 400)])
+    x = torch.randn(sum(layer.numel for layer in layers), generator=torch.Generator().manual_seed(0))
+    ctx = BucketContext(index=0, step=3, rank=1, world_size=2, layers=layers, dtype=x.dtype)
+    compressor, streams = DGC(ratio=ratio, **kwargs), layer_streams(ctx)
+    found, used = select_layers(x, layers, [ratio] * len(layers), streams, compressor.sample_ratio,
+                                compressor.strided_sample)  # fmt: skip
+    at = 0
+    for i, layer in enumerate(layers):
+        k = math.ceil(layer.numel * ratio)
+        expected = compressor.select(layer.flat(x), ratio, streams[i])
+        assert found[at : at + k][used[at : at + k]].sub(layer.offset).tolist() == sorted(expected.tolist())
+        assert torch.all(found[at : at + k][~used[at : at + k]] == found[at])
+        at += k
 
 
 def _tensors(state):
@@ -185,7 +196,7 @@ def _reference(grads_per_step, momentum=0.9, nesterov=False, masking=True, clip_
                 else:
                     m.mul_(momentum).add_(g)
                     acc.add_(m)
-                idx = selector.select(acc, ratio, ctx.generator(layer, per_rank=True))
+                idx = selector.select(acc, ratio, layer_streams(ctx)[ctx.layers.index(layer)])
                 layer.flat(out).index_add_(0, idx, acc[idx])
                 acc[idx] = 0
                 if masking:
@@ -346,3 +357,66 @@ def test_a_nonfinite_step_is_forgotten_by_the_hook_dense_layers_included():
         outs, expected = hook.step(grads), twin.step(grads)
         assert torch.equal(outs[0], outs[1])
         torch.testing.assert_close(outs[0], expected[0], rtol=0, atol=0)
+
+
+class _Operators(TorchDispatchMode):
+    """Counts the torch operators dispatched (each one a kernel launch or more on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"ratio": 0.01}, {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
+     {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5}, {"ratio": 0.1, "transport": "two_phase"}],
+)  # fmt: skip
+def test_operators_per_bucket_do_not_grow_with_the_layers(kwargs, monkeypatch):
+    """A bucket of twice the layers costs the same number of operators: no loop over the layers on the hook path
+    (the CPU's layer-by-layer selection off, as on every other device)."""
+    from lightning_gradcomp.compressors import dgc
+
+    monkeypatch.setattr(dgc, "LOOP_ON_CPU", False)
+    counts = []
+    for repeats in (3, 6):
+        layers = layers_from_shapes([(32, 100), (50, 60)] * repeats)
+        numel = sum(layer.numel for layer in layers)
+        compressors = [DGC(**kwargs) for _ in range(2)]
+        residuals = [torch.zeros(numel) for _ in range(2)]
+        for step in range(5):  # the last step is counted: layouts (and the warm-up's) are built before
+            grads = [torch.randn(numel, generator=torch.Generator().manual_seed(10 * step + r)) for r in range(2)]
+            mode = _Operators()
+            with mode if step == 4 else contextlib.nullcontext():
+                simulate_reduce(compressors, grads, layers, step=step, residuals=residuals)
+        counts.append(mode.count)
+    assert counts[0] == counts[1] > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"ratio": 0.01}, {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
+               {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5}]
+)  # fmt: skip
+def test_both_selections_give_the_same_steps(kwargs, monkeypatch):
+    """The reduction with the bucket's selection (every device's) is bitwise the one with the CPU's loop."""
+    from lightning_gradcomp.compressors import dgc
+
+    results = []
+    for loop in (True, False):
+        monkeypatch.setattr(dgc, "LOOP_ON_CPU", loop)
+        compressors = [DGC(**kwargs) for _ in range(2)]
+        residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
+        outs = [simulate_reduce(compressors, _grads(2, step), LAYERS, step=step, residuals=residuals)
+                for step in range(3)]  # fmt: skip
+        results.append((outs, residuals, [c.state_dict() for c in compressors]))
+    (outs_a, res_a, state_a), (outs_b, res_b, state_b) = results
+    for a, b in zip(outs_a, outs_b):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(res_a, res_b))
+    tensors_a, tensors_b = list(_tensors(state_a)), list(_tensors(state_b))
+    assert len(tensors_a) == len(tensors_b) > 0  # the momenta
+    assert all(torch.equal(u, v) for u, v in zip(tensors_a, tensors_b))

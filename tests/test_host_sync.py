@@ -5,9 +5,9 @@ data (``nonzero``, ``unique``, a boolean-mask index) waits for the device, so th
 Here every configuration of ``EXAMPLES`` runs a step of ``simulate_reduce`` under a ``TorchDispatchMode`` that records
 such operators, and with ``Tensor.tolist`` recorded; ``flat_nonzero``'s NumPy shortcut is replaced by
 ``torch.nonzero`` so that its data-dependent size is seen. Reads in branches that run on the CPU only (the NumPy
-comparisons' scalar bound, the commit of a CPU flag, the sparsifiers' owner map, built on the CPU once per layout)
-are not counted: on a GPU those branches are not taken; nor is a draw from DGC's CPU generator (a host value on every
-device). DGC's selection takes the path a GPU takes.
+comparisons' scalar bound, the commit of a CPU flag, the sparsifiers' owner map and the index plans of DGC's and the
+top-k selections, built on the CPU once per layout: DGC's warm-up changes the layout at every stage) are not counted:
+on a GPU those branches are not taken.
 
 The compressors that still read are listed with the reason; the test fails when one of them stops reading too (the
 list must shrink), and when any other starts.
@@ -32,8 +32,9 @@ _READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_se
           aten.unique_consecutive.default, aten.unique_dim.default}  # fmt: skip
 # (file, function) of the branches that run only on the CPU, where reading a scalar is no synchronisation
 _CPU_ONLY = {("exchange.py", "commit"), ("packing.py", "above"), ("packing.py", "magnitude_above"),
-             ("quantize.py", "_clamp_"), ("dgc.py", "_host_randint"), ("layer_topk.py", "_sampled"),
-             ("sparse_shards.py", "device_owners")}  # fmt: skip
+             ("quantize.py", "_clamp_"), ("layer_topk.py", "_sampled"),
+             ("sparse_shards.py", "device_owners"), ("dgc_select.py", "_plan"),
+             ("layer_topk.py", "_plan")}  # fmt: skip
 
 # what still reads on the hook path, and where
 KNOWN = {
@@ -82,8 +83,8 @@ def device_paths(monkeypatch: pytest.MonkeyPatch) -> HostReads:
     reads = HostReads()
     for module in (packing, adacomp, dgc, layer_topk, masked, sparsify, transport, zen):
         monkeypatch.setattr(module, "flat_nonzero", _torch_nonzero, raising=False)
-    # DGC takes its early-exit selection on the CPU only (reading a count there waits for nothing): watch the other
-    monkeypatch.setattr(dgc, "EARLY_EXIT_ON_CPU", False, raising=False)
+    # DGC selects layer by layer on the CPU only (reading a count there waits for nothing): watch the bucket's path
+    monkeypatch.setattr(dgc, "LOOP_ON_CPU", False)
     tolist = torch.Tensor.tolist
 
     def recorded(self: torch.Tensor) -> Any:

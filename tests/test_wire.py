@@ -31,6 +31,9 @@ LAYERS = _layers([(16, 8, 3, 3), (16,), (32, 16, 3, 3), (32,), (10, 128)])  # 7,
 #: exchanges whose sizes differ between ranks even when the ranks hold the same gradient (hash-balanced shards of
 #: Zen's all-to-all, gathered padded to the largest): the model, traced on one rank, is an estimate there
 RANK_DEPENDENT = {"zen-always", "zen-bitmap", "topk-zen", "topk-auto", "dgc-zen"}
+#: how far the one-rank trace may be from the counted bytes: DGC's sampled threshold is drawn per rank, so its ranks
+#: select different numbers of pairs (between 0.8 k and k, or k) even from the same gradient
+RANK_SPREAD = {"dgc-zen": 0.15}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4, 7, 8, 64])
@@ -107,7 +110,7 @@ def test_the_declared_byte_model_is_what_the_telemetry_counts(name):
         counted = hook_wire_bytes(EXAMPLES[name], LAYERS, flat, world_size)[0]
         declared = bucket_wire_bytes(EXAMPLES[name](), LAYERS, world_size, tensor=flat)
         if name in RANK_DEPENDENT:
-            assert declared.moved == pytest.approx(counted.moved, rel=0.05), world_size
+            assert declared.moved == pytest.approx(counted.moved, rel=RANK_SPREAD.get(name, 0.05)), world_size
         else:
             assert (declared.sent, declared.received) == pytest.approx((counted.sent, counted.received), abs=0.5)
 

@@ -17,12 +17,21 @@ from lightning_gradcomp.compressors.base import (
     LayerBuffers,
     Payload,
 )
+from lightning_gradcomp.compressors.dgc_select import (
+    LOWER_BOUND,
+    MAX_ADAPTATION_ITERS,
+    UPPER_BOUND,
+    layer_streams,
+    sample_plan,
+    sample_positions,
+    select_layers,
+)
 from lightning_gradcomp.compressors.exchange import AllGather, Exchange, SentExactly
-from lightning_gradcomp.compressors.packing import decode_indices, flat_nonzero, magnitude_above, unpack_bits
-from lightning_gradcomp.compressors.random_subsets import draws, uniform_below
-from lightning_gradcomp.compressors.sparse import SparseLayout, encode_sparse, sparse_layout
+from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
+from lightning_gradcomp.compressors.segments import segments_of
+from lightning_gradcomp.compressors.sparse import SparseLayout, sparse_layout
+from lightning_gradcomp.compressors.sparse_blob import decode_pairs, encode_full_blob
 from lightning_gradcomp.compressors.sparse_shards import SPARSE_TRANSPORTS, SparseShards, owner_exchange, route_pairs
-from lightning_gradcomp.compressors.sparsify import top_k_among
 from lightning_gradcomp.compressors.transport import SparseTransport, sparse_transport_sum
 from lightning_gradcomp.validation import (
     check_bool,
@@ -33,43 +42,11 @@ from lightning_gradcomp.validation import (
     check_ratio,
 )
 
-# the reference code's threshold adaptation (synxlin/deep-gradient-compression, dgc/compression.py)
-_UPPER_BOUND = 1.3  # more than 1.3 k candidates: exact top-k among them
-_LOWER_BOUND = 0.8  # fewer than 0.8 k: lower the threshold by this factor and count again
-_MAX_ADAPTATION_ITERS = 10
-# the CPU selects with the reference's loop, reading counts (free there); False takes the fixed-size selection there too
-EARLY_EXIT_ON_CPU = True
 WARMUP_RATIOS = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75%, 93.75%, 98.4375%, 99.6%, then the final ratio
-
-
-def _clip_norm_(tensor: Tensor, max_norm: float) -> None:
-    """Scale ``tensor`` so its L2 norm is at most ``max_norm`` (the reference's per-tensor ``clip_grad_norm_``)."""
-    coefficient = (max_norm / (tensor.norm() + 1e-6)).clamp(max=1.0)  # a tensor: no host sync
-    tensor.mul_(coefficient)
-
-
-def _host_randint(high: int, generator: torch.Generator) -> int:
-    """A draw in ``[0, high)`` from the CPU ``generator``: a host value, whatever the gradient's device."""
-    return int(torch.randint(0, high, (1,), generator=generator))
-
-
-def sample_plan(numel: int, ratio: float, sample_ratio: float) -> tuple[int, int, int]:
-    """``(num_samples, top_k_samples, stride)`` of the reference code for a layer of ``numel`` elements.
-
-    The stride is ``32 j + 1`` stepped down by 8 until the strided sample holds at least ``max(ceil(sample_ratio
-    numel), ceil(2 / ratio))`` elements; layers with at most ``ceil(2 / ratio)`` elements are not sampled.
-    """
-    if sample_ratio >= 1.0:
-        return numel, math.ceil(numel * ratio), 1
-    wanted = max(math.ceil(numel * sample_ratio), math.ceil(2 / ratio))
-    if numel <= math.ceil(2 / ratio):
-        return numel, math.ceil(numel * ratio), 1
-    stride = math.ceil(numel / wanted / 32) * 32 + 1
-    samples = numel // stride
-    while samples < wanted:
-        stride -= 8
-        samples = numel // stride
-    return samples, math.ceil(samples * ratio), stride
+#: on the CPU, where reading a count waits for nothing, the reference's loop selects layer by layer: the same elements
+#: as the bucket's selection in a fraction of its memory passes (False: the bucket's selection there too)
+LOOP_ON_CPU = True
+__all__ = ["DGC", "WARMUP_RATIOS", "sample_plan"]
 
 
 class DGC(SparseShards, SparseTransport, Compressor):
@@ -117,13 +94,16 @@ class DGC(SparseShards, SparseTransport, Compressor):
     bytes each) plus the indices as int32 (``4 k`` bytes) or a bitmap (``ceil(d / 32) * 4`` bytes) when smaller;
     unused slots (fewer than ``k`` selected) are sent as zeros. Dense layers: ``4 d`` (their own all-reduce).
 
-    No host synchronisation on a GPU: the reference's loop reads the candidate count after every threshold; here
-    (:meth:`select_fixed`) the counts at every threshold the loop may try come from one histogram, its decisions are
-    taken on the device, and every layer sends its ``k`` slots with the unused ones zero. Where the loop would take
-    the exact top-k among more than 1.3 k candidates, the fixed-size path takes the layer's top-k (the same
-    elements). On the CPU, where reading a count costs nothing, the loop itself selects; both select the same
-    elements. The uniform sample (``strided_sample=False``) is drawn on the gradient's device from a counter-based
-    hash.
+    No host synchronisation and no loop over the layers (:mod:`~lightning_gradcomp.compressors.dgc_select`): the
+    reference's loop reads the candidate count after every threshold; here every layer's sample is drawn on the
+    gradient's device (a counter-based hash of the seed, the layer's index, the rank and the step), every layer's
+    threshold comes from one batched top-k of the samples, the counts at every threshold the loop may try from one
+    histogram over the bucket, and the loop's decisions are taken on the device; every layer sends its ``k`` slots
+    with the unused ones zero. Where the loop would take the exact top-k among more than 1.3 k candidates, the layer's
+    top-k is taken (the same elements; ties at the k-th magnitude keep the lowest indices). The momentum correction,
+    the clipping (segmented norms), the encoding and the decoding of every rank's payload are bucket-wide too: a
+    bucket costs the same number of operators whatever its number of layers. :meth:`select` is the reference loop for
+    one layer, which the bucket's selection is tested against.
 
     Args:
         ratio: final fraction of each layer sent, in (0, 1] (0.001: 99.9% sparsity).
@@ -214,192 +194,122 @@ class DGC(SparseShards, SparseTransport, Compressor):
     # ------------------------------------------------------------------------------------------------------------
     # Selection
     # ------------------------------------------------------------------------------------------------------------
-    def _threshold(self, values: Tensor, ratio: float, generator: torch.Generator) -> tuple[Tensor, bool]:
-        """The sampled threshold of ``|values|`` (a 0-d tensor), and whether it came from a sample (not the layer)."""
-        numel = values.numel()
-        num_samples, top_k_samples, stride = sample_plan(numel, ratio, self.sample_ratio)
-        if num_samples == numel:
-            samples = values.abs()
-        elif self.strided_sample:
-            start = _host_randint(stride, generator)
-            samples = values[start::stride].abs()
-        else:  # uniform positions, drawn on the layer's device from a key the generator gives
-            key = _host_randint(2**31, generator)
-            counters = torch.arange(num_samples, dtype=torch.int64, device=values.device)
-            samples = values.index_select(0, uniform_below(draws(key, counters), numel)).abs()
-        threshold = torch.topk(samples, min(top_k_samples, samples.numel()), sorted=False).values.min()
-        return threshold, numel > num_samples
+    def select(self, values: Tensor, ratio: float, stream: Tensor) -> Tensor:
+        """The reference's loop for one layer: the indices of at most ``ceil(ratio d)`` large ``|values|``.
 
-    def select(self, values: Tensor, ratio: float, generator: torch.Generator) -> Tensor:
-        """Layer-local indices of at most ``ceil(ratio d)`` large entries of ``values`` (the reference's rules).
-
-        The reference's loop, which reads the candidate count after every threshold: the path taken on the CPU (where
-        reading a count waits for nothing). :meth:`select_fixed` selects the same elements without reading.
-        """
-        k = math.ceil(values.numel() * ratio)
-        # the importance |values| is formed only where it is read (the sample, the candidates): the masks compare the
-        # values with both signs of the threshold, the same elements without a gradient-sized |values|
-        threshold, sampled = self._threshold(values, ratio, generator)
-        indices = flat_nonzero(magnitude_above(values, threshold, inclusive=True))
-        if sampled:
-            for _ in range(_MAX_ADAPTATION_ITERS):
-                count = indices.numel()
-                if count > k:
-                    if count > _UPPER_BOUND * k:  # the reference's `resample`: exact top-k among the candidates
-                        indices = top_k_among(values, indices, k)
-                    break
-                if count >= _LOWER_BOUND * k:
-                    break
-                threshold = threshold * _LOWER_BOUND
-                indices = flat_nonzero(magnitude_above(values, threshold, inclusive=True))
-        return indices[:k]
-
-    def select_fixed(self, values: Tensor, ratio: float, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        """:meth:`select`'s elements in ``k = ceil(ratio d)`` slots, and which slots are used: no host reads.
-
-        The counts at every threshold the loop may try (the sampled one lowered 0 to 10 times by 0.8) come from one
-        histogram of ``|values|`` over those thresholds; the loop's decisions are then made on the device. Where the
-        loop stops at more than 1.3 k candidates, the exact top-k among them is the layer's top-k, taken from the
-        whole layer (the candidates' number is not known on the host); otherwise the candidates in index order, at
-        most ``k``. The selected indices come in increasing order, then the unused slots, which repeat the first.
+        It reads the candidate count after every threshold (a host read). The hook takes the same rule for every
+        layer of a bucket at once on the device (:func:`~.dgc_select.select_layers`), which is checked against this
+        loop. ``stream`` is the layer's sample stream (a 0-d int64 tensor, :func:`~.dgc_select.layer_streams`).
         """
         numel = values.numel()
         k = math.ceil(numel * ratio)
-        threshold, sampled = self._threshold(values, ratio, generator)
-        magnitudes = values.abs()
-        count: Tensor | None = None
-        exact: Tensor | None = None
-        if sampled:
-            ladder = [threshold]
-            for _ in range(_MAX_ADAPTATION_ITERS):  # as the loop lowers it: one rounding per step
-                ladder.append(ladder[-1] * _LOWER_BOUND)
-            ascending = torch.stack(ladder[::-1])
-            level = torch.bucketize(magnitudes, ascending, right=True)  # thresholds at or below each |x|
-            histogram = torch.zeros(len(ladder) + 1, dtype=torch.int64, device=values.device)
-            histogram.index_add_(0, level, torch.ones(1, dtype=torch.int64, device=values.device).expand(numel))
-            counts = histogram.flip(0).cumsum(0)[: len(ladder)]  # counts[j]: |x| >= threshold lowered j times
-            enough = counts[:-1] >= _LOWER_BOUND * k
-            stop = torch.where(enough.any(), enough.int().argmax(), _MAX_ADAPTATION_ITERS)
-            threshold = ascending.flip(0).index_select(0, stop.view(1)).squeeze(0)
-            count = counts.index_select(0, stop.view(1)).squeeze(0)
-            exact = (stop < _MAX_ADAPTATION_ITERS) & (count > _UPPER_BOUND * k)
-        candidates = magnitudes >= threshold
-        rank = torch.cumsum(candidates, 0)
-        if count is None:
-            count = rank[-1]
-        slot = torch.where(candidates & (rank <= k), rank - 1, k)
-        first = torch.zeros(k + 1, dtype=torch.int64, device=values.device)
-        first.scatter_(0, slot, torch.arange(numel, device=values.device))  # slot k takes the rest: dropped
-        kept = torch.clamp(count, max=k)
-        if exact is not None:
-            top = torch.topk(magnitudes, k, sorted=False).indices.sort().values
-            first = torch.where(exact, torch.cat([top, top[:1]]), first)
-            kept = torch.where(exact, k, kept)
-        used = torch.arange(k, device=values.device) < kept
-        return torch.where(used, first[:k], first[:1]), used
+        num_samples, top_k_samples, _ = sample_plan(numel, ratio, self.sample_ratio)
+        positions = sample_positions(numel, ratio, self.sample_ratio, self.strided_sample, stream.to(values.device))
+        samples = values.index_select(0, positions).abs()
+        threshold = torch.topk(samples, min(top_k_samples, samples.numel()), sorted=False).values.min()
+        indices = flat_nonzero(magnitude_above(values, threshold, inclusive=True))
+        if num_samples < numel:
+            for _ in range(MAX_ADAPTATION_ITERS):
+                count = indices.numel()
+                if count > k:
+                    if count > UPPER_BOUND * k:  # the reference's `resample`: exact top-k among the candidates
+                        # (ties at the k-th magnitude: the lowest indices, as the bucket's selection keeps)
+                        order = torch.sort(values.index_select(0, indices).abs(), descending=True, stable=True)
+                        indices = indices.index_select(0, order.indices[:k]).sort().values
+                    break
+                if count >= LOWER_BOUND * k:
+                    break
+                threshold = threshold * LOWER_BOUND
+                indices = flat_nonzero(magnitude_above(values, threshold, inclusive=True))
+        return indices[:k]
+
+    def _select_by_layer(self, tensor: Tensor, ctx: BucketContext, ratios: list[float]) -> tuple[Tensor, Tensor]:
+        """:func:`~.dgc_select.select_layers`'s slots through the reference loop, layer by layer (the CPU's path)."""
+        streams, picked, used = layer_streams(ctx), [], []
+        for i, (layer, ratio) in enumerate(zip(ctx.layers, ratios)):
+            idx = self.select(layer.flat(tensor), ratio, streams[i]).sort().values
+            k = math.ceil(layer.numel * ratio)
+            first = idx[:1] if idx.numel() else torch.zeros(1, dtype=torch.int64)
+            picked.append(torch.cat([idx, first.expand(k - idx.numel())]).add_(layer.offset))
+            used.append(torch.arange(k) < idx.numel())
+        return torch.cat(picked), torch.cat(used)
+
+    def _encode(self, tensor: Tensor, ctx: BucketContext, layout: SparseLayout) -> tuple[Payload, Tensor, Tensor]:
+        """The payload, the selected flat indices (``k`` slots per layer) and which slots are used."""
+        ratios = [self.ratio_at(layer, ctx.step) for layer in ctx.layers]
+        if tensor.device.type == "cpu" and LOOP_ON_CPU:
+            indices, used = self._select_by_layer(tensor, ctx, ratios)
+        else:
+            indices, used = select_layers(tensor, ctx.layers, ratios, layer_streams(ctx), self.sample_ratio,
+                                          self.strided_sample)  # fmt: skip
+        values = tensor.index_select(0, indices).masked_fill_(~used, 0)  # unused slots repeat an index: value 0
+        return (encode_full_blob(layout, indices), values), indices, used
 
     # ------------------------------------------------------------------------------------------------------------
     # The contract: sparsify what is given (momentum and accumulation are in reduce)
     # ------------------------------------------------------------------------------------------------------------
-    def _fixed(self, tensor: Tensor) -> bool:
-        """Whether :meth:`select_fixed` selects (all but the CPU's all-gather, where :meth:`select` reads freely)."""
-        return self.transport not in ("zen", "zen-auto") and not (tensor.device.type == "cpu" and EARLY_EXIT_ON_CPU)
-
-    def _encode(self, tensor: Tensor, ctx: BucketContext, layout: SparseLayout) -> tuple[Payload, list[Tensor]]:
-        fixed = self._fixed(tensor)
-        picked, values = [], []
-        for layer in ctx.layers:
-            flat, ratio, generator = (
-                layer.flat(tensor),
-                self.ratio_at(layer, ctx.step),
-                ctx.generator(layer, per_rank=True),
-            )
-            if fixed:  # k slots: the unused ones repeat a selected index with the value 0
-                idx, used = self.select_fixed(flat, ratio, generator)
-                values.append(flat.index_select(0, idx).masked_fill_(~used, 0))
-            else:
-                idx = self.select(flat, ratio, generator)
-                values.append(flat.index_select(0, idx))
-            picked.append(idx)
-        # the fixed selection is in increasing order already, its unused slots last (as a bitmap decodes)
-        blob, slotted = encode_sparse(layout, picked, values, tensor, ordered_=fixed)
-        assert slotted is not None  # values were given
-        return (blob, slotted), picked
-
     def compress(self, tensor: Tensor, ctx: BucketContext) -> Payload:
         """Index blob and slot values of every layer."""
         return self._encode(tensor, ctx, self._layout(ctx))[0]
-
-    def _add_sparse(self, layout: SparseLayout, blob: Tensor, values: Tensor, out: Tensor) -> None:
-        """Add one rank's slot values at its indices; a bitmap's through the ranks of its set bits (fixed sizes)."""
-        for segment in layout.segments:
-            part = blob[segment.blob_at : segment.blob_at + segment.nbytes]
-            slotted = values[segment.value_at : segment.value_at + segment.slots].to(out.dtype)
-            target = segment.layer.flat(out)
-            if segment.bitmap:  # the i-th set bit takes the i-th slot (zeros elsewhere): no data-dependent size
-                mask = unpack_bits(part, segment.layer.numel)
-                rank = torch.cumsum(mask, 0).sub_(1).clamp_(0, segment.slots - 1)
-                target.add_(slotted.index_select(0, rank).masked_fill_(~mask, 0))
-            else:  # within one rank the indices are distinct or carry 0 (unused slots): deterministic on CUDA too
-                target.index_add_(0, decode_indices(part, segment.layer.numel, segment.slots, False), slotted)
 
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """Sparse values scattered into zeros."""
         return self.aggregate([payload], ctx, out)
 
     def aggregate(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
-        """Sum every rank's payload, in rank order."""
+        """Sum every rank's payload, in rank order, every layer at once (:func:`~.sparse_blob.decode_pairs`).
+
+        Within one rank the used slots' indices are distinct and the unused ones carry 0: deterministic on CUDA too.
+        """
         layout = self._layout(ctx)
         out = ctx.output(out, zeros=True)
         for blob, values in payloads:
-            self._add_sparse(layout, blob, values, out)
+            indices, slotted = decode_pairs(layout, blob, values)
+            out.index_add_(0, indices, slotted.to(out.dtype))
         return out
 
     # ------------------------------------------------------------------------------------------------------------
     # The reduction: clipping, momentum correction, accumulation, selection, masking
     # ------------------------------------------------------------------------------------------------------------
-    def _correct(self, layer: Layer, g: Tensor, ctx: BucketContext) -> None:
-        """Momentum-correct ``g`` in place: ``g`` becomes what is accumulated (``u``, or ``u + g`` for Nesterov).
+    def _momentum_step(self, g: Tensor, ctx: BucketContext) -> Tensor:
+        """The new ``u`` (``momentum u + g``; ``momentum (u + g)`` for Nesterov) of every layer, staged.
 
-        The new ``u`` goes into a buffer of its own, staged: it replaces ``u`` once the step is finite everywhere.
+        The bucket at once: every layer's ``u`` is a view of one flat tensor (kept and saved per layer), and so is
+        the next one, which replaces it once the step is finite everywhere.
         """
+        u = self._momenta.flat(ctx.layers, g)
+        new_u = self._next_momenta.flat(ctx.layers, g)  # reused every step: no allocation on the hook path
+        if self.nesterov:
+            torch.add(u, g, out=new_u).mul_(self.momentum)
+        else:
+            torch.add(g, u, alpha=self.momentum, out=new_u)
+        ctx.stage(u, new_u)  # copied at commit: a swap of storage would leave the layers' views behind
+        return new_u
+
+    def _correct(self, g: Tensor, ctx: BucketContext) -> None:
+        """Momentum-correct ``g`` in place: ``g`` becomes what is accumulated (``u``, or ``u + g`` for Nesterov)."""
         if not self.momentum:
             return
-        new_u = self._next_momentum(layer, g, ctx)
+        new_u = self._momentum_step(g, ctx)
         if self.nesterov:
             g.add_(new_u)
         else:
             g.copy_(new_u)
 
-    def _next_momentum(self, layer: Layer, g: Tensor, ctx: BucketContext) -> Tensor:
-        """The new ``u`` (``momentum u + g``; ``momentum (u + g)`` for Nesterov) in a buffer of its own, staged."""
-        u = self._momenta.get(layer, g)
-        new_u = self._next_momenta.get(layer, g)
-        if self.nesterov:
-            torch.add(u, g, out=new_u).mul_(self.momentum)
-        else:
-            torch.add(g, u, alpha=self.momentum, out=new_u)
-        ctx.stage(u, new_u, swap=True)  # the next buffer is rewritten whole
-        return new_u
-
     def accumulate(self, tensor: Tensor, ctx: BucketContext) -> Tensor | tuple[Tensor, ...]:
         """Local clipping, then ``u <- momentum u + g`` per layer: ``u`` is what error feedback's ``v`` accumulates.
 
-        With error feedback and plain momentum it returns each layer's new ``u`` in its own buffer, and the driver
-        sums ``v + u`` from there straight into the updated residual's buffer (``u`` is not copied into ``tensor``
-        first: one memory pass per step; the same sums). Otherwise ``tensor`` takes what is accumulated.
+        With error feedback and plain momentum it returns the new ``u`` (its own flat buffer), and the driver sums
+        ``v + u`` from there straight into the updated residual's buffer (``u`` is not copied into ``tensor`` first:
+        one memory pass per step; the same sums). Otherwise ``tensor`` takes what is accumulated.
         """
-        direct = ctx.error_feedback and bool(self.momentum) and not self.nesterov and tensor.numel() == ctx.numel
-        momenta = []
-        for layer in ctx.layers:
-            g = layer.flat(tensor)
-            if self.clip_norm is not None:
-                _clip_norm_(g, self.clip_norm / math.sqrt(ctx.world_size))
-            if direct:
-                momenta.append(self._next_momentum(layer, g, ctx))
-            else:
-                self._correct(layer, g, ctx)
-        return tuple(momenta) if direct else tensor
+        g = tensor.narrow(0, 0, ctx.numel)
+        if self.clip_norm is not None:
+            _clip_layers_(g, ctx, self.clip_norm / math.sqrt(ctx.world_size))
+        if ctx.error_feedback and bool(self.momentum) and not self.nesterov and tensor.numel() == ctx.numel:
+            return self._momentum_step(g, ctx)
+        self._correct(g, ctx)
+        return tensor
 
     @property
     def keeps_input(self) -> bool:
@@ -409,55 +319,55 @@ class DGC(SparseShards, SparseTransport, Compressor):
     def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Select, clear ``v`` (and ``u``) where sent, all-gather; the average is the sum over ranks ``/ n``."""
         layout = self._layout(ctx)
-        payload, picked = self._encode(tensor, ctx, layout)
+        payload, indices, used = self._encode(tensor, ctx, layout)
         if self.sparse_two_phase(ctx, layout.slots, sum(p.numel() * p.element_size() for p in payload)):
-            return (yield from self._two_phase_exchange(tensor, payload, picked, layout, ctx, out))
+            return (yield from self._two_phase_exchange(tensor, payload, indices, ctx, out))
         pairs = None
-        zen = self.transport in ("zen", "zen-auto")
-        if zen or ctx.error_feedback:
-            indices = torch.cat([idx + layer.offset for layer, idx in zip(ctx.layers, picked)])
-            if zen:  # read before v is cleared where sent
-                pairs = (indices, tensor.index_select(0, indices))
-            yield SentExactly(indices)  # v is cleared where it was sent
+        if self.transport in ("zen", "zen-auto"):  # Zen sends the used slots only (it reads sizes anyway)
+            chosen = flat_nonzero(used)
+            pairs = (indices.index_select(0, chosen), payload[1].index_select(0, chosen))
+        if pairs is not None or ctx.error_feedback:
+            yield SentExactly(indices)  # v is cleared where it was sent (an unused slot repeats a sent index)
         if self.momentum_masking and self.momentum:
-            for layer, idx in zip(ctx.layers, picked):
-                self._next_momenta[layer.name].index_fill_(0, idx, 0)
+            self._next_momenta.flat(ctx.layers, tensor.narrow(0, 0, ctx.numel)).index_fill_(0, indices, 0)
         if pairs is not None:
             summed = yield from sparse_transport_sum(self, self.transport, *pairs, ctx, out)
             return summed.div_(ctx.world_size)
         gathered = yield AllGather(payload)
-        out.zero_()
-        for blob, values in gathered:
-            self._add_sparse(layout, blob, values, out)
-        return out.div_(ctx.world_size)
+        return self.aggregate(gathered, ctx, out).div_(ctx.world_size)
 
-    def _two_phase_exchange(
-        self, tensor: Tensor, payload: Payload, picked: list[Tensor], layout: SparseLayout, ctx: BucketContext,
-        out: Tensor,
-    ) -> Exchange:  # fmt: skip
-        """The selected pairs to their owners; ``v`` (and ``u``) cleared where a pair went (sparse_shards.py)."""
-        if self._fixed(tensor):  # k slots per layer, in index order; the unused ones repeat an index with the value 0
-            local, values = picked, payload[1]
-        else:  # the early-exit selection: at most k distinct indices per layer, padded here with the value 0
-            local = [torch.nn.functional.pad(idx, (0, segment.slots - idx.numel())) for idx, segment in
-                     zip(picked, layout.segments)]  # fmt: skip
-            values = torch.cat([torch.nn.functional.pad(layer.flat(tensor).index_select(0, idx), (0, n - idx.numel()))
-                                for layer, idx, n in zip(ctx.layers, picked, (len(i) for i in local))])  # fmt: skip
-        indices = torch.cat([idx + layer.offset for layer, idx in zip(ctx.layers, local)])
+    def _two_phase_exchange(self, tensor: Tensor, payload: Payload, indices: Tensor, ctx: BucketContext,
+                            out: Tensor) -> Exchange:  # fmt: skip
+        """The selected pairs to their owners; ``v`` (and ``u``) cleared where a pair went (sparse_shards.py).
+
+        ``k`` slots per layer, in index order; the unused ones repeat an index with the value 0 and take no row slot.
+        """
+        values = payload[1]
         routed = route_pairs(indices, values, ctx)
         yield routed.declaration(indices, values)
         if self.momentum_masking and self.momentum:
-            at = 0
-            for layer, idx in zip(ctx.layers, local):
-                u, sent = self._next_momenta[layer.name], routed.sent[at : at + idx.numel()]
-                at += idx.numel()
-                u.index_add_(0, idx, torch.where(sent, u.index_select(0, idx), 0.0), alpha=-1)  # u - u: exactly 0
+            u = self._next_momenta.flat(ctx.layers, tensor.narrow(0, 0, ctx.numel))
+            u.index_add_(0, indices, torch.where(routed.sent, u.index_select(0, indices), 0.0), alpha=-1)  # exactly 0
         return (yield from owner_exchange(self, routed, ctx, out))
 
     def finish_dense(self, average: Tensor, ctx: BucketContext) -> None:
         """Densely averaged layers get the momentum too: clipping at ``clip_norm``, then ``u <- momentum u + avg``."""
-        for layer in ctx.layers:
-            g = layer.flat(average)
-            if self.clip_norm is not None:
-                _clip_norm_(g, self.clip_norm)
-            self._correct(layer, g, ctx)
+        g = average.narrow(0, 0, ctx.numel)
+        if self.clip_norm is not None:
+            _clip_layers_(g, ctx, self.clip_norm)
+        self._correct(g, ctx)
+
+
+def _clip_layers_(tensor: Tensor, ctx: BucketContext, max_norm: float) -> None:
+    """Scale every layer of ``tensor`` so its L2 norm is at most ``max_norm``, every layer at once.
+
+    The reference's per-tensor ``clip_grad_norm_``; the norms are segmented sums of squares (``segments.py``).
+    """
+    layers = [layer for layer in ctx.layers if layer.numel]  # a zero-size parameter has nothing to clip
+    if not layers:
+        return
+    segments = segments_of(layers, tensor.device)
+    dtype = torch.promote_types(tensor.dtype, torch.float32)
+    squares = segments.rows.reduce(tensor, lambda rows: rows.to(dtype).square().sum(1), lambda rows: rows.sum(1))
+    coefficient = (max_norm / (squares.sqrt_() + 1e-6)).clamp_(max=1.0).to(tensor.dtype)  # a tensor: no host sync
+    tensor.mul_(segments.expand(coefficient))

@@ -20,7 +20,7 @@ from lightning_gradcomp.compressors.packing import pack_bits, unpack_bits
 from lightning_gradcomp.compressors.segments import LayoutCache
 from lightning_gradcomp.compressors.sparse import SparseLayout
 
-__all__ = ["decode_blob", "encode_full_blob"]
+__all__ = ["decode_blob", "decode_pairs", "encode_full_blob"]
 
 
 @dataclass(frozen=True)
@@ -35,16 +35,23 @@ class _BlobPlan:
     bitmap_ends: Tensor  # int64: every bitmap layer's end in the bitmaps' bits
     bitmap_shift: Tensor  # int64: every bitmap layer's offset in the flat tensor minus its start in the bits
     bitmap_bytes: Tensor  # int64: the bitmaps' bytes' positions in the blob
+    bitmap_starts: Tensor  # int64: every bitmap layer's start in the bitmaps' bits
+    bitmap_slots: Tensor  # int64: every bitmap layer's first entry among the bitmap layers' entries
+    mapped_first: Tensor  # int64: per bitmap entry, its layer's start in the bitmaps' bits
     bits: int  # the bitmaps' bits (a multiple of 32)
 
 
 def _plan(layout: SparseLayout, device: torch.device) -> _BlobPlan:
     listed, listed_offsets, listed_bytes, mapped, mapped_shift = [], [], [], [], []
-    bitmap_ends, bitmap_shift, bitmap_bytes = [], [], []
-    entry, bits = 0, 0
+    bitmap_ends, bitmap_shift, bitmap_bytes, bitmap_starts, bitmap_slots, mapped_first = [], [], [], [], [], []
+    entry, bits, mapped_count = 0, 0, 0
     for segment in layout.segments:
         entries = torch.arange(entry, entry + segment.slots)
         if segment.bitmap:
+            bitmap_starts.append(bits)
+            bitmap_slots.append(mapped_count)
+            mapped_count += segment.slots
+            mapped_first.append(torch.full((segment.slots,), bits))
             mapped.append(entries)
             mapped_shift.append(torch.full((segment.slots,), bits - segment.layer.offset))
             bitmap_shift.append(segment.layer.offset - bits)
@@ -69,6 +76,9 @@ def _plan(layout: SparseLayout, device: torch.device) -> _BlobPlan:
         bitmap_ends=torch.tensor(bitmap_ends, dtype=torch.int64, device=device),
         bitmap_shift=torch.tensor(bitmap_shift, dtype=torch.int64, device=device),
         bitmap_bytes=joined(bitmap_bytes),
+        bitmap_starts=torch.tensor(bitmap_starts, dtype=torch.int64, device=device),
+        bitmap_slots=torch.tensor(bitmap_slots, dtype=torch.int64, device=device),
+        mapped_first=joined(mapped_first),
         bits=bits,
     )
 
@@ -86,7 +96,9 @@ def encode_full_blob(layout: SparseLayout, indices: Tensor) -> Tensor:
     Args:
         layout: the payload's layout.
         indices: flat indices (int64, offset by each layer's place), ``slots`` distinct ones per layer, layer after
-            layer; a listed layer's are sent in the order given.
+            layer; a listed layer's are sent in the order given. A layer may repeat one of its indices in slots it
+            leaves unused (sent with the value 0): its bitmap then has fewer set bits than slots, which
+            :func:`decode_pairs` reads.
 
     Returns:
         The blob (uint8, ``layout.nbytes`` bytes).
@@ -121,3 +133,34 @@ def decode_blob(layout: SparseLayout, blob: Tensor) -> Tensor:
     where = where.scatter_(0, slot, torch.arange(plan.bits, device=blob.device))[:total]
     layer = torch.searchsorted(plan.bitmap_ends, where, right=True)
     return torch.cat([listed, where.add_(plan.bitmap_shift.index_select(0, layer))])
+
+
+def decode_pairs(layout: SparseLayout, blob: Tensor, values: Tensor) -> tuple[Tensor, Tensor]:
+    """Every slot's flat index and value, for layers that may leave slots unused: all layers at once.
+
+    An unused slot of a listed layer repeats one of its indices with the value 0; a bitmap layer with fewer set bits
+    than slots gives its ``i``-th set bit the ``i``-th slot (a running count of the bits within the layer) and its
+    unused slots the layer's first element, with their value (0). Adding every pair into a dense tensor is then the
+    sum of what was sent, in tensors whose sizes depend only on the layout: no host read.
+
+    Returns:
+        ``(indices, values)``: int64 flat indices and the slot values aligned with them (listed layers' slots first,
+        then the bitmap layers').
+    """
+    plan = _plan_of(layout, blob.device)
+    listed = blob.index_select(0, plan.listed_bytes).view(torch.int32).long().add_(plan.listed_offsets)
+    order = torch.cat([plan.listed, plan.mapped]) if plan.bits else plan.listed
+    if not plan.bits:
+        return listed, values.index_select(0, order)
+    mask = unpack_bits(blob.index_select(0, plan.bitmap_bytes), plan.bits)
+    layer = torch.searchsorted(plan.bitmap_ends, torch.arange(plan.bits, device=blob.device), right=True)
+    running = torch.cumsum(mask, 0)
+    before = torch.cat([running.new_zeros(1), running]).index_select(0, plan.bitmap_starts)
+    slot = running.sub_((before - plan.bitmap_slots + 1).index_select(0, layer))
+    total = plan.mapped.numel()
+    slot = torch.where(mask, slot, total)  # every unset bit to a slot past the end
+    where = torch.cat([plan.mapped_first, plan.mapped_first.new_zeros(1)])
+    where = where.scatter_(0, slot, torch.arange(plan.bits, device=blob.device))[:total]
+    found = torch.searchsorted(plan.bitmap_ends, where, right=True)
+    mapped = where.add_(plan.bitmap_shift.index_select(0, found))
+    return torch.cat([listed, mapped]), values.index_select(0, order)
