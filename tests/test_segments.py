@@ -93,3 +93,17 @@ def test_block_rows_reduce_every_block_of_every_layer(layers) -> None:  # type: 
     blocks = [block for layer in layers for block in layer.flat(x).split(512)]
     torch.testing.assert_close(norms, torch.stack([torch.linalg.vector_norm(block) for block in blocks]))
     assert torch.equal(lengths, torch.tensor([block.numel() for block in blocks]))
+
+
+def test_an_empty_segment_reduces_to_its_padding_and_the_others_are_unchanged() -> None:
+    """A parameter with no elements (a zero-size layer) is a segment of length 0: one value, the reduction of the
+    padding (a sum of 0), and the levels still end; the other segments' values are what they are without it."""
+    from lightning_gradcomp.compressors.segments import AlignedRows
+
+    torch.manual_seed(0)
+    x = torch.randn(3000)
+    with_empty = AlignedRows([0, 1000, 1000, 3000], [1000, 0, 2000, 0], 64, x.device)
+    without = AlignedRows([0, 1000], [1000, 2000], 64, x.device)
+    sums = with_empty.reduce(x, lambda rows: rows.sum(dim=1), lambda rows: rows.sum(dim=1))
+    expected = without.reduce(x, lambda rows: rows.sum(dim=1), lambda rows: rows.sum(dim=1))
+    assert torch.equal(sums, torch.stack([expected[0], torch.tensor(0.0), expected[1], torch.tensor(0.0)]))

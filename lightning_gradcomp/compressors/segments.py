@@ -79,7 +79,7 @@ class AlignedRows:
 
     Args:
         starts: each segment's first element (segments back to back or apart, in increasing order).
-        lengths: each segment's number of elements (at least 1).
+        lengths: each segment's number of elements; an empty segment's value is its reduction of the padding.
         width: elements per row at the first level (the later levels use :data:`ROW`).
         device: where the index tensors live (the tensor's device).
     """
@@ -132,8 +132,10 @@ def _level(starts: list[int], lengths: list[int], width: int, device: torch.devi
         whole = n // width
         full_index.append(list(range(len(full_starts), len(full_starts) + whole)))
         full_starts.extend(start + j * width for j in range(whole))
-        tail_index.append(len(tails) if n % width else -1)
-        if n % width:
+        # an empty segment is one row of padding alone, so that it still has one value (the reduction of ``fill``)
+        # and the levels end
+        tail_index.append(len(tails) if n % width or n == 0 else -1)
+        if n % width or n == 0:
             tails.append(start + whole * width)
             limits.append(start + n)
     order = []
