@@ -12,6 +12,8 @@ A ``RUN`` is ``STRATEGY:VARIANT``, recorded in ``DIRPATH/STRATEGY-VARIANT``: a f
 ``DDPStrategy`` may turn on, and the runs that save a checkpoint). ``STRATEGY:VARIANT+EARLIER`` resumes instead from
 the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless`` or ``EARLIER:gathered``: from
 a copy edited by :func:`_edited`), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIER`` (every ``:`` a ``-``).
+``+EARLIER@FILE`` resumes from ``EARLIER``'s checkpoint ``FILE.ckpt`` instead of its ``last.ckpt`` (``@epoch=0``: the
+one a variant that keeps every epoch's checkpoint wrote after the first epoch).
 ``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model is wrapped.
 """
 
@@ -37,9 +39,11 @@ from lightning_gradcomp.callbacks import CompressionMonitor, DenseWarmup, OuterM
 from lightning_gradcomp.compressors import (
     BF16,
     FP16,
+    LGC,
     QSGD,
     EFSignSGD,
     Identity,
+    LGCAllReduce,
     MinMax,
     PowerSGD,
     RandomK,
@@ -55,6 +59,9 @@ def _diloco(**fixed: Any) -> Callable[..., DDPStrategy]:
     """A DiLoCo factory that drops the DistributedDataParallel arguments of a variant (DiLoCo does not wrap in DDP)."""
     return lambda **kwargs: DiLoCo(**fixed, **{k: v for k, v in kwargs.items() if k != "bucket_cap_mb"})
 
+
+#: LGC's stages: 2 dense steps, 4 of top-k while the autoencoder trains, the code from step 6
+_LGC_STAGES = {"ratio": 0.05, "dense_steps": 2, "training_steps": 4}
 
 # a fresh compressor for every fit: nothing carries over from one fit of a launch to the next but the checkpoint
 STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
@@ -100,6 +107,13 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
         sync_every=4, fragments=2, overlap_steps=1, compressor=RandomK(ratio=0.1)
     )(**kw),
     "diloco-h3-powersgd": lambda **kw: _diloco(sync_every=3, compressor=PowerSGD(rank=2))(**kw),
+    # LGC through its three stages in a few steps: dense for 2 steps, top-k while the autoencoder trains for 4, then the
+    # code (the parameter-server variant, the all-reduce one with either encoder)
+    "lgc-ps": lambda **kw: CompressedDDP(LGC(innovation_ratio=0.01, **_LGC_STAGES), min_compress_numel=64, **kw),
+    "lgc-allreduce": lambda **kw: CompressedDDP(LGCAllReduce(**_LGC_STAGES), min_compress_numel=64, **kw),
+    "lgc-allreduce-linear": lambda **kw: CompressedDDP(
+        LGCAllReduce(linear_encoder=True, **_LGC_STAGES), min_compress_numel=64, **kw
+    ),
 }
 
 
@@ -208,6 +222,13 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
     "bf16-epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2, "precision": "bf16-true"}, _BUCKETS, False),
     "bf16-epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4, "precision": "bf16-true"}, _BUCKETS, False),
+    # 3 epochs keeping every epoch's checkpoint (DIRPATH/RUN/epoch=E.ckpt), to resume from any of them with @epoch=E
+    "epochs3-all": (
+        _small_data,
+        {**_EPOCHS, "max_epochs": 3, "checkpointing": {"filename": "{epoch}", "save_top_k": -1}},
+        _BUCKETS,
+        False,
+    ),
     # a checkpoint per epoch, the older removed (save_top_k=1), last.ckpt a link to the newest
     "rotate": (
         _small_data,
@@ -232,8 +253,9 @@ def train(run: str, root: str, devices: int) -> None:
     os.makedirs(dirpath, exist_ok=True)
     ckpt_path = None
     if earlier:
+        earlier, _, saved_file = earlier.partition("@")
         saved_name, saved_variant, *edit = earlier.split(":")
-        ckpt_path = os.path.join(root, run_name(f"{saved_name}:{saved_variant}"), "last.ckpt")
+        ckpt_path = os.path.join(root, run_name(f"{saved_name}:{saved_variant}"), f"{saved_file or 'last'}.ckpt")
         if edit:
             ckpt_path = _edited(ckpt_path, edit[0], dirpath)
     strategy = STRATEGIES[name](**strategy_kwargs)
