@@ -28,7 +28,8 @@ import lightning.pytorch as pl
 import torch
 import torch._dynamo
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -50,6 +51,7 @@ from lightning_gradcomp.compressors import (
     SparseLoCo,
     TopK,
 )
+from lightning_gradcomp.fused_optim import FusedSGD
 from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
@@ -193,6 +195,21 @@ def _small_data() -> TinyNet:
     return TinyNet(n=64, batch_size=8)
 
 
+class ScheduledNet(TinyNet):
+    """``_small_data``'s TinyNet with SGD (momentum, weight decay) and a learning rate that halves every 3 steps;
+    ``fused`` picks :class:`~lightning_gradcomp.fused_optim.FusedSGD` instead of torch's SGD."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__(n=64, batch_size=8)
+        self.fused = fused
+
+    def configure_optimizers(self) -> Any:
+        factory = FusedSGD if self.fused else torch.optim.SGD
+        optimizer = factory(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=1e-3)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 # epochs of _small_data, saving DIRPATH/RUN/last.ckpt at each epoch's end; tiny buckets so that the model spans
 # several, and DDP's layout after a resume (one bucket, then rebuilt) differs from an uninterrupted run's
 _EPOCHS = {"max_steps": -1, "enable_checkpointing": True}
@@ -222,6 +239,16 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
     "bf16-epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2, "precision": "bf16-true"}, _BUCKETS, False),
     "bf16-epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4, "precision": "bf16-true"}, _BUCKETS, False),
+    # ScheduledNet for 4 epochs: torch's SGD; FusedSGD; FusedSGD keeping every epoch's checkpoint, its learning rate
+    # logged every step by LearningRateMonitor to DIRPATH/RUN/metrics.csv
+    "sgd-scheduled": (partial(ScheduledNet, False), {"max_steps": -1, "max_epochs": 4}, _BUCKETS, False),
+    "fused-scheduled": (partial(ScheduledNet, True), {"max_steps": -1, "max_epochs": 4}, _BUCKETS, False),
+    "fused-scheduled-logged": (
+        partial(ScheduledNet, True),
+        {**_EPOCHS, "max_epochs": 4, "checkpointing": {"filename": "{epoch}", "save_top_k": -1}, "log_lr": True},
+        _BUCKETS,
+        False,
+    ),
     # 3 epochs keeping every epoch's checkpoint (DIRPATH/RUN/epoch=E.ckpt), to resume from any of them with @epoch=E
     "epochs3-all": (
         _small_data,
@@ -265,6 +292,9 @@ def train(run: str, root: str, devices: int) -> None:
     monitor += [DenseWarmup(steps=WARMUP_STEPS[name])] if name in WARMUP_STEPS else []
     trainer_kwargs = dict(trainer_kwargs)
     checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
+    if trainer_kwargs.pop("log_lr", False):
+        logging = {"logger": CSVLogger(dirpath, name="", version=""), "log_every_n_steps": 1}
+        trainer_kwargs.update(logging, callbacks=[LearningRateMonitor()])
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
     if isinstance(strategy, DiLoCo):
         strategy.checkpoint_io = RecordingCheckpointIO()
@@ -279,8 +309,8 @@ def train(run: str, root: str, devices: int) -> None:
             "enable_checkpointing": False,
             "enable_progress_bar": False,
             "enable_model_summary": False,
-            "callbacks": [*monitor, *saving, record],
             **trainer_kwargs,
+            "callbacks": [*trainer_kwargs.get("callbacks", []), *monitor, *saving, record],
         }
     )
     model = make_model()
