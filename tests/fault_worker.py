@@ -5,7 +5,9 @@ Usage: ``python -m tests.fault_worker OUTDIR FAULT RANK STEP TIMEOUT_S [CKPT_PAT
 (sleeps far longer than the timeout) or ``none``. Lightning's default launcher is used, as a user's script gets it:
 rank 0 is this process, rank 1 a child that runs this same command. Every rank writes its pid to ``OUTDIR/pid{rank}``
 so the test can check that no process is left running; ``ModelCheckpoint`` saves ``OUTDIR/ckpt/last.ckpt`` every
-step. The strategy is ``CompressedDDP(TopK)`` unless the environment variable ``FAULT_STRATEGY`` names one of
+step. ``TIMEOUT_S`` is the strategy's timeout (the rendezvous's and the collectives'); the environment variable
+``FAULT_COLLECTIVE_TIMEOUT_S``, if set, shortens the collectives' once every rank has joined. The strategy is
+``CompressedDDP(TopK)`` unless the environment variable ``FAULT_STRATEGY`` names one of
 :data:`DILOCO`: ``diloco`` (rounds of 5 steps: a failure at step 3 is in an inner step, and the other rank notices
 at its next sync), ``diloco-overlap`` (rounds of 3, each exchange in flight during the next step: a failure at step 3
 happens while an exchange is in flight).
@@ -36,6 +38,13 @@ class FailingNet(TinyNet):
     def __init__(self, outdir: str, fault: str, rank: int, step: int) -> None:
         super().__init__(n=96, batch_size=8)
         self.outdir, self.fault, self.fail_rank, self.fail_step = outdir, fault, rank, step
+
+    def setup(self, stage: str) -> None:
+        # after the rendezvous (the child rank had the strategy's whole timeout to start), before training's first
+        # collective; the round groups CompressedDDP makes next take this group's timeout
+        collective_timeout_s = os.environ.get("FAULT_COLLECTIVE_TIMEOUT_S")
+        if collective_timeout_s:
+            torch.distributed.set_timeout(timedelta(seconds=float(collective_timeout_s)))
 
     def on_fit_start(self) -> None:
         with open(os.path.join(self.outdir, f"pid{self.global_rank}"), "w") as f:

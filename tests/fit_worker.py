@@ -12,6 +12,8 @@ A ``RUN`` is ``STRATEGY:VARIANT``, recorded in ``DIRPATH/STRATEGY-VARIANT``: a f
 ``DDPStrategy`` may turn on, and the runs that save a checkpoint). ``STRATEGY:VARIANT+EARLIER`` resumes instead from
 the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless`` or ``EARLIER:gathered``: from
 a copy edited by :func:`_edited`), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIER`` (every ``:`` a ``-``).
+``+EARLIER@FILE`` resumes from ``EARLIER``'s checkpoint ``FILE.ckpt`` instead of its ``last.ckpt`` (``@epoch=0``: the
+one a variant that keeps every epoch's checkpoint wrote after the first epoch).
 ``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model is wrapped.
 """
 
@@ -26,7 +28,8 @@ import lightning.pytorch as pl
 import torch
 import torch._dynamo
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -37,15 +40,18 @@ from lightning_gradcomp.callbacks import CompressionMonitor, DenseWarmup, OuterM
 from lightning_gradcomp.compressors import (
     BF16,
     FP16,
+    LGC,
     QSGD,
     EFSignSGD,
     Identity,
+    LGCAllReduce,
     MinMax,
     PowerSGD,
     RandomK,
     SparseLoCo,
     TopK,
 )
+from lightning_gradcomp.fused_optim import FusedSGD
 from lightning_gradcomp.rank_state import load_rank_state
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
@@ -55,6 +61,9 @@ def _diloco(**fixed: Any) -> Callable[..., DDPStrategy]:
     """A DiLoCo factory that drops the DistributedDataParallel arguments of a variant (DiLoCo does not wrap in DDP)."""
     return lambda **kwargs: DiLoCo(**fixed, **{k: v for k, v in kwargs.items() if k != "bucket_cap_mb"})
 
+
+#: LGC's stages: 2 dense steps, 4 of top-k while the autoencoder trains, the code from step 6
+_LGC_STAGES = {"ratio": 0.05, "dense_steps": 2, "training_steps": 4}
 
 # a fresh compressor for every fit: nothing carries over from one fit of a launch to the next but the checkpoint
 STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
@@ -101,6 +110,13 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
         sync_every=4, fragments=2, overlap_steps=1, compressor=RandomK(ratio=0.1)
     )(**kw),
     "diloco-h3-powersgd": lambda **kw: _diloco(sync_every=3, compressor=PowerSGD(rank=2))(**kw),
+    # LGC through its three stages in a few steps: dense for 2 steps, top-k while the autoencoder trains for 4, then the
+    # code (the parameter-server variant, the all-reduce one with either encoder)
+    "lgc-ps": lambda **kw: CompressedDDP(LGC(innovation_ratio=0.01, **_LGC_STAGES), min_compress_numel=64, **kw),
+    "lgc-allreduce": lambda **kw: CompressedDDP(LGCAllReduce(**_LGC_STAGES), min_compress_numel=64, **kw),
+    "lgc-allreduce-linear": lambda **kw: CompressedDDP(
+        LGCAllReduce(linear_encoder=True, **_LGC_STAGES), min_compress_numel=64, **kw
+    ),
 }
 
 
@@ -180,6 +196,21 @@ def _small_data() -> TinyNet:
     return TinyNet(n=64, batch_size=8)
 
 
+class ScheduledNet(TinyNet):
+    """``_small_data``'s TinyNet with SGD (momentum, weight decay) and a learning rate that halves every 3 steps;
+    ``fused`` picks :class:`~lightning_gradcomp.fused_optim.FusedSGD` instead of torch's SGD."""
+
+    def __init__(self, fused: bool) -> None:
+        super().__init__(n=64, batch_size=8)
+        self.fused = fused
+
+    def configure_optimizers(self) -> Any:
+        factory = FusedSGD if self.fused else torch.optim.SGD
+        optimizer = factory(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=1e-3)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
 # epochs of _small_data, saving DIRPATH/RUN/last.ckpt at each epoch's end; tiny buckets so that the model spans
 # several, and DDP's layout after a resume (one bucket, then rebuilt) differs from an uninterrupted run's
 _EPOCHS = {"max_steps": -1, "enable_checkpointing": True}
@@ -209,6 +240,23 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
     "bf16-epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2, "precision": "bf16-true"}, _BUCKETS, False),
     "bf16-epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4, "precision": "bf16-true"}, _BUCKETS, False),
+    # ScheduledNet for 4 epochs: torch's SGD; FusedSGD; FusedSGD keeping every epoch's checkpoint, its learning rate
+    # logged every step by LearningRateMonitor to DIRPATH/RUN/metrics.csv
+    "sgd-scheduled": (partial(ScheduledNet, False), {"max_steps": -1, "max_epochs": 4}, _BUCKETS, False),
+    "fused-scheduled": (partial(ScheduledNet, True), {"max_steps": -1, "max_epochs": 4}, _BUCKETS, False),
+    "fused-scheduled-logged": (
+        partial(ScheduledNet, True),
+        {**_EPOCHS, "max_epochs": 4, "checkpointing": {"filename": "{epoch}", "save_top_k": -1}, "log_lr": True},
+        _BUCKETS,
+        False,
+    ),
+    # 3 epochs keeping every epoch's checkpoint (DIRPATH/RUN/epoch=E.ckpt), to resume from any of them with @epoch=E
+    "epochs3-all": (
+        _small_data,
+        {**_EPOCHS, "max_epochs": 3, "checkpointing": {"filename": "{epoch}", "save_top_k": -1}},
+        _BUCKETS,
+        False,
+    ),
     # a checkpoint per epoch, the older removed (save_top_k=1), last.ckpt a link to the newest
     "rotate": (
         _small_data,
@@ -233,8 +281,9 @@ def train(run: str, root: str, devices: int) -> None:
     os.makedirs(dirpath, exist_ok=True)
     ckpt_path = None
     if earlier:
+        earlier, _, saved_file = earlier.partition("@")
         saved_name, saved_variant, *edit = earlier.split(":")
-        ckpt_path = os.path.join(root, run_name(f"{saved_name}:{saved_variant}"), "last.ckpt")
+        ckpt_path = os.path.join(root, run_name(f"{saved_name}:{saved_variant}"), f"{saved_file or 'last'}.ckpt")
         if edit:
             ckpt_path = _edited(ckpt_path, edit[0], dirpath)
     strategy = STRATEGIES[name](**strategy_kwargs)
@@ -244,6 +293,9 @@ def train(run: str, root: str, devices: int) -> None:
     monitor += [DenseWarmup(steps=WARMUP_STEPS[name])] if name in WARMUP_STEPS else []
     trainer_kwargs = dict(trainer_kwargs)
     checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
+    if trainer_kwargs.pop("log_lr", False):
+        logging = {"logger": CSVLogger(dirpath, name="", version=""), "log_every_n_steps": 1}
+        trainer_kwargs.update(logging, callbacks=[LearningRateMonitor()])
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
     if isinstance(strategy, DiLoCo):
         strategy.checkpoint_io = RecordingCheckpointIO()
@@ -258,8 +310,8 @@ def train(run: str, root: str, devices: int) -> None:
             "enable_checkpointing": False,
             "enable_progress_bar": False,
             "enable_model_summary": False,
-            "callbacks": [*monitor, *saving, record],
             **trainer_kwargs,
+            "callbacks": [*trainer_kwargs.get("callbacks", []), *monitor, *saving, record],
         }
     )
     model = make_model()

@@ -83,7 +83,6 @@ def powersgd_run(tmp_path_factory):
     return trainer, ranks, resumed
 
 
-@pytest.mark.slow
 def test_decisions_follow_the_rule_and_every_rank_makes_the_same(powersgd_run):
     _, ranks, _ = powersgd_run
     history = ranks[0]["callbacks"]["Accordion"]["history"]

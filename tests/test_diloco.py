@@ -496,7 +496,6 @@ def launch4(tmp_path_factory):
     return root, output, records
 
 
-@pytest.mark.slow
 def test_two_levels_dense_inside_a_group_diloco_across(launch4):
     """4 processes as 2 groups of 2: identical inside a group at every step, everywhere after a sync; H = 1 with outer
     SGD(lr=1) is plain DDP over the 4 ranks; H = 2 (4 steps, one epoch) matches DiLoCo by hand with each group's mean
@@ -525,7 +524,6 @@ def test_two_levels_dense_inside_a_group_diloco_across(launch4):
     assert ranks[0]["bytes_sent"] == 2 * 2 * half
 
 
-@pytest.mark.slow
 def test_three_processes_match_the_reference(launch3):
     _assert_matches_reference(launch3[2]["diloco-h2:steps6"], 3)
 

@@ -24,6 +24,10 @@ TIMEOUT_S = 20  # the strategy's timeout: how long a collective waits for a rank
 STEP = 3  # the step at which the rank fails (checkpoints of steps 1-3 exist by then)
 DILOCO_TIMEOUT_S = 60
 HANG_GRACE_S = 15  # a hung rank is found by the timeout, then killed: a few seconds more
+# the hang case's collective timeout, set once both ranks have joined (the rendezvous keeps TIMEOUT_S): a step of this
+# model takes milliseconds and a checkpoint a fraction of a second, so a rank that keeps the other waiting this long
+# has hung, even on a loaded machine
+HANG_TIMEOUT_S = 10
 
 
 def _read(path) -> str:
@@ -32,12 +36,19 @@ def _read(path) -> str:
 
 
 def _run(
-    outdir, fault: str, rank: int, ckpt_path=None, strategy: str = "", timeout_s: float = TIMEOUT_S
+    outdir,
+    fault: str,
+    rank: int,
+    ckpt_path=None,
+    strategy: str = "",
+    timeout_s: float = TIMEOUT_S,
+    collective_timeout_s: float | None = None,
 ) -> tuple[int, str, float]:
     """Run the worker; return its exit status, its output and the seconds from the injected failure to its end."""
     os.makedirs(outdir, exist_ok=True)
     command = [sys.executable, "-m", "tests.fault_worker", str(outdir), fault, str(rank), str(STEP), str(timeout_s)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_STRATEGY": strategy}
+    env["FAULT_COLLECTIVE_TIMEOUT_S"] = str(collective_timeout_s or "")
     env.pop("LOCAL_RANK", None)  # the script must launch its own child rank
     # output to a file, not a pipe: a rank left running would hold a pipe open and block the test until its timeout
     with open(os.path.join(outdir, "output.txt"), "w") as log:
@@ -135,9 +146,9 @@ def test_rank_zero_raising_stops_the_other_ranks(tmp_path):
 @pytest.mark.slow
 def test_a_rank_that_hangs_is_stopped_after_the_timeout(tmp_path):
     """Rank 1 sleeps in ``training_step``: rank 0's collective times out, then rank 1 is killed, not left running."""
-    returncode, output, latency = _run(tmp_path, "hang", rank=1)
+    returncode, output, latency = _run(tmp_path, "hang", rank=1, collective_timeout_s=HANG_TIMEOUT_S)
     _assert_ended_naming(returncode, output, tmp_path, r"CompressedDDP: rank 1 did not answer within the timeout")
-    assert latency < TIMEOUT_S + HANG_GRACE_S, f"{latency:.1f} s from the failure to the end"
+    assert latency < HANG_TIMEOUT_S + HANG_GRACE_S, f"{latency:.1f} s from the failure to the end"
 
 
 def test_collective_failures_are_told_from_a_ranks_own_error():

@@ -3,14 +3,11 @@
 import copy
 import csv
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -19,7 +16,8 @@ from lightning_gradcomp import CompressedDDP, CompressionState, compression_hook
 from lightning_gradcomp.compressors import Identity, PowerSGD
 from lightning_gradcomp.fused_optim import FusedAdaLomo, FusedSGD, bind_fused_optimizer
 from tests.distributed import run_distributed
-from tests.models import TinyNet, fit
+from tests.fit_worker import run_fits, run_name
+from tests.models import TinyNet
 
 STEPS = 4
 
@@ -264,49 +262,28 @@ def test_lightning_gradient_clipping_is_refused_at_setup(tmp_path, in_process_dd
 # ---------------------------------------------------------------------------------------------------------------
 # Lightning, two processes: a scheduled learning rate, torch SGD's weights, exact resume
 # ---------------------------------------------------------------------------------------------------------------
-DATA = {"n": 64, "batch_size": 8}  # 4 steps per epoch on 2 ranks
-
-
-class Scheduled(TinyNet):
-    """SGD with momentum and a learning rate that halves every 3 steps; ``fused`` picks FusedSGD."""
-
-    def __init__(self, fused: bool, **kwargs):
-        super().__init__(**kwargs)
-        self.fused = fused
-
-    def configure_optimizers(self):
-        factory = FusedSGD if self.fused else torch.optim.SGD
-        optimizer = factory(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=1e-3)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def _strategy():
-    return CompressedDDP(Identity(), bucket_cap_mb=0.01, start_method="spawn")
+# tests/fit_worker.py's ScheduledNet (64 samples, 4 steps per epoch on 2 ranks) under CompressedDDP(Identity), tiny
+# buckets: torch's SGD, FusedSGD (every epoch's checkpoint kept, the learning rate logged), and a resume of the latter
+RUNS = ["identity:sgd-scheduled", "identity:fused-scheduled-logged",
+        "identity:fused-scheduled+identity:fused-scheduled-logged@epoch=1"]  # fmt: skip
 
 
 @pytest.mark.slow
 def test_lightning_fused_sgd_equals_torch_sgd_and_resumes_exactly(tmp_path):
-    _, _, torch_sgd = fit(_strategy(), str(tmp_path / "torch"), model=Scheduled(False, **DATA), max_steps=-1,
-                          max_epochs=4)  # fmt: skip
-    ckpt = str(tmp_path / "ckpt")
-    logger = CSVLogger(str(tmp_path / "logs"), name="", version="")
-    _, _, fused = fit(_strategy(), str(tmp_path / "fused"), model=Scheduled(True, **DATA), max_steps=-1,
-                      max_epochs=4, log_every_n_steps=1, logger=logger, enable_checkpointing=True,
-                      callbacks=[LearningRateMonitor(), ModelCheckpoint(ckpt, "{epoch}", save_top_k=-1)])  # fmt: skip
+    code, output, runs = run_fits(tmp_path, 2, RUNS)
+    assert code == 0, output[-3000:]
+    torch_sgd, fused, resumed = (runs[run] for run in RUNS)
     for rank in range(2):
         assert torch.equal(fused[rank]["params"], torch_sgd[rank]["params"]), f"rank {rank}"
     assert torch.equal(fused[0]["params"], fused[1]["params"])
-    with open(tmp_path / "logs" / "metrics.csv") as f:
+    with open(tmp_path / run_name(RUNS[1]) / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     lrs = [float(r["lr-FusedSGD"]) for r in rows if r.get("lr-FusedSGD")]
     assert lrs == [0.05 * 0.5 ** (step // 3) for step in range(16)], "the monitor sees the scheduled rate"
 
-    path = os.path.join(ckpt, "epoch=1.ckpt")  # written by the run above after 2 of its 4 epochs
-    _, _, resumed = fit(_strategy(), str(tmp_path / "resumed"), model=Scheduled(True, **DATA), max_steps=-1,
-                        max_epochs=4, ckpt_path=path)  # fmt: skip
     for rank in range(2):
         assert torch.equal(resumed[rank]["params"], fused[rank]["params"]), f"rank {rank}"
+    path = tmp_path / run_name(RUNS[1]) / "epoch=1.ckpt"  # written by the run above after 2 of its 4 epochs
     saved = torch.load(path, weights_only=False)["optimizer_states"][0]
     assert saved["fused"]["step"] == 8
     assert all("momentum_buffer" in s for s in saved["state"].values())

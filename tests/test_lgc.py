@@ -6,7 +6,6 @@ import pickle
 
 import pytest
 import torch
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_gradcomp import CompressedDDP, CompressionState
@@ -19,7 +18,8 @@ from lightning_gradcomp.rank_state import load_rank_state
 from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
 from tests.distributed import run_distributed
-from tests.models import TinyNet, fit
+from tests.fit_worker import STRATEGIES, run_fits, run_name
+from tests.selection import selected_params
 
 LAYERS = layers_from_shapes([(40, 50), (8, 4, 3, 3), (30, 30)])
 NUMEL = sum(layer.numel for layer in LAYERS)
@@ -597,42 +597,49 @@ def test_a_ps_autoencoder_refuses_another_number_of_ranks():
 # ----------------------------------------------------------------------------------------------------------------
 # Two real processes: all three stages, replicas identical, resume from stage 2 and stage 3 bitwise
 # ----------------------------------------------------------------------------------------------------------------
-# 64 samples, 8 per batch, 2 ranks: 4 steps per epoch; stage 1 is steps 0-1, stage 2 steps 2-5, stage 3 from step 6;
-# the checkpoints after epochs 1 and 2 (steps 4 and 8) are in stages 2 and 3. Tiny buckets: several per step.
-DATA = {"n": 64, "batch_size": 8}
+# tests/fit_worker.py's "lgc-*" strategies and "epochs3-all" variant: 64 samples, 8 per batch, 2 ranks: 4 steps per
+# epoch; stage 1 is steps 0-1, stage 2 steps 2-5, stage 3 from step 6; the checkpoints after epochs 1 and 2 (steps 4
+# and 8) are in stages 2 and 3. Tiny buckets: several per step. Every variant's runs in one launch.
+def _straight(variant: str) -> str:
+    return f"lgc-{variant}:epochs3-all"
 
 
-def _strategy(variant):
-    """``variant``: ``"ps"``, ``"allreduce"`` (the convolutional encoder) or ``"allreduce-linear"`` (the linear one)."""
-    kwargs = {"innovation_ratio": 0.01} if variant == "ps" else {}
-    if variant == "allreduce-linear":
-        variant, kwargs = "allreduce", {"linear_encoder": True}
-    lgc = VARIANTS[variant](ratio=0.05, dense_steps=2, training_steps=4, **kwargs)
-    return CompressedDDP(lgc, min_compress_numel=64, bucket_cap_mb=0.01, start_method="spawn")
+def _resumed(variant: str, epoch: int) -> str:
+    return f"{_straight(variant)}+{_straight(variant)}@epoch={epoch}"
+
+
+@pytest.fixture(scope="module")
+def stage_runs(request, tmp_path_factory):
+    """Each selected variant's uninterrupted run, and its resumes from the checkpoints of epochs 1 and 2."""
+    variants = selected_params(request, "variant", test_two_processes_cross_every_stage_identically_and_resume_bitwise)
+    runs = [run for v in variants for run in (_straight(v), _resumed(v, 0), _resumed(v, 1))]
+    root = tmp_path_factory.mktemp("lgc")
+    code, output, records = run_fits(root, 2, runs)
+    assert code == 0, output[-3000:]
+    return root, records
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["ps", "allreduce", "allreduce-linear"])
-def test_two_processes_cross_every_stage_identically_and_resume_bitwise(tmp_path, variant):
+def test_two_processes_cross_every_stage_identically_and_resume_bitwise(stage_runs, variant):
     """Each variant (the all-reduce one with either encoder), checkpoints taken in stage 2 (pending data) and stage
     3; every resumed run ends with the uninterrupted run's parameters, bitwise, on both ranks."""
-    ckpt_dir = str(tmp_path / "ckpt")
-    checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
-    _, _, straight = fit(_strategy(variant), str(tmp_path / "straight"), model=TinyNet(**DATA), max_steps=-1,
-                         max_epochs=3, enable_checkpointing=True, callbacks=[checkpoints])  # fmt: skip
+    root, records = stage_runs
+    straight = records[_straight(variant)]
     assert torch.equal(straight[0]["params"], straight[1]["params"]), "replicas differ"
     ratios = [step["stats"].compression_ratio for step in straight[0]["steps"]]
+    assert len(ratios) == 12, ratios
     assert ratios[0] < 1.1, ratios  # dense
     assert ratios[3] > 2, ratios  # top-k
     assert ratios[-1] > ratios[3], ratios  # the code
+    compressor = STRATEGIES[f"lgc-{variant}"]().compressor
     for epoch, stage in ((0, 2), (1, 3)):
-        path = os.path.join(ckpt_dir, f"epoch={epoch}.ckpt")
+        path = os.path.join(root, run_name(_straight(variant)), f"epoch={epoch}.ckpt")
         saved = [load_rank_state(path, "gradcomp", rank).state for rank in range(2)]
         assert saved[0]["step"] == 4 * (epoch + 1)
-        assert _strategy(variant).compressor.stage(saved[0]["step"]) == stage
+        assert compressor.stage(saved[0]["step"]) == stage
         assert "autoencoder" in saved[0]["compressor"]
-        _, _, resumed = fit(_strategy(variant), str(tmp_path / f"resumed{epoch}"), model=TinyNet(**DATA),
-                            max_steps=-1, max_epochs=3, ckpt_path=path)  # fmt: skip
+        resumed = records[_resumed(variant, epoch)]
         for rank in range(2):
             assert torch.equal(straight[rank]["params"], resumed[rank]["params"]), f"epoch {epoch}, rank {rank}"
 

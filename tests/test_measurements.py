@@ -74,29 +74,36 @@ def test_convergence_of_a_subset_within_one_point_of_dense():
         assert result["accuracy"] >= dense - 0.01, (config, result["accuracy"], dense)
 
 
-def test_fingerprint_reproduces_and_flags_a_change(tmp_path):
-    """``benchmarks/fingerprint.py``, run as a user runs it: the same hashes twice, and a changed one reported (exit
-    1, the name on stderr)."""
+def test_fingerprint_reproduces_and_flags_a_change(tmp_path, capsys, monkeypatch):
+    """``benchmarks/fingerprint.py``, run as a user runs it, writes the hashes; run again as a script in this process
+    (no second interpreter to start), the same hashes, and a changed one reported (exit 1, the name on stderr)."""
+    import runpy
     import subprocess
     import sys
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "fingerprint.py"
+    args = [str(script), "--compressors", "identity", "fp16", "--steps", "1"]
     first = tmp_path / "first.txt"
-
-    def run(*args):
-        command = [sys.executable, str(script), "--compressors", "identity", "fp16", "--steps", "1", *args]
-        return subprocess.run(command, capture_output=True, text=True, timeout=300, check=False)
-
-    assert run("--out", str(first)).returncode == 0
+    done = subprocess.run([sys.executable, *args, "--out", str(first)], capture_output=True, text=True, timeout=300,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr
     hashes = dict(line.split() for line in first.read_text().splitlines())
     assert set(hashes) == {"identity", "fp16"}
-    again = run("--against", str(first))
-    assert again.returncode == 0, again.stderr
-    assert again.stdout.count(" same") == 2
+    monkeypatch.syspath_prepend(str(script.parent))  # a script's own folder comes first on its path
+
+    def run_here(*extra: str):
+        monkeypatch.setattr(sys, "argv", [*args, *extra])
+        with pytest.raises(SystemExit) as ended:
+            runpy.run_path(str(script), run_name="__main__")
+        return ended.value.code, capsys.readouterr()
+
+    code, again = run_here("--against", str(first))
+    assert code == 0, again.err
+    assert again.out.count(" same") == 2
     changed = tmp_path / "changed.txt"
     changed.write_text(f"identity {hashes['identity']}\nfp16 0000000000000000\n")
-    flagged = run("--against", str(changed))
-    assert flagged.returncode == 1
-    assert "DIFFERENT" in flagged.stdout
-    assert "fp16" in flagged.stderr
+    code, flagged = run_here("--against", str(changed))
+    assert code == 1
+    assert "DIFFERENT" in flagged.out
+    assert "fp16" in flagged.err

@@ -71,7 +71,6 @@ def run(tmp_path_factory):
                            report=str(tmp / "tracin" / "report"), influence=influence)  # fmt: skip
 
 
-@pytest.mark.slow
 def test_checkpoints_hold_the_synchronised_weights_and_the_learning_rate_in_force(run):
     assert len(run.checkpoints) == EPOCHS
     steps_per_epoch = N // 2 // 16 + 1  # 200 examples per rank, batches of 16 (the last one partial)

@@ -71,7 +71,6 @@ def warmup_run(tmp_path_factory):
     return warm, dense, resumed
 
 
-@pytest.mark.slow
 def test_dense_steps_are_bitwise_identity_then_compressed(warmup_run):
     warm, dense, _ = warmup_run
     for rank in range(2):
