@@ -35,12 +35,12 @@ def _strategy(rank: int, world_size: int) -> CompressedDDP:
 
 
 def _rank_state(rank: int) -> dict:
-    """A distinct state per rank: residuals this rank owes; the warm-start query every rank shares."""
+    """A distinct state per rank: residuals this rank owes; the warm-start query (m x r) every rank shares."""
     return {
         "format": 1,
         "step": 8,
         "compressor_class": "PowerSGD",
-        "compressor": {"queries": {"net.0.weight": torch.arange(4.0)}},
+        "compressor": {"queries": {"net.0.weight": torch.arange(4.0).view(4, 1)}},
         "residuals": {"net.0.weight": torch.full((2, 2), float(rank + 1))},
         "nonfinite_run": {},
     }
@@ -123,7 +123,7 @@ def test_on_another_world_size_the_shared_state_carries_over_and_the_residuals_s
         restored = strategy.compression_state.state_dict()
         assert restored["residuals"] == {}
         assert restored["step"] == 8
-        assert torch.equal(restored["compressor"]["queries"]["net.0.weight"], torch.arange(4.0))
+        assert torch.equal(restored["compressor"]["queries"]["net.0.weight"], torch.arange(4.0).view(4, 1))
 
 
 def test_a_checkpoint_with_every_rank_s_state_inside_loads_as_before(tmp_path):
@@ -137,7 +137,8 @@ def test_a_checkpoint_with_every_rank_s_state_inside_loads_as_before(tmp_path):
     strategy = _strategy(2, 3)
     strategy.load_checkpoint(path)  # the warning is rank 0's (rank_zero_warn)
     assert strategy.compression_state.state_dict()["residuals"] == {}
-    assert torch.equal(strategy.compression_state.compressor.state_dict()["queries"]["net.0.weight"], torch.arange(4.0))
+    queries = strategy.compression_state.compressor.state_dict()["queries"]
+    assert torch.equal(queries["net.0.weight"], torch.arange(4.0).view(4, 1))
 
 
 def test_missing_or_stale_rank_files_start_the_state_empty_with_a_warning(tmp_path):
