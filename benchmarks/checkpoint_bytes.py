@@ -1,16 +1,16 @@
 """Checkpoint bytes on rank 0 and on every other rank, and the save's time, against the number of ranks.
 
 ``CompressedDDP`` keeps state that differs between ranks (error-feedback residuals, a stateful compressor's memory).
-Each rank writes its own in a file beside Lightning's checkpoint (:mod:`lightning_gradcomp.rank_state`), so rank 0
-writes the checkpoint plain ``DDPStrategy`` writes plus a header of a few bytes, at any number of ranks. This
+Each rank writes its own in a file beside Lightning's checkpoint (:mod:`lightning_gradcomp.runtime.rank_state`), so rank
+0 writes the checkpoint plain ``DDPStrategy`` writes plus a header of a few bytes, at any number of ranks. This
 benchmark shows it for ``DDPStrategy``, ``CompressedDDP(PowerSGD(rank=4))`` and ``CompressedDDP(TopK(ratio=0.01))``
 (error feedback), on an MLP of ``--layers`` square layers of ``--width`` trained a few steps with SGD and momentum:
 
 - ``--ranks`` (2 and 4): real processes (gloo on the CPU, Lightning's spawn launcher); every rank times
   ``trainer.save_checkpoint`` and measures what it wrote.
 - ``--simulate`` (8 to 64): no processes. Every rank's compressor state comes from the real communication hook on
-  simulated ranks (:class:`~lightning_gradcomp.simulation.SimulatedHook`) after the same steps, serialized as the rank
-  would write it; rank 0's checkpoint is the 2-rank run's with its header for that many ranks. The column "gathered
+  simulated ranks (:class:`~lightning_gradcomp.ddp.simulation.SimulatedHook`) after the same steps, serialized as the
+  rank would write it; rank 0's checkpoint is the 2-rank run's with its header for that many ranks. The column "gathered
   into rank 0" is what rank 0 would write if every rank's state were gathered into the checkpoint (the layout
   before per-rank files, which older checkpoints still have)::
 
@@ -38,8 +38,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.compressors import PowerSGD, TopK
 from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.hook import CompressionState
-from lightning_gradcomp.simulation import SimulatedHook
+from lightning_gradcomp.ddp.hook import CompressionState
+from lightning_gradcomp.ddp.simulation import SimulatedHook
 
 STEPS = 3
 MIN_COMPRESS_NUMEL = 1024

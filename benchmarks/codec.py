@@ -63,9 +63,9 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors import LGC, Identity, LGCAllReduce, MaskedCompressor, Masks, TopK, dgc
 from lightning_gradcomp.compressors.base import BucketContext, Layer
-from lightning_gradcomp.compressors.draws import uniform_draws
-from lightning_gradcomp.compressors.exchange import StepUpdates
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.compressors.ops.draws import uniform_draws
+from lightning_gradcomp.engine.requests import StepUpdates
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
 DEFAULT_COMPRESSORS = (

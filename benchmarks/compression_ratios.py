@@ -36,7 +36,7 @@ from lightning_gradcomp.compressors import (
 )
 from lightning_gradcomp.compressors.base import layers_from_shapes
 from lightning_gradcomp.demo.workloads import CharLSTM, DigitsCNN, digits, layer_kind, stdlib_text, text_batch
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
 CONFIGS: dict[str, Callable[[], Compressor]] = {

@@ -75,7 +75,7 @@ def _timed(owner: Any, attr: str, label: str) -> None:
 
 
 def _collective(kind: str) -> None:
-    from lightning_gradcomp import process_groups
+    from lightning_gradcomp.engine import collectives as process_groups
 
     original = getattr(process_groups.TorchCollectives, kind)
 
@@ -91,8 +91,10 @@ def _collective(kind: str) -> None:
 
 def _install() -> None:
     """Wrap the exchange's functions and the step clock with the recorders above."""
-    from lightning_gradcomp import diloco, outer, outer_exchange
+    from lightning_gradcomp import diloco
     from lightning_gradcomp.compressors import minmax, sparseloco
+    from lightning_gradcomp.diloco import exchange as outer_exchange
+    from lightning_gradcomp.diloco import outer
 
     _timed(diloco.DiLoCo, "_start_exchange", "start")
     _timed(diloco.DiLoCo, "_finish_exchange", "finish")

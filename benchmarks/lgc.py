@@ -49,13 +49,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import DGC, LGC, Compressor, LGCAllReduce, ScaleCom, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer, ResidualBuffers
 from lightning_gradcomp.compressors.scalecom import index_blob_nbytes
+from lightning_gradcomp.engine.collectives import TorchCollectives
+from lightning_gradcomp.engine.comm import Comm
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.models import CifarResNet18
-from lightning_gradcomp.process_groups import TorchCollectives
-from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 
 

@@ -45,11 +45,11 @@ from torch import Tensor
 
 from lightning_gradcomp.compressors import LGCAllReduce
 from lightning_gradcomp.compressors.base import BucketContext
-from lightning_gradcomp.compressors.context import ResidualBuffers
-from lightning_gradcomp.compressors.driver import _DECLARATIONS, settle
-from lightning_gradcomp.compressors.exchange import Exchange
-from lightning_gradcomp.compressors.lgc_autoencoder import LGCAutoencoder
-from lightning_gradcomp.compressors.lgc_base import decode_layers, encode_layers
+from lightning_gradcomp.compressors.lgc.autoencoder import LGCAutoencoder
+from lightning_gradcomp.compressors.lgc.base import decode_layers, encode_layers
+from lightning_gradcomp.engine.context import ResidualBuffers
+from lightning_gradcomp.engine.driver import _DECLARATIONS, settle
+from lightning_gradcomp.engine.requests import Exchange
 
 
 class RecordingLGC(LGCAllReduce):

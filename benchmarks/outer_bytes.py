@@ -2,7 +2,7 @@
 
 The pseudo-gradient of a GPT-style stack (``--blocks`` blocks of width ``--width``: attention's four matrices, the
 MLP's two, their biases and two layer norms) goes through
-:class:`~lightning_gradcomp.outer_exchange.OuterExchange` on simulated ranks: the same layout, dense/compressed
+:class:`~lightning_gradcomp.diloco.exchange.OuterExchange` on simulated ranks: the same layout, dense/compressed
 split, payloads and counting as ``DiLoCo(compressor=...)``, without processes. Prints bytes sent per rank per sync
 and the ratio to the plain fp32 all-reduce::
 
@@ -17,7 +17,7 @@ import torch
 
 from lightning_gradcomp.compressors import EFSignSGD, Identity, MinMax, PowerSGD, SparseLoCo, TopK
 from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.outer_exchange import OuterExchange
+from lightning_gradcomp.diloco.exchange import OuterExchange
 from lightning_gradcomp.testing import SimulatedWorld
 
 COMPRESSORS = {

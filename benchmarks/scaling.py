@@ -32,10 +32,10 @@ import time
 
 import torch
 
-from lightning_gradcomp import wire
 from lightning_gradcomp.compressors.base import Layer
-from lightning_gradcomp.compressors.wire_model import bucket_wire_bytes
-from lightning_gradcomp.simulation import hook_wire_bytes
+from lightning_gradcomp.ddp.simulation import hook_wire_bytes
+from lightning_gradcomp.engine import wire
+from lightning_gradcomp.engine.wire_model import bucket_wire_bytes
 from lightning_gradcomp.testing import EXAMPLES
 
 #: every method at its default configuration (TernGrad also in its all-gather form, for the growth it shows)

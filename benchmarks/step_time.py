@@ -66,7 +66,7 @@ from lightning_gradcomp.compressors import (
     TopK,
 )
 from lightning_gradcomp.compressors.base import Layer, keep_count
-from lightning_gradcomp.compressors.packing import field_width, index_nbytes, words_needed
+from lightning_gradcomp.compressors.ops.packing import field_width, index_nbytes, words_needed
 from lightning_gradcomp.testing import EXAMPLES
 
 RANK = 2

@@ -47,7 +47,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from lightning_gradcomp.compressors.packing import (
+from lightning_gradcomp.compressors.ops.packing import (
     argsort_distinct,
     flat_nonzero,
     lookup_rows,

@@ -33,7 +33,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp.demo.digits import DigitsMLP, digits
-from lightning_gradcomp.influence import TracInScorer, load_tracin_checkpoint, save_tracin_checkpoint
+from lightning_gradcomp.tracin.scoring import TracInScorer, load_tracin_checkpoint, save_tracin_checkpoint
 
 
 def train(args: argparse.Namespace, workdir: str) -> tuple[DigitsMLP, TensorDataset, tuple, list[str]]:

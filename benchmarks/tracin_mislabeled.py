@@ -31,7 +31,7 @@ from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import TracIn
 from lightning_gradcomp.compressors import Identity, PowerSGD
 from lightning_gradcomp.demo.digits import DigitsMLP, digits, fit
-from lightning_gradcomp.influence import TracInScorer, detection_curve
+from lightning_gradcomp.tracin.scoring import TracInScorer, detection_curve
 
 FRACTIONS = (0.1, 0.2)
 

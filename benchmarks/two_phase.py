@@ -19,7 +19,7 @@ import torch
 
 from lightning_gradcomp.compressors import QSGD, AdaComp, EFSignSGD, MinMax, OneBit, SignSGD
 from lightning_gradcomp.compressors.base import Compressor, layers_from_shapes
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 
 FACTORIES: dict[str, Callable[[str], Compressor]] = {

@@ -38,7 +38,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import TopK, Zen
 from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 
 CONFIGS = {

@@ -5,12 +5,11 @@ Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))`
 
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
-from lightning_gradcomp import callbacks, comm, compressors, tasks, testing, transforms
+from lightning_gradcomp import callbacks, compressors, tasks, transforms
 from lightning_gradcomp.callbacks import PacTrain
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.ddp import CompressedDDP, CompressionState, compression_hook
 from lightning_gradcomp.diloco import DiLoCo
-from lightning_gradcomp.hook import CompressionState, compression_hook
-from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.transforms import Pufferfish
 
 __version__ = "0.1.0.dev0"
@@ -30,10 +29,8 @@ __all__ = [
     "PacTrain",
     "Pufferfish",
     "callbacks",
-    "comm",
     "compression_hook",
     "compressors",
     "tasks",
-    "testing",
     "transforms",
 ]

@@ -38,7 +38,7 @@ from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
 from lightning_gradcomp.auto.timeline import plan_greedy
 from lightning_gradcomp.callbacks import AutoCompression
 from lightning_gradcomp.compressors import Identity
-from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.ddp.strategy import CompressedDDP
 
 #: LightningCLI's subcommands, with their line in ``--help`` (Lightning's own cuts the one of ``test`` short)
 LIGHTNING_SUBCOMMANDS = {

@@ -51,8 +51,8 @@ from lightning_gradcomp.compressors import (
     SparseLoCo,
     TopK,
 )
-from lightning_gradcomp.fused_optim import FusedSGD
-from lightning_gradcomp.rank_state import load_rank_state
+from lightning_gradcomp.optim.fused import FusedSGD
+from lightning_gradcomp.runtime.rank_state import load_rank_state
 from tests.distributed import free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
 
@@ -198,7 +198,7 @@ def _small_data() -> TinyNet:
 
 class ScheduledNet(TinyNet):
     """``_small_data``'s TinyNet with SGD (momentum, weight decay) and a learning rate that halves every 3 steps;
-    ``fused`` picks :class:`~lightning_gradcomp.fused_optim.FusedSGD` instead of torch's SGD."""
+    ``fused`` picks :class:`~lightning_gradcomp.optim.fused.FusedSGD` instead of torch's SGD."""
 
     def __init__(self, fused: bool) -> None:
         super().__init__(n=64, batch_size=8)

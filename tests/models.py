@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_gradcomp.process_groups import hand_off_gil
+from lightning_gradcomp.engine.collectives import hand_off_gil
 
 
 def synthetic_classification(n: int = 128, seed: int = 0) -> TensorDataset:
@@ -198,7 +198,7 @@ class RecordRounds(Callback):
         return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gradcomp/")}
 
     def on_train_start(self, trainer, pl_module) -> None:
-        import lightning_gradcomp.outer as outer_module
+        import lightning_gradcomp.diloco.outer as outer_module
 
         self._counter = CountAllReduces(outer_module.dist)
         outer_module.dist = self._counter
@@ -239,7 +239,7 @@ class RecordRounds(Callback):
             self.validated.append({"params": flat, "global": self._flat(trainer.strategy.outer_state.params)})
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        import lightning_gradcomp.outer as outer_module
+        import lightning_gradcomp.diloco.outer as outer_module
 
         if self._counter is not None:
             outer_module.dist = self._counter._real

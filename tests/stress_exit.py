@@ -56,9 +56,9 @@ def _inflight_rank(rank: int, world_size: int) -> None:
 
     import torch
 
-    from lightning_gradcomp.comm import Comm
-    from lightning_gradcomp.process_groups import TorchCollectives
-    from lightning_gradcomp.telemetry import Telemetry
+    from lightning_gradcomp.engine.collectives import TorchCollectives
+    from lightning_gradcomp.engine.comm import Comm
+    from lightning_gradcomp.engine.telemetry import Telemetry
 
     backend = TorchCollectives()
     backend.ensure_rounds(2)

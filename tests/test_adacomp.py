@@ -8,9 +8,9 @@ import torch
 from lightning_gradcomp.compressors import AdaComp
 from lightning_gradcomp.compressors.adacomp import pack_trits, unpack_trits
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
-from lightning_gradcomp.compressors.two_phase import owner_residuals
-from lightning_gradcomp.compressors.wire_model import traced_wire_bytes
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.compressors.transports.two_phase import owner_residuals
+from lightning_gradcomp.engine.telemetry import Telemetry
+from lightning_gradcomp.engine.wire_model import traced_wire_bytes
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
 
 # a convolution (bins of 50), a fully-connected layer (bins of 500) with a short last bin
@@ -133,7 +133,7 @@ def test_payloads_are_fixed_size_whatever_is_selected():
 
 def test_one_round():
     world = SimulatedWorld(2)
-    from lightning_gradcomp.comm import Comm
+    from lightning_gradcomp.engine.comm import Comm
 
     futures = []
     for rank, g in enumerate(_grads(2, seed=1, dtype=torch.float32)):

@@ -7,8 +7,8 @@ from lightning_gradcomp.auto.measure import StepRecord, codec_cost, last_layout,
 from lightning_gradcomp.auto.timeline import Link
 from lightning_gradcomp.compressors import TopK
 from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.hook import CompressionState
-from lightning_gradcomp.telemetry import BucketRecord
+from lightning_gradcomp.ddp.hook import CompressionState
+from lightning_gradcomp.engine.telemetry import BucketRecord
 from lightning_gradcomp.testing import SimulatedHook
 
 LAYERS = layers_from_shapes([(40, 50), (30,)])

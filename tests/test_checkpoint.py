@@ -12,7 +12,7 @@ import shutil
 import pytest
 import torch
 
-from lightning_gradcomp.rank_state import load_rank_state
+from lightning_gradcomp.runtime.rank_state import load_rank_state
 from tests.fit_worker import assert_same_weights, run_fits, run_name
 
 COMPRESSORS = ["topk", "powersgd-r1", "powersgd-r2"]

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_gradcomp.comm import Comm
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.engine.comm import Comm
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld
 
 

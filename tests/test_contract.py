@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from lightning_gradcomp import CompressionState
-from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import (
     DGC,
     QSGD,
@@ -23,9 +22,10 @@ from lightning_gradcomp.compressors import (
     TopK,
 )
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
-from lightning_gradcomp.compressors.exchange import StepUpdates
-from lightning_gradcomp.compressors.two_phase import owner_residuals
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.compressors.transports.two_phase import owner_residuals
+from lightning_gradcomp.engine.comm import Comm
+from lightning_gradcomp.engine.requests import StepUpdates
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, SimulatedWorld, exported_compressor_classes, simulate_reduce
 from tests.contract_examples import BucketTopK, ScaledSign
 
@@ -916,7 +916,7 @@ def test_the_writing_a_compressor_walkthrough_works():
 
 def test_zero_size_parameters_go_dense_for_every_compressor(case):
     """The probe: a zero-size parameter with min_compress_numel=0 crashed TopK, PowerSGD, ScaleCom, DGC, AdaComp."""
-    from lightning_gradcomp.hook import CompressionState
+    from lightning_gradcomp.ddp.hook import CompressionState
     from lightning_gradcomp.testing import SimulatedHook
 
     name, compressor = case
@@ -972,7 +972,7 @@ def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(ca
     every rank's residual, are bitwise the compressor's on the same layers laid out contiguously, over three steps.
     With error feedback the hook leaves the gradient in the bucket's runs for the accumulation to gather
     (``GradientRuns``); without, it gathers first."""
-    from lightning_gradcomp.hook import CompressionState
+    from lightning_gradcomp.ddp.hook import CompressionState
     from lightning_gradcomp.testing import SimulatedHook
 
     name, compressor = case
@@ -1008,7 +1008,7 @@ def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(ca
 def test_the_hook_state_resumes_bitwise(case):
     """Every rank's whole hook state (residuals, the compressor's own state, the step) saved after 3 steps and loaded
     into fresh states: the next steps are bitwise those of the uninterrupted run (the checkpoint path, per method)."""
-    from lightning_gradcomp.hook import CompressionState
+    from lightning_gradcomp.ddp.hook import CompressionState
     from lightning_gradcomp.testing import SimulatedHook
 
     name, compressor = case

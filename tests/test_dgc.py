@@ -10,11 +10,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from lightning_gradcomp.compressors import DGC, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
 from lightning_gradcomp.compressors.dgc import sample_plan
-from lightning_gradcomp.compressors.dgc_select import layer_streams, sample_positions, select_layers
-from lightning_gradcomp.hook import CompressionState
+from lightning_gradcomp.compressors.ops.dgc_select import layer_streams, sample_positions, select_layers
+from lightning_gradcomp.ddp.checks import optimizer_momentum_warning
+from lightning_gradcomp.ddp.hook import CompressionState
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.optim import DGCSGD
-from lightning_gradcomp.optimizer_checks import optimizer_momentum_warning
-from lightning_gradcomp.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedHook, simulate_reduce
 
 FLAG = 8  # the non-finite flag rides on the all-gather: one 8-byte aligned word

@@ -19,9 +19,9 @@ from torch.utils.data import DistributedSampler
 
 from lightning_gradcomp import DiLoCo
 from lightning_gradcomp.compressors import Identity
-from lightning_gradcomp.diloco import _split_fragments
-from lightning_gradcomp.rank_state import load_rank_state, rank_state_dir
-from lightning_gradcomp.replica_groups import group_size
+from lightning_gradcomp.diloco.replicas import group_size
+from lightning_gradcomp.diloco.strategy import _split_fragments
+from lightning_gradcomp.runtime.rank_state import load_rank_state, rank_state_dir
 from tests.fit_worker import assert_same_weights, run_fits, run_name, train
 from tests.models import TinyNet, synthetic_classification
 

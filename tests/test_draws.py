@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import draws
 from lightning_gradcomp.compressors.base import BucketContext, Layer, derive_seed, layers_from_shapes
+from lightning_gradcomp.compressors.ops import draws
 
 LAYERS = layers_from_shapes([(3,), (1500,), (7, 7), (300, 11)])
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from lightning_gradcomp.rank_state import load_rank_state
+from lightning_gradcomp.runtime.rank_state import load_rank_state
 from tests.fault_worker import MAX_STEPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -155,7 +155,7 @@ def test_collective_failures_are_told_from_a_ranks_own_error():
     """What decides whether rank 0 blames another rank (waits for it, names it) or keeps its own error."""
     import torch.distributed as dist
 
-    from lightning_gradcomp.faults import is_collective_failure
+    from lightning_gradcomp.runtime.faults import is_collective_failure
 
     consequences = [
         "Got the following error when running the callback: RuntimeError: [third_party/gloo/gloo/transport/tcp/"

@@ -14,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from lightning_gradcomp import CompressedDDP, CompressionState, compression_hook
 from lightning_gradcomp.compressors import Identity, PowerSGD
-from lightning_gradcomp.fused_optim import FusedAdaLomo, FusedSGD, bind_fused_optimizer
+from lightning_gradcomp.optim.fused import FusedAdaLomo, FusedSGD, bind_fused_optimizer
 from tests.distributed import run_distributed
 from tests.fit_worker import run_fits, run_name
 from tests.models import TinyNet

@@ -238,7 +238,7 @@ def test_diloco_over_nccl_keeps_theta_global_on_the_gpu_or_offloads_it(in_proces
 @needs_gpu
 def test_the_run_of_non_finite_steps_is_counted_on_cuda_without_a_host_sync():
     """CUDA verdicts are copied to the host behind events and counted ``CUDA_LAG`` steps late, with no sync."""
-    from lightning_gradcomp.recovery import CUDA_LAG, NonfiniteRun
+    from lightning_gradcomp.engine.staging import CUDA_LAG, NonfiniteRun
 
     run = NonfiniteRun()
     torch.cuda.set_sync_debug_mode("error")

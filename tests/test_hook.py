@@ -11,7 +11,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import QSGD, PowerSGD, TopK
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
-from lightning_gradcomp.compressors.exchange import StepUpdates
+from lightning_gradcomp.engine.requests import StepUpdates
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 from tests.distributed import run_distributed
 from tests.selection import selected_params

@@ -23,15 +23,17 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lightning_gradcomp.compressors import adacomp, dgc, layer_topk, masked, packing, sparsify, transport, zen
-from lightning_gradcomp.compressors.context import layers_from_shapes
+from lightning_gradcomp.compressors import adacomp, dgc, masked, sparsify, zen
+from lightning_gradcomp.compressors.ops import layer_topk, packing
+from lightning_gradcomp.compressors.transports import hashed_sum as transport
+from lightning_gradcomp.engine.context import layers_from_shapes
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
 aten = torch.ops.aten
 _READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
           aten.unique_consecutive.default, aten.unique_dim.default}  # fmt: skip
 # (file, function) of the branches that run only on the CPU, where reading a scalar is no synchronisation
-_CPU_ONLY = {("exchange.py", "commit"), ("packing.py", "above"), ("packing.py", "magnitude_above"),
+_CPU_ONLY = {("requests.py", "commit"), ("packing.py", "above"), ("packing.py", "magnitude_above"),
              ("quantize.py", "_clamp_"), ("layer_topk.py", "_sampled"),
              ("sparse_shards.py", "device_owners"), ("dgc_select.py", "_plan"),
              ("layer_topk.py", "_plan")}  # fmt: skip

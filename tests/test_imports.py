@@ -95,58 +95,78 @@ def test_the_package_has_no_import_cycle():
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
 
 
-#: lower layers that must not import the named higher ones (the strategy sits below its callbacks and transforms)
-FORBIDDEN = {
-    "lightning_gradcomp.strategy": ("lightning_gradcomp.callbacks", "lightning_gradcomp.transforms"),
-    "lightning_gradcomp.transforms": ("lightning_gradcomp.callbacks",),
-    "lightning_gradcomp.compressors": (
-        "lightning_gradcomp.strategy", "lightning_gradcomp.callbacks", "lightning_gradcomp.transforms",
-    ),
-    "lightning_gradcomp.hook": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
-    # the payload layer knows no process group; the process groups know no compressor, hook or strategy
-    "lightning_gradcomp.comm": ("lightning_gradcomp.process_groups", "lightning_gradcomp.hook"),
-    "lightning_gradcomp.process_groups": (
-        "lightning_gradcomp.compressors", "lightning_gradcomp.hook", "lightning_gradcomp.strategy",
-        "lightning_gradcomp.callbacks",
-    ),
-    # AutoCompression's model, measurements and reports sit below the callback that drives them
-    "lightning_gradcomp.auto": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
-    "lightning_gradcomp.model_transform": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
-    "lightning_gradcomp.monitor": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
-    # the two levels' process groups and averages know nothing of the outer state or the strategy
-    "lightning_gradcomp.replica_groups": (
-        "lightning_gradcomp.outer", "lightning_gradcomp.diloco", "lightning_gradcomp.strategy",
-    ),
-    "lightning_gradcomp.outer_monitor": (
-        "lightning_gradcomp.diloco", "lightning_gradcomp.strategy", "lightning_gradcomp.callbacks",
-    ),
-    # per-rank files beside a checkpoint serve every strategy: they know none of them
-    "lightning_gradcomp.rank_state": (
-        "lightning_gradcomp.strategy", "lightning_gradcomp.hook", "lightning_gradcomp.compressors",
-        "lightning_gradcomp.callbacks", "lightning_gradcomp.compression_checkpoint",
-        "lightning_gradcomp.diloco_checkpoint",
-    ),
-    "lightning_gradcomp.compression_checkpoint": ("lightning_gradcomp.strategy", "lightning_gradcomp.callbacks"),
-    "lightning_gradcomp.diloco_checkpoint": ("lightning_gradcomp.diloco", "lightning_gradcomp.callbacks"),
-    # the fused optimizers know nothing of the hook or the strategy: the hook calls them through a callable
-    "lightning_gradcomp.fused_optim": (
-        "lightning_gradcomp.strategy", "lightning_gradcomp.hook", "lightning_gradcomp.callbacks",
-    ),
-}  # fmt: skip
+#: The layers, by folder: what each folder of the package may import from the package besides itself. The engine is
+#: torch only and knows no compressor; the compressors know the engine; the two strategies know both and the shared
+#: Lightning runtime, never each other; callbacks, transforms, auto, the CLI and the root sit above all of them.
+MAY_IMPORT = {
+    "engine": {"validation"},
+    "compressors": {"engine", "validation"},
+    "runtime": {"engine", "validation"},
+    "ddp": {"compressors", "engine", "optim", "runtime", "validation"},
+    "diloco": {"compressors", "engine", "runtime", "validation"},
+}
+#: folders that never import Lightning: the engine and the compressors run under plain torch.distributed
+TORCH_ONLY = ("engine", "compressors")
 
 
-@pytest.mark.parametrize("lower", sorted(FORBIDDEN))
-def test_layers_import_only_downward(lower):
-    graph = import_graph()
-    offenders = [
+def _folder(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def upward_imports(graph: dict[str, set[str]], folder: str) -> list[tuple[str, str]]:
+    """The imports of ``folder``'s modules that :data:`MAY_IMPORT` does not allow."""
+    allowed = MAY_IMPORT[folder] | {folder}
+    return sorted(
         (module, target)
         for module, targets in graph.items()
-        if module == lower or module.startswith(lower + ".")
+        if _folder(module) == folder
         for target in targets
-        for higher in FORBIDDEN[lower]
-        if target == higher or target.startswith(higher + ".")
+        if _folder(target) not in allowed
+    )
+
+
+@pytest.mark.parametrize("folder", sorted(MAY_IMPORT))
+def test_layers_import_only_downward(folder):
+    offenders = upward_imports(import_graph(), folder)
+    assert not offenders, f"{folder}/ imports above its layer: {offenders}"
+
+
+def lightning_imports(root: Path, folder: str) -> list[str]:
+    """The modules of ``folder`` that import ``lightning`` (at module level or in a function)."""
+    found = []
+    for path in sorted((root / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(name == "lightning" or name.startswith("lightning.") for name in names):
+                found.append(str(path.relative_to(root)))
+    return found
+
+
+@pytest.mark.parametrize("folder", TORCH_ONLY)
+def test_the_engine_and_the_compressors_import_no_lightning(folder):
+    assert not lightning_imports(ROOT, folder), f"{folder}/ imports Lightning"
+
+
+def test_the_layer_rules_see_an_upward_import(tmp_path):
+    """The check itself: an engine module importing a compressor, or Lightning, is reported."""
+    package = tmp_path / PACKAGE
+    for folder in ("engine", "compressors"):
+        (package / folder).mkdir(parents=True)
+        (package / folder / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    (package / "compressors" / "topk.py").write_text("X = 1\n")
+    (package / "engine" / "driver.py").write_text("def f():\n    from lightning_gradcomp.compressors.topk import X\n")
+    assert upward_imports(import_graph(package), "engine") == [
+        ("lightning_gradcomp.engine.driver", "lightning_gradcomp.compressors"),
+        ("lightning_gradcomp.engine.driver", "lightning_gradcomp.compressors.topk"),
     ]
-    assert not offenders, f"{lower} imports upward: {offenders}"
+    assert upward_imports(import_graph(package), "compressors") == []
+    (package / "engine" / "driver.py").write_text("import lightning.pytorch as pl\n")
+    assert lightning_imports(package, "engine") == ["engine/driver.py"]
+    assert lightning_imports(package, "compressors") == []
 
 
 def test_the_cycle_finder_sees_a_function_level_import_cycle(tmp_path):

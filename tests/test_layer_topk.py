@@ -3,12 +3,12 @@
 import pytest
 import torch
 
-from lightning_gradcomp.compressors import layer_topk as module
 from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.compressors.context import Layer
-from lightning_gradcomp.compressors.layer_topk import layer_topk
-from lightning_gradcomp.compressors.sparse import decode_sparse, encode_sparse, sparse_layout
-from lightning_gradcomp.compressors.sparse_blob import decode_blob, encode_full_blob
+from lightning_gradcomp.compressors.ops import layer_topk as module
+from lightning_gradcomp.compressors.ops.layer_topk import layer_topk
+from lightning_gradcomp.compressors.ops.sparse import decode_sparse, encode_sparse, sparse_layout
+from lightning_gradcomp.compressors.ops.sparse_blob import decode_blob, encode_full_blob
+from lightning_gradcomp.engine.context import Layer
 from tests.test_host_sync import HostReads
 
 # small layers (sorted whole) and two large enough for the CPU's sampled bound

@@ -9,13 +9,13 @@ import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from lightning_gradcomp import CompressedDDP, CompressionState
-from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import LGC, LGCAllReduce, ScaleCom
 from lightning_gradcomp.compressors.base import BucketContext, ResidualBuffers, keep_count, layers_from_shapes
-from lightning_gradcomp.compressors.lgc_base import layer_dots
-from lightning_gradcomp.process_groups import TorchCollectives
-from lightning_gradcomp.rank_state import load_rank_state
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.compressors.lgc.base import layer_dots
+from lightning_gradcomp.engine.collectives import TorchCollectives
+from lightning_gradcomp.engine.comm import Comm
+from lightning_gradcomp.engine.telemetry import Telemetry
+from lightning_gradcomp.runtime.rank_state import load_rank_state
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
 from tests.distributed import run_distributed
 from tests.fit_worker import STRATEGIES, run_fits, run_name

@@ -1,7 +1,7 @@
 """A compressor on DiLoCo's outer exchange: simulated ranks for the identities, real gloo processes for DiLoCo.
 
 The identities (error feedback telescopes over outer steps, a non-finite round leaves every state as it was, the
-state resumes bitwise) run :class:`~lightning_gradcomp.outer_exchange.OuterExchange` on simulated ranks; the fits
+state resumes bitwise) run :class:`~lightning_gradcomp.diloco.exchange.OuterExchange` on simulated ranks; the fits
 run ``DiLoCo(compressor=...)`` under Lightning's default launcher through tests/fit_worker.py.
 """
 
@@ -12,7 +12,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_gradcomp import DiLoCo
 from lightning_gradcomp.compressors import EFSignSGD, MinMax, PowerSGD, SparseLoCo, TopK
 from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.outer_exchange import OuterExchange
+from lightning_gradcomp.diloco.exchange import OuterExchange
 from lightning_gradcomp.testing import SimulatedWorld
 from tests.fit_worker import assert_same_weights, run_fits
 from tests.models import TinyNet

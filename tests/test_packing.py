@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_gradcomp.compressors.packing import (
+from lightning_gradcomp.compressors.ops.packing import (
     INT_OF_SIZE,
     above,
     argsort_distinct,

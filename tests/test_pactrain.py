@@ -13,7 +13,7 @@ from torch import nn
 from lightning_gradcomp import CompressedDDP, PacTrain
 from lightning_gradcomp.compressors import Identity, MaskedCompressor, Masks, TopK
 from lightning_gradcomp.compressors.base import Layer, layers_from_shapes
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 from lightning_gradcomp.transforms.pactrain import magnitude_masks, prunable_parameters, sparsity_at
 from tests.distributed import run_distributed

@@ -7,7 +7,7 @@ import torch
 
 from lightning_gradcomp.compressors import BF16, Identity, Planned, PowerSGD, ScaleCom, SignSGD, TopK
 from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.hook import CompressionState
+from lightning_gradcomp.ddp.hook import CompressionState
 from lightning_gradcomp.testing import SimulatedHook
 
 LAYERS = layers_from_shapes([(16, 8), (32,), (8, 8)], names=["a.weight", "a.bias", "b.weight"])

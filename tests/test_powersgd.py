@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import PowerSGD
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
-from lightning_gradcomp.compressors.powersgd_plan import Workspace, plan_runs
+from lightning_gradcomp.compressors.ops.powersgd_plan import Workspace, plan_runs
 from lightning_gradcomp.testing import simulate_reduce
 from tests.distributed import run_distributed
 

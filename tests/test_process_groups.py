@@ -12,7 +12,7 @@ def _settle_on_one_rank(rank, world_size):
     import logging
     import threading
 
-    from lightning_gradcomp import process_groups
+    from lightning_gradcomp.engine import collectives as process_groups
 
     collectives = process_groups.TorchCollectives()
     later = torch.futures.Future()
@@ -51,7 +51,7 @@ def _gather_rows_released_late(rank: int, world_size: int) -> dict:
     import threading
     import weakref
 
-    from lightning_gradcomp import process_groups
+    from lightning_gradcomp.engine import collectives as process_groups
 
     real, held = process_groups._all_gather_single, []
 
@@ -82,7 +82,7 @@ def test_gather_rows_returns_every_ranks_rows_once_the_collectives_tensors_are_r
 
 
 def test_gather_rows_without_a_process_group_is_the_tensor_as_one_row():
-    from lightning_gradcomp.process_groups import gather_rows
+    from lightning_gradcomp.engine.collectives import gather_rows
 
     tensor = torch.arange(4.0)
     rows = gather_rows(tensor)
@@ -97,7 +97,7 @@ def _groups_made_beside(rank, world_size):
 
     import torch.distributed as dist
 
-    from lightning_gradcomp import process_groups
+    from lightning_gradcomp.engine import collectives as process_groups
 
     base = dist.new_group([0], timeout=datetime.timedelta(seconds=17))
     side = process_groups.side_group(base)

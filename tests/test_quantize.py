@@ -10,8 +10,8 @@ import torch
 
 from lightning_gradcomp.compressors import QSGD, TernGrad
 from lightning_gradcomp.compressors.base import BucketContext, Layer, layers_from_shapes
-from lightning_gradcomp.compressors.draws import uniform_draws
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.compressors.ops.draws import uniform_draws
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 from tests.test_draws import reference_hashes
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lightning_gradcomp.compressors.context import layers_from_shapes
-from lightning_gradcomp.compressors.random_subsets import draws, hash32, shared_subsets, streams, uniform_below
+from lightning_gradcomp.compressors.ops.random_subsets import draws, hash32, shared_subsets, streams, uniform_below
+from lightning_gradcomp.engine.context import layers_from_shapes
 
 
 def _reference(n, k, key, step):

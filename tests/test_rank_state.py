@@ -1,4 +1,5 @@
-"""Per-rank state beside a checkpoint (lightning_gradcomp.rank_state) and CompressedDDP's use of it, rank by rank.
+"""Per-rank state beside a checkpoint (lightning_gradcomp.runtime.rank_state) and CompressedDDP's use of it, rank by
+rank.
 
 Each rank is simulated in this process by a strategy whose cluster environment names its rank and world size: saving
 and loading per-rank state involves no collective (the strategy's barrier does nothing without a process group), so
@@ -13,10 +14,10 @@ import torch
 from lightning.fabric.plugins.environments import LightningEnvironment
 
 from lightning_gradcomp import CompressedDDP, CompressionState
-from lightning_gradcomp.compression_checkpoint import restore_compression_state, save_compression_state
 from lightning_gradcomp.compressors import PowerSGD
 from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.rank_state import (
+from lightning_gradcomp.ddp.checkpoint import restore_compression_state, save_compression_state
+from lightning_gradcomp.runtime.rank_state import (
     load_rank_state,
     rank_state_dir,
     rank_state_path,
@@ -168,7 +169,7 @@ def test_removing_a_checkpoint_removes_each_rank_s_files(tmp_path):
 
 def _save_with_a_slow_rank_1(rank: int, world_size: int, path: str) -> tuple[bool, bool]:
     """Save a checkpoint from every rank, rank 1 writing its file a second late; what rank 0 finds on returning."""
-    import lightning_gradcomp.compression_checkpoint as checkpointing
+    import lightning_gradcomp.ddp.checkpoint as checkpointing
 
     if rank == 1:
         save = checkpointing.save_rank_state

@@ -13,7 +13,7 @@ import torch
 
 from lightning_gradcomp import CompressionState
 from lightning_gradcomp.compressors.base import layers_from_shapes
-from lightning_gradcomp.recovery import NonfiniteRun
+from lightning_gradcomp.engine.staging import NonfiniteRun
 from lightning_gradcomp.testing import EXAMPLES, SimulatedHook
 
 # the shapes of tests/test_contract.py: a conv weight, two same-shape matrices apart, a tall and a wide matrix

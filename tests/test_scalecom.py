@@ -9,8 +9,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import ScaleCom, TopK
 from lightning_gradcomp.compressors.base import keep_count, layers_from_shapes
-from lightning_gradcomp.compressors.packing import index_nbytes
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.compressors.ops.packing import index_nbytes
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 from tests.distributed import run_distributed
 

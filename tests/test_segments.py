@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_gradcomp.compressors.context import layers_from_shapes
-from lightning_gradcomp.compressors.packing import max_magnitudes
-from lightning_gradcomp.compressors.segments import ROW, segments_of
+from lightning_gradcomp.compressors.ops.packing import max_magnitudes
+from lightning_gradcomp.compressors.ops.segments import ROW, segments_of
+from lightning_gradcomp.engine.context import layers_from_shapes
 
 # layers smaller than a row, spanning rows, ending mid-row and at a row's end, and a tail shorter than a row
 SHAPES = [(3,), (1500,), (7, 7), (5000, 3), (2,), (1,), (ROW + 100,), (3000,)]
@@ -98,7 +98,7 @@ def test_block_rows_reduce_every_block_of_every_layer(layers) -> None:  # type: 
 def test_an_empty_segment_reduces_to_its_padding_and_the_others_are_unchanged() -> None:
     """A parameter with no elements (a zero-size layer) is a segment of length 0: one value, the reduction of the
     padding (a sum of 0), and the levels still end; the other segments' values are what they are without it."""
-    from lightning_gradcomp.compressors.segments import AlignedRows
+    from lightning_gradcomp.compressors.ops.segments import AlignedRows
 
     torch.manual_seed(0)
     x = torch.randn(3000)

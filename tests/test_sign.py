@@ -7,10 +7,10 @@ import torch
 
 from lightning_gradcomp.compressors import EFSignSGD, OneBit, SignSGD
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer, LayerBuffers, layers_from_shapes
-from lightning_gradcomp.compressors.exchange import StepUpdates
-from lightning_gradcomp.compressors.packing import unpack_bits
+from lightning_gradcomp.compressors.ops.packing import unpack_bits
 from lightning_gradcomp.compressors.sign import _group_width, _looked_up_codes, _rank_codes
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.engine.requests import StepUpdates
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import simulate_reduce
 
 LAYERS = layers_from_shapes([(20, 30), (7,), (8, 3, 3, 3)])

@@ -9,14 +9,15 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lightning_gradcomp import CompressionState, compression_hook, wire
+from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import DGC, SparseLoCo, TopK
 from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
-from lightning_gradcomp.compressors.sparse_shards import capacity, reselected, two_phase_wire
-from lightning_gradcomp.compressors.transport import owner_of, zen_seed
-from lightning_gradcomp.compressors.two_phase import owner_residuals
-from lightning_gradcomp.compressors.wire_model import bucket_wire_bytes, traced_wire_bytes
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.compressors.transports.hashed_sum import owner_of, zen_seed
+from lightning_gradcomp.compressors.transports.sparse_shards import capacity, reselected, two_phase_wire
+from lightning_gradcomp.compressors.transports.two_phase import owner_residuals
+from lightning_gradcomp.engine import wire
+from lightning_gradcomp.engine.telemetry import Telemetry
+from lightning_gradcomp.engine.wire_model import bucket_wire_bytes, traced_wire_bytes
 from lightning_gradcomp.testing import simulate_reduce
 from tests.distributed import run_distributed
 

@@ -13,8 +13,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import AutoCompression
 from lightning_gradcomp.compressors import BF16, FP16, Identity, PowerSGD
-from lightning_gradcomp.strategy_args import check_backend
-from lightning_gradcomp.strategy_names import PRESETS
+from lightning_gradcomp.ddp.arguments import check_backend
+from lightning_gradcomp.ddp.names import PRESETS
 from tests.models import TinyNet
 
 EXPECTED = {
@@ -155,8 +155,8 @@ def test_a_recipe_names_the_strategy_by_its_registered_name():
 
 
 def test_the_setup_line_mentions_dense_layers_only_when_there_are_some():
-    from lightning_gradcomp.hook import CompressionState
-    from lightning_gradcomp.strategy import _describe
+    from lightning_gradcomp.ddp.hook import CompressionState
+    from lightning_gradcomp.ddp.strategy import _describe
 
     every = _describe(TinyNet(), CompressionState(Identity()), 2)
     assert "elements);" in every

@@ -14,7 +14,7 @@ from lightning_gradcomp.auto.timeline import (
     plan_greedy,
     predict,
 )
-from lightning_gradcomp.wire import all_gather, all_reduce
+from lightning_gradcomp.engine.wire import all_gather, all_reduce
 
 LINK = Link(alpha=0.001, beta=1e6)  # 1 ms per collective, 1 MB/s
 TIMING = Timing(forward=0.010, backward_end=0.100, optimizer=0.005)

@@ -16,13 +16,13 @@ from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.callbacks import TracIn
 from lightning_gradcomp.compressors import PowerSGD
 from lightning_gradcomp.demo.digits import DigitsMLP, digits, fit
-from lightning_gradcomp.influence import (
+from lightning_gradcomp.tracin.report import write_report
+from lightning_gradcomp.tracin.scoring import (
     TracInScorer,
     detection_curve,
     load_tracin_checkpoint,
     save_tracin_checkpoint,
 )
-from lightning_gradcomp.influence_report import write_report
 
 try:  # only the parity tests need Captum: they skip on their own when it is missing, the others still run
     import captum.influence as captum_influence

@@ -8,9 +8,9 @@ import torch
 
 from lightning_gradcomp.compressors import QSGD, EFSignSGD, MinMax, OneBit, SignSGD, TernGrad
 from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
-from lightning_gradcomp.compressors.two_phase import owner_residuals, shard_numel, uses_two_phase
-from lightning_gradcomp.compressors.wire_model import traced_wire_bytes
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.compressors.transports.two_phase import owner_residuals, shard_numel, uses_two_phase
+from lightning_gradcomp.engine.telemetry import Telemetry
+from lightning_gradcomp.engine.wire_model import traced_wire_bytes
 from lightning_gradcomp.testing import simulate_reduce
 
 # 1,003 elements: no world size below divides it, so the last shard is padded

@@ -191,7 +191,7 @@ def test_with_diloco_the_dense_phase_is_synchronous_and_a_ramp_is_refused():
 def _dense_phase(compressor_factory, steps=3):
     """Through the real hook on simulated ranks with compression off (DenseWarmup's dense phase)."""
     from lightning_gradcomp.compressors.base import layers_from_shapes
-    from lightning_gradcomp.hook import CompressionState
+    from lightning_gradcomp.ddp.hook import CompressionState
     from lightning_gradcomp.testing import SimulatedHook
 
     layers = layers_from_shapes([(32, 40), (16,)])

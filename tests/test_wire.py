@@ -6,16 +6,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_gradcomp import wire
-from lightning_gradcomp.comm import Comm
 from lightning_gradcomp.compressors import QSGD, Identity, PowerSGD, SignSGD
 from lightning_gradcomp.compressors.base import Layer
-from lightning_gradcomp.compressors.wire_model import bucket_wire_bytes
-from lightning_gradcomp.hook import CompressionState
-from lightning_gradcomp.monitor import format_summary
-from lightning_gradcomp.outer_monitor import format_outer_summary
-from lightning_gradcomp.simulation import hook_wire_bytes
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.ddp.hook import CompressionState
+from lightning_gradcomp.ddp.monitor import format_summary
+from lightning_gradcomp.ddp.simulation import hook_wire_bytes
+from lightning_gradcomp.diloco.monitor import format_outer_summary
+from lightning_gradcomp.engine import wire
+from lightning_gradcomp.engine.comm import Comm
+from lightning_gradcomp.engine.telemetry import Telemetry
+from lightning_gradcomp.engine.wire_model import bucket_wire_bytes
 from lightning_gradcomp.testing import EXAMPLES, SimulatedHook, SimulatedWorld
 
 

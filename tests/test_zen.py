@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_gradcomp import CompressionState, compression_hook
 from lightning_gradcomp.compressors import DGC, AdaComp, TopK, Zen
 from lightning_gradcomp.compressors.base import BucketContext, layers_from_shapes
-from lightning_gradcomp.compressors.transport import (
+from lightning_gradcomp.compressors.transports.hashed_sum import (
     by_owner,
     choose,
     costs,
@@ -22,7 +22,7 @@ from lightning_gradcomp.compressors.transport import (
     tensor_input,
     zen_seed,
 )
-from lightning_gradcomp.telemetry import Telemetry
+from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import SimulatedWorld, simulate_reduce
 from tests.distributed import run_distributed
 
@@ -129,8 +129,8 @@ def test_sparsifiers_over_zen_equal_their_allgather_bitwise(n, factory):
 
 def _kinds(compressor_factory, xs, layers, n):
     world = SimulatedWorld(n)
-    from lightning_gradcomp.comm import Comm
     from lightning_gradcomp.compressors.base import BucketContext
+    from lightning_gradcomp.engine.comm import Comm
 
     futures = []
     compressors = [compressor_factory() for _ in range(n)]
@@ -181,7 +181,7 @@ def _zen_bytes(xs, n, encoding):
     numel = xs[0].numel()
     supports = [torch.nonzero(x).squeeze(1) for x in xs]
     from lightning_gradcomp.compressors.base import BucketContext
-    from lightning_gradcomp.compressors.transport import zen_seed
+    from lightning_gradcomp.compressors.transports.hashed_sum import zen_seed
 
     seed = zen_seed(BucketContext(index=0, step=0, rank=0, world_size=n, layers=()))
     counts = [torch.bincount(owner_of(s, n, seed), minlength=n).tolist() for s in supports]

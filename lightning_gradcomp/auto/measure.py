@@ -34,10 +34,10 @@ from lightning_gradcomp.auto.timeline import (
 )
 from lightning_gradcomp.compressors import Compressor
 from lightning_gradcomp.compressors.base import Layer, check_gradient_dtypes
-from lightning_gradcomp.compressors.wire_model import bucket_wire_bytes
-from lightning_gradcomp.hook import CompressionState
-from lightning_gradcomp.telemetry import BucketRecord, StepStats
-from lightning_gradcomp.testing import SimulatedHook
+from lightning_gradcomp.ddp.hook import CompressionState
+from lightning_gradcomp.ddp.simulation import SimulatedHook
+from lightning_gradcomp.engine.telemetry import BucketRecord, StepStats
+from lightning_gradcomp.engine.wire_model import bucket_wire_bytes
 
 __all__ = [
     "CODEC_TIMED_RUNS",

@@ -32,7 +32,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_gradcomp.wire import Wire, all_reduce
+from lightning_gradcomp.engine.wire import Wire, all_reduce
 
 DENSE = "dense"
 

@@ -21,7 +21,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.planned import Planned
-from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.ddp.strategy import CompressedDDP
 from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
 
 _MiscError = MisconfigurationException

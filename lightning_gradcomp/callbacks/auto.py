@@ -34,8 +34,8 @@ from lightning_gradcomp.auto.measure import (
 from lightning_gradcomp.auto.report import compressed_share, describe_plan, plan_event, plan_metrics
 from lightning_gradcomp.auto.timeline import DENSE, Bucket, Link, Plan, Timing, plan_greedy
 from lightning_gradcomp.compressors import Compressor, Identity, Planned
-from lightning_gradcomp.hook import CompressionState
-from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.ddp.hook import CompressionState
+from lightning_gradcomp.ddp.strategy import CompressedDDP
 from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 log = logging.getLogger(__name__)

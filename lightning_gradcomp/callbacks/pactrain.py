@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.compressors.masked import MaskedCompressor, Masks
-from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.ddp.strategy import CompressedDDP
 from lightning_gradcomp.transforms.pactrain import (
     Granularity,
     Schedule,

@@ -15,8 +15,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_gradcomp.influence import LOSSES, Method, TracInScorer, save_tracin_checkpoint
-from lightning_gradcomp.influence_report import write_report
+from lightning_gradcomp.tracin.report import write_report
+from lightning_gradcomp.tracin.scoring import LOSSES, Method, TracInScorer, save_tracin_checkpoint
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_positive_int
 
 _MiscError = MisconfigurationException
@@ -32,16 +32,16 @@ class TracIn(Callback):
     alone after the optimizer step (the weights every rank holds then are the same, synchronised ones). The learning
     rate stored is the one in force over the interval the checkpoint ends: the mean over its optimizer steps
     (``learning_rate="mean"``), or the last step's (``"last"``), of the first optimizer's first parameter group.
-    :func:`~lightning_gradcomp.influence.load_tracin_checkpoint` loads them with Captum's
+    :func:`~lightning_gradcomp.tracin.scoring.load_tracin_checkpoint` loads them with Captum's
     ``checkpoints_load_func`` signature.
 
     **After training** (``score_on_train_end``) every rank scores a shard of the training dataset (the training
     dataloader's ``dataset``) and the scores are gathered, so every rank holds :attr:`scores`, the self-influence of
-    every training example; rank 0 writes the report (:func:`~lightning_gradcomp.influence_report.write_report`):
+    every training example; rank 0 writes the report (:func:`~lightning_gradcomp.tracin.report.write_report`):
     a CSV of every example's self-influence and loss under the final weights, most influential first, and a PNG grid
     of the ``top_n`` most self-influential examples with their labels. Mislabeled examples tend to be at the top.
 
-    **On demand**, :meth:`scorer` returns a :class:`~lightning_gradcomp.influence.TracInScorer` over the saved
+    **On demand**, :meth:`scorer` returns a :class:`~lightning_gradcomp.tracin.scoring.TracInScorer` over the saved
     checkpoints for self-influence, proponents and opponents of test examples
     (``scorer(model).top_influential(train_dataset, test_batch, k)``).
 

@@ -12,8 +12,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.dgc import WARMUP_RATIOS
+from lightning_gradcomp.ddp.strategy import CompressedDDP
 from lightning_gradcomp.diloco import DiLoCo
-from lightning_gradcomp.strategy import CompressedDDP
 from lightning_gradcomp.validation import check_int, check_positive_int, check_ratio
 
 #: Deep Gradient Compression's warm-up densities (Lin et al., ICLR 2018): 75 %, 93.75 %, 98.4375 %, 99.6 % sparsity,

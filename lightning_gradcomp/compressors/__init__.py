@@ -5,8 +5,7 @@ from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.compressors.cast import BF16, FP16
 from lightning_gradcomp.compressors.dgc import DGC
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.compressors.lgc import LGC
-from lightning_gradcomp.compressors.lgc_allreduce import LGCAllReduce
+from lightning_gradcomp.compressors.lgc import LGC, LGCAllReduce
 from lightning_gradcomp.compressors.masked import MaskedCompressor, Masks
 from lightning_gradcomp.compressors.minmax import MinMax
 from lightning_gradcomp.compressors.planned import Planned

@@ -8,14 +8,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.adacomp_bins import bin_plan
-from lightning_gradcomp.compressors.adacomp_shards import (
-    ShardPlan,
-    owner_context,
-    residual_key,
-    shard_plan,
-    shard_scales,
-)
 from lightning_gradcomp.compressors.base import (
     BucketContext,
     Collective,
@@ -24,11 +16,19 @@ from lightning_gradcomp.compressors.base import (
     LayerBuffers,
     Payload,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, AllToAll, Exchange, SentValue
-from lightning_gradcomp.compressors.packing import flat_nonzero, numpy_floats
-from lightning_gradcomp.compressors.segments import segments_of
-from lightning_gradcomp.compressors.transport import SparseTransport, sparse_transport_sum
-from lightning_gradcomp.compressors.two_phase import uses_two_phase
+from lightning_gradcomp.compressors.ops.adacomp_bins import bin_plan
+from lightning_gradcomp.compressors.ops.packing import flat_nonzero, numpy_floats
+from lightning_gradcomp.compressors.ops.segments import segments_of
+from lightning_gradcomp.compressors.transports.adacomp_shards import (
+    ShardPlan,
+    owner_context,
+    residual_key,
+    shard_plan,
+    shard_scales,
+)
+from lightning_gradcomp.compressors.transports.hashed_sum import SparseTransport, sparse_transport_sum
+from lightning_gradcomp.compressors.transports.two_phase import uses_two_phase
+from lightning_gradcomp.engine.requests import AllGather, AllToAll, Exchange, SentValue
 from lightning_gradcomp.validation import check_choice, check_positive_int
 
 _WIRE = torch.float32
@@ -159,8 +159,9 @@ class AdaComp(SparseTransport, Compressor):
         """Whether this bucket goes by the two-phase exchange: ``"two_phase"``, or ``"auto"`` from 3 ranks on.
 
         Both encodings are codes five to a byte plus scales, so the two-phase exchange moves fewer bytes than the
-        all-gather where ``N > 1 + P_2 / P_1 = 2`` (:func:`~lightning_gradcomp.compressors.two_phase.uses_two_phase`);
-        below, ``"auto"`` is the all-gather.
+        all-gather where ``N > 1 + P_2 / P_1 = 2``
+        (:func:`~lightning_gradcomp.compressors.transports.two_phase.uses_two_phase`); below, ``"auto"`` is the
+        all-gather.
         """
         if self.transport not in ("two_phase", "auto"):
             return False

@@ -1,10 +1,10 @@
 """The compressor contract: one small interface that every gradient compression method implements.
 
 A :class:`Compressor` turns one flat gradient tensor (the compressible layers of a DDP bucket, concatenated) into a
-*payload* (a tuple of tensors) and back. The driver (:mod:`lightning_gradcomp.compressors.driver`) owns everything
+*payload* (a tuple of tensors) and back. The driver (:mod:`lightning_gradcomp.engine.driver`) owns everything
 else (error feedback, the collective, the averaging and the telemetry), so a method is usually just
 :meth:`Compressor.compress` and :meth:`Compressor.decompress`. The contract's data types live in
-:mod:`lightning_gradcomp.compressors.context` and are re-exported here.
+:mod:`lightning_gradcomp.engine.context` and are re-exported here.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp import wire
-from lightning_gradcomp.comm import Payload
-from lightning_gradcomp.compressors import driver, wire_model
-from lightning_gradcomp.compressors.context import (
+from lightning_gradcomp.engine import driver, wire, wire_model
+from lightning_gradcomp.engine.comm import Payload
+from lightning_gradcomp.engine.context import (
     BucketContext,
     Collective,
     GradientRuns,
@@ -32,7 +31,7 @@ from lightning_gradcomp.compressors.context import (
     keep_count,
     layers_from_shapes,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentPayload
+from lightning_gradcomp.engine.requests import AllGather, AllReduce, Exchange, SentPayload
 
 __all__ = [
     "BucketContext",
@@ -323,14 +322,14 @@ class Compressor(ABC):
         (``tensor`` itself unless :attr:`keeps_input`: read what you need before writing it).
 
         The default is the single-round method: ``payload = compress(tensor)``, declared as sent
-        (:class:`~lightning_gradcomp.compressors.exchange.SentPayload`); ``"allreduce"``: payloads are divided by the
+        (:class:`~lightning_gradcomp.engine.requests.SentPayload`); ``"allreduce"``: payloads are divided by the
         world size and summed (dividing first keeps fp16 sums from overflowing, as torch's ``fp16_compress_hook``
         does), then decompressed; ``"allgather"``: payloads are gathered, decompressed and averaged in rank order
         (:meth:`average`, so every rank computes bitwise the same average).
 
-        A multi-round method overrides it, yielding :class:`~lightning_gradcomp.compressors.exchange.AllReduce`,
-        :class:`~lightning_gradcomp.compressors.exchange.AllGather` or
-        :class:`~lightning_gradcomp.compressors.exchange.Broadcast` requests, at most ``rounds`` of them, the same
+        A multi-round method overrides it, yielding :class:`~lightning_gradcomp.engine.requests.AllReduce`,
+        :class:`~lightning_gradcomp.engine.requests.AllGather` or
+        :class:`~lightning_gradcomp.engine.requests.Broadcast` requests, at most ``rounds`` of them, the same
         number on every rank, and once, before it writes over ``tensor``, the declaration of what went out of it.
         """
         payload = self.compress(tensor, ctx)
@@ -357,7 +356,7 @@ class Compressor(ABC):
 
         Error feedback with ``memory`` (``x = accumulate(g) + e``, then ``e = x - sent`` from what :meth:`exchange`
         declares), :meth:`exchange` round by round (round ``k`` on its own process group, in bucket order on every
-        rank), timing and the non-finite guard: :func:`lightning_gradcomp.compressors.driver.reduce`, in one call.
+        rank), timing and the non-finite guard: :func:`lightning_gradcomp.engine.driver.reduce`, in one call.
         ``tensor`` may be modified in place. Not to be overridden.
         """
         return driver.reduce(self, tensor, ctx, memory, runs)
@@ -372,7 +371,7 @@ class Compressor(ABC):
         strategy's (``None``: the default; it decides whether the non-finite flag travels); ``tensor``: the flat
         gradient, where sizes depend on the data (a seeded Gaussian in float32 otherwise); ``step``: the optimizer
         step. The default reads the requests :meth:`exchange` yields, counted as the telemetry counts them
-        (:func:`~lightning_gradcomp.compressors.wire_model.traced_wire_bytes`), so it fits any exchange; a compressor
+        (:func:`~lightning_gradcomp.engine.wire_model.traced_wire_bytes`), so it fits any exchange; a compressor
         may override it with a closed form that must agree. A whole bucket: ``wire_model.bucket_wire_bytes``.
         """
         return wire_model.traced_wire_bytes(self, layers, world_size, error_feedback=self.resolve_error_feedback(

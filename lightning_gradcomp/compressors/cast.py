@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
-from lightning_gradcomp.compressors.exchange import AllReduce, Exchange
+from lightning_gradcomp.engine.requests import AllReduce, Exchange
 
 # what a cast between the two 16-bit formats loses, (gradient, wire) -> the error's clause
 _CAST_LOSS = {

@@ -17,7 +17,7 @@ from lightning_gradcomp.compressors.base import (
     LayerBuffers,
     Payload,
 )
-from lightning_gradcomp.compressors.dgc_select import (
+from lightning_gradcomp.compressors.ops.dgc_select import (
     LOWER_BOUND,
     MAX_ADAPTATION_ITERS,
     UPPER_BOUND,
@@ -26,13 +26,18 @@ from lightning_gradcomp.compressors.dgc_select import (
     sample_positions,
     select_layers,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, Exchange, SentExactly
-from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
-from lightning_gradcomp.compressors.segments import segments_of
-from lightning_gradcomp.compressors.sparse import SparseLayout, sparse_layout
-from lightning_gradcomp.compressors.sparse_blob import decode_pairs, encode_full_blob
-from lightning_gradcomp.compressors.sparse_shards import SPARSE_TRANSPORTS, SparseShards, owner_exchange, route_pairs
-from lightning_gradcomp.compressors.transport import SparseTransport, sparse_transport_sum
+from lightning_gradcomp.compressors.ops.packing import flat_nonzero, magnitude_above
+from lightning_gradcomp.compressors.ops.segments import segments_of
+from lightning_gradcomp.compressors.ops.sparse import SparseLayout, sparse_layout
+from lightning_gradcomp.compressors.ops.sparse_blob import decode_pairs, encode_full_blob
+from lightning_gradcomp.compressors.transports.hashed_sum import SparseTransport, sparse_transport_sum
+from lightning_gradcomp.compressors.transports.sparse_shards import (
+    SPARSE_TRANSPORTS,
+    SparseShards,
+    owner_exchange,
+    route_pairs,
+)
+from lightning_gradcomp.engine.requests import AllGather, Exchange, SentExactly
 from lightning_gradcomp.validation import (
     check_bool,
     check_choice,
@@ -94,7 +99,7 @@ class DGC(SparseShards, SparseTransport, Compressor):
     bytes each) plus the indices as int32 (``4 k`` bytes) or a bitmap (``ceil(d / 32) * 4`` bytes) when smaller;
     unused slots (fewer than ``k`` selected) are sent as zeros. Dense layers: ``4 d`` (their own all-reduce).
 
-    No host synchronisation and no loop over the layers (:mod:`~lightning_gradcomp.compressors.dgc_select`): the
+    No host synchronisation and no loop over the layers (:mod:`~lightning_gradcomp.compressors.ops.dgc_select`): the
     reference's loop reads the candidate count after every threshold; here every layer's sample is drawn on the
     gradient's device (a counter-based hash of the seed, the layer's index, the rank and the step), every layer's
     threshold comes from one batched top-k of the samples, the counts at every threshold the loop may try from one

@@ -7,7 +7,7 @@ from typing import ClassVar
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload, ddp_scale_
-from lightning_gradcomp.compressors.exchange import AllReduce, Exchange, Lossless
+from lightning_gradcomp.engine.requests import AllReduce, Exchange, Lossless
 
 
 class Identity(Compressor):

@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
-from lightning_gradcomp.compressors.driver import Delegate
 from lightning_gradcomp.compressors.identity import Identity
-from lightning_gradcomp.compressors.packing import flat_nonzero
+from lightning_gradcomp.compressors.ops.packing import flat_nonzero
+from lightning_gradcomp.engine.driver import Delegate
 from lightning_gradcomp.validation import check_number
 
 
@@ -387,7 +387,7 @@ class MaskedCompressor(Compressor):
 
 
 class _Compaction:
-    """A bucket's kept entries (:class:`~lightning_gradcomp.compressors.driver.Compaction`), with reused buffers."""
+    """A bucket's kept entries (:class:`~lightning_gradcomp.engine.driver.Compaction`), with reused buffers."""
 
     def __init__(self, owner: MaskedCompressor, layout: _Layout) -> None:
         self.owner, self.layout = owner, layout

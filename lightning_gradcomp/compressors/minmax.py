@@ -22,9 +22,9 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Payload
-from lightning_gradcomp.compressors.packing import pack_uint, unpack_uint
-from lightning_gradcomp.compressors.segments import segments_of
-from lightning_gradcomp.compressors.two_phase import ShardedExchange, check_transport
+from lightning_gradcomp.compressors.ops.packing import pack_uint, unpack_uint
+from lightning_gradcomp.compressors.ops.segments import segments_of
+from lightning_gradcomp.compressors.transports.two_phase import ShardedExchange, check_transport
 
 __all__ = ["MinMax"]
 
@@ -43,7 +43,8 @@ class MinMax(ShardedExchange):
 
     Args:
         bits: bits per element on the wire, 8 (INTELLECT-1's uint8) or 4 (Streaming DiLoCo's 4-bit).
-        transport: ``"allgather"`` (above), ``"two_phase"`` (:mod:`lightning_gradcomp.compressors.two_phase`: each
+        transport: ``"allgather"`` (above), ``"two_phase"`` (:mod:`lightning_gradcomp.compressors.transports.two_phase`:
+        each
             rank owns a shard, averages every rank's codes of it in fp32 and re-quantizes the average, with a minimum
             and step per shard, keeping what that rounding loses when error feedback is on; bytes flat in ``N``) or
             ``"auto"`` (the default: the two-phase exchange from 3 ranks on, where it moves fewer bytes).

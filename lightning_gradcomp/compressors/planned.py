@@ -10,8 +10,8 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
-from lightning_gradcomp.compressors.driver import Delegate
 from lightning_gradcomp.compressors.identity import Identity
+from lightning_gradcomp.engine.driver import Delegate
 
 
 class Planned(Compressor):

@@ -14,8 +14,8 @@ from lightning_gradcomp.compressors.base import (
     Layer,
     Payload,
 )
-from lightning_gradcomp.compressors.exchange import AllReduce, Exchange, SentValue
-from lightning_gradcomp.compressors.powersgd_plan import Workspace, orthogonalize, plan_runs
+from lightning_gradcomp.compressors.ops.powersgd_plan import Workspace, orthogonalize, plan_runs
+from lightning_gradcomp.engine.requests import AllReduce, Exchange, SentValue
 
 __all__ = ["PowerSGD", "orthogonalize"]
 from lightning_gradcomp.validation import check_bool, check_choice, check_number, check_positive_int
@@ -50,9 +50,10 @@ class PowerSGD(Compressor):
 
     Matrices of the same shape that lie at equal distances in the bucket (a *run*) are multiplied, orthogonalised and
     rebuilt as one batch, so a bucket costs a few operators per run, not per layer
-    (:mod:`~lightning_gradcomp.compressors.powersgd_plan`). Every matrix's factors sit at 64-byte aligned offsets, where
-    BLAS rounds a matrix's product the same whether it is alone or in a batch: results do not depend on DDP's bucket
-    layout, which changes after the first step and after a resume, and a resumed run is bitwise an uninterrupted one.
+    (:mod:`~lightning_gradcomp.compressors.ops.powersgd_plan`). Every matrix's factors sit at 64-byte aligned offsets,
+    where BLAS rounds a matrix's product the same whether it is alone or in a batch: results do not depend on DDP's
+    bucket layout, which changes after the first step and after a resume, and a resumed run is bitwise an uninterrupted
+    one.
 
     The second round is issued through ``ctx.comm.after`` on its own process group, so every rank issues the
     collectives of every bucket in the same order; torch's ``powerSGD_hook`` issues it from a future callback on the
@@ -245,7 +246,7 @@ batch_same_shape=None, init='layer')
     def exchange(self, tensor: Tensor, ctx: BucketContext, out: Tensor) -> Exchange:
         """Round 0: all-reduce the ``P`` of all layers. Round 1: all-reduce their ``Q``. Then ``P Q^T``.
 
-        A few operators per run of same-shaped matrices (:mod:`~lightning_gradcomp.compressors.powersgd_plan`);
+        A few operators per run of same-shaped matrices (:mod:`~lightning_gradcomp.compressors.ops.powersgd_plan`);
         the payloads are gathered from the workspaces and scattered back with one operator each.
         """
         workspace = self._workspace(ctx)

@@ -10,11 +10,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from lightning_gradcomp import wire
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
-from lightning_gradcomp.compressors.draws import uniform_draws
-from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentValue
-from lightning_gradcomp.compressors.packing import (
+from lightning_gradcomp.compressors.ops.draws import uniform_draws
+from lightning_gradcomp.compressors.ops.packing import (
     field_planes,
     field_width,
     lookup_uint,
@@ -27,8 +25,10 @@ from lightning_gradcomp.compressors.packing import (
     unpack_uint,
     words_needed,
 )
-from lightning_gradcomp.compressors.segments import segments_of
-from lightning_gradcomp.compressors.two_phase import ShardedExchange, check_transport, exact_sum, shard_numel
+from lightning_gradcomp.compressors.ops.segments import segments_of
+from lightning_gradcomp.compressors.transports.two_phase import ShardedExchange, check_transport, exact_sum, shard_numel
+from lightning_gradcomp.engine import wire
+from lightning_gradcomp.engine.requests import AllGather, AllReduce, Exchange, SentValue
 from lightning_gradcomp.validation import check_choice, check_int, check_number, check_positive_int
 
 _WIRE = torch.float32  # norms and scalers travel as fp32
@@ -121,8 +121,8 @@ class QSGD(ShardedExchange):
             most of QSGD's encoding there); the expectation is then off by at most ``2^-17`` of a level per element.
             Our design, not the paper's (which assumes exact draws); what is sent differs from the default's.
         transport: ``"allgather"`` (every rank receives every rank's payload: ``(N - 1) P`` bytes),
-            ``"two_phase"`` (:mod:`lightning_gradcomp.compressors.two_phase`: shard ``s`` of every rank's payload
-            to rank ``s``, which averages it in fp32 and re-quantizes it, unbiased, for an all-gather:
+            ``"two_phase"`` (:mod:`lightning_gradcomp.compressors.transports.two_phase`: shard ``s`` of every rank's
+            payload to rank ``s``, which averages it in fp32 and re-quantizes it, unbiased, for an all-gather:
             ``2 (N - 1) / N P`` bytes, flat in ``N``) or ``"auto"`` (the default: the two-phase exchange from 3
             ranks on, where it moves fewer bytes). With the two-phase exchange the norm buckets are cut at shard
             boundaries, and per-layer levels are refused.
@@ -298,8 +298,8 @@ class TernGrad(Compressor):
     source and sum-safe on the wire: ``8 ceil(d / floor(63 / w))`` bytes per rank. With ``"allgather"`` every rank
     sends the paper's 2-bit packing (``ceil(d / 4)`` bytes) and every rank sums the gathered values: fewer bytes per
     rank, but each rank receives ``n - 1`` payloads, while the all-reduce's traffic stays bounded as ``n`` grows.
-    With ``"two_phase"`` (:func:`~lightning_gradcomp.compressors.two_phase.exact_sum`) each rank sends shard ``s``
-    of its 2-bit values to rank ``s``, which sums them exactly and all-gathers the sums in ``ceil(log2(2 n + 1))``
+    With ``"two_phase"`` (:func:`~lightning_gradcomp.compressors.transports.two_phase.exact_sum`) each rank sends shard
+    ``s`` of its 2-bit values to rank ``s``, which sums them exactly and all-gathers the sums in ``ceil(log2(2 n + 1))``
     bits: ``(n - 1) / n d (2 + ceil(log2(2 n + 1))) / 8`` bytes per rank, 0.156 of a dense fp32 ring all-reduce at 64
     ranks where the all-reduce's words are 0.28 and the all-gather's 0.98. ``"auto"`` (the default) takes whichever
     of the three moves the fewest bytes per rank at the world size (the all-gather at 2 ranks, the two-phase exchange
@@ -316,7 +316,7 @@ class TernGrad(Compressor):
         aggregation: ``"allreduce"`` (sum-safe words), ``"allgather"`` (2-bit values, summed after gathering),
             ``"two_phase"`` (2-bit shards to their owners, exact sums gathered) or ``"auto"`` (the fewest bytes).
         random_bits: random bits in each element's uniform draw ``u`` (``b_j`` is 1 where ``u s < |g_j|``).
-            ``None`` (the default): 24 random bits in fp32 (:mod:`~lightning_gradcomp.compressors.draws`). ``16``:
+            ``None`` (the default): 24 random bits in fp32 (:mod:`~lightning_gradcomp.compressors.ops.draws`). ``16``:
             ``u = (r + 1/2) 2^-16`` for a uniform 16-bit ``r``; the keep probability is then off by at most
             ``2^-17`` per element. Our design, not the paper's; what is sent differs from the default's.
 
@@ -481,7 +481,7 @@ class TernGrad(Compressor):
     def _scaled_words(self, summed: Tensor, scales: Tensor, ctx: BucketContext, out: Tensor) -> Tensor:
         """:meth:`_scaled` of the average of all ranks, read plane by plane from the summed words.
 
-        Each plane of the words holds consecutive elements (:func:`~lightning_gradcomp.compressors.packing.
+        Each plane of the words holds consecutive elements (:func:`~lightning_gradcomp.compressors.ops.packing.
         field_planes`); each is looked up in the tables of its elements' layers as it is unpacked, so no
         element-sized integer array of the sums is ever written.
         """

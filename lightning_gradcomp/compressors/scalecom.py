@@ -15,10 +15,10 @@ from lightning_gradcomp.compressors.base import (
     Payload,
     keep_count,
 )
-from lightning_gradcomp.compressors.exchange import AllReduce, Broadcast, Exchange, SentExactly
-from lightning_gradcomp.compressors.layer_topk import layer_topk
-from lightning_gradcomp.compressors.sparse import SparseLayout, sparse_layout
-from lightning_gradcomp.compressors.sparse_blob import decode_blob, encode_full_blob
+from lightning_gradcomp.compressors.ops.layer_topk import layer_topk
+from lightning_gradcomp.compressors.ops.sparse import SparseLayout, sparse_layout
+from lightning_gradcomp.compressors.ops.sparse_blob import decode_blob, encode_full_blob
+from lightning_gradcomp.engine.requests import AllReduce, Broadcast, Exchange, SentExactly
 from lightning_gradcomp.validation import check_ratio
 
 

@@ -10,8 +10,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Layer, LayerBuffers, Payload
-from lightning_gradcomp.compressors.exchange import AllGather, Exchange
-from lightning_gradcomp.compressors.packing import (
+from lightning_gradcomp.compressors.ops.packing import (
     INT_OF_SIZE,
     above,
     lookup_rows,
@@ -20,8 +19,9 @@ from lightning_gradcomp.compressors.packing import (
     pack_uint,
     unpack_bits,
 )
-from lightning_gradcomp.compressors.segments import segments_of
-from lightning_gradcomp.compressors.two_phase import ShardedExchange, check_transport
+from lightning_gradcomp.compressors.ops.segments import segments_of
+from lightning_gradcomp.compressors.transports.two_phase import ShardedExchange, check_transport
+from lightning_gradcomp.engine.requests import AllGather, Exchange
 from lightning_gradcomp.validation import check_momentum
 
 _WIRE_SCALE = torch.float32  # per-layer scales travel as fp32, whatever the gradient's dtype
@@ -222,10 +222,10 @@ class SignSGD(ShardedExchange):
     Payload per rank and step: ``ceil(d / 8)`` bytes for the ``d`` elements of a bucket.
 
     **Transport.** ``"allgather"``: every rank receives every rank's signs, ``(N - 1) d / 8`` bytes. ``"two_phase"``
-    (:mod:`lightning_gradcomp.compressors.two_phase`): each rank sends shard ``s`` of its signs to rank ``s``, which
-    takes the exact vote of its shard (integer counts, any ``N``) and all-gathers it in 2 bits per element (a vote
-    is -1, 0 or +1), ``(N - 1) / N * 3 d / 8`` bytes: the same vote, bitwise, and a flat 0.047 of a dense fp32 ring
-    all-reduce. The vote is re-encoded exactly, so there is no second error to account for. ``"auto"`` (the
+    (:mod:`lightning_gradcomp.compressors.transports.two_phase`): each rank sends shard ``s`` of its signs to rank
+    ``s``, which takes the exact vote of its shard (integer counts, any ``N``) and all-gathers it in 2 bits per element
+    (a vote is -1, 0 or +1), ``(N - 1) / N * 3 d / 8`` bytes: the same vote, bitwise, and a flat 0.047 of a dense fp32
+    ring all-reduce. The vote is re-encoded exactly, so there is no second error to account for. ``"auto"`` (the
     default): the two-phase exchange from 4 ranks on, where it moves fewer bytes.
 
     Args:
@@ -350,8 +350,9 @@ class _TwoValuedSigns(ShardedExchange):
 
     Args:
         transport: ``"auto"`` (the default: the two-phase exchange from 3 ranks on, where it moves fewer bytes),
-            ``"allgather"`` or ``"two_phase"`` (:mod:`lightning_gradcomp.compressors.two_phase`: the shard owner
-            averages, re-encodes with a scale per shard, and keeps the re-encoding's error when error feedback is on).
+            ``"allgather"`` or ``"two_phase"`` (:mod:`lightning_gradcomp.compressors.transports.two_phase`: the shard
+            owner averages, re-encodes with a scale per shard, and keeps the re-encoding's error when error feedback is
+            on).
 
     Raises:
         ValueError: If ``transport`` is unknown.

@@ -14,11 +14,11 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_gradcomp import wire
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload, keep_count
-from lightning_gradcomp.compressors.exchange import AllGather, AllToAll, Exchange, SentValue
-from lightning_gradcomp.compressors.packing import pack_uint, unpack_uint
-from lightning_gradcomp.compressors.two_phase import check_transport, next_owner_residuals, shard_numel
+from lightning_gradcomp.compressors.ops.packing import pack_uint, unpack_uint
+from lightning_gradcomp.compressors.transports.two_phase import check_transport, next_owner_residuals, shard_numel
+from lightning_gradcomp.engine import wire
+from lightning_gradcomp.engine.requests import AllGather, AllToAll, Exchange, SentValue
 
 __all__ = ["SparseLoCo"]
 
@@ -151,7 +151,7 @@ class SparseLoCo(Compressor):
         """Whether this bucket goes by the two-phase exchange.
 
         ``"two_phase"``, or ``"auto"`` where it moves fewer bytes per rank than the all-gather (counted with
-        :mod:`lightning_gradcomp.wire`; a tie stays on the all-gather).
+        :mod:`lightning_gradcomp.engine.wire`; a tie stays on the all-gather).
         """
         n = ctx.world_size
         if n < 2 or self.transport == "allgather":

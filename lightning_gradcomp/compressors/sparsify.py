@@ -16,12 +16,17 @@ from lightning_gradcomp.compressors.base import (
     Payload,
     keep_count,
 )
-from lightning_gradcomp.compressors.exchange import AllGather, AllReduce, Exchange, SentExactly
-from lightning_gradcomp.compressors.layer_topk import layer_topk
-from lightning_gradcomp.compressors.packing import flat_nonzero, magnitude_above
-from lightning_gradcomp.compressors.random_subsets import shared_subsets, stream_key
-from lightning_gradcomp.compressors.sparse_shards import SPARSE_TRANSPORTS, SparseShards, owner_exchange, route_pairs
-from lightning_gradcomp.compressors.transport import SparseTransport, sparse_transport_sum
+from lightning_gradcomp.compressors.ops.layer_topk import layer_topk
+from lightning_gradcomp.compressors.ops.packing import flat_nonzero, magnitude_above
+from lightning_gradcomp.compressors.ops.random_subsets import shared_subsets, stream_key
+from lightning_gradcomp.compressors.transports.hashed_sum import SparseTransport, sparse_transport_sum
+from lightning_gradcomp.compressors.transports.sparse_shards import (
+    SPARSE_TRANSPORTS,
+    SparseShards,
+    owner_exchange,
+    route_pairs,
+)
+from lightning_gradcomp.engine.requests import AllGather, AllReduce, Exchange, SentExactly
 from lightning_gradcomp.validation import check_bool, check_choice, check_ratio
 
 _RANDOMK_SALT = 0x52414E44  # RandomK's streams, apart from any other compressor's
@@ -95,7 +100,7 @@ class TopK(SparseShards, SparseTransport, Compressor):
     Top-k sparsification with error feedback (Aji & Heafield, 2017, "Sparse Communication for Distributed Gradient
     Descent"; Stich et al., 2018, "Sparsified SGD with Memory"): every compressed layer keeps
     ``max(1, int(ratio * numel))`` entries; what is not sent stays in the error-feedback residual. A bucket's layers
-    are selected at once (:func:`~lightning_gradcomp.compressors.layer_topk.layer_topk`: a few operators per bucket,
+    are selected at once (:func:`~lightning_gradcomp.compressors.ops.layer_topk.layer_topk`: a few operators per bucket,
     not per layer); where magnitudes tie at a layer's k-th value, the lowest indices are kept. Indices differ
     between ranks, so payloads are all-gathered and each rank sums them in rank order. A payload costs
     ``k * (4 + 4)`` bytes for fp32 gradients.
@@ -103,16 +108,16 @@ class TopK(SparseShards, SparseTransport, Compressor):
     The all-gather's bytes per rank grow with the number of ranks (``(n - 1)`` payloads received). With
     ``transport="two_phase"`` the pairs go to the owners of their indices instead, each owner sums its share in fp32,
     re-selects its ``k / n`` largest (keeping the rest, error feedback at the owner) and the owners' pairs are
-    all-gathered: about three selections' bytes whatever ``n`` (:mod:`~lightning_gradcomp.compressors.sparse_shards`,
-    docs/two_phase.md). ``"auto"``, the default, takes whichever of the all-gather and the two-phase exchange moves
-    fewer bytes at the world size: the all-gather up to 3 ranks, the two-phase exchange from 4. On a ResNet-18-shaped
-    bucket (1.58M parameters, ``ratio=0.01``) the default moves 0.023 of a dense ring all-reduce's bytes at 2 ranks,
-    0.033 at 4 to 256 and 0.034 at 1024, where the all-gather moves 0.641 at 64 (``python benchmarks/scaling.py
-    --workers 2 --analytical 2 4 8 16 32 64 128 256 1024``).
+    all-gathered: about three selections' bytes whatever ``n``
+    (:mod:`~lightning_gradcomp.compressors.transports.sparse_shards`, docs/two_phase.md). ``"auto"``, the default, takes
+    whichever of the all-gather and the two-phase exchange moves fewer bytes at the world size: the all-gather up to 3
+    ranks, the two-phase exchange from 4. On a ResNet-18-shaped bucket (1.58M parameters, ``ratio=0.01``) the default
+    moves 0.023 of a dense ring all-reduce's bytes at 2 ranks, 0.033 at 4 to 256 and 0.034 at 1024, where the all-gather
+    moves 0.641 at 64 (``python benchmarks/scaling.py --workers 2 --analytical 2 4 8 16 32 64 128 256 1024``).
 
-    With ``transport="zen"`` the pairs are summed by Zen (:mod:`lightning_gradcomp.compressors.transport`): each rank
-    receives about its ``1 / n`` share of the pairs and the sum, not every rank's pairs, which pays when the ranks'
-    top-k supports overlap. ``"zen-auto"`` picks per bucket the path that receives the fewest bytes (dense
+    With ``transport="zen"`` the pairs are summed by Zen (:mod:`lightning_gradcomp.compressors.transports.hashed_sum`):
+    each rank receives about its ``1 / n`` share of the pairs and the sum, not every rank's pairs, which pays when the
+    ranks' top-k supports overlap. ``"zen-auto"`` picks per bucket the path that receives the fewest bytes (dense
     all-reduce, all-gather of pairs or Zen; docs/zen.md). What each rank selects is the same on every transport.
 
     Args:

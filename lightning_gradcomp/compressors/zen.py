@@ -9,9 +9,9 @@ from typing import ClassVar, Literal
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import BucketContext, Collective, Compressor, Layer, Payload
-from lightning_gradcomp.compressors.exchange import Exchange, Lossless
-from lightning_gradcomp.compressors.packing import flat_nonzero
-from lightning_gradcomp.compressors.transport import ZEN_ROUNDS, Path, sparse_sum, tensor_input
+from lightning_gradcomp.compressors.ops.packing import flat_nonzero
+from lightning_gradcomp.compressors.transports.hashed_sum import ZEN_ROUNDS, Path, sparse_sum, tensor_input
+from lightning_gradcomp.engine.requests import Exchange, Lossless
 from lightning_gradcomp.validation import check_choice, check_number
 
 __all__ = ["Zen"]
@@ -27,7 +27,8 @@ class Zen(Compressor):
     are exact, e.g. for integer-valued gradients), only the bytes differ. For layers whose gradients are mostly zeros
     (an ``nn.Embedding`` sees only the rows of the batch's tokens; pruned layers), each rank sends its non-zeros to
     their owners (a seeded hash of the flat index), the owners sum and every rank pulls the sums: see
-    :mod:`lightning_gradcomp.compressors.transport` for the four rounds, and docs/zen.md for the byte counts.
+    :mod:`lightning_gradcomp.compressors.transports.hashed_sum` for the four rounds, and docs/zen.md for the byte
+    counts.
 
     **Dense fallback.** After the counts round every rank knows every rank's number of non-zeros; when the densest
     rank's density (non-zeros / elements) exceeds ``dense_threshold``, the bucket is all-reduced densely instead

@@ -1,11 +1,11 @@
 """Optimizers that belong with a compression method (the methods' own update rules).
 
-``FusedSGD`` and ``FusedAdaLomo`` (defined in :mod:`lightning_gradcomp.fused_optim`) are applied by ``CompressedDDP``
+``FusedSGD`` and ``FusedAdaLomo`` (defined in :mod:`lightning_gradcomp.optim.fused`) are applied by ``CompressedDDP``
 inside its communication hook, bucket by bucket; ``NovoGrad`` and ``DGCSGD`` step after the backward pass as usual.
 """
 
-from lightning_gradcomp.fused_optim import FusedAdaLomo, FusedSGD
 from lightning_gradcomp.optim.dgc_sgd import DGCSGD
+from lightning_gradcomp.optim.fused import FusedAdaLomo, FusedSGD
 from lightning_gradcomp.optim.novograd import NovoGrad
 
 __all__ = ["DGCSGD", "FusedAdaLomo", "FusedSGD", "NovoGrad"]

@@ -63,7 +63,7 @@ def build_model(arch: str, num_classes: int, in_channels: int) -> nn.Module:
 _CIFAR_MODELS = {"cifar_resnet18": "CifarResNet18", "vgg19_bn": "VGG19BN"}
 
 
-def _check_milestones(milestones: Any, warmup_epochs: int) -> None:
+def check_milestones(milestones: Any, warmup_epochs: int) -> None:
     """Increasing epochs after the warm-up (a decay inside the warm-up would be cancelled by it)."""
     if milestones is None:
         return
@@ -125,7 +125,7 @@ class ImageClassifier(pl.LightningModule):
         check_number(weight_decay, "weight_decay", low=0, error=MisconfigurationException)
         check_number(gamma, "gamma", low=0, high=1, low_open=True, error=MisconfigurationException)
         check_int(warmup_epochs, "warmup_epochs", low=0, error=MisconfigurationException)
-        _check_milestones(milestones, warmup_epochs)
+        check_milestones(milestones, warmup_epochs)
         check_choice(optimizer, "optimizer", ("sgd", "dgc_sgd"), error=MisconfigurationException)
         self.save_hyperparameters()
         self.net = build_model(arch, num_classes, in_channels)

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp.models.gpt import GPT
 from lightning_gradcomp.optim import FusedAdaLomo, FusedSGD, NovoGrad
-from lightning_gradcomp.tasks.classification import _check_milestones
+from lightning_gradcomp.tasks.classification import check_milestones
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number, check_positive_int
 
 _OPTIMIZERS = {"sgd": torch.optim.SGD, "novograd": NovoGrad, "fused_sgd": FusedSGD, "fused_adalomo": FusedAdaLomo}
@@ -186,7 +186,7 @@ class LSTMLanguageModel(_NextTokenModel):
         check_positive_int(num_layers, "num_layers", error=MisconfigurationException)
         check_number(dropout, "dropout", low=0, high=1, high_open=True, error=MisconfigurationException)
         check_number(lr, "lr", low=0, low_open=True, error=MisconfigurationException)
-        _check_milestones(milestones, 0)
+        check_milestones(milestones, 0)
         check_choice(optimizer, "optimizer", tuple(_OPTIMIZERS), error=MisconfigurationException)
         check_number(weight_decay, "weight_decay", low=0, error=MisconfigurationException)
         check_number(clip_grad_norm, "clip_grad_norm", low=0, low_open=True, allow_none=True,

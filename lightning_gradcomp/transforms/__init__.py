@@ -5,7 +5,7 @@ Pufferfish's low-rank factorization, and PacTrain's pruning schedule and masks (
 callbacks and does not import them).
 """
 
-from lightning_gradcomp.model_transform import ModelTransform
+from lightning_gradcomp.runtime.model_transform import ModelTransform
 from lightning_gradcomp.transforms.complexity import count_macs, count_parameters
 from lightning_gradcomp.transforms.lowrank import (
     FactorizedConv,

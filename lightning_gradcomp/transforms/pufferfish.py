@@ -23,8 +23,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from lightning_gradcomp.model_transform import ModelTransform
-from lightning_gradcomp.strategy import CompressedDDP
+from lightning_gradcomp.ddp.strategy import CompressedDDP
+from lightning_gradcomp.runtime.model_transform import ModelTransform
 from lightning_gradcomp.transforms.complexity import MacCounter, count_parameters
 from lightning_gradcomp.transforms.lowrank import (
     FactorizedConv,

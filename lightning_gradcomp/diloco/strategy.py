@@ -1,0 +1,543 @@
+"""``DiLoCo``: periodic synchronization for slow links, as a Lightning strategy on ``torch.distributed``.
+
+DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models", arXiv 2311.08105)
+and Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512). Each worker trains its own replica with the module's
+optimizer (the inner optimizer) and exchanges nothing for ``sync_every`` steps; then the workers average the
+pseudo-gradient ``theta_global - theta_local`` and an outer optimizer steps the shared parameters theta_global.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.diloco.arguments import check_arguments, check_fit, strategy_kwargs
+from lightning_gradcomp.diloco.checkpoint import (
+    CHECKPOINT_KEY,
+    load_own_state,
+    load_shared_exchange_state,
+    own_state,
+    restart_from_global,
+    restore_own_state,
+    save_diloco_state,
+    with_theta_global,
+)
+from lightning_gradcomp.diloco.monitor import OuterMonitor
+from lightning_gradcomp.diloco.outer import (
+    OuterOptimizerCallable,
+    OuterState,
+    all_finite,
+    default_outer_optimizer,
+    forget_nonfinite_state,
+)
+from lightning_gradcomp.diloco.replicas import ReplicaGroups, average_in_group, replica_groups_for
+from lightning_gradcomp.engine.collectives import hand_off_gil, release_round_groups, side_group
+from lightning_gradcomp.runtime.faults import ScriptLauncher, is_collective_failure, record_failure
+from lightning_gradcomp.runtime.rank_state import remove_rank_states
+from lightning_gradcomp.validation import check_bool, check_choice
+
+log = logging.getLogger(__name__)
+
+_MiscError = MisconfigurationException
+
+SIGTERM_CHECKS = ("sync", "step")  # DiLoCo's ``sigterm_check``: once per sync period, or at every step as Lightning
+def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
+    """Parameter indices cut into ``fragments`` consecutive runs of about equal size (in elements).
+
+    Consecutive, as Streaming DiLoCo's fragments are consecutive transformer blocks.
+    """
+    total = sum(numels)
+    cuts, seen, out, current = 1, 0, [], []
+    for i, n in enumerate(numels):
+        current.append(i)
+        seen += n
+        left_tensors, left_fragments = len(numels) - i - 1, fragments - cuts
+        if cuts < fragments and (seen >= cuts * total / fragments or left_tensors == left_fragments):
+            out.append(current)
+            current, cuts = [], cuts + 1
+    out.append(current)
+    return out
+
+
+def _averaging_in_group(
+    closure: Any, params: list[Tensor], buffers: list[Tensor], groups: ReplicaGroups
+) -> Callable[[], Any]:
+    """``closure`` (the forward and backward), then the group's mean of the gradients and buffers."""
+
+    def run() -> Any:
+        output = closure()
+        average_in_group(params, buffers, groups)
+        return output
+
+    return run
+
+
+class DiLoCo(DDPStrategy):
+    """DiLoCo: inner steps on each worker with no communication, an outer step on the averaged pseudo-gradient.
+
+    Each worker steps the module's own optimizer (the inner optimizer, e.g. AdamW) and LR schedulers on its local
+    gradients; nothing crosses the wire between syncs (the model is not wrapped in ``DistributedDataParallel``). Every
+    ``sync_every`` optimizer steps the workers average the pseudo-gradient ``theta_global - theta_local`` (theta_global:
+    the parameters every worker started the round from) with one all-reduce, the outer optimizer steps theta_global
+    with ``.grad`` set to that average, every worker is set to the new theta_global, and floating-point buffers
+    (BatchNorm's running statistics) are averaged.
+
+    After ``fit`` every rank holds theta_global (a partial last round ends with an outer step). Validation during
+    ``fit`` runs on theta_global, and a checkpoint's ``state_dict`` holds it; the outer state goes into
+    ``checkpoint["diloco"]`` and each rank's own state into a file of its own beside the checkpoint, so a run resumes
+    bit for bit, also in the middle of a round. A pseudo-gradient that is not finite on some rank skips that outer
+    step: every worker goes back to theta_global, non-finite inner optimizer state is forgotten, and the skip is
+    logged and counted. A rank that fails ends every rank, with an error that names it.
+
+    Args:
+        sync_every: inner optimizer steps per round (``H``; 500 in the paper, 20-100 for small models).
+        outer_optimizer: builds the outer optimizer from theta_global's tensors (a callable such as
+            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, the default, or what
+            LightningCLI passes for an ``OptimizerCallable``).
+        fragments: Streaming DiLoCo: the model is cut into this many fragments of consecutive parameters, synced in
+            turn every ``sync_every / fragments`` steps, so that each is synced once per ``sync_every`` steps and the
+            peak traffic is ``1 / fragments`` of the model. Must divide ``sync_every``.
+        overlap_steps: Streaming DiLoCo: a fragment's exchange runs in the background during this many inner steps,
+            and its outer step is applied then (the fragment's local progress over those steps is replaced by the
+            new theta_global). Below ``sync_every / fragments``.
+        offload: keep theta_global and the outer optimizer's state in CPU memory.
+        replica_group: two levels: dense data parallelism inside groups of ranks (their gradients averaged at every
+            inner step), DiLoCo across the groups. ``"node"``: the ranks of a node; an integer: that many consecutive
+            ranks (must divide the number of processes); ``None``: every rank is its own replica.
+        monitor: add an :class:`~lightning_gradcomp.callbacks.OuterMonitor` (logs ``gradcomp/*`` every optimizer
+            step and a summary line at the end of ``fit``) unless the trainer has one.
+        compressor: average the pseudo-gradient through this compressor, with each rank's error feedback kept
+            across outer steps (``None``: a plain all-reduce); see "Compressing the outer exchange" in the docs.
+        sigterm_check: when the ranks agree on a SIGTERM that rank 0 received (Lightning broadcasts rank 0's flag
+            on the default group, then every rank stops). ``"sync"``: once per sync period (every
+            ``sync_every / fragments`` steps, when no exchange is in flight), so that inner steps cross no wire;
+            ``"step"``: at every step, as Lightning does, at the cost of one round trip of the link per step.
+        **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
+            ``timeout``, ``start_method``, ...).
+
+    Raises:
+        MisconfigurationException: If an argument is out of range or of the wrong type, or a keyword is not
+            DDPStrategy's own (``DistributedDataParallel``'s arguments have no effect here); when fitting starts, if
+            ``configure_optimizers`` returns more than one optimizer or the model has fewer parameter tensors than
+            ``fragments``.
+
+    Example::
+
+        >>> from lightning.pytorch import Trainer
+        >>> from lightning_gradcomp import DiLoCo
+        >>> trainer = Trainer(accelerator="cpu", devices=2, strategy=DiLoCo(sync_every=100))
+    """
+
+    strategy_name = "diloco"
+
+    def __init__(
+        self,
+        sync_every: int = 500,
+        outer_optimizer: OuterOptimizerCallable | None = None,
+        fragments: int = 1,
+        overlap_steps: int = 0,
+        offload: bool = False,
+        replica_group: int | str | None = None,
+        monitor: bool = True,
+        compressor: Compressor | None = None,
+        sigterm_check: str = "sync",
+        **kwargs: Any,
+    ) -> None:
+        check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
+        self.sigterm_check = check_choice(sigterm_check, "sigterm_check", SIGTERM_CHECKS, error=_MiscError)
+        check_bool(offload, "offload", error=_MiscError)
+        check_bool(monitor, "monitor", error=_MiscError)
+        super().__init__(**strategy_kwargs(kwargs))
+        self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
+        self._monitor = monitor
+        self.replica_group = replica_group
+        self._replicas: ReplicaGroups | None = None
+        self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload, compressor=compressor)
+        self._fragments: list[list[int]] = []
+        self._attached = False
+        self._restored: Mapping[str, Any] | None = None  # the checkpoint's DiLoCo section, applied at setup
+        self._own: dict[str, Any] | None = None  # this rank's own state read with the checkpoint, applied at setup
+        self._shared_exchange: dict[str, Any] | None = None  # rank 0's compressor state, on another world size
+        self._local: list[Tensor] | None = None  # this rank's parameters and buffers while validation runs on global
+        self._synchronous = False
+        self._gated_loop: Any = None  # the training loop whose per-step SIGTERM broadcast this strategy gates
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"diloco"`` (unless the registry already has that name: a user's own entry is kept)."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="DiLoCo: periodic synchronization with an outer optimizer"
+            )
+
+    @property
+    def synchronous(self) -> bool:
+        """Whether each step is plain data parallelism (gradients averaged over every rank), with no rounds.
+
+        :class:`~lightning_gradcomp.callbacks.DenseWarmup` sets it for its dense phase; rounds start from the
+        synchronized weights when it is turned off.
+        """
+        return self._synchronous
+
+    @synchronous.setter
+    def synchronous(self, value: bool) -> None:
+        self._synchronous = check_bool(value, "synchronous", error=_MiscError)
+
+    @property
+    def outer_state(self) -> OuterState:
+        """theta_global, the outer optimizer, the phase in the round and the outer exchange's counters."""
+        return self._outer
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Setup: no DDP wrapper, rank 0's model everywhere, theta_global taken
+    # ------------------------------------------------------------------------------------------------------------
+    @override
+    def connect(self, model: pl.LightningModule) -> None:
+        """Connect the model; when fitting, add an :class:`OuterMonitor` unless the trainer has one.
+
+        Added here, not in :meth:`setup`: Lightning calls the callbacks' ``setup`` before the strategy's.
+        """
+        super().connect(model)
+        trainer = getattr(model, "_trainer", None)
+        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not self._monitor:
+            return
+        if not any(isinstance(cb, OuterMonitor) for cb in trainer.callbacks):
+            trainer.callbacks.append(OuterMonitor())
+
+    @override
+    def configure_ddp(self) -> None:
+        """Start every replica from rank 0's parameters and buffers, as DDP's wrapper would, but do not wrap.
+
+        Without the wrapper no gradient is all-reduced and no buffer is broadcast on a step.
+        """
+        assert isinstance(self.model, pl.LightningModule)
+        _sync_module_states(self.model)
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        """DDPStrategy's setup (without the wrapper), then theta_global and, when resuming, this rank's own state."""
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        params = self._params()
+        check_fit(len(self.optimizers), len(params), self.fragments)
+        self._fragments = _split_fragments([p.numel() for p in params], self.fragments)
+        self._replicas = self._outer.replicas = replica_groups_for(
+            self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
+        )
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            # the outer exchange on a group of its own: on the default group, an exchange overlapped with inner steps
+            # would hold up the broadcast Lightning's loop issues there at every step (process_groups.side_group)
+            self._outer.process_group = side_group()
+        names = [n for n, p in self._module().named_parameters() if p.requires_grad]
+        self._outer.attach(params, self._buffers(), fragments=len(self._fragments), names=names)
+        self._attached = True
+        if self.sigterm_check == "sync" and self.world_size > 1:
+            self._gate_sigterm_broadcast(trainer)
+        if self._restored is not None:
+            self._restore(self._restored)
+        self._restored = None
+        rank_zero_info(_setup_line(self, self._params()))
+
+    def _gate_sigterm_broadcast(self, trainer: pl.Trainer) -> None:
+        """Let Lightning's per-step SIGTERM broadcast run only once a sync period, when no exchange is in flight.
+
+        The broadcast is one element, but on a slow link it costs a round trip per step, and while a streamed fragment
+        is on the wire it waits in the link's queue behind it. The decision reads the phase in the round, the same on
+        every rank, so every rank broadcasts at the same steps.
+        """
+        loop = trainer.fit_loop.epoch_loop
+        broadcast = getattr(type(loop), "_broadcast_sigterm_tensor", None)
+        if broadcast is None:  # a Lightning without the per-step broadcast: nothing to gate
+            return
+
+        def gated() -> None:
+            if self._checks_sigterm_now():
+                broadcast(loop)
+
+        loop.__dict__["_broadcast_sigterm_tensor"] = gated  # an instance attribute: other trainers keep theirs
+        self._gated_loop = loop
+
+    def _checks_sigterm_now(self) -> bool:
+        """Whether the coming step takes Lightning's SIGTERM broadcast: in dense steps always, else once a period.
+
+        Once a period is the step right after the period's exchange completed: ``overlap_steps`` steps after it
+        started (at once without overlap), so the broadcast never queues behind an exchange on the link.
+        """
+        if not self._attached or self.synchronous:
+            return True
+        return self._outer.phase % (self.sync_every // self.fragments) == self.overlap_steps
+
+    def _ungate_sigterm_broadcast(self) -> None:
+        if self._gated_loop is not None:
+            self._gated_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+            self._gated_loop = None
+
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("DiLoCo has no LightningModule yet: it is connected by the Trainer.")
+        return self.lightning_module
+
+    def _params(self) -> list[Tensor]:
+        return [p for p in self._module().parameters() if p.requires_grad]
+
+    def _buffers(self) -> list[Tensor]:
+        return list(self._module().buffers())
+
+    # ------------------------------------------------------------------------------------------------------------
+    # The inner step and the sync
+    # ------------------------------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """The inner optimizer's step on this rank's own gradients; every ``sync_every / fragments`` steps a sync.
+
+        With ``replica_group``, the gradients are first averaged inside the group (after the closure's backward, before
+        gradient clipping and the step, where DDP would have averaged them). While :attr:`synchronous`, over every
+        rank, and theta_global follows the synchronized model (a round in progress is closed first).
+        """
+        fitting = self._attached and self._module().trainer.state.fn == TrainerFn.FITTING
+        groups = self._replicas
+        if fitting and self.synchronous:  # plain data parallelism (a dense warm-up): every rank's gradients averaged
+            self._close_round()
+            groups = ReplicaGroups(self.world_size, 1, self.global_rank, None, None) if self.world_size > 1 else None
+        if fitting and groups is not None:
+            closure = _averaging_in_group(closure, self._params(), self._buffers(), groups)
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if fitting and self.synchronous:  # theta_global follows; the outer optimizer holds no state
+            self._outer.follow(self._params(), self._buffers(), self.world_size)
+        elif fitting:
+            self._after_inner_step()
+        return output
+
+    def _after_inner_step(self) -> None:
+        outer = self._outer
+        outer.phase += 1
+        outer.dirty = [True] * self.fragments
+        if outer.pending is not None:
+            outer.pending["remaining"] -= 1
+            if outer.pending["remaining"] == 0:
+                self._finish_exchange()
+        period = self.sync_every // self.fragments
+        if outer.phase % period == 0:
+            self._start_exchange(outer.phase // period - 1, overlapped=self.overlap_steps > 0)
+        if outer.phase == self.sync_every:
+            outer.phase = 0
+
+    def _start_exchange(self, fragment: int, overlapped: bool) -> None:
+        """Send fragment ``fragment``'s pseudo-gradient; apply it now, or (``overlapped``) after ``overlap_steps``."""
+        outer = self._outer
+        flats = outer.pseudo_gradients(self._params(), self._fragments[fragment])
+        outer.contribution = [f.clone() for f in flats] if overlapped else None
+        layouts = outer.layouts(self._params(), self._fragments[fragment])
+        outer.in_flight = outer.average(flats, async_op=overlapped, layouts=layouts)
+        outer.pending = {"fragment": fragment, "remaining": self.overlap_steps}
+        if not overlapped:
+            self._finish_exchange()
+
+    def _finish_exchange(self) -> None:
+        """Step theta_global with the exchange's average and set every worker's fragment to it.
+
+        With ``overlap_steps`` the fragment's local progress since the exchange started is replaced by the new
+        theta_global (Streaming DiLoCo's merge with mixing factor 0).
+        """
+        outer, params, buffers = self._outer, self._params(), self._buffers()
+        assert outer.pending is not None
+        assert outer.in_flight is not None
+        fragment, indices = outer.pending["fragment"], self._fragments[outer.pending["fragment"]]
+        averaged = outer.in_flight.wait()
+        outer.pending = outer.in_flight = outer.contribution = None
+        averaged_buffers = outer.average_buffers(buffers)
+        if all_finite([*averaged, *averaged_buffers]):
+            outer.step(averaged, params, indices)
+            outer.set_buffers(buffers, averaged_buffers)
+            outer.syncs += 1
+        else:
+            outer.skipped += 1
+            outer.restore_buffers(buffers)
+            forget_nonfinite_state(self._outer, params, self.optimizers)
+            rank_zero_warn(
+                f"DiLoCo: the averaged pseudo-gradient is not finite (a rank's inner steps diverged): outer step"
+                f" skipped, every worker reset to theta_global ({outer.skipped} skipped so far)."
+            )
+        outer.copy_to(params, indices)
+        outer.dirty[fragment] = False
+
+    @override
+    def on_train_end(self) -> None:
+        """A partial last round ends with an outer step, so that every rank holds the same theta_global."""
+        super().on_train_end()
+        if self._attached:
+            self._close_round()
+
+    def _close_round(self) -> None:
+        """Apply the exchange in flight, if any, and sync every fragment trained since its last sync."""
+        if self._outer.pending is not None:
+            self._finish_exchange()
+        for k in range(self.fragments):
+            if self._outer.dirty[k]:  # trained since its last sync
+                self._start_exchange(k, overlapped=False)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Validation during fit runs on theta_global
+    # ------------------------------------------------------------------------------------------------------------
+    @override
+    def on_validation_start(self) -> None:
+        """Keep this rank's parameters and buffers aside and evaluate theta_global (the model a checkpoint holds)."""
+        super().on_validation_start()
+        if self._attached and self._local is None:
+            params, buffers = self._params(), self._buffers()
+            self._local = [t.detach().clone() for t in (*params, *buffers)]
+            self._outer.copy_to(params, range(len(params)))
+            self._outer.restore_buffers(buffers)
+
+    @override
+    def on_validation_end(self) -> None:
+        """Give this rank its own parameters and buffers back."""
+        super().on_validation_end()
+        if self._local is not None:
+            with torch.no_grad():
+                for mine, saved in zip((*self._params(), *self._buffers()), self._local, strict=True):
+                    mine.copy_(saved)
+            self._local = None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Checkpoints: theta_global in state_dict, the rest in checkpoint["diloco"]
+    # ------------------------------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with theta_global (and the buffers of the last sync) in place of this rank's own."""
+        state = super().lightning_module_state_dict()
+        if not self._attached:
+            return state
+        return with_theta_global(state, self._module(), self._params(), self._buffers(), self._outer)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Save like DDPStrategy, with the outer state in ``checkpoint["diloco"]`` and each rank's own in its file.
+
+        Lightning calls this on every rank and writes the checkpoint on rank 0 only; every rank writes its local
+        parameters, inner optimizer state and residuals beside it (:mod:`lightning_gradcomp.diloco.checkpoint`). A
+        weights-only checkpoint, with no ``"loops"``, carries no training state.
+        """
+        if self._attached and "loops" in checkpoint:
+            shared = {"sync_every": self.sync_every, "fragments": self.fragments, "outer": self._outer.state_dict()}
+            own = own_state(self._outer, self._local or [*self._params(), *self._buffers()], self.optimizers)
+            save_diloco_state(checkpoint, filepath, shared, own, self.global_rank, self.world_size, self.barrier)
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load like DDPStrategy, and read this rank's own state saved beside the checkpoint (when fitting)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._own = self._shared_exchange = None
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
+            self._own = load_own_state(checkpoint, checkpoint_path, self.global_rank, self.world_size)
+            if self._own is None and self._outer.exchange is not None:
+                self._shared_exchange = load_shared_exchange_state(checkpoint, checkpoint_path)
+        return checkpoint
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Remove the checkpoint (rank 0) and, on every rank, the state that rank saved beside it."""
+        super().remove_checkpoint(filepath)
+        remove_rank_states(filepath, self.global_rank)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load theta_global (the checkpoint's ``state_dict``); the rest of DiLoCo's state is applied at setup."""
+        super().load_model_state_dict(checkpoint, strict=strict)
+        section = checkpoint.get(CHECKPOINT_KEY)
+        if section is None and "loops" in checkpoint:
+            rank_zero_info(
+                "DiLoCo: the checkpoint was not written by DiLoCo (no 'diloco' state): its weights become"
+                " theta_global, every rank starts a new round from them with the checkpoint's optimizer state,"
+                " and the outer optimizer starts afresh."
+            )
+        self._restored = section
+
+    def _restore(self, section: Mapping[str, Any]) -> None:
+        same_schedule = section["sync_every"] == self.sync_every and section["fragments"] == self.fragments
+        if same_schedule and self._own is not None:
+            tensors = [*self._params(), *self._buffers()]
+            restore_own_state(self._outer, section["outer"], self._own, tensors, self._fragments, self.root_device)
+            return
+        if not same_schedule:
+            rank_zero_warn(
+                f"DiLoCo: the checkpoint synced every {section['sync_every']} steps in {section['fragments']}"
+                f" fragments, this run every {self.sync_every} in {self.fragments}: a new round starts from"
+                " its theta_global."
+            )
+        restart_from_global(self._outer, section["outer"], self._params(), self._buffers(), not same_schedule,
+                            self._shared_exchange)  # fmt: skip
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load this rank's own inner optimizer state (Lightning's ``optimizer_states`` holds rank 0's only)."""
+        if self._own is not None:
+            checkpoint = {**checkpoint, "optimizer_states": self._own["optimizer_states"]}
+        super().load_optimizer_state_dict(checkpoint)
+        self._own = self._shared_exchange = None
+
+    @override
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if type(self._launcher) is _SubprocessScriptLauncher and self.cluster_environment is not None:
+            # stops every rank when one fails, and names it (see lightning_gradcomp.runtime.faults)
+            environment = self.cluster_environment
+            self._launcher = ScriptLauncher(environment, self.num_processes, self.num_nodes, label="DiLoCo")
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Note this rank's own failure for the main process's report (a failed collective is another rank's fault)."""
+        super().on_exception(exception)
+        if not is_collective_failure(exception):
+            record_failure(self.global_rank, exception)
+
+    @override
+    def teardown(self) -> None:
+        """DDPStrategy's teardown; the outer state stays readable (``outer_state``) for inspection after ``fit``.
+
+        The compressor's extra process groups are released and the collectives' threads get the GIL now, not at exit
+        (see ``process_groups.release_round_groups`` and ``hand_off_gil``).
+        """
+        super().teardown()
+        if dist.is_available() and dist.is_initialized():
+            if self._outer.exchange is not None:
+                release_round_groups(self._outer.process_group or dist.group.WORLD)
+            hand_off_gil()
+        self._ungate_sigterm_broadcast()
+        self._attached = False
+        self._local = None
+        self._own = self._shared_exchange = None
+        log.debug("DiLoCo: %d outer steps, %d skipped", self._outer.syncs, self._outer.skipped)
+
+
+def _setup_line(strategy: DiLoCo, params: list[Tensor]) -> str:
+    """The line DiLoCo logs once set up: what is synced, how often, by which outer optimizer, over how many ranks."""
+    processes = "1 process" if strategy.world_size == 1 else f"{strategy.world_size} processes"
+    streaming = f" in {strategy.fragments} fragments" if strategy.fragments > 1 else ""
+    groups = strategy._replicas
+    if groups is not None:
+        processes += f": {groups.count} replicas of {groups.size} ranks, dense data parallelism inside each"
+    return (
+        f"DiLoCo: {sum(p.numel() for p in params):,} parameters synced{streaming} every {strategy.sync_every} optimizer"
+        f" steps (outer optimizer {type(strategy.outer_state.optimizer).__name__}); {processes}."
+    )

@@ -1,0 +1,1 @@
+"""What both strategies do on Lightning's side: failures and exit, per-rank state files, model transforms."""

@@ -1,0 +1,1 @@
+"""TracIn's scoring and report; the callback is :class:`~lightning_gradcomp.callbacks.TracIn`."""
