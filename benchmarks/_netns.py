@@ -34,10 +34,27 @@ def shaped_namespace(rate: str, burst: str = "256kb", latency: str = "50ms") -> 
     try:
         subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
         subprocess.run(
-            ["ip", "netns", "exec", name, "tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate", rate,
-             "burst", burst, "latency", latency],
+            [
+                "ip",
+                "netns",
+                "exec",
+                name,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "lo",
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                burst,
+                "latency",
+                latency,
+            ],
             check=True,
-        )  # fmt: skip
+        )
         yield name
     finally:
         subprocess.run(["ip", "netns", "del", name], check=False)

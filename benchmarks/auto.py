@@ -126,19 +126,40 @@ class Sweep(AutoCompression):
         for label, assignment in self.segments[: len(self.segments) // self.rounds]:
             predicted = predict(self.buckets, assignment, self.link, self.timing, **self.model_options).step
             measured = medians[label]
-            rows.append({"config": label, "assignment": assignment, "predicted_s": predicted, "measured_s": measured,
-                         "error": (predicted - measured) / measured, "steps_s": self.times[label]})  # fmt: skip
+            rows.append(
+                {
+                    "config": label,
+                    "assignment": assignment,
+                    "predicted_s": predicted,
+                    "measured_s": measured,
+                    "error": (predicted - measured) / measured,
+                    "steps_s": self.times[label],
+                }
+            )
         result = {
             "link": {"alpha_s": self.link.alpha, "beta_Bps": self.link.beta},
             "model_options": self.model_options,
             "timing": vars(self.timing) if hasattr(self.timing, "__dict__") else str(self.timing),
-            "buckets": [{"numel": b.numel, "ready_s": b.ready, "layers": len(b.layers),
-                         "costs": {k: vars(c) for k, c in b.costs.items()}} for b in self.buckets],  # fmt: skip
-            "plan": {"assignment": list(self.plan.assignment), "predicted_s": self.plan.predicted,
-                     "reasons": list(self.plan.reasons)},  # fmt: skip
-            "calibration": {"dense_step_s": self.calibration_steps_times, "plan_seconds": self.plan_seconds,
-                            "calibration_steps": self.calibration_steps,
-                            "timed_buckets": plan_event["timed_buckets"]},  # fmt: skip
+            "buckets": [
+                {
+                    "numel": b.numel,
+                    "ready_s": b.ready,
+                    "layers": len(b.layers),
+                    "costs": {k: vars(c) for k, c in b.costs.items()},
+                }
+                for b in self.buckets
+            ],
+            "plan": {
+                "assignment": list(self.plan.assignment),
+                "predicted_s": self.plan.predicted,
+                "reasons": list(self.plan.reasons),
+            },
+            "calibration": {
+                "dense_step_s": self.calibration_steps_times,
+                "plan_seconds": self.plan_seconds,
+                "calibration_steps": self.calibration_steps,
+                "timed_buckets": plan_event["timed_buckets"],
+            },
             "rows": rows,
         }
         with open(self.out, "w") as f:
@@ -164,8 +185,10 @@ def table(result: dict, rate: str) -> str:
         "|---|---|---|---|---|",
     ]
     for r in rows:
-        lines.append(f"| {r['config']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {100 * r['error']:+.1f}% |"
-                     f" {r['measured_s'] / dense:.2f}x |")  # fmt: skip
+        lines.append(
+            f"| {r['config']} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | {100 * r['error']:+.1f}% |"
+            f" {r['measured_s'] / dense:.2f}x |"
+        )
     lines += [
         "",
         f"auto's plan: {auto['assignment']}",
@@ -188,10 +211,17 @@ def plot_from(path: str, png: str) -> None:
     with open(path) as f:
         result = json.load(f)
     link = result["link"]
-    buckets = [Bucket(b["ready_s"], b["numel"], (), {k: Cost(**c) for k, c in b["costs"].items()})
-               for b in result["buckets"]]  # fmt: skip
-    plot_speedup(png, buckets, list(buckets[0].costs), Link(link["alpha_s"], link["beta_Bps"]),
-                 Timing(**result["timing"]), **result["model_options"])  # fmt: skip
+    buckets = [
+        Bucket(b["ready_s"], b["numel"], (), {k: Cost(**c) for k, c in b["costs"].items()}) for b in result["buckets"]
+    ]
+    plot_speedup(
+        png,
+        buckets,
+        list(buckets[0].costs),
+        Link(link["alpha_s"], link["beta_Bps"]),
+        Timing(**result["timing"]),
+        **result["model_options"],
+    )
 
 
 def main() -> None:
@@ -216,13 +246,28 @@ def main() -> None:
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     out = os.path.abspath(args.json)
-    sweep = Sweep(out, args.warm, args.measure, args.rounds, candidates=args.candidates,
-                  calibration_steps=args.calibration_steps, skip_steps=args.skip_steps)  # fmt: skip
+    sweep = Sweep(
+        out,
+        args.warm,
+        args.measure,
+        args.rounds,
+        candidates=args.candidates,
+        calibration_steps=args.calibration_steps,
+        skip_steps=args.skip_steps,
+    )
     segments = len(args.candidates) + 1
     steps = args.skip_steps + args.calibration_steps + args.rounds * segments * (args.warm + args.measure) + 2
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=CompressedDDP(start_method="spawn"), max_steps=steps,
-                         callbacks=[sweep], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=CompressedDDP(start_method="spawn"),
+        max_steps=steps,
+        callbacks=[sweep],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     begin = time.time()
     trainer.fit(ResNet18(steps=steps))
     with open(out) as f:

@@ -26,9 +26,25 @@ from _netns import rate_bytes_per_second, shaped_namespace
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_RATES = ["100mbit", "1gbit", "10gbit"]
 DEFAULT_CONFIGS = [
-    "compute", "ddp", "torch-fp16", "torch-powersgd", "identity", "fp16", "bf16", "topk", "randomk", "powersgd",
-    "dgc", "adacomp", "scalecom", "signsgd", "efsignsgd", "onebit", "qsgd", "terngrad",
-]  # fmt: skip
+    "compute",
+    "ddp",
+    "torch-fp16",
+    "torch-powersgd",
+    "identity",
+    "fp16",
+    "bf16",
+    "topk",
+    "randomk",
+    "powersgd",
+    "dgc",
+    "adacomp",
+    "scalecom",
+    "signsgd",
+    "efsignsgd",
+    "onebit",
+    "qsgd",
+    "terngrad",
+]
 
 
 def measure(rate: str, configs: list[str], args: argparse.Namespace) -> list[dict]:
@@ -36,10 +52,28 @@ def measure(rate: str, configs: list[str], args: argparse.Namespace) -> list[dic
     with tempfile.TemporaryDirectory() as tmp, shaped_namespace(rate) as name:
         out = os.path.join(tmp, "result.json")
         command = [
-            "ip", "netns", "exec", name, sys.executable, os.path.join(HERE, "step_time.py"), "--inside-namespace",
-            "--rate", rate, "--configs", *configs, "--steps", str(args.steps), "--warmup", str(args.warmup),
-            "--rounds", str(args.rounds), "--batch-size", str(args.batch_size), "--json", out,
-        ]  # fmt: skip
+            "ip",
+            "netns",
+            "exec",
+            name,
+            sys.executable,
+            os.path.join(HERE, "step_time.py"),
+            "--inside-namespace",
+            "--rate",
+            rate,
+            "--configs",
+            *configs,
+            "--steps",
+            str(args.steps),
+            "--warmup",
+            str(args.warmup),
+            "--rounds",
+            str(args.rounds),
+            "--batch-size",
+            str(args.batch_size),
+            "--json",
+            out,
+        ]
         subprocess.run(command, check=True)
         with open(out) as f:
             return json.load(f)["results"]
@@ -59,12 +93,20 @@ def summarize(results: dict[str, list[dict]], workers: int) -> list[dict]:
                 continue
             total_bytes = workers * r["bytes_sent"]
             ideal = max(compute, total_bytes / rate_bytes_per_second(rate))
-            rows.append({
-                **row, "step_s": r["step_s"], "ideal_s": ideal, "bytes": r["bytes_sent"],
-                "speedup": ddp / r["step_s"] if ddp else float("nan"),
-                "ideal_speedup": (max(compute, workers * by_config["ddp"]["bytes_sent"] / rate_bytes_per_second(rate))
-                                  / ideal) if ddp else float("nan"),
-            })  # fmt: skip
+            rows.append(
+                {
+                    **row,
+                    "step_s": r["step_s"],
+                    "ideal_s": ideal,
+                    "bytes": r["bytes_sent"],
+                    "speedup": ddp / r["step_s"] if ddp else float("nan"),
+                    "ideal_speedup": (
+                        max(compute, workers * by_config["ddp"]["bytes_sent"] / rate_bytes_per_second(rate)) / ideal
+                    )
+                    if ddp
+                    else float("nan"),
+                }
+            )
     return rows
 
 
@@ -131,8 +173,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=1)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "bandwidth"),
-                        help="writes OUT.md, OUT.png and OUT.json")  # fmt: skip
+    parser.add_argument(
+        "--out", default=os.path.join(HERE, "results", "bandwidth"), help="writes OUT.md, OUT.png and OUT.json"
+    )
     args = parser.parse_args()
     if args.workers != 2:
         parser.error("--workers: step_time.py runs 2 workers (the setting of the published numbers)")

@@ -106,10 +106,16 @@ def run_real(name: str, ranks: int, width: int, layers: int, folder: str) -> lis
     out = tempfile.mkdtemp(dir=folder)
     path = os.path.join(out, "model.ckpt")
     trainer = pl.Trainer(
-        accelerator="cpu", devices=ranks, strategy=_strategy(name), max_steps=STEPS, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=ranks,
+        strategy=_strategy(name),
+        max_steps=STEPS,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         callbacks=[_SaveAndMeasure(path, out)],
-    )  # fmt: skip
+    )
     trainer.fit(SquareMLP(width, layers))
     records = []
     for rank in range(ranks):
@@ -154,16 +160,21 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="each square layer's width (default 256)")
     parser.add_argument("--layers", type=int, default=4, help="how many square layers (default 4)")
     parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4], help="real process counts (default 2 4)")
-    parser.add_argument("--simulate", type=int, nargs="*", default=[8, 16, 32, 64],
-                        help="simulated rank counts (default 8 16 32 64)")  # fmt: skip
+    parser.add_argument(
+        "--simulate", type=int, nargs="*", default=[8, 16, 32, 64], help="simulated rank counts (default 8 16 32 64)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     names = [DDP, *COMPRESSORS]
     params = args.layers * (args.width * args.width + args.width)
-    print(f"MLP of {args.layers} layers of width {args.width} ({params:,} parameters, {4 * params:,} bytes fp32),"
-          f" SGD with momentum, {STEPS} steps; bytes of what each rank writes with one checkpoint")  # fmt: skip
-    print("| strategy | ranks | rank 0 checkpoint | / DDPStrategy's | rank 0 own file | each other rank |"
-          " gathered into rank 0 | save s (rank 0) |")  # fmt: skip
+    print(
+        f"MLP of {args.layers} layers of width {args.width} ({params:,} parameters, {4 * params:,} bytes fp32),"
+        f" SGD with momentum, {STEPS} steps; bytes of what each rank writes with one checkpoint"
+    )
+    print(
+        "| strategy | ranks | rank 0 checkpoint | / DDPStrategy's | rank 0 own file | each other rank |"
+        " gathered into rank 0 | save s (rank 0) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         dense: dict[int, int] = {}
@@ -176,8 +187,10 @@ def main() -> None:
                 if ranks == min(args.ranks):
                     saved[name] = torch.load(str(rank0["path"]), weights_only=False, map_location="cpu")
                 others = max(int(r["own"]) for r in records[1:])
-                print(f"| `{name}` | {ranks} | {rank0['checkpoint']:,.0f} | {rank0['checkpoint'] / dense[ranks]:.3f} |"
-                      f" {rank0['own']:,.0f} | {others:,} | | {rank0['seconds']:.3f} |")  # fmt: skip
+                print(
+                    f"| `{name}` | {ranks} | {rank0['checkpoint']:,.0f} | {rank0['checkpoint'] / dense[ranks]:.3f} |"
+                    f" {rank0['own']:,.0f} | {others:,} | | {rank0['seconds']:.3f} |"
+                )
         if not saved:
             return
         reference = _nbytes(saved[DDP])
@@ -186,8 +199,10 @@ def main() -> None:
             for name in COMPRESSORS:
                 sizes = simulate(name, ranks, args.width, args.layers, saved[name])
                 ratio = sizes["checkpoint"] / reference
-                print(f"| `{name}` | {ranks} (simulated) | {sizes['checkpoint']:,} | {ratio:.3f} | {sizes['own']:,} |"
-                      f" {sizes['others']:,} | {sizes['gathered']:,} | |")  # fmt: skip
+                print(
+                    f"| `{name}` | {ranks} (simulated) | {sizes['checkpoint']:,} | {ratio:.3f} | {sizes['own']:,} |"
+                    f" {sizes['others']:,} | {sizes['gathered']:,} | |"
+                )
 
 
 if __name__ == "__main__":

@@ -69,9 +69,20 @@ from lightning_gradcomp.engine.telemetry import Telemetry
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
 DEFAULT_COMPRESSORS = (
-    "fp16", "bf16", "randomk", "powersgd", "topk", "dgc", "scalecom",
-    "signsgd", "efsignsgd", "onebit", "qsgd", "terngrad", "adacomp",
-)  # fmt: skip
+    "fp16",
+    "bf16",
+    "randomk",
+    "powersgd",
+    "topk",
+    "dgc",
+    "scalecom",
+    "signsgd",
+    "efsignsgd",
+    "onebit",
+    "qsgd",
+    "terngrad",
+    "adacomp",
+)
 # LGC's stages at its default ratios (the contract suite's examples use 50x larger ones, to reach every path on
 # small tensors): stage 1 is the plain all-reduce (`lgc`), these start in stage 2 or stage 3
 LGC_STAGES = {
@@ -89,8 +100,11 @@ CONFIGS = {**EXAMPLES, **LGC_STAGES, **MASKED}
 def half_masks(layout: list[tuple[Layer, ...]], device: torch.device) -> dict[str, torch.Tensor]:
     """A random mask keeping half of the entries of every layer of ``layout`` (fixed seed)."""
     generator = torch.Generator().manual_seed(1)
-    return {layer.name: (torch.rand(layer.shape, generator=generator) < 0.5).to(device)
-            for bucket in layout for layer in bucket}  # fmt: skip
+    return {
+        layer.name: (torch.rand(layer.shape, generator=generator) < 0.5).to(device)
+        for bucket in layout
+        for layer in bucket
+    }
 
 
 TARGETS = {  # the codecs' CPU targets, as a share of the backward pass
@@ -272,8 +286,16 @@ def step_runner(
     def run() -> None:
         nonlocal step
         for index, bucket in enumerate(layout):
-            simulate_reduce(compressors, grads[index], bucket, step=step, residuals=residuals[index], index=index,
-                            telemetry=telemetry, new_residuals=twins[index])  # fmt: skip
+            simulate_reduce(
+                compressors,
+                grads[index],
+                bucket,
+                step=step,
+                residuals=residuals[index],
+                index=index,
+                telemetry=telemetry,
+                new_residuals=twins[index],
+            )
         step += 1
 
     return run, telemetry
@@ -367,10 +389,15 @@ def main() -> None:
         default=1.0,
         help="fraction of every layer's rows left non-zero on each rank (default 1: dense)",
     )
-    parser.add_argument("--gradients", choices=["gaussian", "model"], default="gaussian",
-                        help="random normal gradients (default) or the model's own of random batches")  # fmt: skip
-    parser.add_argument("--operators", action="store_true",
-                        help="also count the top-level torch operators of one step per rank")  # fmt: skip
+    parser.add_argument(
+        "--gradients",
+        choices=["gaussian", "model"],
+        default="gaussian",
+        help="random normal gradients (default) or the model's own of random batches",
+    )
+    parser.add_argument(
+        "--operators", action="store_true", help="also count the top-level torch operators of one step per rank"
+    )
     parser.add_argument(
         "--device-paths",
         action="store_true",
@@ -434,8 +461,11 @@ def main() -> None:
         f" ({'a storage swap' if device.type == 'cpu' else 'torch.where'}; a copy would be {commit['copy']:.2f} ms)"
     )
     cuda = device.type == "cuda"
-    print(f"{'compressor':<28} {'codec ms':>9} {'% backward':>10} {'passes':>7}"
-          + ("  operators" if args.operators else "") + ("  launches  sync" if cuda else ""))  # fmt: skip
+    print(
+        f"{'compressor':<28} {'codec ms':>9} {'% backward':>10} {'passes':>7}"
+        + ("  operators" if args.operators else "")
+        + ("  launches  sync" if cuda else "")
+    )
     for row in rows:
         row["share_of_backward"] = row["codec_ms"] / backward
         row["passes"] = row["codec_ms"] / one_pass
@@ -450,8 +480,15 @@ def main() -> None:
         print(line)
     if args.out:
         meta = {k: v for k, v in vars(args).items() if k != "out"}
-        meta.update(torch=torch.__version__, backward_ms=backward, one_pass_ms=one_pass, draw_ms=draw,
-                    draw16_ms=draw16, numel=numel, commit_ms=commit)  # fmt: skip
+        meta.update(
+            torch=torch.__version__,
+            backward_ms=backward,
+            one_pass_ms=one_pass,
+            draw_ms=draw,
+            draw16_ms=draw16,
+            numel=numel,
+            commit_ms=commit,
+        )
         if cuda:
             meta["gpu"] = torch.cuda.get_device_name(device)
         with open(args.out, "w") as f:

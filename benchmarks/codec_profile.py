@@ -60,8 +60,10 @@ def main() -> None:
     for step in range(2, 2 + args.steps):
         run(step)
     per_rank_ms = (time.perf_counter() - start) / args.steps / args.ranks * 1000
-    print(f"{args.compressor}: {len(layers)} layers, {numel:,} elements; encode+decode {per_rank_ms:.1f} ms per step "
-          f"and rank ({args.ranks} simulated ranks, 1 thread)")  # fmt: skip
+    print(
+        f"{args.compressor}: {len(layers)} layers, {numel:,} elements; encode+decode {per_rank_ms:.1f} ms per step "
+        f"and rank ({args.ranks} simulated ranks, 1 thread)"
+    )
     with profile() as prof:
         run(2 + args.steps)
     table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows)

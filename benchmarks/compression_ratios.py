@@ -160,12 +160,16 @@ def run(configs: list[str], steps: int, workloads: list[str], batch_size: int = 
         for config in configs:
             m = measure(workload, CONFIGS[config], steps, lr=lr)
             kinds = [k for k in ("conv", "fc", "recurrent") if k in m.sent]
-            rows.append({
-                "model": workload.name, "config": config,
-                **{k: m.ratio([k]) for k in kinds},
-                "fc+recurrent": m.ratio([k for k in kinds if k != "conv"]),
-                "compressed": m.ratio(kinds), "whole": m.ratio([*kinds, "dense"]),
-            })  # fmt: skip
+            rows.append(
+                {
+                    "model": workload.name,
+                    "config": config,
+                    **{k: m.ratio([k]) for k in kinds},
+                    "fc+recurrent": m.ratio([k for k in kinds if k != "conv"]),
+                    "compressed": m.ratio(kinds),
+                    "whole": m.ratio([*kinds, "dense"]),
+                }
+            )
             print(f"# {workload.name} {config}: {rows[-1]}", file=sys.stderr, flush=True)
     return rows
 

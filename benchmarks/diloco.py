@@ -51,9 +51,15 @@ from typing import Any, NamedTuple
 HERE = os.path.dirname(os.path.abspath(__file__))
 RATES = ["10mbit", "100mbit", "1gbit"]
 STEP_CONFIGS = [
-    "compute", "ddp", "powersgd", "probe-fp32", "probe-minmax8", "probe-sparseloco", "h100-minmax8",
+    "compute",
+    "ddp",
+    "powersgd",
+    "probe-fp32",
+    "probe-minmax8",
+    "probe-sparseloco",
+    "h100-minmax8",
     "h100-minmax8-streaming",
-]  # fmt: skip
+]
 PROBES = {"probe-fp32": "none", "probe-minmax8": "minmax8", "probe-sparseloco": "sparseloco"}
 CONVERGENCE_CONFIGS = ["ddp", "diloco-h50"]
 
@@ -91,9 +97,12 @@ def _strategy(spec: dict) -> Any:
     if config.startswith("h100-minmax8"):
         streaming = config.endswith("streaming")
         return DiLoCo(
-            sync_every=100, compressor=_compressor("minmax8"), fragments=spec["fragments"] if streaming else 1,
-            overlap_steps=spec["overlap_steps"] if streaming else 0, sigterm_check=spec["sigterm_check"],
-        )  # fmt: skip
+            sync_every=100,
+            compressor=_compressor("minmax8"),
+            fragments=spec["fragments"] if streaming else 1,
+            overlap_steps=spec["overlap_steps"] if streaming else 0,
+            sigterm_check=spec["sigterm_check"],
+        )
     # convergence: diloco-h<H>[-w<dense warm-up steps>][-lr<outer lr>][-m<outer momentum>][-<outer compressor>]
     parsed = parse_diloco_config(config)
     outer = partial(torch.optim.SGD, lr=parsed.outer_lr, momentum=parsed.momentum, nesterov=parsed.momentum > 0)
@@ -171,11 +180,18 @@ def _fit(spec: dict, rank: int, world: int) -> dict:
     model = GPTLanguageModel(**spec["model"])
     clock = _make_clock()
     common: dict[str, Any] = {
-        "accelerator": "cpu", "devices": world, "max_steps": spec["steps"], "logger": False,
-        "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-        "callbacks": [clock, *_warmup(spec["config"])], "num_sanity_val_steps": 0, "max_epochs": -1,
+        "accelerator": "cpu",
+        "devices": world,
+        "max_steps": spec["steps"],
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "callbacks": [clock, *_warmup(spec["config"])],
+        "num_sanity_val_steps": 0,
+        "max_epochs": -1,
         "strategy": "auto" if spec["alone"] else _strategy(spec),
-    }  # fmt: skip
+    }
     if spec["task"] == "steps":
         generator = torch.Generator().manual_seed(1000 + rank)
         tokens = torch.randint(0, 256, (64 * spec["batch_size"], spec["model"]["block_size"] + 1), generator=generator)
@@ -185,9 +201,12 @@ def _fit(spec: dict, rank: int, world: int) -> dict:
     else:
         datamodule = TextDataModule(seq_len=spec["model"]["block_size"], batch_size=spec["batch_size"])
         trainer = pl.Trainer(
-            **common, val_check_interval=spec["val_every"], check_val_every_n_epoch=None,
-            limit_val_batches=spec["val_batches"], gradient_clip_val=1.0,
-        )  # fmt: skip
+            **common,
+            val_check_interval=spec["val_every"],
+            check_val_every_n_epoch=None,
+            limit_val_batches=spec["val_batches"],
+            gradient_clip_val=1.0,
+        )
         trainer.fit(model, datamodule=datamodule)
     return {"ends": clock.ends, "sent": clock.sent, "val": clock.val, **_bytes(trainer, model)}
 
@@ -270,9 +289,18 @@ def measure_steps(rate: str, args: argparse.Namespace, namespace: str | None) ->
     from _netns import rate_bytes_per_second
 
     model = _step_model(args)
-    base = {"task": "steps", "world": args.workers, "threads": 1, "seed": 0, "model": model,
-            "batch_size": args.batch_size, "probe_every": args.probe_every, "fragments": args.fragments,
-            "overlap_steps": args.overlap_steps, "sigterm_check": args.sigterm_check}  # fmt: skip
+    base = {
+        "task": "steps",
+        "world": args.workers,
+        "threads": 1,
+        "seed": 0,
+        "model": model,
+        "batch_size": args.batch_size,
+        "probe_every": args.probe_every,
+        "fragments": args.fragments,
+        "overlap_steps": args.overlap_steps,
+        "sigterm_check": args.sigterm_check,
+    }
     plan = []
     for config in args.configs:
         if config in ("ddp", "powersgd"):
@@ -307,9 +335,11 @@ def measure_steps(rate: str, args: argparse.Namespace, namespace: str | None) ->
             after = _step_row(rate, "compute", warmup, timed, records["compute-after"], args)
             if "error" not in after:  # the baseline: the mean of the runs before and after the others
                 row.update(
-                    before_s=row["step_s"], after_s=after["step_s"], step_s=(row["step_s"] + after["step_s"]) / 2,
+                    before_s=row["step_s"],
+                    after_s=after["step_s"],
+                    step_s=(row["step_s"] + after["step_s"]) / 2,
                     median_s=(row["median_s"] + after["median_s"]) / 2,
-                )  # fmt: skip
+                )
     return rows
 
 
@@ -338,8 +368,13 @@ def _step_row(rate: str, config: str, warmup: int, timed: int, record: dict, arg
 
 
 def _step_model(args: argparse.Namespace) -> dict:
-    return {"block_size": args.seq_len, "n_layer": args.n_layer, "n_head": args.n_embd // 64, "n_embd": args.n_embd,
-            "warmup_steps": 0}  # fmt: skip
+    return {
+        "block_size": args.seq_len,
+        "n_layer": args.n_layer,
+        "n_head": args.n_embd // 64,
+        "n_embd": args.n_embd,
+        "warmup_steps": 0,
+    }
 
 
 def compose(rows: list[dict], sync_every: list[int], ddp_bytes: int) -> list[dict]:
@@ -354,8 +389,15 @@ def compose(rows: list[dict], sync_every: list[int], ddp_bytes: int) -> list[dic
             continue
         for h in sync_every:
             step = ((h - 1) * r["inner_s"] + r["sync_step_s"]) / h
-            table.append({"rate": r["rate"], "config": f"diloco H={h} {PROBES[r['config']]}", "step_s": step,
-                          "bytes_per_step": r["bytes_per_sync"] / h, "composed": True})  # fmt: skip
+            table.append(
+                {
+                    "rate": r["rate"],
+                    "config": f"diloco H={h} {PROBES[r['config']]}",
+                    "step_s": step,
+                    "bytes_per_step": r["bytes_per_sync"] / h,
+                    "composed": True,
+                }
+            )
     for r in table:
         same = {x["config"]: x for x in table if x["rate"] == r["rate"] and "error" not in x}
         if "error" not in r and "compute" in same:
@@ -390,8 +432,10 @@ def steps_markdown(table: list[dict], raw: list[dict], args: argparse.Namespace,
     lines += ["", f"Probes (DiLoCo, sync_every={args.probe_every}): inner step, sync step, bytes per sync:", ""]
     for r in raw:
         if r["config"] in PROBES and "error" not in r:
-            lines.append(f"- {r['rate']} {r['config']}: inner {r['inner_s']:.3f} s, sync step {r['sync_step_s']:.3f}"
-                         f" s, {r['bytes_per_sync']:,.0f} bytes per sync and rank")  # fmt: skip
+            lines.append(
+                f"- {r['rate']} {r['config']}: inner {r['inner_s']:.3f} s, sync step {r['sync_step_s']:.3f}"
+                f" s, {r['bytes_per_sync']:,.0f} bytes per sync and rank"
+            )
     return "\n".join(lines)
 
 
@@ -403,8 +447,10 @@ def run_steps(args: argparse.Namespace) -> None:
     from lightning_gradcomp.models.gpt import GPT
 
     model = _step_model(args)
-    params = sum(p.numel() for p in GPT(256, model["block_size"], model["n_layer"], model["n_head"],
-                                        model["n_embd"]).parameters())  # fmt: skip
+    params = sum(
+        p.numel()
+        for p in GPT(256, model["block_size"], model["n_layer"], model["n_head"], model["n_embd"]).parameters()
+    )
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     raw: list[dict] = []
     for rate in args.rates:
@@ -429,13 +475,27 @@ def run_steps(args: argparse.Namespace) -> None:
 
 
 def run_convergence(args: argparse.Namespace) -> None:
-    model = {"block_size": args.seq_len, "n_layer": args.n_layer, "n_head": max(args.n_embd // 32, 1),
-             "n_embd": args.n_embd, "lr": args.lr, "warmup_steps": args.lr_warmup}  # fmt: skip
+    model = {
+        "block_size": args.seq_len,
+        "n_layer": args.n_layer,
+        "n_head": max(args.n_embd // 32, 1),
+        "n_embd": args.n_embd,
+        "lr": args.lr,
+        "warmup_steps": args.lr_warmup,
+    }
     runs = []
     for seed in args.seeds:  # one launch per seed, its configurations in turn
-        spec = {"task": "convergence", "world": args.workers, "threads": 1, "alone": False, "model": model,
-                "batch_size": args.batch_size, "val_every": args.val_every, "val_batches": args.val_batches,
-                "runs": [{"config": c, "seed": seed, "steps": args.steps} for c in args.configs]}  # fmt: skip
+        spec = {
+            "task": "convergence",
+            "world": args.workers,
+            "threads": 1,
+            "alone": False,
+            "model": model,
+            "batch_size": args.batch_size,
+            "val_every": args.val_every,
+            "val_batches": args.val_batches,
+            "runs": [{"config": c, "seed": seed, "steps": args.steps} for c in args.configs],
+        }
         begin = time.time()
         for run, record in zip(spec["runs"], launch(spec, None)):
             runs.append({"seed": seed, "config": run["config"], **record})
@@ -510,9 +570,12 @@ def main() -> None:
     steps.add_argument("--rates", nargs="+", default=RATES, help="tc rates; 'none' for the unshaped loopback")
     steps.add_argument("--configs", nargs="+", default=STEP_CONFIGS, choices=STEP_CONFIGS)
     steps.add_argument("--workers", type=int, default=2)
-    steps.add_argument("--per-worker", action="store_true",
-                       help="each rate is every worker's own uplink (a switched network): the one shaped loopback,"
-                            " which all workers share, gets the rate times the workers")  # fmt: skip
+    steps.add_argument(
+        "--per-worker",
+        action="store_true",
+        help="each rate is every worker's own uplink (a switched network): the one shaped loopback,"
+        " which all workers share, gets the rate times the workers",
+    )
     steps.add_argument("--n-layer", type=int, default=8)
     steps.add_argument("--n-embd", type=int, default=512)
     steps.add_argument("--seq-len", type=int, default=32)
@@ -528,21 +591,30 @@ def main() -> None:
     steps.add_argument("--sync-every", type=int, nargs="+", default=[20, 100, 500], help="H of the composed rows")
     steps.add_argument("--fragments", type=int, default=5, help="fragments of h100-minmax8-streaming")
     steps.add_argument("--overlap-steps", type=int, default=15, help="overlap_steps of h100-minmax8-streaming")
-    steps.add_argument("--sigterm-check", choices=["sync", "step"], default="sync",
-                       help="sigterm_check of the h100-* configurations (Lightning's SIGTERM broadcast once per "
-                       "sync period, or at every step)")  # fmt: skip
-    steps.add_argument("--quick", action="store_true",
-                       help="a tiny model and few steps, to check the harness (numbers meaningless)")  # fmt: skip
+    steps.add_argument(
+        "--sigterm-check",
+        choices=["sync", "step"],
+        default="sync",
+        help="sigterm_check of the h100-* configurations (Lightning's SIGTERM broadcast once per "
+        "sync period, or at every step)",
+    )
+    steps.add_argument(
+        "--quick", action="store_true", help="a tiny model and few steps, to check the harness (numbers meaningless)"
+    )
     steps.add_argument("--out", default=os.path.join(HERE, "results", "diloco_steps"), help="writes OUT.md, OUT.json")
     conv = sub.add_parser("convergence", help="validation loss of plain DDP and DiLoCo on the language task")
-    conv.add_argument("--configs", nargs="+", default=CONVERGENCE_CONFIGS,
-                      help="ddp, or diloco-h<H>[-w<W>][-lr<outer lr>][-m<outer momentum>]"
-                           "[-minmax8|-minmax4|-sparseloco] (e.g. diloco-h50, diloco-h20-lr1.0-m0,"
-                           " diloco-h50-w50-lr0.7-m0.5, diloco-h50-lr0.7-m0.5-minmax8; -w<W>: DenseWarmup(steps=W),"
-                           " plain data parallelism for the first W steps, then DiLoCo's rounds; default outer"
-                           " Nesterov SGD lr 0.7 momentum 0.9, momentum 0 is plain SGD; the last suffix compresses"
-                           " the outer exchange: MinMax(bits=8), MinMax(bits=4), SparseLoCo(); default"
-                           " fp32)")  # fmt: skip
+    conv.add_argument(
+        "--configs",
+        nargs="+",
+        default=CONVERGENCE_CONFIGS,
+        help="ddp, or diloco-h<H>[-w<W>][-lr<outer lr>][-m<outer momentum>]"
+        "[-minmax8|-minmax4|-sparseloco] (e.g. diloco-h50, diloco-h20-lr1.0-m0,"
+        " diloco-h50-w50-lr0.7-m0.5, diloco-h50-lr0.7-m0.5-minmax8; -w<W>: DenseWarmup(steps=W),"
+        " plain data parallelism for the first W steps, then DiLoCo's rounds; default outer"
+        " Nesterov SGD lr 0.7 momentum 0.9, momentum 0 is plain SGD; the last suffix compresses"
+        " the outer exchange: MinMax(bits=8), MinMax(bits=4), SparseLoCo(); default"
+        " fp32)",
+    )
     conv.add_argument("--workers", type=int, default=2, help="worker processes (ranks)")
     conv.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     conv.add_argument("--steps", type=int, default=400)
@@ -554,8 +626,9 @@ def main() -> None:
     conv.add_argument("--batch-size", type=int, default=16)
     conv.add_argument("--lr", type=float, default=3e-3)
     conv.add_argument("--lr-warmup", type=int, default=40)
-    conv.add_argument("--out", default=os.path.join(HERE, "results", "diloco_convergence"),
-                      help="writes OUT.md, OUT.json, OUT.png")  # fmt: skip
+    conv.add_argument(
+        "--out", default=os.path.join(HERE, "results", "diloco_convergence"), help="writes OUT.md, OUT.json, OUT.png"
+    )
     args = parser.parse_args()
     if args.part == "steps":
         if args.quick:

@@ -81,9 +81,15 @@ def measure(offload: bool, args: argparse.Namespace) -> dict[str, Any]:
     model = _MLP(args.width, args.layers)
     strategy = DiLoCo(sync_every=args.sync_every, offload=offload, compressor=SparseLoCo(), monitor=False)
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=1, strategy=strategy, max_steps=args.steps, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-    )  # fmt: skip
+        accelerator=args.accelerator,
+        devices=1,
+        strategy=strategy,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     cuda = torch.cuda.is_available() and args.accelerator in ("gpu", "cuda")
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -112,9 +118,11 @@ def main() -> None:
     args = parser.parse_args()
     results = {offload: measure(offload, args) for offload in (False, True)}
     model_bytes = results[False]["pieces"]["model parameters (the rank's replica)"][0]
-    print(f"DiLoCo state per rank, MLP {args.layers} x {args.width} ({model_bytes / 4:,.0f} fp32 parameters,"
-          f" {model_bytes / 2**20:.2f} MiB), {args.steps} steps, sync_every={args.sync_every},"
-          f" {results[False]['syncs']} syncs; `python {' '.join(sys.argv)}`")  # fmt: skip
+    print(
+        f"DiLoCo state per rank, MLP {args.layers} x {args.width} ({model_bytes / 4:,.0f} fp32 parameters,"
+        f" {model_bytes / 2**20:.2f} MiB), {args.steps} steps, sync_every={args.sync_every},"
+        f" {results[False]['syncs']} syncs; `python {' '.join(sys.argv)}`"
+    )
     print("| piece | bytes | x model | device, offload=False | device, offload=True |")
     print("|---|---|---|---|---|")
     for name in results[False]["pieces"]:

@@ -5,8 +5,8 @@ root for a rate other than ``none``) with every worker recording, on ``time.perf
 did it:
 
 * each step's end, and the CPU seconds of every thread of the process at that moment (``/proc/self/task``);
-* the strategy's exchange: ``_start_exchange`` (the pseudo-gradient, the compressor's encoding and its error feedback,
-  the collectives issued) and ``_finish_exchange`` (the wait for the average, the outer step, the copy back);
+* the round's exchange: ``OuterExchange.start`` (the compressor's encoding and its error feedback, the collectives
+  issued) and ``Round.finish`` (the wait for the average, the outer step, the copy back);
 * each collective issued through the package's process groups, and when its future completed;
 * the compressor's ``compress`` and ``decompress`` (on which thread: the main one, or gloo's worker thread that runs
   the collective's callbacks).
@@ -29,11 +29,6 @@ import sys
 import threading
 import time
 from typing import Any
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-
-import diloco as bench  # noqa: E402 (the benchmark whose configurations this traces)
 
 #: (event, seconds since the worker started, on the main thread?, details)
 EVENTS: list[tuple[str, float, bool, dict]] = []
@@ -89,24 +84,29 @@ def _collective(kind: str) -> None:
     setattr(process_groups.TorchCollectives, kind, issued)
 
 
+def _bench() -> Any:
+    """``benchmarks/diloco.py``, whose configurations this traces (beside this script, on ``sys.path`` when it runs)."""
+    import diloco
+
+    return diloco
+
+
 def _install() -> None:
     """Wrap the exchange's functions and the step clock with the recorders above."""
-    from lightning_gradcomp import diloco
     from lightning_gradcomp.compressors import minmax, sparseloco
-    from lightning_gradcomp.diloco import exchange as outer_exchange
-    from lightning_gradcomp.diloco import outer
+    from lightning_gradcomp.diloco import exchange, round
 
-    _timed(diloco.DiLoCo, "_start_exchange", "start")
-    _timed(diloco.DiLoCo, "_finish_exchange", "finish")
-    _timed(outer.OuterState, "pseudo_gradients", "pseudo-gradient")
-    _timed(outer.OuterState, "step", "outer step")
-    _timed(outer_exchange.OuterRound, "wait", "wait")
-    _timed(outer.Averaging, "wait", "wait")
+    _timed(exchange.OuterExchange, "start", "start")
+    _timed(round.Round, "finish", "finish")
+    _timed(round.Round, "pseudo_gradients", "pseudo-gradient")
+    _timed(round.Round, "outer_step", "outer step")
+    _timed(exchange.InFlight, "wait", "wait")
     for compressor in (minmax.MinMax, sparseloco.SparseLoCo):
         _timed(compressor, "compress", "compress")
         _timed(compressor, "decompress", "decompress")
     for kind in ("all_gather", "all_reduce"):
         _collective(kind)
+    bench = _bench()
     make_clock = bench._make_clock
 
     def clock_with_cpu() -> Any:
@@ -187,12 +187,18 @@ def summarize(events: list, first: int, last: int) -> dict:
     # beyond plain steps: every other thread's CPU, and the main thread's beyond the median on its busy steps
     extra = sum(total.values()) - main_total + sum(c - plain for k, c in zip(numbers, main) if k in busy)
     return {
-        "steps": len(durations), "wall_s": sum(durations), "median_step_s": statistics.median(durations),
-        "plain_step_cpu_s": plain, "thread_cpu_s": threads,
+        "steps": len(durations),
+        "wall_s": sum(durations),
+        "median_step_s": statistics.median(durations),
+        "plain_step_cpu_s": plain,
+        "thread_cpu_s": threads,
         "extra_cpu_s": extra,
-        "exchanges": [{k: v for k, v in x.items() if k not in ("started", "finishing", "done", "issued", "encoded")}
-                      for x in exchanges if first <= x["start_step"] <= last],
-    }  # fmt: skip
+        "exchanges": [
+            {k: v for k, v in x.items() if k not in ("started", "finishing", "done", "issued", "encoded")}
+            for x in exchanges
+            if first <= x["start_step"] <= last
+        ],
+    }
 
 
 def markdown(summary: dict, args: argparse.Namespace, load: str) -> str:
@@ -230,12 +236,13 @@ def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "_worker":
         spec = json.loads(sys.argv[2])
         _install()
-        bench._worker(spec)
+        _bench()._worker(spec)
         with open(f"{spec['trace']}.rank{spec['rank']}.json", "w") as f:
             json.dump(EVENTS, f)
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rate", default="100mbit", help="tc rate of the shaped loopback; 'none' for unshaped")
+    bench = _bench()
     parser.add_argument("--config", default="h100-minmax8-streaming", choices=bench.STEP_CONFIGS[3:])
     parser.add_argument("--steps", type=int, default=115, help="optimizer steps to run")
     parser.add_argument("--first", type=int, default=16, help="first step of the CPU accounting window")
@@ -245,17 +252,35 @@ def main() -> None:
     parser.add_argument("--overlap-steps", type=int, default=15)
     parser.add_argument("--n-layer", type=int, default=8)
     parser.add_argument("--n-embd", type=int, default=512)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "diloco_trace"),
-                        help="writes OUT.md, OUT.json (the summary) and OUT.rank<r>.json (the events)")  # fmt: skip
+    parser.add_argument(
+        "--out",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "diloco_trace"),
+        help="writes OUT.md, OUT.json (the summary) and OUT.rank<r>.json (the events)",
+    )
     args = parser.parse_args()
     from _netns import shaped_namespace
 
-    model = {"block_size": 32, "n_layer": args.n_layer, "n_head": args.n_embd // 64, "n_embd": args.n_embd,
-             "warmup_steps": 0}  # fmt: skip
-    spec = {"task": "steps", "world": 2, "threads": 1, "seed": 0, "model": model, "batch_size": 1,
-            "probe_every": 3, "fragments": args.fragments, "overlap_steps": args.overlap_steps, "alone": False,
-            "runs": [{"config": args.config, "steps": args.steps, "alone": False}],
-            "trace": os.path.abspath(args.out)}  # fmt: skip
+    model = {
+        "block_size": 32,
+        "n_layer": args.n_layer,
+        "n_head": args.n_embd // 64,
+        "n_embd": args.n_embd,
+        "warmup_steps": 0,
+    }
+    spec = {
+        "task": "steps",
+        "world": 2,
+        "threads": 1,
+        "seed": 0,
+        "model": model,
+        "batch_size": 1,
+        "probe_every": 3,
+        "fragments": args.fragments,
+        "overlap_steps": args.overlap_steps,
+        "alone": False,
+        "runs": [{"config": args.config, "steps": args.steps, "alone": False}],
+        "trace": os.path.abspath(args.out),
+    }
     os.makedirs(os.path.dirname(spec["trace"]) or ".", exist_ok=True)
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     script = os.path.abspath(__file__)

@@ -54,16 +54,28 @@ def _fit(config: str, seed: int, args: argparse.Namespace) -> dict[str, float]:
     )
     callbacks = [DenseWarmup(epochs=args.warmup_epochs)] if config == "diloco-warmup" else []
     trainer = pl.Trainer(
-        accelerator="cpu", devices=args.workers, strategy=strategy, max_epochs=args.epochs, callbacks=callbacks,
-        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, check_val_every_n_epoch=args.epochs,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=args.workers,
+        strategy=strategy,
+        max_epochs=args.epochs,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        check_val_every_n_epoch=args.epochs,
+    )
     start = time.perf_counter()
     trainer.fit(model, datamodule=data)
     seconds = time.perf_counter() - start
     (metrics,) = trainer.validate(model, datamodule=data, verbose=False)  # the final model (DiLoCo: theta_global)
-    return {"val_acc": float(metrics["val_acc"]), "val_loss": float(metrics["val_loss"]), "seconds": seconds,
-            "steps": trainer.global_step}  # fmt: skip
+    return {
+        "val_acc": float(metrics["val_acc"]),
+        "val_loss": float(metrics["val_loss"]),
+        "seconds": seconds,
+        "steps": trainer.global_step,
+    }
 
 
 def _table(results: dict[str, dict[int, dict[str, float]]], seeds: list[int]) -> str:
@@ -108,10 +120,12 @@ def main() -> None:
                 print(f"RESULT {json.dumps({'config': config, 'seed': seed, **results[config][seed]})}", flush=True)
     if not main_process:
         return
-    print(f"digits, 'cnn' with BatchNorm, {args.workers} workers x batch {args.batch}, {args.epochs} epochs"
-          f" ({results[args.configs[0]][args.seeds[0]]['steps']} steps), DiLoCo H = {args.sync_every},"
-          f" warm-up {args.warmup_epochs} epoch(s), outer SGD lr {args.outer_lr} momentum {args.outer_momentum};"
-          f" `{' '.join(sys.argv)}`")  # fmt: skip
+    print(
+        f"digits, 'cnn' with BatchNorm, {args.workers} workers x batch {args.batch}, {args.epochs} epochs"
+        f" ({results[args.configs[0]][args.seeds[0]]['steps']} steps), DiLoCo H = {args.sync_every},"
+        f" warm-up {args.warmup_epochs} epoch(s), outer SGD lr {args.outer_lr} momentum {args.outer_momentum};"
+        f" `{' '.join(sys.argv)}`"
+    )
     print(_table(results, args.seeds))
     if args.json:
         with open(args.json, "w") as f:

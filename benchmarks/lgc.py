@@ -89,13 +89,15 @@ def measure(factory, layers, ranks: int, steps: list[int]) -> list[dict]:
         wall = time.perf_counter() - start
         stats = [t.pop_step() for t in telemetry]
         if step in steps:
-            out.append({
-                "step": step,
-                "bytes_per_rank": [s.bytes_sent for s in stats],
-                "encode_decode_ms": sum(s.encode_ms + s.decode_ms for s in stats),
-                "decode_ms": sum(s.decode_ms for s in stats),
-                "wall_ms": 1000 * wall,
-            })  # fmt: skip
+            out.append(
+                {
+                    "step": step,
+                    "bytes_per_rank": [s.bytes_sent for s in stats],
+                    "encode_decode_ms": sum(s.encode_ms + s.decode_ms for s in stats),
+                    "decode_ms": sum(s.decode_ms for s in stats),
+                    "wall_ms": 1000 * wall,
+                }
+            )
     return out
 
 
@@ -106,10 +108,11 @@ def _time_factories(rho: float, rho_u: float) -> dict:
     """Stage 2 at steps 0-1, stage 3 from step 2 (which trains on step 1's values)."""
     return {
         "lgc-ps (all-gather)": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=0, training_steps=2),
-        "lgc-ps (gather)": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=0, training_steps=2,
-                                       ps_form="gather"),
+        "lgc-ps (gather)": lambda: LGC(
+            ratio=rho, innovation_ratio=rho_u, dense_steps=0, training_steps=2, ps_form="gather"
+        ),
         "lgc-allreduce": lambda: LGCAllReduce(ratio=rho, dense_steps=0, training_steps=2),
-    }  # fmt: skip
+    }
 
 
 def _time_worker(rank: int, world_size: int, port: int, args: argparse.Namespace, out: str) -> None:
@@ -130,8 +133,14 @@ def _time_worker(rank: int, world_size: int, port: int, args: argparse.Namespace
         for step in range(3 + args.steps):
             telemetry = Telemetry()
             telemetry.add_bucket(4 * numel)
-            ctx = BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=layers,
-                                comm=Comm(backend, telemetry, grad.device))  # fmt: skip
+            ctx = BucketContext(
+                index=0,
+                step=step,
+                rank=rank,
+                world_size=world_size,
+                layers=layers,
+                comm=Comm(backend, telemetry, grad.device),
+            )
             tensor = grad.clone()
             dist.barrier()
             begin = time.perf_counter()
@@ -156,10 +165,17 @@ def _time_rows(args: argparse.Namespace, rate: str) -> list[dict]:
             ranks = [torch.load(os.path.join(out, f"rank{r}.pt"), weights_only=False) for r in range(n)]
         for name in ranks[0]:
             per_step = [max(r[name]["seconds"][i] for r in ranks) for i in range(args.steps)]
-            rows.append({"rate": rate, "ranks": n, "method": name, "step_ms": 1000 * statistics.median(per_step),
-                         "step_ms_all": [1000 * t for t in per_step],
-                         "bytes_per_rank": [r[name]["bytes_sent"][0] for r in ranks],
-                         "compute_ms_per_rank": [statistics.median(r[name]["compute_ms"]) for r in ranks]})  # fmt: skip
+            rows.append(
+                {
+                    "rate": rate,
+                    "ranks": n,
+                    "method": name,
+                    "step_ms": 1000 * statistics.median(per_step),
+                    "step_ms_all": [1000 * t for t in per_step],
+                    "bytes_per_rank": [r[name]["bytes_sent"][0] for r in ranks],
+                    "compute_ms_per_rank": [statistics.median(r[name]["compute_ms"]) for r in ranks],
+                }
+            )
             print(f"# {rate} {n} ranks {name}: {rows[-1]['step_ms']:.0f} ms", file=sys.stderr, flush=True)
     return rows
 
@@ -177,16 +193,36 @@ def time_main(args: argparse.Namespace) -> None:
                 continue
             with tempfile.TemporaryDirectory() as tmp, shaped_namespace(rate) as name:
                 path = os.path.join(tmp, "rows.json")
-                command = ["ip", "netns", "exec", name, sys.executable, os.path.abspath(__file__), "--time",
-                           "--inside-namespace", "--rates", rate, "--ranks", *map(str, args.ranks),
-                           "--steps", str(args.steps), "--ratio", str(args.ratio),
-                           "--innovation-ratio", str(args.innovation_ratio), "--json", path]  # fmt: skip
+                command = [
+                    "ip",
+                    "netns",
+                    "exec",
+                    name,
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--time",
+                    "--inside-namespace",
+                    "--rates",
+                    rate,
+                    "--ranks",
+                    *map(str, args.ranks),
+                    "--steps",
+                    str(args.steps),
+                    "--ratio",
+                    str(args.ratio),
+                    "--innovation-ratio",
+                    str(args.innovation_ratio),
+                    "--json",
+                    path,
+                ]
                 subprocess.run(command, check=True)
                 with open(path) as f:
                     rows.extend(json.load(f)["rows"])
     if not args.inside_namespace:
-        print("| link | ranks | method | stage-3 reduction, ms (median, slowest rank) | min - max | leader's bytes |"
-              " other ranks' bytes | encode+decode ms per rank (rank 0 first) |")  # fmt: skip
+        print(
+            "| link | ranks | method | stage-3 reduction, ms (median, slowest rank) | min - max | leader's bytes |"
+            " other ranks' bytes | encode+decode ms per rank (rank 0 first) |"
+        )
         print("|---|---|---|---|---|---|---|---|")
         for r in rows:
             leader = max(r["bytes_per_rank"])
@@ -225,29 +261,48 @@ def main() -> None:
         # stage 1 at step 0, stage 2 at steps 1-2 (step 2 trains on step 1's values), stage 3 from step 3
         lgc = {
             "ps": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=1, training_steps=2),
-            "ps-gather": lambda: LGC(ratio=rho, innovation_ratio=rho_u, dense_steps=1, training_steps=2,
-                                     ps_form="gather"),
+            "ps-gather": lambda: LGC(
+                ratio=rho, innovation_ratio=rho_u, dense_steps=1, training_steps=2, ps_form="gather"
+            ),
             "allreduce": lambda: LGCAllReduce(ratio=rho, dense_steps=1, training_steps=2),
-        }  # fmt: skip
+        }
         for variant, factory in lgc.items():
             runs = measure(factory, layers, n, steps=list(range(3, 3 + n)) + [0, 2])
             stages = ((1, [0]), (2, [2]), (3, list(range(3, 3 + n))))
             for stage, picked in stages[2:] if variant == "ps-gather" else stages:  # stages 1-2: those of "ps"
                 chosen = [r for r in runs if r["step"] in picked]
                 per_rank = sum(sum(r["bytes_per_rank"]) for r in chosen) / (n * len(chosen))
-                rows.append({"ranks": n, "method": f"lgc-{variant}", "stage": stage, "bytes_per_rank": per_rank,
-                             "leader_bytes": max(chosen[0]["bytes_per_rank"]),
-                             "other_bytes": min(chosen[0]["bytes_per_rank"]),
-                             "encode_decode_ms": sum(r["encode_decode_ms"] for r in chosen) / len(chosen),
-                             "decode_ms": sum(r["decode_ms"] for r in chosen) / len(chosen)})  # fmt: skip
-        for name, factory in (("topk", lambda: TopK(ratio=rho)), ("dgc", lambda: DGC(ratio=rho)),
-                              ("scalecom", lambda: ScaleCom(ratio=rho))):  # fmt: skip
+                rows.append(
+                    {
+                        "ranks": n,
+                        "method": f"lgc-{variant}",
+                        "stage": stage,
+                        "bytes_per_rank": per_rank,
+                        "leader_bytes": max(chosen[0]["bytes_per_rank"]),
+                        "other_bytes": min(chosen[0]["bytes_per_rank"]),
+                        "encode_decode_ms": sum(r["encode_decode_ms"] for r in chosen) / len(chosen),
+                        "decode_ms": sum(r["decode_ms"] for r in chosen) / len(chosen),
+                    }
+                )
+        for name, factory in (
+            ("topk", lambda: TopK(ratio=rho)),
+            ("dgc", lambda: DGC(ratio=rho)),
+            ("scalecom", lambda: ScaleCom(ratio=rho)),
+        ):
             runs = measure(factory, layers, n, steps=list(range(n)))
             per_rank = sum(sum(r["bytes_per_rank"]) for r in runs) / (n * len(runs))
-            rows.append({"ranks": n, "method": name, "stage": None, "bytes_per_rank": per_rank,
-                         "leader_bytes": max(runs[0]["bytes_per_rank"]), "other_bytes": min(runs[0]["bytes_per_rank"]),
-                         "encode_decode_ms": sum(r["encode_decode_ms"] for r in runs) / len(runs),
-                         "decode_ms": sum(r["decode_ms"] for r in runs) / len(runs)})  # fmt: skip
+            rows.append(
+                {
+                    "ranks": n,
+                    "method": name,
+                    "stage": None,
+                    "bytes_per_rank": per_rank,
+                    "leader_bytes": max(runs[0]["bytes_per_rank"]),
+                    "other_bytes": min(runs[0]["bytes_per_rank"]),
+                    "encode_decode_ms": sum(r["encode_decode_ms"] for r in runs) / len(runs),
+                    "decode_ms": sum(r["decode_ms"] for r in runs) / len(runs),
+                }
+            )
         # the gather form without the code, by formula: the leader broadcasts the averaged values (at its k indices
         # and at every rank's k_u innovation indices) and its indices only; the other ranks could not decode
         # themselves, so their error feedback could not subtract what the aggregate used for them
@@ -258,10 +313,19 @@ def main() -> None:
         k_u = sum(probe._innovation_counts(ctx))
         leader_code = -(-4 * (probe._code_numel(ctx) + len(layers)) // 8) * 8 + index_blob_nbytes(layout)
         leader_values = -(-4 * (layout.slots + n * k_u) // 8) * 8 + index_blob_nbytes(layout)
-        rows.append({"ranks": n, "method": "lgc-ps (gather form without the code: formula)", "stage": 3,
-                     "bytes_per_rank": innovations + leader_values / n, "leader_bytes": innovations + leader_values,
-                     "other_bytes": innovations, "encode_decode_ms": None, "decode_ms": None,
-                     "note": f"leader broadcast {leader_values} B instead of {leader_code} B"})  # fmt: skip
+        rows.append(
+            {
+                "ranks": n,
+                "method": "lgc-ps (gather form without the code: formula)",
+                "stage": 3,
+                "bytes_per_rank": innovations + leader_values / n,
+                "leader_bytes": innovations + leader_values,
+                "other_bytes": innovations,
+                "encode_decode_ms": None,
+                "decode_ms": None,
+                "note": f"leader broadcast {leader_values} B instead of {leader_code} B",
+            }
+        )
     dense_bytes = 4 * numel
     print(
         f"ResNet-18 (CIFAR-10): {numel:,} compressed elements ({dense_bytes:,} B dense), {dense:,} densely averaged"
@@ -283,8 +347,9 @@ def main() -> None:
         )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "compressed_elements": numel, "dense_elements": dense, "rows": rows}, f,
-                      indent=1)  # fmt: skip
+            json.dump(
+                {"args": vars(args), "compressed_elements": numel, "dense_elements": dense, "rows": rows}, f, indent=1
+            )
 
 
 if __name__ == "__main__":

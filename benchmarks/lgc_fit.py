@@ -244,14 +244,18 @@ def trace_summary(result: dict) -> list[str]:
             return statistics.mean(r[key] if i is None else r[key][i] for r in part)
 
         cells = [
-            f"{epoch + 1}", f"{part[-1]['stage']}", f"{100 * accuracy:.1f}",
+            f"{epoch + 1}",
+            f"{part[-1]['stage']}",
+            f"{100 * accuracy:.1f}",
             f"{mean('gradient_norm', 0):.2f} / {mean('gradient_norm', 1):.2f}",
             f"{mean('memory_norm', 0):.2f} / {mean('memory_norm', 1):.2f}",
-            f"{mean('mean_input_norm'):.2f}", f"{mean('update_norm'):.2f}", f"{mean('cos_update_input'):+.2f}",
+            f"{mean('mean_input_norm'):.2f}",
+            f"{mean('update_norm'):.2f}",
+            f"{mean('cos_update_input'):+.2f}",
             f"{mean('cos_update_gradient'):+.2f}",
             f"{statistics.mean(r['lost_norm'] / r['mean_input_norm'] for r in part):.2f}",
             f"{part[-1]['lost_sum_norm']:.1f} / {part[-1]['gradient_sum_norm']:.1f}",
-        ]  # fmt: skip
+        ]
         coded = [r for r in part if "layers" in r]
         if coded:
             layers = [layer for r in coded for layer in r["layers"]]

@@ -60,8 +60,9 @@ def build(config: str) -> tuple[nn.Module, Masks | None]:
     if config.startswith("pactrain"):
         _, sparsity, *granularity = config.split("-")
         weights = prunable_parameters(model)
-        masks = Masks(magnitude_masks(weights, int(sparsity) / 100, granularity=granularity[0] if granularity
-                                      else "element"))  # fmt: skip
+        masks = Masks(
+            magnitude_masks(weights, int(sparsity) / 100, granularity=granularity[0] if granularity else "element")
+        )
         with torch.no_grad():
             for name, p in weights.items():
                 p.mul_(masks[name])
@@ -144,8 +145,10 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
     for r in results:
         rel = f"{r['step_s'] / dense['step_s']:.2f}x" if dense else ""
         ratio = f"{r['bytes_sent'] / (dense or r)['bytes_dense']:.4f}"
-        lines.append(f"| {r['config']} | {r['params']:,} | {r['step_s']:.3f} | {rel} | {r['bytes_sent']:,.0f} |"
-                     f" {r['bytes_analytical']:,} | {ratio} |")  # fmt: skip
+        lines.append(
+            f"| {r['config']} | {r['params']:,} | {r['step_s']:.3f} | {rel} | {r['bytes_sent']:,.0f} |"
+            f" {r['bytes_analytical']:,} | {ratio} |"
+        )
     return "\n".join(lines)
 
 

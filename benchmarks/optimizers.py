@@ -64,17 +64,31 @@ FACTORIES: dict[str, tuple[Callable, bool]] = {
 # digits: the sweep's best, 0.2 (seed 0, 3 epochs), diverged on 2 of 3 seeds over 6 epochs, so SGD uses 0.05, the
 # setting of benchmarks/convergence.py; memory runs use 1e-3 for all (only time and memory are read)
 LR = {
-    "digits": {"sgd": 0.05, "adamw": 3e-3, "novograd": 0.03, "fused-sgd": 0.05, "fused-lomo": 0.05,
-               "fused-adalomo": 0.03},
+    "digits": {
+        "sgd": 0.05,
+        "adamw": 3e-3,
+        "novograd": 0.03,
+        "fused-sgd": 0.05,
+        "fused-lomo": 0.05,
+        "fused-adalomo": 0.03,
+    },
     "lm": {"sgd": 3.0, "adamw": 1e-2, "novograd": 0.3, "fused-sgd": 3.0, "fused-lomo": 3.0, "fused-adalomo": 0.1},
-}  # fmt: skip
+}
 # the grids the learning rates above were chosen from (--lr-sweep, seed 0, the shorter lengths given)
 SWEEP = {
-    "digits": {"sgd": (0.02, 0.05, 0.1, 0.2), "adamw": (3e-4, 1e-3, 3e-3, 1e-2),
-               "novograd": (0.003, 0.01, 0.03, 0.1), "fused-adalomo": (0.003, 0.01, 0.03, 0.1)},
-    "lm": {"sgd": (0.3, 1.0, 3.0, 10.0), "adamw": (1e-3, 3e-3, 1e-2, 3e-2), "novograd": (0.01, 0.03, 0.1, 0.3),
-           "fused-adalomo": (0.01, 0.03, 0.1, 0.3)},
-}  # fmt: skip
+    "digits": {
+        "sgd": (0.02, 0.05, 0.1, 0.2),
+        "adamw": (3e-4, 1e-3, 3e-3, 1e-2),
+        "novograd": (0.003, 0.01, 0.03, 0.1),
+        "fused-adalomo": (0.003, 0.01, 0.03, 0.1),
+    },
+    "lm": {
+        "sgd": (0.3, 1.0, 3.0, 10.0),
+        "adamw": (1e-3, 3e-3, 1e-2, 3e-2),
+        "novograd": (0.01, 0.03, 0.1, 0.3),
+        "fused-adalomo": (0.01, 0.03, 0.1, 0.3),
+    },
+}
 BATCH = 32
 
 
@@ -92,9 +106,12 @@ def _setup(model: nn.Module, config: str, lr: float, compressor=None) -> tuple[D
 
 def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(
-        v.numel() * v.element_size() for s in optimizer.state.values() if isinstance(s, dict) for v in s.values()
+        v.numel() * v.element_size()
+        for s in optimizer.state.values()
+        if isinstance(s, dict)
+        for v in s.values()
         if isinstance(v, torch.Tensor)
-    )  # fmt: skip
+    )
 
 
 def _rss_mb() -> float:
@@ -162,8 +179,11 @@ def memory(configs: list[str], workloads: list[str], steps: int) -> dict:
 
 
 def memory_table(results: dict) -> str:
-    lines = ["| model | optimizer | step time (ms, median) | peak RSS (MB) | RSS growth during training (MB) |"
-             " optimizer state (MB) | parameters (MB) |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| model | optimizer | step time (ms, median) | peak RSS (MB) | RSS growth during training (MB) |"
+        " optimizer state (MB) | parameters (MB) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for key, r in results.items():
         workload, config = key.split("/")
         lines.append(
@@ -251,8 +271,10 @@ def convergence(jobs: list[tuple]) -> dict:
 
 
 def convergence_table(results: dict, seeds: list[int]) -> str:
-    lines = ["| task | optimizer | gradient | learning rate | per seed | mean | mean update norm per step |",
-             "|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        "| task | optimizer | gradient | learning rate | per seed | mean | mean update norm per step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     rows: dict[tuple, list] = {}
     for (task, config, lr, _, seed, topk), r in results.items():
         rows.setdefault((task, config, lr, topk), []).append(r)

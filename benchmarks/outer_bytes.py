@@ -32,8 +32,20 @@ COMPRESSORS = {
 
 
 def _shapes(width: int, blocks: int) -> list[tuple[int, ...]]:
-    block = [(width,), (width,), (3 * width, width), (3 * width,), (width, width), (width,),
-             (width,), (width,), (4 * width, width), (4 * width,), (width, 4 * width), (width,)]  # fmt: skip
+    block = [
+        (width,),
+        (width,),
+        (3 * width, width),
+        (3 * width,),
+        (width, width),
+        (width,),
+        (width,),
+        (width,),
+        (4 * width, width),
+        (4 * width,),
+        (width, 4 * width),
+        (width,),
+    ]
     return [shape for _ in range(blocks) for shape in block]
 
 

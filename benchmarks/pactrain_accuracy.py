@@ -39,8 +39,7 @@ def accuracy(model: nn.Module) -> float:
 def pactrain(sparsity: float, steps_per_epoch: int, epochs: int, **kwargs) -> PacTrain:
     """Prune from 10% to 60% of training, every half epoch, to ``sparsity`` (cubic schedule)."""
     start, end = int(0.1 * epochs * steps_per_epoch), int(0.6 * epochs * steps_per_epoch)
-    return PacTrain(sparsity=sparsity, start_step=start, end_step=end, frequency=max(1, steps_per_epoch // 2),
-                    **kwargs)  # fmt: skip
+    return PacTrain(sparsity=sparsity, start_step=start, end_step=end, frequency=max(1, steps_per_epoch // 2), **kwargs)
 
 
 CONFIGS = {
@@ -77,10 +76,16 @@ def run(config: str, epochs: int, workdir: str) -> dict:
         callbacks.append(pruning)
     model = DigitsNet(epochs=epochs)
     trainer = pl.Trainer(
-        accelerator="cpu", devices=2, max_epochs=epochs, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,
+        accelerator="cpu",
+        devices=2,
+        max_epochs=epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
         strategy=CompressedDDP(compressor, start_method="spawn"),
-    )  # fmt: skip
+    )
     trainer.fit(model)
     last = torch.load(os.path.join(workdir, "last.pt"))
     weights = {n: p for n, p in model.named_parameters() if p.dim() >= 2}
@@ -99,13 +104,17 @@ def main() -> None:
             rows.append(run(config, args.epochs, workdir))
     dense = next((r["accuracy"] for r in rows if r["config"] == "dense"), None)
     print(f"\ndigits, 2 processes, {args.epochs} epochs\n")
-    print("| configuration | test accuracy (%) | vs dense (points) | pruned weights | bytes sent per step (rank 0) |"
-          " vs dense bytes |")  # fmt: skip
+    print(
+        "| configuration | test accuracy (%) | vs dense (points) | pruned weights | bytes sent per step (rank 0) |"
+        " vs dense bytes |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         delta = f"{r['accuracy'] - dense:+.2f}" if dense is not None else ""
-        print(f"| {r['config']} | {r['accuracy']:.2f} | {delta} | {r['sparsity']:.4f} | {r['bytes_sent']:,} |"
-              f" {r['bytes_sent'] / r['bytes_dense']:.4f} |")  # fmt: skip
+        print(
+            f"| {r['config']} | {r['accuracy']:.2f} | {delta} | {r['sparsity']:.4f} | {r['bytes_sent']:,} |"
+            f" {r['bytes_sent'] / r['bytes_dense']:.4f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -40,10 +40,28 @@ from lightning_gradcomp.testing import EXAMPLES
 
 #: every method at its default configuration (TernGrad also in its all-gather form, for the growth it shows)
 DEFAULTS = (
-    "identity", "fp16", "bf16", "powersgd", "topk", "randomk", "dgc", "adacomp", "scalecom", "signsgd",
-    "efsignsgd", "onebit", "qsgd", "terngrad", "terngrad-allgather", "minmax8", "minmax4", "sparseloco", "zen",
-    "lgc", "lgc-allreduce",
-)  # fmt: skip
+    "identity",
+    "fp16",
+    "bf16",
+    "powersgd",
+    "topk",
+    "randomk",
+    "dgc",
+    "adacomp",
+    "scalecom",
+    "signsgd",
+    "efsignsgd",
+    "onebit",
+    "qsgd",
+    "terngrad",
+    "terngrad-allgather",
+    "minmax8",
+    "minmax4",
+    "sparseloco",
+    "zen",
+    "lgc",
+    "lgc-allreduce",
+)
 MIN_NUMEL = 1024  # CompressedDDP's default min_compress_numel
 
 
@@ -55,12 +73,20 @@ def resnet18_layout(width: int = 24, classes: int = 10) -> tuple[Layer, ...]:
     for stage, planes in enumerate((width, 2 * width, 4 * width, 8 * width), start=1):
         for block in range(2):
             prefix = f"layer{stage}.{block}"
-            shapes += [(f"{prefix}.conv1.weight", (planes, inplanes, 3, 3)), (f"{prefix}.bn1.weight", (planes,)),
-                       (f"{prefix}.bn1.bias", (planes,)), (f"{prefix}.conv2.weight", (planes, planes, 3, 3)),
-                       (f"{prefix}.bn2.weight", (planes,)), (f"{prefix}.bn2.bias", (planes,))]  # fmt: skip
+            shapes += [
+                (f"{prefix}.conv1.weight", (planes, inplanes, 3, 3)),
+                (f"{prefix}.bn1.weight", (planes,)),
+                (f"{prefix}.bn1.bias", (planes,)),
+                (f"{prefix}.conv2.weight", (planes, planes, 3, 3)),
+                (f"{prefix}.bn2.weight", (planes,)),
+                (f"{prefix}.bn2.bias", (planes,)),
+            ]
             if block == 0 and planes != inplanes:
-                shapes += [(f"{prefix}.downsample.0.weight", (planes, inplanes, 1, 1)),
-                           (f"{prefix}.downsample.1.weight", (planes,)), (f"{prefix}.downsample.1.bias", (planes,))]
+                shapes += [
+                    (f"{prefix}.downsample.0.weight", (planes, inplanes, 1, 1)),
+                    (f"{prefix}.downsample.1.weight", (planes,)),
+                    (f"{prefix}.downsample.1.bias", (planes,)),
+                ]
             inplanes = planes
     shapes += [("fc.weight", (classes, inplanes)), ("fc.bias", (classes,))]
     layers, offset = [], 0
@@ -87,21 +113,38 @@ def width_for(workers: int, width: int, narrow_above: int) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=list(DEFAULTS), choices=sorted(EXAMPLES), metavar="NAME",
-                        help="entries of lightning_gradcomp.testing.EXAMPLES (default: every method's default)")
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=list(DEFAULTS),
+        choices=sorted(EXAMPLES),
+        metavar="NAME",
+        help="entries of lightning_gradcomp.testing.EXAMPLES (default: every method's default)",
+    )
     parser.add_argument("--workers", nargs="+", type=int, default=[2, 4, 8, 16, 32, 64])
-    parser.add_argument("--analytical", nargs="+", type=int, default=[2, 8, 64, 256, 1024],
-                        help="worker counts of the model-only table (full layout)")
+    parser.add_argument(
+        "--analytical",
+        nargs="+",
+        type=int,
+        default=[2, 8, 64, 256, 1024],
+        help="worker counts of the model-only table (full layout)",
+    )
     parser.add_argument("--width", type=int, default=24, help="the ResNet-18's base width (24: 1.58M parameters)")
-    parser.add_argument("--narrow-above", type=int, default=8,
-                        help="above this many workers, halve the width per doubling (simulation cost)")
+    parser.add_argument(
+        "--narrow-above",
+        type=int,
+        default=8,
+        help="above this many workers, halve the width per doubling (simulation cost)",
+    )
     parser.add_argument("--tolerance", type=float, default=1e-3, help="relative; telemetry against the model")
     parser.add_argument("--json", default=None, help="also write the figures here")
-    args = parser.parse_args(argv)  # fmt: skip
+    args = parser.parse_args(argv)
 
     full = resnet18_layout(args.width)
-    print(f"layout: ResNet-18 (CIFAR), base width {args.width}, {sum(layer.numel for layer in full):,} parameters,"
-          f" one bucket; min_compress_numel {MIN_NUMEL}; one step, the same gradient on every rank\n")  # fmt: skip
+    print(
+        f"layout: ResNet-18 (CIFAR), base width {args.width}, {sum(layer.numel for layer in full):,} parameters,"
+        f" one bucket; min_compress_numel {MIN_NUMEL}; one step, the same gradient on every rank\n"
+    )
     measured: dict[str, dict[int, dict[str, float]]] = {}
     failures = []
     header = "| compressor | " + " | ".join(f"N={n} telemetry / model" for n in args.workers) + " |"
@@ -118,8 +161,12 @@ def main(argv: list[str] | None = None) -> int:
             model = bucket_wire_bytes(make(), layers, workers, min_compress_numel=MIN_NUMEL, tensor=gradient)
             seconds = time.perf_counter() - begin
             got, declared = fraction(telemetry, layers, workers), fraction(model, layers, workers)
-            row[workers] = {"telemetry": got, "model": declared, "params": sum(layer.numel for layer in layers),
-                            "seconds": seconds}  # fmt: skip
+            row[workers] = {
+                "telemetry": got,
+                "model": declared,
+                "params": sum(layer.numel for layer in layers),
+                "seconds": seconds,
+            }
             agrees = abs(got - declared) <= args.tolerance * max(abs(declared), 1e-12)
             if not agrees:
                 failures.append(f"{name} at N={workers}: telemetry {got:.6f}, model {declared:.6f}")
@@ -136,8 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---|" * len(args.analytical))
     analytical: dict[str, dict[int, float]] = {}
     for name in args.configs:
-        figures = {n: fraction(bucket_wire_bytes(EXAMPLES[name](), full, n, min_compress_numel=MIN_NUMEL), full, n)
-                   for n in args.analytical}  # fmt: skip
+        figures = {
+            n: fraction(bucket_wire_bytes(EXAMPLES[name](), full, n, min_compress_numel=MIN_NUMEL), full, n)
+            for n in args.analytical
+        }
         analytical[name] = figures
         print(f"| {name} | " + " | ".join(f"{figures[n]:.3f}" for n in args.analytical) + " |", flush=True)
     if args.json:

@@ -57,8 +57,15 @@ def _finite(value: Any) -> bool:
     return True
 
 
-def _gradients(step: int, case: str, magnitude: float, dtype: torch.dtype, layers: Sequence[Layer], ranks: int,
-               generator: torch.Generator) -> list[torch.Tensor]:  # fmt: skip
+def _gradients(
+    step: int,
+    case: str,
+    magnitude: float,
+    dtype: torch.dtype,
+    layers: Sequence[Layer],
+    ranks: int,
+    generator: torch.Generator,
+) -> list[torch.Tensor]:
     """Every rank's gradient at ``step`` (Gaussian of order 1e-3); at step 1 the last rank's carries the spike."""
     numel = sum(layer.numel for layer in layers)
     grads = [(torch.randn(numel, generator=generator) * 1e-3).to(dtype) for _ in range(ranks)]
@@ -93,14 +100,28 @@ def _run(name: str, case: str, magnitude: float, dtype: torch.dtype, ranks: int 
     return found
 
 
-def _stalls(name: str, case: str, magnitude: float, dtype: torch.dtype, reset_state_after: int | None = 3,
-            ranks: int = 2, steps: int = 20) -> list[str]:  # fmt: skip
+def _stalls(
+    name: str,
+    case: str,
+    magnitude: float,
+    dtype: torch.dtype,
+    reset_state_after: int | None = 3,
+    ranks: int = 2,
+    steps: int = 20,
+) -> list[str]:
     """Through the hook: whether the last two steps are still not finite (empty: training went on)."""
     compressor = EXAMPLES[name]()
     layers = layers_from_shapes(SHAPES)
     feedback = _accepts_feedback(compressor)
-    states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=0, error_feedback=feedback,
-                               reset_state_after=reset_state_after) for _ in range(ranks)]  # fmt: skip
+    states = [
+        CompressionState(
+            copy.deepcopy(compressor),
+            min_compress_numel=0,
+            error_feedback=feedback,
+            reset_state_after=reset_state_after,
+        )
+        for _ in range(ranks)
+    ]
     hook = SimulatedHook(states, layers)
     generator = torch.Generator().manual_seed(0)
     finite = []
@@ -128,8 +149,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--magnitudes", nargs="+", type=float, default=[1e5, 3e19, 1e38])
     parser.add_argument("--cases", nargs="+", choices=["one", "all"], default=["one", "all"])
     parser.add_argument("--hook", action="store_true", help="through the hook: print the runs that stall")
-    parser.add_argument("--reset-state-after", type=int, default=3,
-                        help="with --hook: reset_state_after (default 3, the default; 0: never)")  # fmt: skip
+    parser.add_argument(
+        "--reset-state-after",
+        type=int,
+        default=3,
+        help="with --hook: reset_state_after (default 3, the default; 0: never)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     dtype = DTYPES[args.dtype]

@@ -73,9 +73,23 @@ RANK = 2
 # every method's default configuration, from the package's one table of examples (PowerSGD: rank RANK)
 COMPRESSORS = {
     name: EXAMPLES[name]
-    for name in ("identity", "fp16", "bf16", "topk", "randomk", "powersgd", "dgc", "adacomp", "scalecom", "signsgd",
-                 "efsignsgd", "onebit", "qsgd", "terngrad")
-}  # fmt: skip
+    for name in (
+        "identity",
+        "fp16",
+        "bf16",
+        "topk",
+        "randomk",
+        "powersgd",
+        "dgc",
+        "adacomp",
+        "scalecom",
+        "signsgd",
+        "efsignsgd",
+        "onebit",
+        "qsgd",
+        "terngrad",
+    )
+}
 DEFAULT_CONFIGS = ["ddp", "compute", "identity", "fp16", "topk", "powersgd", "torch-powersgd"]
 MIN_COMPRESS_NUMEL = 1024  # CompressedDDP's default
 
@@ -279,8 +293,12 @@ def table(results: list[dict], args: argparse.Namespace) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS,
-                        choices=["ddp", "compute", "torch-fp16", "torch-powersgd", *COMPRESSORS])  # fmt: skip
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=DEFAULT_CONFIGS,
+        choices=["ddp", "compute", "torch-fp16", "torch-powersgd", *COMPRESSORS],
+    )
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     parser.add_argument("--batch-size", type=int, default=32)
@@ -293,8 +311,11 @@ def main() -> None:
         default=500.0,
         help="bucket cap for torch's powerSGD_hook (it aborts under gloo with several buckets)",
     )
-    parser.add_argument("--gradient-as-bucket-view", action="store_true",
-                        help="DDP's gradient_as_bucket_view=True for every configuration (no copies into buckets)")
+    parser.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        help="DDP's gradient_as_bucket_view=True for every configuration (no copies into buckets)",
+    )
     parser.add_argument(
         "--rounds",
         type=int,
@@ -303,8 +324,13 @@ def main() -> None:
     )
     parser.add_argument("--rate", default=None, help="shape loopback to this tc rate, e.g. 100mbit (needs root)")
     parser.add_argument("--json", default=None, help="also write the results here")
-    parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="print rank 0's N operators with the most self CPU time per step (torch.profiler)")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print rank 0's N operators with the most self CPU time per step (torch.profiler)",
+    )
     parser.add_argument("--inside-namespace", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.profile < 0:

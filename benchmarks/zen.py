@@ -88,11 +88,17 @@ def bytes_part(args: argparse.Namespace) -> list[dict]:
                 if transport == "zen":  # push: (n - 1) / n of k pairs; pull: n - 1 owners' shares of the union
                     share = union / n
                     formula = (n - 1) / n * k * 8 + (n - 1) * (min(4 * share, numel / n / 8) + 4 * share)
-                rows.append({
-                    "ranks": n, "overlap": overlap, "transport": transport, "union": union,
-                    "received_max": max(s.bytes_received for s in stats),
-                    "sent_max": max(s.bytes_sent for s in stats), "formula_received": round(formula),
-                })  # fmt: skip
+                rows.append(
+                    {
+                        "ranks": n,
+                        "overlap": overlap,
+                        "transport": transport,
+                        "union": union,
+                        "received_max": max(s.bytes_received for s in stats),
+                        "sent_max": max(s.bytes_sent for s in stats),
+                        "formula_received": round(formula),
+                    }
+                )
                 print(rows[-1], file=sys.stderr, flush=True)
     return rows
 
@@ -173,11 +179,14 @@ def worker(rank: int, world_size: int, port: int, config: str, args: argparse.Na
                 received.append(stats.bytes_received)
     dense = 0 if config == "compute" else sum(p.numel() for p in model.parameters()) * 4
     result = {
-        "config": config, "workers": world_size, "step_s": statistics.median(times), "step_s_all": times,
+        "config": config,
+        "workers": world_size,
+        "step_s": statistics.median(times),
+        "step_s_all": times,
         "bytes_sent": statistics.mean(sent) if sent else dense,
         "bytes_received": statistics.mean(received) if received else 2 * (world_size - 1) * dense / world_size,
         "bytes_measured": bool(sent),
-    }  # fmt: skip
+    }
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     dist.destroy_process_group()
 
@@ -199,10 +208,30 @@ def step_part(args: argparse.Namespace) -> list[dict]:
         for rate in args.rates:
             with tempfile.TemporaryDirectory() as tmp, shaped_namespace(rate) as name:
                 out = os.path.join(tmp, "rows.json")
-                command = ["ip", "netns", "exec", name, sys.executable, os.path.abspath(__file__), "step",
-                           "--inside-namespace", "--rate", rate, "--out", out, "--workers", *map(str, args.workers),
-                           "--steps", str(args.steps), "--warmup", str(args.warmup),
-                           "--batch-size", str(args.batch_size), "--configs", *args.configs]  # fmt: skip
+                command = [
+                    "ip",
+                    "netns",
+                    "exec",
+                    name,
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "step",
+                    "--inside-namespace",
+                    "--rate",
+                    rate,
+                    "--out",
+                    out,
+                    "--workers",
+                    *map(str, args.workers),
+                    "--steps",
+                    str(args.steps),
+                    "--warmup",
+                    str(args.warmup),
+                    "--batch-size",
+                    str(args.batch_size),
+                    "--configs",
+                    *args.configs,
+                ]
                 subprocess.run(command, check=True)
                 with open(out) as f:
                     rows.extend(json.load(f))
@@ -213,8 +242,11 @@ def step_part(args: argparse.Namespace) -> list[dict]:
             begin = time.time()
             row = {"rate": args.rate, **run_config(config, workers, args)}
             rows.append(row)
-            print(f"# {args.rate} {workers} workers {config}: {row['step_s']:.3f} s/step ({time.time() - begin:.0f} s)",
-                  file=sys.stderr, flush=True)  # fmt: skip
+            print(
+                f"# {args.rate} {workers} workers {config}: {row['step_s']:.3f} s/step ({time.time() - begin:.0f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     return rows
 
 

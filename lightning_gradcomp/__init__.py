@@ -6,6 +6,7 @@ Change one line: ``Trainer(strategy=CompressedDDP(compressor=PowerSGD(rank=2)))`
 from lightning.pytorch.strategies import StrategyRegistry as _StrategyRegistry
 
 from lightning_gradcomp import callbacks, compressors, tasks, transforms
+from lightning_gradcomp.callbacks import AutoCompression as _AutoCompression
 from lightning_gradcomp.callbacks import PacTrain
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.ddp import CompressedDDP, CompressionState, compression_hook
@@ -18,6 +19,8 @@ __version__ = "0.1.0.dev0"
 # third-party strategy itself); a name already taken (a user's own entry) is kept
 CompressedDDP.register_strategies(_StrategyRegistry)
 DiLoCo.register_strategies(_StrategyRegistry)
+# CompressedDDP(compressor="auto") adds this callback when fitting; wired here, where both layers are known
+CompressedDDP.auto_callback = _AutoCompression
 
 __all__ = [
     "BucketContext",

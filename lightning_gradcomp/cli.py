@@ -258,8 +258,10 @@ def did_it_pay(rows: list[dict[str, Any]], config: str, margin: float = 0.03) ->
     if ratio < 1 - margin:
         verdict = f"Compression paid on this machine's link: a step took {ratio:.2f}x plain DDP's time"
     elif ratio > 1 + margin:
-        verdict = (f"Compression did not pay on this machine's link: a step took {ratio:.2f}x plain DDP's time"
-                   " (encoding and decoding cost more than the bytes it saved here)")  # fmt: skip
+        verdict = (
+            f"Compression did not pay on this machine's link: a step took {ratio:.2f}x plain DDP's time"
+            " (encoding and decoding cost more than the bytes it saved here)"
+        )
     else:
         verdict = f"Compression neither paid nor cost on this machine's link: a step took {ratio:.2f}x plain DDP's time"
     points = 100 * (compressed["val_acc"] - dense["val_acc"])
@@ -283,8 +285,10 @@ def quickstart(argv: list[str]) -> list[dict[str, Any]]:
     known, overrides = parser.parse_known_args(argv)
     config = known.config or find_recipe("quickstart.yaml")
     if config is None:
-        raise SystemExit("lightning-gradcomp quickstart: the quickstart recipe is not installed; pass --config"
-                         " path/to/quickstart.yaml (it is in the repository's recipes/ folder).")  # fmt: skip
+        raise SystemExit(
+            "lightning-gradcomp quickstart: the quickstart recipe is not installed; pass --config"
+            " path/to/quickstart.yaml (it is in the repository's recipes/ folder)."
+        )
     rows = []
     for label in ("compressed", "dense"):
         cli = GradcompCLI(args=["--config", config, *overrides], run=False, save_config_callback=None)
@@ -312,11 +316,18 @@ class _AdviseReport(Callback):
             print("lightning-gradcomp advise: the run ended before the calibration finished", flush=True)
             return
         names, options = list(auto.candidates), auto.model_options
-        print("\n" + advice(auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, **options),
-              flush=True)  # fmt: skip
+        print(
+            "\n" + advice(auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, **options),
+            flush=True,
+        )
         plan = plan_greedy(auto.buckets, names, auto.link, auto.timing, auto.margin, **options)  # at the measured link
-        print("\n" + apply_snippet(plan.assignment, auto.candidates) + "\n\n"
-              + accuracy_caveat(plan.assignment, auto.candidates), flush=True)  # fmt: skip
+        print(
+            "\n"
+            + apply_snippet(plan.assignment, auto.candidates)
+            + "\n\n"
+            + accuracy_caveat(plan.assignment, auto.candidates),
+            flush=True,
+        )
         if self.png:
             plot_speedup(self.png, auto.buckets, names, auto.link, auto.timing, **options)
             print(f"\npredicted speed-up against bandwidth: {self.png}", flush=True)

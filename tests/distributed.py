@@ -12,6 +12,20 @@ import torch.multiprocessing as mp
 
 from lightning_gradcomp.demo.ports import free_port
 
+#: what the caller's environment may set that changes what a child process prints: the tests read their children's
+#: warnings and logs, so every child starts with Python's own defaults for these
+_CALLER_ONLY = ("PYTHONWARNINGS",)
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """The environment for a child process of a test: this one's, without what would change its output, plus ``extra``.
+
+    ``PYTHONWARNINGS=ignore`` in the caller's environment would hide the warnings the tests read from a child's output.
+    """
+    env = {k: v for k, v in os.environ.items() if k not in _CALLER_ONLY}
+    env.update(extra)
+    return env
+
 
 def _entry(
     rank: int, world_size: int, port: int, fn: Callable, args: tuple, outdir: str, backend: str = "gloo"

@@ -92,5 +92,11 @@ def main(outdir: str, fault: str, rank: int, step: int, timeout_s: float, ckpt_p
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5]),
-         sys.argv[6] if len(sys.argv) > 6 else None)  # fmt: skip
+    main(
+        sys.argv[1],
+        sys.argv[2],
+        int(sys.argv[3]),
+        int(sys.argv[4]),
+        float(sys.argv[5]),
+        sys.argv[6] if len(sys.argv) > 6 else None,
+    )

@@ -10,7 +10,7 @@ seconds, a fit of TinyNet a fraction of one), each recorded in its own folder of
 A ``RUN`` is ``STRATEGY:VARIANT``, recorded in ``DIRPATH/STRATEGY-VARIANT``: a fresh model trained from scratch.
 ``STRATEGY`` is one of :data:`STRATEGIES`, ``VARIANT`` one of :data:`VARIANTS` (the configurations a user of
 ``DDPStrategy`` may turn on, and the runs that save a checkpoint). ``STRATEGY:VARIANT+EARLIER`` resumes instead from
-the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless`` or ``EARLIER:gathered``: from
+the checkpoint that the run ``EARLIER`` of the same launch saved (``EARLIER:stateless``: from
 a copy edited by :func:`_edited`), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIER`` (every ``:`` a ``-``).
 ``+EARLIER@FILE`` resumes from ``EARLIER``'s checkpoint ``FILE.ckpt`` instead of its ``last.ckpt`` (``@epoch=0``: the
 one a variant that keeps every epoch's checkpoint wrote after the first epoch).
@@ -52,8 +52,7 @@ from lightning_gradcomp.compressors import (
     TopK,
 )
 from lightning_gradcomp.optim.fused import FusedSGD
-from lightning_gradcomp.runtime.rank_state import load_rank_state
-from tests.distributed import free_port
+from tests.distributed import child_env, free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
 
 
@@ -321,32 +320,18 @@ def train(run: str, root: str, devices: int) -> None:
 def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
     """A copy of the checkpoint at ``ckpt_path`` edited as ``edit`` says, in ``dirpath``; its path.
 
-    ``stateless``: without the compressor state (as a checkpoint of plain ``DDPStrategy``); ``gathered``: every rank's
-    compressor state inside the checkpoint, as ``CompressedDDP`` wrote checkpoints before each rank had a file. Each
-    rank edits a copy of its own: no rank reads a file that another is writing.
+    ``stateless``: without the compressor state (as a checkpoint of plain ``DDPStrategy``). Each rank edits a copy of
+    its own: no rank reads a file that another is writing.
     """
     saved = torch.load(ckpt_path, weights_only=False)
     if edit == "stateless":
         saved.pop("gradcomp", None)  # CompressedDDP's state
         saved.pop("diloco", None)  # DiLoCo's
-    elif edit == "gathered" and "diloco" in saved:  # DiLoCo's layout: the shared state beside every rank's own
-        section = saved["diloco"]
-        ranks = [load_rank_state(ckpt_path, "diloco", rank).state for rank in range(section["world_size"])]
-        shared = {k: section[k] for k in ("world_size", "sync_every", "fragments", "outer")}
-        saved["diloco"] = {"format": 1, **shared, "ranks": [{k: r[k] for k in _GATHERED_DILOCO} for r in ranks]}
-    elif edit == "gathered":
-        world_size = saved["gradcomp"]["world_size"]
-        ranks = [load_rank_state(ckpt_path, "gradcomp", rank).state for rank in range(world_size)]
-        saved["gradcomp"] = {"format": 1, "world_size": world_size, "ranks": ranks}
     else:
         raise ValueError(f"unknown edit of a checkpoint: {edit!r}")
     edited = os.path.join(dirpath, f"{edit}-rank{os.environ.get('LOCAL_RANK', '0')}.ckpt")
     torch.save(saved, edited)
     return edited
-
-
-#: what DiLoCo's gathered checkpoints held for each rank
-_GATHERED_DILOCO = ("tensors", "optimizer_states", "contribution", "exchange")
 
 
 class RecordingCheckpointIO(TorchCheckpointIO):
@@ -374,7 +359,7 @@ def run_fits(dirpath: Any, devices: int, runs: list[str], optimize_ddp: str | No
     """Launch this script under Lightning's default launcher: its return code, its output, and for each of ``runs``
     every rank's record (none when it failed)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE"):  # the launcher sets them for the ranks it starts
         env.pop(key, None)
     command = [sys.executable, "-m", "tests.fit_worker", str(dirpath), str(devices), *runs]

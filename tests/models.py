@@ -29,10 +29,16 @@ class TinyNet(pl.LightningModule):
         self.lr, self.n, self.batch_size = lr, n, batch_size
         torch.manual_seed(0)
         self.net = nn.Sequential(
-            nn.Conv2d(1, 16, 3), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 32, 3), nn.ReLU(), nn.Flatten(),
-            nn.Linear(32 * 4 * 4, 32), nn.ReLU(), nn.Linear(32, 10),
-        )  # fmt: skip
+            nn.Conv2d(1, 16, 3),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(32 * 4 * 4, 32),
+            nn.ReLU(),
+            nn.Linear(32, 10),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -198,7 +204,7 @@ class RecordRounds(Callback):
         return {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gradcomp/")}
 
     def on_train_start(self, trainer, pl_module) -> None:
-        import lightning_gradcomp.diloco.outer as outer_module
+        import lightning_gradcomp.engine.collectives as outer_module
 
         self._counter = CountAllReduces(outer_module.dist)
         outer_module.dist = self._counter
@@ -239,7 +245,7 @@ class RecordRounds(Callback):
             self.validated.append({"params": flat, "global": self._flat(trainer.strategy.outer_state.params)})
 
     def on_fit_end(self, trainer, pl_module) -> None:
-        import lightning_gradcomp.diloco.outer as outer_module
+        import lightning_gradcomp.engine.collectives as outer_module
 
         if self._counter is not None:
             outer_module.dist = self._counter._real
@@ -258,7 +264,7 @@ class RecordRounds(Callback):
                 "bytes_sent": outer.bytes_sent,
                 "logged": self._logged(trainer),
                 "bytes_received": outer.bytes_received,
-                "exchange": outer.exchange.state_dict() if outer.exchange is not None else None,
+                "exchange": outer.exchange.state_dict() if outer.exchange.compressor is not None else None,
                 "outer_state": outer.optimizer.state_dict(),
                 "checkpoints_written": list(getattr(trainer.strategy.checkpoint_io, "written", [])),
             },

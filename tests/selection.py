@@ -12,12 +12,38 @@ import pytest
 
 #: One configuration per compressor and per exchange, of ``lightning_gradcomp.testing.EXAMPLES``. The other examples
 #: are variants of these (another ratio, rank, bit width, stage or option).
-CORE_EXAMPLES = frozenset({
-    "identity", "fp16", "bf16", "topk", "randomk", "powersgd", "planned", "masked", "dgc", "adacomp", "scalecom",
-    "signsgd", "signum", "efsignsgd", "onebit", "qsgd", "terngrad", "lgc", "lgc-allreduce", "lgc-ps-stages",
-    "lgc-allreduce-stages", "zen", "topk-zen", "minmax8", "efsignsgd-two-phase", "qsgd-two-phase", "terngrad-two-phase",
-    "sparseloco",
-})  # fmt: skip
+CORE_EXAMPLES = frozenset(
+    {
+        "identity",
+        "fp16",
+        "bf16",
+        "topk",
+        "randomk",
+        "powersgd",
+        "planned",
+        "masked",
+        "dgc",
+        "adacomp",
+        "scalecom",
+        "signsgd",
+        "signum",
+        "efsignsgd",
+        "onebit",
+        "qsgd",
+        "terngrad",
+        "lgc",
+        "lgc-allreduce",
+        "lgc-ps-stages",
+        "lgc-allreduce-stages",
+        "zen",
+        "topk-zen",
+        "minmax8",
+        "efsignsgd-two-phase",
+        "qsgd-two-phase",
+        "terngrad-two-phase",
+        "sparseloco",
+    }
+)
 
 
 def beyond_core(item: pytest.Item) -> bool:

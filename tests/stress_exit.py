@@ -129,19 +129,30 @@ def _loop(pattern: str, runs: int, cores: str | None) -> int:
     for run in range(runs):
         with tempfile.TemporaryDirectory() as outdir:
             command = [sys.executable, os.path.abspath(__file__), f"{pattern}-worker", outdir]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
+            from tests.distributed import child_env
+
+            env = child_env(OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
             begin = time.perf_counter()
             env["PYTHONPATH"] = os.pathsep.join(p for p in (ROOT, env.get("PYTHONPATH")) if p)
-            proc = subprocess.run(command, cwd=outdir, env=env, capture_output=True, text=True, timeout=600,
-                                  preexec_fn=_allow_core_dumps if cores else None)  # fmt: skip
+            proc = subprocess.run(
+                command,
+                cwd=outdir,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=600,
+                preexec_fn=_allow_core_dumps if cores else None,
+            )
             output = proc.stdout + proc.stderr
             aborted = proc.returncode in (134, -6) or any(marker in output for marker in ABORT_MARKERS)
             failed = proc.returncode != 0 and not aborted
             aborts += aborted
             failures += failed
             verdict = "ABORT" if aborted else "FAIL" if failed else "ok"
-            print(f"run {run + 1:3d}/{runs}: {verdict} rc={proc.returncode} {time.perf_counter() - begin:.1f}s",
-                  flush=True)  # fmt: skip
+            print(
+                f"run {run + 1:3d}/{runs}: {verdict} rc={proc.returncode} {time.perf_counter() - begin:.1f}s",
+                flush=True,
+            )
             if cores:
                 for name in os.listdir(outdir):
                     if name.startswith("core"):

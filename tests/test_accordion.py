@@ -76,10 +76,22 @@ def powersgd_run(tmp_path_factory):
         return CompressedDDP(PowerSGD(rank=HIGH), min_compress_numel=MIN_NUMEL, **SPAWN)
 
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1)
-    trainer, ranks = fit(model(), strategy(), str(tmp / "run"), callbacks=[_accordion(), checkpoints],
-                         max_epochs=EPOCHS, enable_checkpointing=True)  # fmt: skip
-    _, resumed = fit(model(), strategy(), str(tmp / "resumed"), callbacks=[_accordion()], max_epochs=EPOCHS,
-                     ckpt_path=os.path.join(ckpt_dir, "epoch=3.ckpt"))  # fmt: skip
+    trainer, ranks = fit(
+        model(),
+        strategy(),
+        str(tmp / "run"),
+        callbacks=[_accordion(), checkpoints],
+        max_epochs=EPOCHS,
+        enable_checkpointing=True,
+    )
+    _, resumed = fit(
+        model(),
+        strategy(),
+        str(tmp / "resumed"),
+        callbacks=[_accordion()],
+        max_epochs=EPOCHS,
+        ckpt_path=os.path.join(ckpt_dir, "epoch=3.ckpt"),
+    )
     return trainer, ranks, resumed
 
 
@@ -217,8 +229,12 @@ def _tap_under_ddp(rank: int, world_size: int) -> dict:
         averaged = {n: p.grad.clone() for n, p in model.named_parameters() if n in expected}
         model.zero_grad()
     sums.remove()
-    return {"sums": {n: t.clone() for n, t in sums.sums.items()}, "expected": expected, "norms": sums.norms(),
-            "averaged": averaged}  # fmt: skip
+    return {
+        "sums": {n: t.clone() for n, t in sums.sums.items()},
+        "expected": expected,
+        "norms": sums.norms(),
+        "averaged": averaged,
+    }
 
 
 def test_tap_sums_the_local_gradient_before_ddp_averages_it():
@@ -243,8 +259,7 @@ def test_relative_changes():
 
 
 def _stub(strategy, module, callbacks=()):
-    return SimpleNamespace(strategy=strategy, callbacks=list(callbacks), accumulate_grad_batches=1,
-                           is_global_zero=True)  # fmt: skip
+    return SimpleNamespace(strategy=strategy, callbacks=list(callbacks), accumulate_grad_batches=1, is_global_zero=True)
 
 
 @pytest.mark.parametrize(
@@ -351,8 +366,14 @@ def _started_accordion(module, stub_module):
     """Accordion set up and started on a stub trainer, its gradient norms under the test's control."""
     optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
     strategy = CompressedDDP(PowerSGD(rank=1), min_compress_numel=MIN_NUMEL)
-    trainer = SimpleNamespace(strategy=strategy, callbacks=[], accumulate_grad_batches=1, is_global_zero=True,
-                              current_epoch=0, optimizers=[optimizer])  # fmt: skip
+    trainer = SimpleNamespace(
+        strategy=strategy,
+        callbacks=[],
+        accumulate_grad_batches=1,
+        is_global_zero=True,
+        current_epoch=0,
+        optimizers=[optimizer],
+    )
     accordion = Accordion(interval=2, low_compression_level=LOW, high_compression_level=HIGH)
     accordion.setup(trainer, stub_module, "fit")
     accordion.on_train_start(trainer, stub_module)
@@ -365,8 +386,11 @@ def test_rule_on_controlled_norms_boundaries_lr_decay_and_logging():
     """eta is inclusive, a zero old norm is critical, checks compare with `interval` epochs back, decays force low."""
     module = DigitsMLP(digits(n=8)[0])
     logged = {}
-    stub_module = SimpleNamespace(named_parameters=module.named_parameters, automatic_optimization=True,
-                                  log=lambda name, value, **kw: logged.__setitem__(name, value))  # fmt: skip
+    stub_module = SimpleNamespace(
+        named_parameters=module.named_parameters,
+        automatic_optimization=True,
+        log=lambda name, value, **kw: logged.__setitem__(name, value),
+    )
     optimizer, strategy, trainer, accordion, fake = _started_accordion(module, stub_module)
     a, b, c = "net.0.weight", "net.2.weight", "net.4.weight"
     assert strategy.compressor.layer_levels == {a: LOW, b: LOW, c: LOW}
@@ -377,8 +401,13 @@ def test_rule_on_controlled_norms_boundaries_lr_decay_and_logging():
         3: {a: 1.0, b: 1.0, c: 1.0},  # starts with a learning-rate decay: all low for this epoch
         4: {a: 1.5, b: 2.4, c: 1.2},  # vs epoch 2: 0 (high), 1.0 (critical), 0.2 (high)
     }
-    expected_after = {0: (LOW, LOW, LOW), 1: (LOW, LOW, LOW), 2: (LOW, HIGH, LOW), 3: (LOW, LOW, LOW),
-                      4: (HIGH, LOW, HIGH)}  # fmt: skip
+    expected_after = {
+        0: (LOW, LOW, LOW),
+        1: (LOW, LOW, LOW),
+        2: (LOW, HIGH, LOW),
+        3: (LOW, LOW, LOW),
+        4: (HIGH, LOW, HIGH),
+    }
     for epoch, norms in epochs.items():
         trainer.current_epoch = epoch
         if epoch == 3:
@@ -400,8 +429,9 @@ def test_rule_on_controlled_norms_boundaries_lr_decay_and_logging():
 def test_a_decay_at_a_check_epoch_is_not_undone_by_that_epochs_check():
     """The reference runs the decay rule after the regime check: low compression until the next check, not 1 epoch."""
     module = DigitsMLP(digits(n=8)[0])
-    stub_module = SimpleNamespace(named_parameters=module.named_parameters, automatic_optimization=True,
-                                  log=lambda *args, **kwargs: None)  # fmt: skip
+    stub_module = SimpleNamespace(
+        named_parameters=module.named_parameters, automatic_optimization=True, log=lambda *args, **kwargs: None
+    )
     optimizer, strategy, trainer, accordion, fake = _started_accordion(module, stub_module)
     layers = list(strategy.compressor.layer_levels)
     steady = dict.fromkeys(layers, 1.0)  # norms that do not change: every check says "not critical"

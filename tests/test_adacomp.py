@@ -137,8 +137,15 @@ def test_one_round():
 
     futures = []
     for rank, g in enumerate(_grads(2, seed=1, dtype=torch.float32)):
-        ctx = BucketContext(index=0, step=0, rank=rank, world_size=2, layers=LAYERS, dtype=torch.float32,
-                            comm=Comm(world.backend(rank), Telemetry(), g.device))  # fmt: skip
+        ctx = BucketContext(
+            index=0,
+            step=0,
+            rank=rank,
+            world_size=2,
+            layers=LAYERS,
+            dtype=torch.float32,
+            comm=Comm(world.backend(rank), Telemetry(), g.device),
+        )
         futures.append(AdaComp().reduce(g, ctx))
     world.assert_quiescent()
     assert [kind for _, kind in world.issued] == [("all_gather",)] * 2  # the payloads, from both ranks
@@ -198,8 +205,10 @@ def test_two_phase_owner_sends_adacomp_codes_of_the_average():
     torch.testing.assert_close(outs[0], expected, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize(("transport", "n", "two_phase"), [("auto", 2, False), ("auto", 3, True),
-                                                          ("two_phase", 2, True), ("allgather", 8, False)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("transport", "n", "two_phase"),
+    [("auto", 2, False), ("auto", 3, True), ("two_phase", 2, True), ("allgather", 8, False)],
+)
 def test_auto_takes_the_two_phase_exchange_from_three_ranks(transport, n, two_phase):
     ctx = BucketContext(index=0, step=0, rank=0, world_size=n, layers=LAYERS, dtype=torch.float32)
     assert AdaComp(transport=transport).two_phase(ctx) is two_phase

@@ -109,8 +109,9 @@ def test_every_rank_applies_rank_zeros_plan_and_calibrates_inside_a_dense_warmup
 def test_a_slower_link_after_the_switch_falls_back_with_the_reason(tmp_path):
     # the "slow link" is the model's input: on the real loopback TinyNet's codecs cost more than they save (2-3x the
     # dense step), hence the tolerance of 5x; 30 ms per collective (6+ per step) puts the step far beyond it
-    ranks = _run(tmp_path, AutoCompression(link=SLOW, tolerance=5.0, **FAST), extra=[DelayCompressed(0.03)],
-                 max_steps=14)  # fmt: skip
+    ranks = _run(
+        tmp_path, AutoCompression(link=SLOW, tolerance=5.0, **FAST), extra=[DelayCompressed(0.03)], max_steps=14
+    )
     for rank in ranks:
         verdicts = [e for e in rank["history"] if e["event"] == "verify"]
         assert verdicts, "no verification ran"
@@ -137,9 +138,18 @@ def _first_run_with_a_checkpoint(tmp_path):
     ckpt = str(tmp_path / "ckpt")
     dirpath = str(tmp_path / "first")
     os.makedirs(dirpath, exist_ok=True)
-    fit(_strategy(), dirpath, model=TinyNet(n=256), max_steps=12, enable_checkpointing=True,
-        callbacks=[AutoCompression(link=SLOW, tolerance=10.0, **FAST), Record(dirpath),
-                   ModelCheckpoint(dirpath=ckpt, filename="last")])  # fmt: skip
+    fit(
+        _strategy(),
+        dirpath,
+        model=TinyNet(n=256),
+        max_steps=12,
+        enable_checkpointing=True,
+        callbacks=[
+            AutoCompression(link=SLOW, tolerance=10.0, **FAST),
+            Record(dirpath),
+            ModelCheckpoint(dirpath=ckpt, filename="last"),
+        ],
+    )
     return [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)], ckpt
 
 
@@ -232,8 +242,14 @@ def test_a_resume_on_other_buckets_calibrates_again(tmp_path):
     assert buckets_before > 1
     strategy = CompressedDDP(min_compress_numel=64, bucket_cap_mb=25, start_method="spawn")
     dirpath = str(tmp_path / "resumed")
-    fit(strategy, dirpath, model=TinyNet(n=256), max_steps=22, ckpt_path=os.path.join(ckpt, "last.ckpt"),
-        callbacks=[AutoCompression(link=SLOW, tolerance=10.0, **FAST), Record(dirpath)])  # fmt: skip
+    fit(
+        strategy,
+        dirpath,
+        model=TinyNet(n=256),
+        max_steps=22,
+        ckpt_path=os.path.join(ckpt, "last.ckpt"),
+        callbacks=[AutoCompression(link=SLOW, tolerance=10.0, **FAST), Record(dirpath)],
+    )
     after = [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)]
     for rank in after:
         assert rank["calibrations"] == 2, rank["history"]
@@ -256,8 +272,13 @@ def test_a_hidden_link_times_no_codec_and_the_plan_is_logged(tmp_path):
         assert plan["timed_buckets"] == []
         assert set(plan["assignment"]) == {"dense"}
     metrics = (tmp_path / "log" / "version_0" / "metrics.csv").read_text()
-    for column in ("auto/predicted_step_ms", "auto/dense_measured_step_ms", "auto/bucket0/method",
-                   "auto/bucket0/predicted_finish_ms", "auto/compressed"):  # fmt: skip
+    for column in (
+        "auto/predicted_step_ms",
+        "auto/dense_measured_step_ms",
+        "auto/bucket0/method",
+        "auto/bucket0/predicted_finish_ms",
+        "auto/compressed",
+    ):
         assert column in metrics.splitlines()[0], column
 
 
@@ -293,8 +314,15 @@ def test_accordion_limits_what_auto_may_choose(tmp_path):
     dirpath = str(tmp_path)
     auto = AutoCompression(link=SLOW, tolerance=10.0, **FAST)
     accordion = Accordion(interval=1, eta=100.0, high_compression_level="powersgd-r1")
-    fit(_strategy(), dirpath, model=TinyNet(n=256), max_epochs=4, max_steps=-1, limit_train_batches=4,
-        callbacks=[auto, accordion, RecordLimits(dirpath)])  # fmt: skip
+    fit(
+        _strategy(),
+        dirpath,
+        model=TinyNet(n=256),
+        max_epochs=4,
+        max_steps=-1,
+        limit_train_batches=4,
+        callbacks=[auto, accordion, RecordLimits(dirpath)],
+    )
     ranks = [torch.load(os.path.join(dirpath, f"auto{r}.pt"), weights_only=False) for r in range(2)]
     assert ranks[0]["steps"] == ranks[1]["steps"]
     assert ranks[0]["history"] == ranks[1]["history"]

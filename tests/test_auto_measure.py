@@ -38,8 +38,10 @@ def test_the_hook_records_every_bucket_only_between_start_and_stop():
 
 def _record(start, entered, finished, layers=(("a",), ("b",)), numel=(10, 20)):
     """A step with backward at 1.0 s and the optimizer at 2.0 s of ``start``, ending at 2.5 s."""
-    recorded = [BucketRecord(start + 1.0 + e, names, n, None if f is None else start + 1.0 + f)
-                for e, f, names, n in zip(entered, finished, layers, numel)]  # fmt: skip
+    recorded = [
+        BucketRecord(start + 1.0 + e, names, n, None if f is None else start + 1.0 + f)
+        for e, f, names, n in zip(entered, finished, layers, numel)
+    ]
     return StepRecord.from_times(start, start + 1.0, start + 2.0, start + 2.5, recorded)
 
 

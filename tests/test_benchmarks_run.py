@@ -17,13 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.distributed import child_env
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(p.name for p in (ROOT / "benchmarks").glob("*.py") if not p.name.startswith("_"))
 
 #: run in the subprocess: each script as ``python benchmarks/NAME.py --help`` would, its exit status and a line
 DRIVER = """
 import contextlib, io, json, runpy, sys
-sys.path.insert(0, "benchmarks")
 for script in sys.argv[1:]:
     sys.argv = [f"benchmarks/{script}", "--help"]
     out = io.StringIO()
@@ -41,17 +42,25 @@ for script in sys.argv[1:]:
 
 def test_every_benchmarks_help_runs_from_the_repository_root(tmp_path):
     (tmp_path / "lightning_gradcomp").symlink_to(ROOT / "lightning_gradcomp")  # the package, and nothing else
-    env = {**os.environ, "PYTHONPATH": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run([sys.executable, "-c", DRIVER, *SCRIPTS], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+    # benchmarks/ first, as `python benchmarks/NAME.py` puts it on sys.path
+    env = child_env(PYTHONPATH=os.pathsep.join([str(ROOT / "benchmarks"), str(tmp_path)]), OMP_NUM_THREADS="1")
+    result = subprocess.run(
+        [sys.executable, "-c", DRIVER, *SCRIPTS], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     reports = {r["script"]: r for r in map(json.loads, result.stdout.splitlines())}
     assert sorted(reports) == SCRIPTS
     failed = {s: r for s, r in reports.items() if r["status"] != 0 or not r["usage"]}
     assert not failed, failed
     # control: the suite itself is not importable there, so a benchmark importing from tests/ would fail above
-    probe = subprocess.run([sys.executable, "-c", "import tests.distributed"], cwd=ROOT / "benchmarks", env=env,
-                           capture_output=True, text=True, timeout=60)  # fmt: skip
+    probe = subprocess.run(
+        [sys.executable, "-c", "import tests.distributed"],
+        cwd=ROOT / "benchmarks",
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert probe.returncode != 0
 
 
@@ -67,8 +76,10 @@ def _imports(path: Path) -> set[str]:
 
 def test_no_benchmark_imports_the_test_suite_even_inside_a_function():
     # --help exits before a function's own imports run; what a run would import is read from the source
-    offenders = {s: sorted(m for m in _imports(ROOT / "benchmarks" / s) if m == "tests" or m.startswith("tests."))
-                 for s in SCRIPTS}  # fmt: skip
+    offenders = {
+        s: sorted(m for m in _imports(ROOT / "benchmarks" / s) if m == "tests" or m.startswith("tests."))
+        for s in SCRIPTS
+    }
     assert not {s: m for s, m in offenders.items() if m}
 
 
@@ -89,13 +100,30 @@ def test_diloco_benchmark_reads_its_outer_optimizer_and_warmup_from_the_config_n
     assert (warmup.unit, warmup.length) == ("steps", 30)
     assert _warmup("diloco-h50-m0.5") == []
     assert _warmup("ddp") == []
-    for bad in ("diloco-h0", "diloco-hx", "diloco-h50-lr0", "diloco-h50-m1", "diloco-h50-m0.5-lr1", "diloco-h5-m",
-                "diloco-h50-minmax2", "diloco-h50-minmax8-m0.5", "diloco-h50-w0", "diloco-h50-w", "diloco-h50-w1.5",
-                "diloco-h50-m0.5-w50", "diloco-h50-w-5"):  # fmt: skip
+    for bad in (
+        "diloco-h0",
+        "diloco-hx",
+        "diloco-h50-lr0",
+        "diloco-h50-m1",
+        "diloco-h50-m0.5-lr1",
+        "diloco-h5-m",
+        "diloco-h50-minmax2",
+        "diloco-h50-minmax8-m0.5",
+        "diloco-h50-w0",
+        "diloco-h50-w",
+        "diloco-h50-w1.5",
+        "diloco-h50-m0.5-w50",
+        "diloco-h50-w-5",
+    ):
         with pytest.raises(ValueError, match=f"--configs: expected ddp or diloco-h<H>.*got '{bad}'"):
             parse_diloco_config(bad)
-    run = subprocess.run([sys.executable, "benchmarks/diloco.py", "convergence", "--configs", "ddp", "diloco-h50-m2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)  # fmt: skip
+    run = subprocess.run(
+        [sys.executable, "benchmarks/diloco.py", "convergence", "--configs", "ddp", "diloco-h50-m2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines()[-1].endswith("got 'diloco-h50-m2'")
 
@@ -109,10 +137,17 @@ def test_diloco_trace_summary_times_each_exchange_and_counts_the_cpu_beyond_plai
         gloo_cpu += 0.05 if step == 4 else 0.0  # decoding on gloo's thread
         events.append(("step", float(step), True, {"cpu": {"100:python": main_cpu, "200:pt_gloo_runloop": gloo_cpu}}))
     events += [
-        ("start>", 2.5, True, {}), ("compress<", 2.55, True, {}), ("issue all_gather", 2.6, True, {"nbytes": 1000}),
-        ("start<", 2.7, True, {}), ("done all_gather", 3.6, False, {"nbytes": 1000}), ("decompress<", 3.8, False, {}),
-        ("finish>", 6.5, True, {}), ("wait>", 6.5, True, {}), ("wait<", 6.6, True, {}), ("finish<", 6.7, True, {}),
-    ]  # fmt: skip
+        ("start>", 2.5, True, {}),
+        ("compress<", 2.55, True, {}),
+        ("issue all_gather", 2.6, True, {"nbytes": 1000}),
+        ("start<", 2.7, True, {}),
+        ("done all_gather", 3.6, False, {"nbytes": 1000}),
+        ("decompress<", 3.8, False, {}),
+        ("finish>", 6.5, True, {}),
+        ("wait>", 6.5, True, {}),
+        ("wait<", 6.6, True, {}),
+        ("finish<", 6.7, True, {}),
+    ]
     events.sort(key=lambda e: e[1])
     summary = summarize(events, 2, 10)
     assert summary["steps"] == 9

@@ -84,8 +84,9 @@ def test_the_hook_state_checks_every_compressed_layer_when_it_attaches():
     with pytest.raises(ValueError, match=r"FP16\(\) sends float16 .* gradient of '0.weight' is torch.bfloat16"):
         CompressionState(FP16()).attach(_model(torch.bfloat16), backend=backend)
     with pytest.raises(ValueError, match=r"gradient of '1.weight'"):  # only layer 1 goes to the cast
-        CompressionState(Planned({"dense": Identity(), "bf16": BF16()}, {"1.weight": "bf16"}), min_compress_numel=1
-                         ).attach(_model(torch.float16), backend=backend)  # fmt: skip
+        CompressionState(
+            Planned({"dense": Identity(), "bf16": BF16()}, {"1.weight": "bf16"}), min_compress_numel=1
+        ).attach(_model(torch.float16), backend=backend)
     with pytest.raises(ValueError, match=r"BF16\(\) sends bfloat16"):
         CompressionState(MaskedCompressor(BF16())).attach(_model(torch.bfloat16), backend=backend)
     for compressor in (Identity(), TopK(ratio=0.1), PowerSGD(rank=2), Planned({"dense": Identity(), "bf16": BF16()})):

@@ -18,6 +18,7 @@ from lightning_gradcomp.cli import (
     format_quickstart_table,
 )
 from lightning_gradcomp.compressors import BF16, Identity, PowerSGD
+from tests.distributed import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +29,7 @@ CONSOLE_SCRIPT = [sys.executable, "-P", "-c", "from lightning_gradcomp.cli impor
 
 
 def _run(*args: str, timeout: int = 300, cwd: str = ROOT, console_script: bool = False) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    env = child_env(OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
     command = CONSOLE_SCRIPT if console_script else [sys.executable, "-m", "lightning_gradcomp"]
     return subprocess.run([*command, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -38,8 +39,12 @@ def test_quickstart_trains_compressed_and_dense_and_says_whether_it_paid():
     result = _run("quickstart", "--trainer.max_epochs", "2")  # piped: the progress bar is off by itself
     assert result.returncode == 0, result.stderr[-4000:]
     number = r"([\d.]+)"
-    rows = re.findall(rf"^\| (compressed|dense) \| (\S+) \| {number}% \| ([+-][\d.]+) \| {number} \| {number}x \|"
-                      rf" {number} \| {number}x \|$", result.stdout, flags=re.M)  # fmt: skip
+    rows = re.findall(
+        rf"^\| (compressed|dense) \| (\S+) \| {number}% \| ([+-][\d.]+) \| {number} \| {number}x \|"
+        rf" {number} \| {number}x \|$",
+        result.stdout,
+        flags=re.M,
+    )
     assert [r[0] for r in rows] == ["compressed", "dense"], result.stdout[-3000:]
     compressed, dense = rows
     assert compressed[1] == "PowerSGD(rank=4)"
@@ -53,8 +58,12 @@ def test_quickstart_trains_compressed_and_dense_and_says_whether_it_paid():
     assert float(dense[4]) > 0
     assert float(dense[5]) == 1.0
     assert abs(float(compressed[5]) - float(compressed[4]) / float(dense[4])) < 0.01
-    verdict = re.search(r"^Compression (paid|did not pay|neither paid nor cost) on this machine's link: a step took"
-                        r" ([\d.]+)x plain DDP's time", result.stdout, flags=re.M)  # fmt: skip
+    verdict = re.search(
+        r"^Compression (paid|did not pay|neither paid nor cost) on this machine's link: a step took"
+        r" ([\d.]+)x plain DDP's time",
+        result.stdout,
+        flags=re.M,
+    )
     assert verdict is not None, result.stdout[-3000:]
     assert verdict[2] == compressed[5]
     assert "lightning-gradcomp advise --config " in result.stdout
@@ -64,8 +73,10 @@ def test_quickstart_trains_compressed_and_dense_and_says_whether_it_paid():
 
 def test_the_verdict_follows_the_step_times():
     def rows(compressed_ms: float) -> list[dict]:
-        return [{"run": "compressed", "val_acc": 0.95, "step_ms": compressed_ms},
-                {"run": "dense", "val_acc": 0.97, "step_ms": 100.0}]  # fmt: skip
+        return [
+            {"run": "compressed", "val_acc": 0.95, "step_ms": compressed_ms},
+            {"run": "dense", "val_acc": 0.97, "step_ms": 100.0},
+        ]
 
     assert did_it_pay(rows(80.0), "r.yaml").startswith("Compression paid on this machine's link: a step took 0.80x")
     assert did_it_pay(rows(130.0), "r.yaml").startswith("Compression did not pay on this machine's link")
@@ -115,8 +126,16 @@ def test_a_recipe_names_a_class_of_the_current_directory_under_the_console_scrip
 @pytest.mark.slow
 def test_fit_keeps_an_earlier_runs_config_unless_told_to_overwrite(tmp_path):
     (tmp_path / "config.yaml").write_text("earlier: run\n")
-    overrides = ["--trainer.default_root_dir", str(tmp_path), "--trainer.devices", "1", "--trainer.max_steps", "1",
-                 "--trainer.limit_val_batches", "0"]  # fmt: skip
+    overrides = [
+        "--trainer.default_root_dir",
+        str(tmp_path),
+        "--trainer.devices",
+        "1",
+        "--trainer.max_steps",
+        "1",
+        "--trainer.limit_val_batches",
+        "0",
+    ]
     refused = _run("fit", "--config", "recipes/quickstart.yaml", *overrides, timeout=180)
     assert refused.returncode == 2
     assert "config.yaml exists" in refused.stderr
@@ -156,11 +175,27 @@ def test_advise_snippets_apply_the_plan_and_name_the_accuracy_cost(tmp_path):
 
 def test_quickstart_table_reports_points_and_time_against_dense():
     rows = [
-        {"run": "compressed", "compressor": "TopK(ratio=0.01)", "val_acc": 0.95, "steps": 4, "sent": 1e5,
-         "received": 1e5, "dense_moved": 4e6, "step_ms": 30.0},
-        {"run": "dense", "compressor": "Identity", "val_acc": 0.97, "steps": 4, "sent": 2e6, "received": 2e6,
-         "dense_moved": 4e6, "step_ms": 40.0},
-    ]  # fmt: skip
+        {
+            "run": "compressed",
+            "compressor": "TopK(ratio=0.01)",
+            "val_acc": 0.95,
+            "steps": 4,
+            "sent": 1e5,
+            "received": 1e5,
+            "dense_moved": 4e6,
+            "step_ms": 30.0,
+        },
+        {
+            "run": "dense",
+            "compressor": "Identity",
+            "val_acc": 0.97,
+            "steps": 4,
+            "sent": 2e6,
+            "received": 2e6,
+            "dense_moved": 4e6,
+            "step_ms": 40.0,
+        },
+    ]
     table = format_quickstart_table(rows)
     assert "| compressed | TopK(ratio=0.01) | 95.00% | -2.00 | 30.0 | 0.75x | 0.100 | 20.0x |" in table
     assert "| dense | Identity | 97.00% | +0.00 | 40.0 | 1.00x | 2.000 | 1.0x |" in table
@@ -176,8 +211,21 @@ def test_quickstart_names_the_missing_recipe(missing, tmp_path):
 @pytest.mark.slow
 def test_advise_measures_a_few_steps_and_prints_the_prediction_and_the_recommendation(tmp_path):
     png = tmp_path / "advise.png"
-    result = _run("advise", "--config", "recipes/quickstart.yaml", "--calibration-steps", "2", "--png", str(png),
-                  "--candidates", "dense", "bf16", "powersgd-r1", "--trainer.enable_progress_bar", "false")  # fmt: skip
+    result = _run(
+        "advise",
+        "--config",
+        "recipes/quickstart.yaml",
+        "--calibration-steps",
+        "2",
+        "--png",
+        str(png),
+        "--candidates",
+        "dense",
+        "bf16",
+        "powersgd-r1",
+        "--trainer.enable_progress_bar",
+        "false",
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     out = result.stdout
     assert "link (fitted on timed all-reduces): alpha" in out
@@ -205,8 +253,9 @@ def test_a_recipe_is_found_by_name_where_the_package_installed_it(tmp_path, monk
     installed.mkdir(parents=True)
     (installed / "only_installed.yaml").write_text("trainer: {}\n")
     real = sysconfig.get_path
-    monkeypatch.setattr(sysconfig, "get_path", lambda name, *a: str(tmp_path / "prefix") if name == "data" else
-                        real(name, *a))  # fmt: skip
+    monkeypatch.setattr(
+        sysconfig, "get_path", lambda name, *a: str(tmp_path / "prefix") if name == "data" else real(name, *a)
+    )
     monkeypatch.chdir(tmp_path)
     assert find_recipe("only_installed") == str(installed / "only_installed.yaml")
     assert find_recipe("only_installed.yaml") == str(installed / "only_installed.yaml")
@@ -247,23 +296,39 @@ def test_an_install_under_another_prefix_finds_its_recipes_by_name(wheel, tmp_pa
     prefix = tmp_path / "prefix"
     # --ignore-installed: without it pip uninstalls this environment's own install of the package (the checkout's
     # editable one) before installing the wheel under the prefix, and every later import of the package fails
-    install = [sys.executable, "-m", "pip", "install", "--no-deps", "--no-index", "-q", "--ignore-installed",
-               "--prefix", str(prefix)]  # fmt: skip
+    install = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "--no-deps",
+        "--no-index",
+        "-q",
+        "--ignore-installed",
+        "--prefix",
+        str(prefix),
+    ]
     result = subprocess.run([*install, str(wheel)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     (site,) = prefix.glob("lib/python*/site-packages")
     elsewhere = tmp_path / "elsewhere"  # no recipes/ folder here
     elsewhere.mkdir()
     show = "import lightning_gradcomp; from lightning_gradcomp.cli import find_recipe as f; print(lightning_gradcomp.__file__); print(f('quickstart'))"  # noqa: E501
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    result = subprocess.run([sys.executable, "-P", "-c", show], cwd=elsewhere, env=env, capture_output=True,
-                            text=True, timeout=300)  # fmt: skip
+    env = child_env(PYTHONPATH=str(site))
+    result = subprocess.run(
+        [sys.executable, "-P", "-c", show], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     package, recipe = result.stdout.split()
     assert Path(package).is_relative_to(site)  # control: the installed copy, not this checkout, was imported
     assert recipe == str((prefix / "share" / "lightning-gradcomp" / "recipes" / "quickstart.yaml").resolve())
     # this environment's own install is untouched: the package still imports from a folder that is not the checkout
-    check = subprocess.run([sys.executable, "-P", "-c", "import lightning_gradcomp"], cwd=elsewhere,
-                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, capture_output=True,
-                           text=True, timeout=300)  # fmt: skip
+    check = subprocess.run(
+        [sys.executable, "-P", "-c", "import lightning_gradcomp"],
+        cwd=elsewhere,
+        env={k: v for k, v in child_env().items() if k != "PYTHONPATH"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert check.returncode == 0, check.stderr[-3000:]

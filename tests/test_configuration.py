@@ -96,17 +96,29 @@ def test_a_misspelt_keyword_names_the_closest_valid_one():
 
 
 def test_valid_ddp_arguments_still_pass():
-    strategy = CompressedDDP(timeout=timedelta(minutes=5), bucket_cap_mb=1, start_method="spawn",
-                             process_group_backend="gloo", broadcast_buffers=False)  # fmt: skip
+    strategy = CompressedDDP(
+        timeout=timedelta(minutes=5),
+        bucket_cap_mb=1,
+        start_method="spawn",
+        process_group_backend="gloo",
+        broadcast_buffers=False,
+    )
     assert strategy._timeout == timedelta(minutes=5)
     assert strategy._ddp_kwargs == {"bucket_cap_mb": 1, "broadcast_buffers": False}
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
 def test_nccl_without_cuda_is_refused_before_the_process_group_starts(tmp_path, in_process_ddp):
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=CompressedDDP(process_group_backend="nccl"),
-                      max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      default_root_dir=str(tmp_path))  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=CompressedDDP(process_group_backend="nccl"),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
     with pytest.raises(MisconfigurationException, match="`process_group_backend='nccl'`"):
         trainer.fit(TinyNet())
     assert not torch.distributed.is_initialized()

@@ -112,8 +112,17 @@ def _layers(compressor):
 
 
 def _ctx(layers, dtype=torch.float64, step=0, seed=0, rank=0, world_size=1, updates=None):
-    return BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=layers, dtype=dtype, seed=seed,
-                         updates=updates, device=DEVICE)  # fmt: skip
+    return BucketContext(
+        index=0,
+        step=step,
+        rank=rank,
+        world_size=world_size,
+        layers=layers,
+        dtype=dtype,
+        seed=seed,
+        updates=updates,
+        device=DEVICE,
+    )
 
 
 def _data(layers, n, dtype=torch.float64, seed=0):
@@ -348,8 +357,16 @@ def test_kept_residual_buffers_change_nothing(case):
         for step in range(3):
             for twin in twins or ():  # stale contents never leak (a commit may hand back the old residual)
                 twin.fill_(float("nan"))
-            outs.append(simulate_reduce(compressors, _data(layers, 2, seed=200 + step), layers, step=step,
-                                        residuals=residuals, new_residuals=twins))  # fmt: skip
+            outs.append(
+                simulate_reduce(
+                    compressors,
+                    _data(layers, 2, seed=200 + step),
+                    layers,
+                    step=step,
+                    residuals=residuals,
+                    new_residuals=twins,
+                )
+            )
         runs.append((outs, residuals))
     (fresh_outs, fresh_res), (kept_outs, kept_res) = runs
     for a, b in zip(fresh_outs, kept_outs):
@@ -472,10 +489,19 @@ GROWS = [name for name, compressor in COMPRESSORS.items() if compressor.error_fe
 def test_the_configurations_that_warn_about_error_feedback_are_the_expected_ones():
     """Every quantizer with an error bound of at least 1 and the rescaled random-k; no contraction."""
     terngrad = {name for name in COMPRESSORS if name.startswith("terngrad")}
-    assert set(GROWS) == {
-        "randomk-unbiased", "qsgd", "qsgd-2bit-small-buckets", "qsgd-16bit-draws", "qsgd-two-phase",
-        "qsgd-2bit-two-phase", "qsgd-allgather",
-    } | terngrad  # fmt: skip
+    assert (
+        set(GROWS)
+        == {
+            "randomk-unbiased",
+            "qsgd",
+            "qsgd-2bit-small-buckets",
+            "qsgd-16bit-draws",
+            "qsgd-two-phase",
+            "qsgd-2bit-two-phase",
+            "qsgd-allgather",
+        }
+        | terngrad
+    )
 
 
 @pytest.mark.parametrize("name", GROWS)
@@ -573,8 +599,16 @@ def _bytes_counted_and_handed(compressor, xs, layers):
     futures = []
     for rank, (c, x) in enumerate(zip(_fresh(compressor, len(xs)), xs)):
         telemetry[rank].add_bucket(x.numel() * x.element_size())
-        ctx = BucketContext(index=0, step=0, rank=rank, world_size=len(xs), layers=layers, dtype=x.dtype,
-                            device=x.device, comm=Comm(backends[rank], telemetry[rank], x.device))  # fmt: skip
+        ctx = BucketContext(
+            index=0,
+            step=0,
+            rank=rank,
+            world_size=len(xs),
+            layers=layers,
+            dtype=x.dtype,
+            device=x.device,
+            comm=Comm(backends[rank], telemetry[rank], x.device),
+        )
         futures.append(c.reduce(x.clone(), ctx))
     world.assert_quiescent()
     for future in futures:
@@ -806,17 +840,29 @@ def test_an_all_zero_gradient_averages_to_zero(case, ranks):
         assert all(torch.isfinite(r).all() for r in residuals), (name, step)
 
 
-WITNESSED = sorted(name for name, factory in EXAMPLES.items()
-                   if type(factory()).nonfinite_witness is not Compressor.nonfinite_witness)  # fmt: skip
+WITNESSED = sorted(
+    name for name, factory in EXAMPLES.items() if type(factory()).nonfinite_witness is not Compressor.nonfinite_witness
+)
 
 
 def test_the_witnessed_compressors_are_the_expected_ones():
     """The table below tests every compressor that names a witness; a new one must be reasoned about here."""
     assert WITNESSED == [
-        "bf16", "efsignsgd", "efsignsgd-allgather", "efsignsgd-two-phase", "fp16", "onebit", "onebit-two-phase",
-        "qsgd", "qsgd-16bit-draws", "qsgd-2bit-small-buckets", "qsgd-2bit-two-phase", "qsgd-8bit", "qsgd-allgather",
+        "bf16",
+        "efsignsgd",
+        "efsignsgd-allgather",
+        "efsignsgd-two-phase",
+        "fp16",
+        "onebit",
+        "onebit-two-phase",
+        "qsgd",
+        "qsgd-16bit-draws",
+        "qsgd-2bit-small-buckets",
+        "qsgd-2bit-two-phase",
+        "qsgd-8bit",
+        "qsgd-allgather",
         "qsgd-two-phase",
-    ]  # fmt: skip
+    ]
 
 
 @pytest.mark.slow_beyond_core("name")
@@ -924,8 +970,9 @@ def test_zero_size_parameters_go_dense_for_every_compressor(case):
     numel = sum(layer.numel for layer in layers)
     states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=0) for _ in range(2)]
     if name in REFUSES_ERROR_FEEDBACK:
-        states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=0, error_feedback=False)
-                  for _ in range(2)]  # fmt: skip
+        states = [
+            CompressionState(copy.deepcopy(compressor), min_compress_numel=0, error_feedback=False) for _ in range(2)
+        ]
     outs = SimulatedHook(states, layers).step(_data(layers, 2, seed=600))
     assert outs[0].numel() == numel
     assert torch.equal(outs[0], outs[1])
@@ -985,8 +1032,10 @@ def test_the_hook_gathers_interleaved_layers_as_one_contiguous_tensor_bitwise(ca
         contiguous.append(Layer(layer.name, layer.index, layer.shape, offset))
         offset += layer.numel
     ef = False if name in REFUSES_ERROR_FEEDBACK else None
-    states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=100, error_feedback=ef)
-              for _ in range(world_size)]  # fmt: skip
+    states = [
+        CompressionState(copy.deepcopy(compressor), min_compress_numel=100, error_feedback=ef)
+        for _ in range(world_size)
+    ]
     hook = SimulatedHook(states, layers)
     reference = _fresh(bucket_compressor, world_size)
     keeps = states[0].uses_error_feedback(bucket_compressor)
@@ -1016,8 +1065,9 @@ def test_the_hook_state_resumes_bitwise(case):
     ef = False if name in REFUSES_ERROR_FEEDBACK else None
 
     def hook():
-        states = [CompressionState(copy.deepcopy(compressor), min_compress_numel=100, error_feedback=ef)
-                  for _ in range(2)]  # fmt: skip
+        states = [
+            CompressionState(copy.deepcopy(compressor), min_compress_numel=100, error_feedback=ef) for _ in range(2)
+        ]
         return SimulatedHook(states, layers)
 
     straight = hook()

@@ -207,8 +207,11 @@ def _accepts(child: inspect.Signature, parent: inspect.Signature) -> str | None:
             return f"`{p.name}` defaults to {mine.default!r}, not {p.default!r}"
         if p.default is P.empty and mine.default is not P.empty:
             continue  # optional where the parent requires it: every call still fits
-    extra = [p.name for p in child_params if p.name not in parent.parameters and p.default is P.empty
-             and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)]  # fmt: skip
+    extra = [
+        p.name
+        for p in child_params
+        if p.name not in parent.parameters and p.default is P.empty and p.kind not in (P.VAR_POSITIONAL, P.VAR_KEYWORD)
+    ]
     return f"requires `{extra[0]}` as well" if extra else None
 
 
@@ -286,9 +289,17 @@ def test_the_hook_averages_over_the_group_ddp_uses_also_one_given_by_a_device_me
             seen["ddp"], seen["strategy"] = strategy.model.process_group, strategy.ddp_process_group
             seen["hook"] = strategy.compression_state.comm.backend._groups[0]
 
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=CompressedDDP(device_mesh=mesh), max_steps=1,
-                      callbacks=[Record()], logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      default_root_dir=str(tmp_path))  # fmt: skip
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=CompressedDDP(device_mesh=mesh),
+        max_steps=1,
+        callbacks=[Record()],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(TinyNet())
     assert seen["ddp"] is mesh_group
     assert seen["strategy"] is mesh_group

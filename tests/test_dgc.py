@@ -150,8 +150,9 @@ def test_every_layer_of_a_bucket_is_selected_as_the_loop_selects_it(kwargs, rati
     x = torch.randn(sum(layer.numel for layer in layers), generator=torch.Generator().manual_seed(0))
     ctx = BucketContext(index=0, step=3, rank=1, world_size=2, layers=layers, dtype=x.dtype)
     compressor, streams = DGC(ratio=ratio, **kwargs), layer_streams(ctx)
-    found, used = select_layers(x, layers, [ratio] * len(layers), streams, compressor.sample_ratio,
-                                compressor.strided_sample)  # fmt: skip
+    found, used = select_layers(
+        x, layers, [ratio] * len(layers), streams, compressor.sample_ratio, compressor.strided_sample
+    )
     at = 0
     for i, layer in enumerate(layers):
         k = math.ceil(layer.numel * ratio)
@@ -230,9 +231,13 @@ def test_dgc_equals_the_reference_over_steps(kwargs):
     steps = [_grads(3, seed=s) for s in range(4)]
     hook = _hook([_dgc(ratio=ratio, **kwargs) for _ in range(3)])
     expected, velocities = _reference(
-        steps, momentum=momentum, nesterov=kwargs.get("nesterov", False),
-        masking=kwargs.get("momentum_masking", True), clip_norm=kwargs.get("clip_norm"), ratio=ratio,
-    )  # fmt: skip
+        steps,
+        momentum=momentum,
+        nesterov=kwargs.get("nesterov", False),
+        masking=kwargs.get("momentum_masking", True),
+        clip_norm=kwargs.get("clip_norm"),
+        ratio=ratio,
+    )
     for step, grads in enumerate(steps):
         outs = hook.step(grads)
         for out in outs:
@@ -266,8 +271,18 @@ def test_sent_plus_velocity_is_the_accumulated_momentum():
 def test_warmup_schedule_by_step():
     compressor = _dgc(ratio=0.001, warmup_steps=2)
     layer = LAYERS[2]  # 6000 elements
-    assert [compressor.ratio_at(layer, s) for s in range(10)] == [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625,
-                                                                   0.004, 0.004, 0.001, 0.001]  # fmt: skip
+    assert [compressor.ratio_at(layer, s) for s in range(10)] == [
+        0.25,
+        0.25,
+        0.0625,
+        0.0625,
+        0.015625,
+        0.015625,
+        0.004,
+        0.004,
+        0.001,
+        0.001,
+    ]
     compressor.set_levels({layer.name: 0.1})  # a per-layer level above a warm-up stage wins
     assert compressor.ratio_at(layer, 4) == 0.1
 
@@ -373,9 +388,13 @@ class _Operators(TorchDispatchMode):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"ratio": 0.01}, {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
-     {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5}, {"ratio": 0.1, "transport": "two_phase"}],
-)  # fmt: skip
+    [
+        {"ratio": 0.01},
+        {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
+        {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5},
+        {"ratio": 0.1, "transport": "two_phase"},
+    ],
+)
 def test_operators_per_bucket_do_not_grow_with_the_layers(kwargs, monkeypatch):
     """A bucket of twice the layers costs the same number of operators: no loop over the layers on the hook path
     (the CPU's layer-by-layer selection off, as on every other device)."""
@@ -398,9 +417,13 @@ def test_operators_per_bucket_do_not_grow_with_the_layers(kwargs, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [{"ratio": 0.01}, {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
-               {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5}]
-)  # fmt: skip
+    "kwargs",
+    [
+        {"ratio": 0.01},
+        {"ratio": 0.05, "strided_sample": False, "momentum_masking": False},
+        {"ratio": 0.01, "warmup_steps": 1, "nesterov": True, "clip_norm": 0.5},
+    ],
+)
 def test_both_selections_give_the_same_steps(kwargs, monkeypatch):
     """The reduction with the bucket's selection (every device's) is bitwise the one with the CPU's loop."""
     from lightning_gradcomp.compressors import dgc
@@ -410,8 +433,9 @@ def test_both_selections_give_the_same_steps(kwargs, monkeypatch):
         monkeypatch.setattr(dgc, "LOOP_ON_CPU", loop)
         compressors = [DGC(**kwargs) for _ in range(2)]
         residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(2)]
-        outs = [simulate_reduce(compressors, _grads(2, step), LAYERS, step=step, residuals=residuals)
-                for step in range(3)]  # fmt: skip
+        outs = [
+            simulate_reduce(compressors, _grads(2, step), LAYERS, step=step, residuals=residuals) for step in range(3)
+        ]
         results.append((outs, residuals, [c.state_dict() for c in compressors]))
     (outs_a, res_a, state_a), (outs_b, res_b, state_b) = results
     for a, b in zip(outs_a, outs_b):

@@ -39,8 +39,11 @@ def test_api_reference_builds_from_the_docstrings(tmp_path):
     assert "Vogels" in compressors
 
 
-MARKDOWN = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "CHANGELOG.md"),
-            *glob.glob(os.path.join(ROOT, "docs", "*.md"))]  # fmt: skip
+MARKDOWN = [
+    os.path.join(ROOT, "README.md"),
+    os.path.join(ROOT, "CHANGELOG.md"),
+    *glob.glob(os.path.join(ROOT, "docs", "*.md")),
+]
 
 
 @pytest.mark.parametrize("path", MARKDOWN, ids=lambda p: os.path.relpath(p, ROOT))
@@ -99,14 +102,25 @@ def _documented_defaults(page: str) -> list[tuple[str | None, str, str]]:
 
 #: the page that documents each class's arguments and defaults
 DEFAULTS_PAGES = {
-    "accordion.md": "callbacks.Accordion", "adacomp.md": "compressors.AdaComp", "dense_warmup.md":
-    "callbacks.DenseWarmup", "dgc.md": "compressors.DGC", "diloco.md": "DiLoCo", "index.md": "CompressedDDP",
-    "lgc.md": "compressors.LGC", "optimizers.md":
-    "optim.NovoGrad", "pactrain.md": "callbacks.PacTrain", "powersgd.md": "compressors.PowerSGD", "pufferfish.md":
-    "transforms.Pufferfish", "qsgd.md": "compressors.QSGD", "randomk.md": "compressors.RandomK", "scalecom.md":
-    "compressors.ScaleCom", "signsgd.md": "compressors.SignSGD", "terngrad.md": "compressors.TernGrad", "topk.md":
-    "compressors.TopK", "tracin.md": "callbacks.TracIn",
-}  # fmt: skip
+    "accordion.md": "callbacks.Accordion",
+    "adacomp.md": "compressors.AdaComp",
+    "dense_warmup.md": "callbacks.DenseWarmup",
+    "dgc.md": "compressors.DGC",
+    "diloco.md": "DiLoCo",
+    "index.md": "CompressedDDP",
+    "lgc.md": "compressors.LGC",
+    "optimizers.md": "optim.NovoGrad",
+    "pactrain.md": "callbacks.PacTrain",
+    "powersgd.md": "compressors.PowerSGD",
+    "pufferfish.md": "transforms.Pufferfish",
+    "qsgd.md": "compressors.QSGD",
+    "randomk.md": "compressors.RandomK",
+    "scalecom.md": "compressors.ScaleCom",
+    "signsgd.md": "compressors.SignSGD",
+    "terngrad.md": "compressors.TernGrad",
+    "topk.md": "compressors.TopK",
+    "tracin.md": "callbacks.TracIn",
+}
 
 
 @pytest.mark.parametrize("page", sorted(DEFAULTS_PAGES))

@@ -39,8 +39,11 @@ def test_draws_are_the_reference_hash_of_every_layers_positions(dtype, bits) -> 
     found = draws.uniform_draws(ctx, dtype, bits)
     for layer in LAYERS:
         h = reference_hashes(ctx, layer)
-        expected = (np.floor(h / 2**16) + 0.5) / 2**16 if bits == 16 else (
-            h / 2**32 if dtype == torch.float64 else np.floor(h / 2**8) / 2**24)  # fmt: skip
+        expected = (
+            (np.floor(h / 2**16) + 0.5) / 2**16
+            if bits == 16
+            else (h / 2**32 if dtype == torch.float64 else np.floor(h / 2**8) / 2**24)
+        )
         assert np.array_equal(layer.flat(found).double().numpy(), expected), layer.name
 
 

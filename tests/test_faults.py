@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from lightning_gradcomp.runtime.rank_state import load_rank_state
+from tests.distributed import child_env
 from tests.fault_worker import MAX_STEPS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,13 +48,19 @@ def _run(
     """Run the worker; return its exit status, its output and the seconds from the injected failure to its end."""
     os.makedirs(outdir, exist_ok=True)
     command = [sys.executable, "-m", "tests.fault_worker", str(outdir), fault, str(rank), str(STEP), str(timeout_s)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_STRATEGY": strategy}
+    env = child_env(OMP_NUM_THREADS="1", FAULT_STRATEGY=strategy)
     env["FAULT_COLLECTIVE_TIMEOUT_S"] = str(collective_timeout_s or "")
     env.pop("LOCAL_RANK", None)  # the script must launch its own child rank
     # output to a file, not a pipe: a rank left running would hold a pipe open and block the test until its timeout
     with open(os.path.join(outdir, "output.txt"), "w") as log:
-        proc = subprocess.run([*command, *([ckpt_path] if ckpt_path else [])], cwd=ROOT, env=env, stdout=log,
-                              stderr=subprocess.STDOUT, timeout=240)  # fmt: skip
+        proc = subprocess.run(
+            [*command, *([ckpt_path] if ckpt_path else [])],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=240,
+        )
     ended = time.time()
     failed_at = os.path.join(outdir, "failed_at")
     latency = ended - float(_read(failed_at)) if os.path.exists(failed_at) else 0.0

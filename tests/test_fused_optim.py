@@ -25,9 +25,15 @@ STEPS = 4
 def small_net(dtype=torch.float32) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Flatten(),
-        nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 10),
-    ).to(dtype)  # fmt: skip
+        nn.Conv2d(3, 8, 3),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    ).to(dtype)
 
 
 def _batch(rank: int, step: int, dtype=torch.float32):
@@ -42,14 +48,22 @@ CASES = {
     "sgd-identity-fused": (Identity, lambda p: FusedSGD(p, **SGD), True, torch.float32),
     "sgd-powersgd-torch": (lambda: PowerSGD(rank=2), lambda p: torch.optim.SGD(p, **SGD), False, torch.float32),
     "sgd-powersgd-fused": (lambda: PowerSGD(rank=2), lambda p: FusedSGD(p, **SGD), True, torch.float32),
-    "clip-after": (Identity, lambda p: FusedSGD(p, lr=0.1, clip_grad_norm=0.5, clip_grad_value=0.05), False,
-                   torch.float32),
-    "clip-fused": (Identity, lambda p: FusedSGD(p, lr=0.1, clip_grad_norm=0.5, clip_grad_value=0.05), True,
-                   torch.float32),
+    "clip-after": (
+        Identity,
+        lambda p: FusedSGD(p, lr=0.1, clip_grad_norm=0.5, clip_grad_value=0.05),
+        False,
+        torch.float32,
+    ),
+    "clip-fused": (
+        Identity,
+        lambda p: FusedSGD(p, lr=0.1, clip_grad_norm=0.5, clip_grad_value=0.05),
+        True,
+        torch.float32,
+    ),
     "view-fused": (Identity, lambda p: FusedSGD(p, **SGD), True, torch.float32),  # gradient_as_bucket_view=True
     "adalomo-bf16-after": (Identity, lambda p: FusedAdaLomo(p, lr=1e-2, weight_decay=0.1), False, torch.bfloat16),
     "adalomo-bf16-fused": (Identity, lambda p: FusedAdaLomo(p, lr=1e-2, weight_decay=0.1), True, torch.bfloat16),
-}  # fmt: skip
+}
 
 
 def _train_raw_ddp(rank: int, world_size: int) -> dict:
@@ -97,8 +111,9 @@ def test_fused_sgd_in_the_hook_is_bitwise_torch_sgd_with_identity(raw_runs):
 
 def test_fused_sgd_with_powersgd_matches_torch_sgd_to_float_tolerance(raw_runs):
     for rank in raw_runs:
-        torch.testing.assert_close(rank["sgd-powersgd-fused"]["params"], rank["sgd-powersgd-torch"]["params"],
-                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            rank["sgd-powersgd-fused"]["params"], rank["sgd-powersgd-torch"]["params"], rtol=1e-5, atol=1e-6
+        )
     # PowerSGD really compressed: its weights differ from the dense run's
     assert not torch.allclose(raw_runs[0]["sgd-powersgd-fused"]["params"], raw_runs[0]["sgd-identity-fused"]["params"])
 
@@ -123,8 +138,10 @@ def test_replicas_identical(raw_runs, name):
 def test_fused_sgd_unbound_is_bitwise_torch_sgd_and_value_clipping_is_torchs(nesterov):
     models = [small_net(), small_net()]
     kwargs = {"lr": 0.1, "momentum": 0.9, "weight_decay": 1e-2, "nesterov": nesterov}
-    ours, theirs = FusedSGD(models[0].parameters(), clip_grad_value=0.01, **kwargs), torch.optim.SGD(
-        models[1].parameters(), **kwargs)  # fmt: skip
+    ours, theirs = (
+        FusedSGD(models[0].parameters(), clip_grad_value=0.01, **kwargs),
+        torch.optim.SGD(models[1].parameters(), **kwargs),
+    )
     for step in range(4):
         x, y = _batch(0, step)
         for model, opt in zip(models, (ours, theirs)):
@@ -159,8 +176,9 @@ def _adalomo_reference(params, grads, state, t, lr, eps1, eps2, threshold, decay
         if g.dim() >= 2:
             g = g.reshape(g.shape[0], -1)
             u = g * g + eps1
-            r, c = state.get(i, (torch.zeros(g.shape[0], dtype=torch.float64),
-                                 torch.zeros(g.shape[1], dtype=torch.float64)))  # fmt: skip
+            r, c = state.get(
+                i, (torch.zeros(g.shape[0], dtype=torch.float64), torch.zeros(g.shape[1], dtype=torch.float64))
+            )
             r = beta2 * r + (1 - beta2) * u.mean(-1)
             c = beta2 * c + (1 - beta2) * u.mean(-2)
             state[i] = (r, c)
@@ -201,12 +219,17 @@ def test_adalomo_equals_its_formulas():
 
 @pytest.mark.parametrize(
     ("factory", "kwargs", "name"),
-    [(FusedSGD, {"lr": -1.0}, "lr"), (FusedSGD, {"lr": 0.1, "momentum": 1.0}, "momentum"),
-     (FusedSGD, {"lr": 0.1, "clip_grad_norm": 0.0}, "clip_grad_norm"),
-     (FusedSGD, {"lr": 0.1, "clip_grad_value": -1.0}, "clip_grad_value"),
-     (FusedAdaLomo, {"weight_decay": -0.1}, "weight_decay"), (FusedAdaLomo, {"decay_rate": 0.5}, "decay_rate"),
-     (FusedAdaLomo, {"clip_threshold": 0.0}, "clip_threshold"), (FusedAdaLomo, {"eps": (1e-30,)}, "eps")],
-)  # fmt: skip
+    [
+        (FusedSGD, {"lr": -1.0}, "lr"),
+        (FusedSGD, {"lr": 0.1, "momentum": 1.0}, "momentum"),
+        (FusedSGD, {"lr": 0.1, "clip_grad_norm": 0.0}, "clip_grad_norm"),
+        (FusedSGD, {"lr": 0.1, "clip_grad_value": -1.0}, "clip_grad_value"),
+        (FusedAdaLomo, {"weight_decay": -0.1}, "weight_decay"),
+        (FusedAdaLomo, {"decay_rate": 0.5}, "decay_rate"),
+        (FusedAdaLomo, {"clip_threshold": 0.0}, "clip_threshold"),
+        (FusedAdaLomo, {"eps": (1e-30,)}, "eps"),
+    ],
+)
 def test_bad_arguments_name_the_argument(factory, kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}"):
         factory([nn.Parameter(torch.ones(2, 2))], **kwargs)
@@ -219,11 +242,15 @@ def _trainer(**overrides):
 
 @pytest.mark.parametrize(
     ("optimizers", "trainer", "scaler", "match"),
-    [("two", {}, None, "only optimizer"), ("partial", {}, None, "every trainable parameter"),
-     ("one", {}, object(), "gradient scaler"), ("one", {"accumulate_grad_batches": 2}, None, "accumulate_grad_batches"),
-     ("one", {"gradient_clip_val": 0.5}, None, "gradient_clip_val"),
-     ("sparse", {}, None, r"sparse gradient has none: the embeddings 8 have `sparse=True`")],
-)  # fmt: skip
+    [
+        ("two", {}, None, "only optimizer"),
+        ("partial", {}, None, "every trainable parameter"),
+        ("one", {}, object(), "gradient scaler"),
+        ("one", {"accumulate_grad_batches": 2}, None, "accumulate_grad_batches"),
+        ("one", {"gradient_clip_val": 0.5}, None, "gradient_clip_val"),
+        ("sparse", {}, None, r"sparse gradient has none: the embeddings 8 have `sparse=True`"),
+    ],
+)
 def test_incompatible_settings_are_refused_before_training(optimizers, trainer, scaler, match):
     model = small_net()
     if optimizers == "sparse":
@@ -251,10 +278,17 @@ def test_lightning_gradient_clipping_is_refused_at_setup(tmp_path, in_process_dd
             return FusedSGD(self.parameters(), lr=0.1)
 
     trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=CompressedDDP(), max_steps=1, logger=False, gradient_clip_val=0.5,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=CompressedDDP(),
+        max_steps=1,
+        logger=False,
+        gradient_clip_val=0.5,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=str(tmp_path),
-    )  # fmt: skip
+    )
     with pytest.raises(MisconfigurationException, match="gradient_clip_val"):
         trainer.fit(Fused())
 
@@ -264,8 +298,11 @@ def test_lightning_gradient_clipping_is_refused_at_setup(tmp_path, in_process_dd
 # ---------------------------------------------------------------------------------------------------------------
 # tests/fit_worker.py's ScheduledNet (64 samples, 4 steps per epoch on 2 ranks) under CompressedDDP(Identity), tiny
 # buckets: torch's SGD, FusedSGD (every epoch's checkpoint kept, the learning rate logged), and a resume of the latter
-RUNS = ["identity:sgd-scheduled", "identity:fused-scheduled-logged",
-        "identity:fused-scheduled+identity:fused-scheduled-logged@epoch=1"]  # fmt: skip
+RUNS = [
+    "identity:sgd-scheduled",
+    "identity:fused-scheduled-logged",
+    "identity:fused-scheduled+identity:fused-scheduled-logged@epoch=1",
+]
 
 
 @pytest.mark.slow

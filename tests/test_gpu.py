@@ -17,15 +17,27 @@ from torch import nn
 
 from lightning_gradcomp.compressors.base import layers_from_shapes
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
-from tests.distributed import run_distributed
+from tests.distributed import child_env, run_distributed
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on a GPU machine)")
 
 SHAPES = [(64, 32, 3, 3), (128, 256), (256, 128), (10, 128)]
 # Methods whose result does not depend on random draws made on the device: CUDA must give the CPU's result (to
 # rounding: kernels sum in another order)
-DETERMINISTIC = ("identity", "fp16", "bf16", "topk", "topk-10%", "randomk", "powersgd", "scalecom", "signsgd",
-                 "efsignsgd", "onebit", "dgc-no-momentum")  # fmt: skip
+DETERMINISTIC = (
+    "identity",
+    "fp16",
+    "bf16",
+    "topk",
+    "topk-10%",
+    "randomk",
+    "powersgd",
+    "scalecom",
+    "signsgd",
+    "efsignsgd",
+    "onebit",
+    "dgc-no-momentum",
+)
 # What cannot avoid a host read on the codec path, and why (docs/benchmarks.md#gpu)
 SYNCS: dict[str, str] = {}
 
@@ -82,11 +94,15 @@ def test_cuda_gives_the_cpu_result(name):
 def test_the_contract_suite_passes_on_cuda_tensors():
     """tests/test_contract.py, every compressor, with every tensor on the GPU (GRADCOMP_TEST_DEVICE=cuda)."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "GRADCOMP_TEST_DEVICE": "cuda"}
+    env = child_env(GRADCOMP_TEST_DEVICE="cuda")
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_contract.py"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
 
 
@@ -96,9 +112,16 @@ def test_the_contract_suite_passes_on_cuda_tensors():
 def _model():
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(512, 64), nn.ReLU(), nn.Linear(64, 10),
-    )  # fmt: skip
+        nn.Conv2d(3, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(32, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(512, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 def _train(rank, world_size, name, steps, sync_check, device="cuda"):
@@ -155,8 +178,18 @@ def test_ddp_over_nccl_at_world_size_one_with_identity_is_bitwise_plain_ddp():
         assert torch.equal(a, b)
 
 
-NO_SYNC_METHODS = ["topk", "powersgd", "qsgd", "qsgd-16bit-draws", "terngrad", "terngrad-16bit-draws", "efsignsgd",
-                   "onebit", "scalecom", "fp16"]  # fmt: skip
+NO_SYNC_METHODS = [
+    "topk",
+    "powersgd",
+    "qsgd",
+    "qsgd-16bit-draws",
+    "terngrad",
+    "terngrad-16bit-draws",
+    "efsignsgd",
+    "onebit",
+    "scalecom",
+    "fp16",
+]
 
 
 @needs_gpu
@@ -198,8 +231,15 @@ def _fit_with_lightning(rank, world_size, accelerator="gpu", strategy=None):
     x, y = torch.randn(64, 3, 16, 16, generator=g), torch.randint(0, 10, (64,), generator=g)
     data = torch.utils.data.TensorDataset(x, y)
     strategy = CompressedDDP(compressor=PowerSGD(rank=2)) if strategy is None else strategy
-    trainer = L.Trainer(accelerator=accelerator, devices=1, strategy=strategy,
-                        max_steps=4, logger=False, enable_checkpointing=False, enable_progress_bar=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator=accelerator,
+        devices=1,
+        strategy=strategy,
+        max_steps=4,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+    )
     module = Module()
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=16))
     return [p.detach().cpu() for p in module.parameters()]

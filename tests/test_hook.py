@@ -34,9 +34,17 @@ STEPS = 4
 def small_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 16, 3), nn.ReLU(), nn.Flatten(),
-        nn.Linear(16 * 4 * 4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10),
-    )  # fmt: skip
+        nn.Conv2d(3, 8, 3),
+        nn.ReLU(),
+        nn.Conv2d(8, 16, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(16 * 4 * 4, 64),
+        nn.ReLU(),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Linear(64, 10),
+    )
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,9 +106,14 @@ def _hook_vs_reference(rank: int, world_size: int, names: list[str]) -> dict:
             averages = [sum(g / world_size for g in gathered[i]) for i in dense]
             if prototype.has_dense_update and dense:  # the method's own update of averaged layers (DGC's momentum)
                 flat = torch.cat([a.flatten() for a in averages])
-                ctx = BucketContext(index=0, step=step, rank=rank, world_size=world_size, updates=StepUpdates(),
-                                    layers=layers_from_shapes([params[i].shape for i in dense],
-                                                              [names[i] for i in dense]))  # fmt: skip
+                ctx = BucketContext(
+                    index=0,
+                    step=step,
+                    rank=rank,
+                    world_size=world_size,
+                    updates=StepUpdates(),
+                    layers=layers_from_shapes([params[i].shape for i in dense], [names[i] for i in dense]),
+                )
                 reference[rank].finish_dense(flat, ctx)
                 ctx.updates.commit()
                 averages = [layer.view(flat) for layer in ctx.layers]

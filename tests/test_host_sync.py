@@ -30,13 +30,25 @@ from lightning_gradcomp.engine.context import layers_from_shapes
 from lightning_gradcomp.testing import EXAMPLES, simulate_reduce
 
 aten = torch.ops.aten
-_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
-          aten.unique_consecutive.default, aten.unique_dim.default}  # fmt: skip
+_READS = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.unique_dim.default,
+}
 # (file, function) of the branches that run only on the CPU, where reading a scalar is no synchronisation
-_CPU_ONLY = {("requests.py", "commit"), ("packing.py", "above"), ("packing.py", "magnitude_above"),
-             ("quantize.py", "_clamp_"), ("layer_topk.py", "_sampled"),
-             ("sparse_shards.py", "device_owners"), ("dgc_select.py", "_plan"),
-             ("layer_topk.py", "_plan")}  # fmt: skip
+_CPU_ONLY = {
+    ("requests.py", "commit"),
+    ("packing.py", "above"),
+    ("packing.py", "magnitude_above"),
+    ("quantize.py", "_clamp_"),
+    ("layer_topk.py", "_sampled"),
+    ("sparse_shards.py", "device_owners"),
+    ("dgc_select.py", "_plan"),
+    ("layer_topk.py", "_plan"),
+}
 
 # what still reads on the hook path, and where
 KNOWN = {
@@ -44,7 +56,7 @@ KNOWN = {
     **dict.fromkeys(
         [name for name in EXAMPLES if name.startswith("lgc") and name.endswith(("stages", "stage2"))],
         "LGC's sparse stages: nonzero",
-    ),  # fmt: skip
+    ),
     "lgc-ps-stage3": "LGC's sparse stages: nonzero",
 }
 # a few examples run by default (the sign family, the casts, MinMax); every example is marked slow

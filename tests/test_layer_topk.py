@@ -44,8 +44,9 @@ def test_every_layer_keeps_its_k_largest_magnitudes(path, ratio, dtype):
     found = layer_topk(values, layers, ks)
     assert torch.equal(found, _reference(values, layers, ks))  # the same elements, in the same order
     # and the set torch.topk selects (distinct magnitudes)
-    expected = torch.cat([torch.topk(layer.flat(values).abs(), k).indices + layer.offset
-                          for layer, k in zip(layers, ks)])  # fmt: skip
+    expected = torch.cat(
+        [torch.topk(layer.flat(values).abs(), k).indices + layer.offset for layer, k in zip(layers, ks)]
+    )
     assert torch.equal(found.sort().values, expected.sort().values)
 
 

@@ -70,8 +70,15 @@ def test_each_stage_issues_its_collectives_and_no_more(variant, expected):
         world = SimulatedWorld(2)
         futures = []
         for rank, (c, g) in enumerate(zip(compressors, _grads(2, step))):
-            ctx = BucketContext(index=0, step=step, rank=rank, world_size=2, layers=LAYERS, dtype=g.dtype,
-                                comm=Comm(world.backend(rank), Telemetry(), g.device))  # fmt: skip
+            ctx = BucketContext(
+                index=0,
+                step=step,
+                rank=rank,
+                world_size=2,
+                layers=LAYERS,
+                dtype=g.dtype,
+                comm=Comm(world.backend(rank), Telemetry(), g.device),
+            )
             futures.append(c.reduce(g, ctx))
         world.assert_quiescent()
         outs = [f.wait() for f in futures]
@@ -107,10 +114,12 @@ def test_error_feedback_subtracts_what_the_aggregate_used_for_this_rank(variant)
         shares = [pi - ri for pi, ri in zip(p, residuals)]
         torch.testing.assert_close(outs[0] * n, shares[0] + shares[1], rtol=1e-12, atol=1e-12)
         leader = 0 if variant == "ps" else step % n
-        chosen = torch.cat([
-            torch.topk(layer.flat(p[leader]).abs(), keep_count(layer.numel, 0.05)).indices + layer.offset
-            for layer in LAYERS
-        ])  # fmt: skip
+        chosen = torch.cat(
+            [
+                torch.topk(layer.flat(p[leader]).abs(), keep_count(layer.numel, 0.05)).indices + layer.offset
+                for layer in LAYERS
+            ]
+        )
         off = torch.ones(NUMEL, dtype=torch.bool)
         off[chosen] = False
         if variant == "allreduce":
@@ -119,10 +128,12 @@ def test_error_feedback_subtracts_what_the_aggregate_used_for_this_rank(variant)
         for rank in range(n):
             owed_off = off.clone()
             if variant == "ps":
-                own = torch.cat([
-                    torch.topk(layer.flat(p[rank]).abs(), keep_count(layer.numel, 0.01)).indices + layer.offset
-                    for layer in LAYERS
-                ])  # fmt: skip
+                own = torch.cat(
+                    [
+                        torch.topk(layer.flat(p[rank]).abs(), keep_count(layer.numel, 0.01)).indices + layer.offset
+                        for layer in LAYERS
+                    ]
+                )
                 assert torch.all(residuals[rank][own] == 0), "the innovation is sent exactly"
                 owed_off[own] = False
             assert torch.equal(residuals[rank][owed_off], p[rank][owed_off]), "unsent entries are owed whole"
@@ -190,35 +201,6 @@ def test_state_dict_holds_the_autoencoder_its_optimizer_and_the_pending_data(var
     assert not torch.equal(expected[-1][0], control[-1][0])
 
 
-@pytest.mark.parametrize("saved", ["ps", "allreduce"])
-@pytest.mark.parametrize("pending", [True, False])
-def test_a_checkpoint_saved_as_the_single_lgc_class_restores_into_its_variant_s_class(saved, pending):
-    """Both variants were once one class, and checkpoints name the compressor's class: each variant's state was saved
-    as ``"LGC"``, in the format :meth:`state_dict` still writes. Such a state restores into its own variant's class
-    and continues bitwise; the other variant's class refuses it (the hook leaves it unrestored, with a warning), with
-    or without pending data to tell them apart (the autoencoder's heads do then)."""
-    original = [_lgc(saved) for _ in range(2)]
-    _run(original, range(3))
-    old = []
-    for c in original:
-        state = CompressionState(_lgc(saved)).state_dict()
-        compressor_state = c.state_dict()
-        if not pending:
-            del compressor_state["pending"]
-        old.append(pickle.loads(pickle.dumps({**state, "compressor_class": "LGC", "compressor": compressor_state})))
-    restored = {}
-    for variant in VARIANTS:
-        hooks = [CompressionState(_lgc(variant)) for _ in range(2)]
-        for hook, state in zip(hooks, old):
-            hook.load_state_dict(state)
-        restored[variant] = [hook.compressor for hook in hooks]
-        assert all((c._committed is not None) == (variant == saved) for c in restored[variant]), variant
-    if pending:  # the restored compressors continue as the originals do
-        expected, got = (_run(cs, range(3, 6), seed=7) for cs in (original, restored[saved]))
-        for a, b in zip(expected, got):
-            assert torch.equal(a[0], b[0])
-
-
 @pytest.mark.parametrize("ranks", [2, 3])
 @pytest.mark.parametrize("leader", ["fixed", "rotating"])
 def test_the_gather_form_of_ps_gives_the_all_gather_form_s_results_bitwise(ranks, leader):
@@ -241,8 +223,15 @@ def test_the_gather_form_of_ps_gives_the_all_gather_form_s_results_bitwise(ranks
     world = SimulatedWorld(ranks)
     futures = []
     for rank, (c, g) in enumerate(zip(forms["gather"], _grads(ranks, 99))):
-        ctx = BucketContext(index=0, step=7, rank=rank, world_size=ranks, layers=LAYERS, dtype=g.dtype,
-                            comm=Comm(world.backend(rank), Telemetry(), g.device))  # fmt: skip
+        ctx = BucketContext(
+            index=0,
+            step=7,
+            rank=rank,
+            world_size=ranks,
+            layers=LAYERS,
+            dtype=g.dtype,
+            comm=Comm(world.backend(rank), Telemetry(), g.device),
+        )
         futures.append(c.reduce(g, ctx))
     world.assert_quiescent()
     assert [kind[0] for rank, kind in world.issued if rank == 0] == ["broadcast", "all_gather", "broadcast"]
@@ -256,8 +245,14 @@ def _both_forms_on_gloo(rank, world_size):
     for form in ("allgather", "gather"):
         compressor, residual, steps = _lgc("ps", ps_form=form), torch.zeros(NUMEL), []
         for step in range(6):
-            ctx = BucketContext(index=0, step=step, rank=rank, world_size=world_size, layers=LAYERS,
-                                comm=Comm(backend, Telemetry(), torch.device("cpu")))  # fmt: skip
+            ctx = BucketContext(
+                index=0,
+                step=step,
+                rank=rank,
+                world_size=world_size,
+                layers=LAYERS,
+                comm=Comm(backend, Telemetry(), torch.device("cpu")),
+            )
             grad = _grads(world_size, 40 + step, torch.float32)[rank]
             steps.append((compressor.reduce(grad, ctx, ResidualBuffers(residual)).wait().clone(), residual.clone()))
         out[form] = steps
@@ -670,8 +665,12 @@ def test_a_decoder_that_points_away_cannot_make_ps_diverge(form):
     grads = [torch.randn(NUMEL, generator=g, dtype=torch.float64) for _ in range(n)]
     norms = {}
     for project in (None, False):
-        compressors = [_AntiAlignedLGC(**{**_lgc("ps").hparams(), "dense_steps": 0, "training_steps": 0,
-                                          "project": project, "ps_form": form}) for _ in range(n)]  # fmt: skip
+        compressors = [
+            _AntiAlignedLGC(
+                **{**_lgc("ps").hparams(), "dense_steps": 0, "training_steps": 0, "project": project, "ps_form": form}
+            )
+            for _ in range(n)
+        ]
         residuals = [torch.zeros(NUMEL, dtype=torch.float64) for _ in range(n)]
         for step in range(steps):
             p = [gr + r for gr, r in zip(grads, residuals)]

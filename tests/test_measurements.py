@@ -85,8 +85,9 @@ def test_fingerprint_reproduces_and_flags_a_change(tmp_path, capsys, monkeypatch
     script = Path(__file__).resolve().parent.parent / "benchmarks" / "fingerprint.py"
     args = [str(script), "--compressors", "identity", "fp16", "--steps", "1"]
     first = tmp_path / "first.txt"
-    done = subprocess.run([sys.executable, *args, "--out", str(first)], capture_output=True, text=True, timeout=300,
-                          check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *args, "--out", str(first)], capture_output=True, text=True, timeout=300, check=False
+    )
     assert done.returncode == 0, done.stderr
     hashes = dict(line.split() for line in first.read_text().splitlines())
     assert set(hashes) == {"identity", "fp16"}

@@ -7,14 +7,14 @@ import sys
 import pytest
 import torch
 
-from tests.distributed import free_port
+from tests.distributed import child_env, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.slow
 def test_two_nodes_train_with_identical_replicas(tmp_path):
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "OMP_NUM_THREADS": "1"}
+    env = child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), OMP_NUM_THREADS="1")
     env.pop("LOCAL_RANK", None)
     nodes = [
         subprocess.Popen(

@@ -47,8 +47,9 @@ def _paper(params, grads, state, lr, beta1, beta2, eps, wd, grad_averaging):
 def test_novograd_equals_the_papers_formulas_over_50_steps(wd, grad_averaging, betas, foreach):
     x, y = _digits()
     model, ref = _model(), _model()
-    optimizer = NovoGrad(model.parameters(), lr=0.01, betas=betas, weight_decay=wd, grad_averaging=grad_averaging,
-                         foreach=foreach)  # fmt: skip
+    optimizer = NovoGrad(
+        model.parameters(), lr=0.01, betas=betas, weight_decay=wd, grad_averaging=grad_averaging, foreach=foreach
+    )
     ref_params, state = list(ref.parameters()), {}
     with torch.no_grad():
         initial = nn.functional.cross_entropy(model(x), y)
@@ -71,8 +72,10 @@ def test_novograd_equals_the_papers_formulas_over_50_steps(wd, grad_averaging, b
 def test_foreach_and_loop_paths_agree_and_leave_the_gradient_alone():
     x, y = _digits()
     models = [_model(), _model()]
-    opts = [NovoGrad(m.parameters(), lr=0.02, weight_decay=1e-3, grad_averaging=True, amsgrad=True, foreach=f)
-            for m, f in zip(models, (True, False))]  # fmt: skip
+    opts = [
+        NovoGrad(m.parameters(), lr=0.02, weight_decay=1e-3, grad_averaging=True, amsgrad=True, foreach=f)
+        for m, f in zip(models, (True, False))
+    ]
     for _ in range(10):
         for m, o in zip(models, opts):
             m.zero_grad()
@@ -143,7 +146,7 @@ def test_state_dict_resume_is_bitwise():
         ({"weight_decay": -1.0}, "weight_decay"),
         ({"grad_averaging": 1}, "grad_averaging"),
         ({"foreach": None}, "foreach"),
-    ],  # fmt: skip
+    ],
 )
 def test_bad_arguments_name_the_argument(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`".replace("[", r"\[").replace("]", r"\]")):

@@ -43,8 +43,12 @@ def test_dgcsgd_without_decay_is_sgd():
 
 @pytest.mark.parametrize(
     ("kwargs", "name"),
-    [({"lr": -1}, "lr"), ({"lr": 0.1, "momentum": 1.0}, "momentum"), ({"lr": 0.1, "weight_decay": float("nan")},
-     "weight_decay"), ({"lr": 0.1, "nesterov": True}, "momentum")],  # fmt: skip
+    [
+        ({"lr": -1}, "lr"),
+        ({"lr": 0.1, "momentum": 1.0}, "momentum"),
+        ({"lr": 0.1, "weight_decay": float("nan")}, "weight_decay"),
+        ({"lr": 0.1, "nesterov": True}, "momentum"),
+    ],
 )
 def test_dgcsgd_bad_arguments(kwargs, name):
     with pytest.raises(ValueError, match=f"`{name}`"):

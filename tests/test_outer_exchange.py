@@ -41,9 +41,9 @@ def _exchanges(factory, world_size: int) -> tuple[SimulatedWorld, list[OuterExch
 
 
 def _round(world: SimulatedWorld, exchanges: list[OuterExchange], pseudo_gradients: list[torch.Tensor]):
-    rounds = [ex.average([g.clone()], [LAYERS]) for ex, g in zip(exchanges, pseudo_gradients)]
+    rounds = [ex.start([g.clone()], [LAYERS]) for ex, g in zip(exchanges, pseudo_gradients)]
     world.assert_quiescent()
-    return [r.wait()[0] for r in rounds]
+    return [r.wait()[0][0] for r in rounds]
 
 
 def _residual(exchange: OuterExchange) -> torch.Tensor:

@@ -137,7 +137,7 @@ def test_misaligned_lists_decode():
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32,
-                                   torch.float64, torch.bfloat16])  # fmt: skip
+                                   torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("density", [0.0, 0.001, 0.25, 1.0])
 def test_flat_nonzero_is_torch_nonzero(dtype, density):
     generator = torch.Generator().manual_seed(3)
@@ -294,7 +294,7 @@ def test_max_magnitudes_are_the_infinity_norms(dtype):
         expected = torch.stack([torch.linalg.vector_norm(x, float("inf"), dtype=result) for x in tensors])
         found = max_magnitudes(tensors, result)
         assert found.dtype == result
-        same = (found.view(INT_OF_SIZE[found.element_size()]) == expected.view(INT_OF_SIZE[found.element_size()]))
+        same = found.view(INT_OF_SIZE[found.element_size()]) == expected.view(INT_OF_SIZE[found.element_size()])
         assert bool((same | (found.isnan() & expected.isnan())).all()), (found, expected)
         assert not found[3].signbit()
         assert not found[4].signbit()

@@ -69,8 +69,9 @@ def test_channel_and_global_masks():
 
 
 def test_biases_normalisation_and_excluded_layers_are_not_pruned():
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.LayerNorm(8), nn.Linear(8, 4),
-                          nn.Linear(4, 2))  # fmt: skip
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten(), nn.LayerNorm(8), nn.Linear(8, 4), nn.Linear(4, 2)
+    )
     assert list(prunable_parameters(model)) == ["0.weight", "4.weight", "5.weight"]
     assert list(prunable_parameters(model, exclude=["5.*"])) == ["0.weight", "4.weight"]
 
@@ -89,7 +90,7 @@ def test_biases_normalisation_and_excluded_layers_are_not_pruned():
         ({"scope": "global", "granularity": "channel"}, "scope"),
         ({"exclude": "fc.*"}, "exclude"),
         ({"dense_threshold": 2}, "dense_threshold"),
-    ],  # fmt: skip
+    ],
 )
 def test_bad_arguments_are_refused(kwargs, name):
     with pytest.raises(MisconfigurationException, match=f"`{name}`"):
@@ -194,8 +195,12 @@ def test_dense_threshold_and_mask_updates():
     grads = _grads_for(layers, 2)
     for threshold, nbytes in ((0.95, 4 * 90), (0.85, 4 * 100)):
         telemetry = _telemetry(100)
-        out = simulate_reduce([MaskedCompressor(Identity(), masks, dense_threshold=threshold) for _ in range(2)],
-                              grads, layers, telemetry=telemetry)[0]  # fmt: skip
+        out = simulate_reduce(
+            [MaskedCompressor(Identity(), masks, dense_threshold=threshold) for _ in range(2)],
+            grads,
+            layers,
+            telemetry=telemetry,
+        )[0]
         assert telemetry[0].pop_step().bytes_sent == nbytes
         assert (out.view(10, 10)[:, 0] == 0).all()  # masked in place or compacted: pruned entries are zero
     compressor = MaskedCompressor(Identity(), masks)
@@ -254,13 +259,15 @@ class _Watch(Callback):
         pactrain = next(cb for cb in trainer.callbacks if isinstance(cb, PacTrain))
         params = dict(pl_module.named_parameters())
         masks = pactrain.masks
-        self.steps.append({
-            "step": trainer.global_step,
-            "pruned_are_zero": all(bool((params[n][~masks[n]] == 0).all()) for n in masks),
-            "kept": sum(masks.kept(n) for n in masks),
-            "pruned": sum(masks[n].numel() - masks.kept(n) for n in masks),
-            "masks": [masks[n].cpu().clone() for n in sorted(masks)],
-        })  # fmt: skip
+        self.steps.append(
+            {
+                "step": trainer.global_step,
+                "pruned_are_zero": all(bool((params[n][~masks[n]] == 0).all()) for n in masks),
+                "kept": sum(masks.kept(n) for n in masks),
+                "pruned": sum(masks[n].numel() - masks.kept(n) for n in masks),
+                "masks": [masks[n].cpu().clone() for n in sorted(masks)],
+            }
+        )
 
     def on_train_end(self, trainer, pl_module):
         torch.save(self.steps, os.path.join(self.dirpath, f"watch{trainer.global_rank}.pt"))
@@ -289,14 +296,22 @@ def test_pruned_training_on_two_processes_then_resume(tmp_path, case):
     def run(name, epochs, ckpt_path=None, checkpoints=()):
         dirpath = str(tmp_path / name)
         watch = _Watch(dirpath)
-        _, _, ranks = fit(CompressedDDP(compressor, start_method="spawn"), dirpath, model=_digits_model(),
-                          max_steps=-1, max_epochs=epochs, callbacks=[PacTrain(**schedule), watch, *checkpoints],
-                          ckpt_path=ckpt_path, enable_checkpointing=bool(checkpoints))  # fmt: skip
+        _, _, ranks = fit(
+            CompressedDDP(compressor, start_method="spawn"),
+            dirpath,
+            model=_digits_model(),
+            max_steps=-1,
+            max_epochs=epochs,
+            callbacks=[PacTrain(**schedule), watch, *checkpoints],
+            ckpt_path=ckpt_path,
+            enable_checkpointing=bool(checkpoints),
+        )
         return ranks, [torch.load(os.path.join(dirpath, f"watch{r}.pt"), weights_only=False) for r in range(2)]
 
     ckpt_dir = str(tmp_path / "ckpt")
-    straight, watch = run("straight", 3, checkpoints=[ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}",
-                                                                      save_top_k=-1)])  # fmt: skip
+    straight, watch = run(
+        "straight", 3, checkpoints=[ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1)]
+    )
     assert torch.equal(straight[0]["params"], straight[1]["params"])
     for mine, other in zip(watch[0], watch[1]):
         assert all(torch.equal(a, b) for a, b in zip(mine["masks"], other["masks"]))

@@ -28,7 +28,7 @@ def mlp() -> nn.Module:
     # two same-shaped layers exercise torch's shape grouping; < 1 MB, so DDP keeps one bucket after its rebuild
     return nn.Sequential(
         nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10)
-    ).double()  # fmt: skip
+    ).double()
 
 
 def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,8 +205,9 @@ def test_a_layer_s_result_is_the_same_alone_or_batched_anywhere_in_a_bucket(r, d
         (layer,) = layers_from_shapes([shape], names=[f"param{i}"])
         alone.append(run([Layer(layer.name, i, layer.shape, 0)], batch_same_shape=False)[0])
     for lead in (0, 1, 5):
-        layers = [Layer(f"param{i}", i, layer.shape, layer.offset)
-                  for i, layer in enumerate(_at_offsets(ODD_SHAPES, lead))]  # fmt: skip
+        layers = [
+            Layer(f"param{i}", i, layer.shape, layer.offset) for i, layer in enumerate(_at_offsets(ODD_SHAPES, lead))
+        ]
         for a, b in zip(alone, run(layers)):
             assert torch.equal(a, b), (r, dtype, lead)
     assert all(approx.isfinite().all() for approx in alone)
@@ -216,8 +217,15 @@ def _shifted(ctx):
     """``ctx`` with its layers' offsets counted from the first layer's (the compressor's flat tensor starts there)."""
     start = ctx.layers[0].offset
     layers = tuple(Layer(layer.name, layer.index, layer.shape, layer.offset - start) for layer in ctx.layers)
-    return BucketContext(index=ctx.index, step=ctx.step, rank=ctx.rank, world_size=ctx.world_size, layers=layers,
-                         dtype=ctx.dtype, seed=ctx.seed)  # fmt: skip
+    return BucketContext(
+        index=ctx.index,
+        step=ctx.step,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        layers=layers,
+        dtype=ctx.dtype,
+        seed=ctx.seed,
+    )
 
 
 @pytest.mark.parametrize("r", [1, 2, 3])
@@ -232,8 +240,11 @@ def test_reconstruction_is_p_q_transposed(r):
     qt = {layer.name: torch.randn(r, layer.shape[1], generator=g, dtype=torch.float64) for layer in layers}
     order = [layer for run in runs for layer in run.layers]  # the payload's order: run after run
     out = torch.full((sum(a * b for a, b in shapes),), float("nan"), dtype=torch.float64)
-    workspace.reconstruct_from(torch.cat([pt[layer.name].reshape(-1) for layer in order]),
-                               torch.cat([qt[layer.name].reshape(-1) for layer in order]), out)  # fmt: skip
+    workspace.reconstruct_from(
+        torch.cat([pt[layer.name].reshape(-1) for layer in order]),
+        torch.cat([qt[layer.name].reshape(-1) for layer in order]),
+        out,
+    )
     for layer in layers:
         exact = pt[layer.name].t() @ qt[layer.name]
         bound = (pt[layer.name].abs().t() @ qt[layer.name].abs()) * (r * torch.finfo(torch.float64).eps)

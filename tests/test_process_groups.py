@@ -31,8 +31,11 @@ def _settle_on_one_rank(rank, world_size):
     collectives.settle(timeout_s=0.1)
     process_groups.log.removeHandler(handler)
     never.set_result(None)
-    return {"ended_on_return": ended_on_return, "warnings": [r.getMessage() for r in records],
-            "left": len(collectives._running)}  # fmt: skip
+    return {
+        "ended_on_return": ended_on_return,
+        "warnings": [r.getMessage() for r in records],
+        "left": len(collectives._running),
+    }
 
 
 @pytest.mark.slow

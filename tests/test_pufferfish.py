@@ -77,7 +77,7 @@ def test_full_rank_lstm_reproduces_the_lstm():
         {"attn_mask": "bool", "padding": True},
         {"need_weights": False, "attn_mask": True, "padding": True},
         {"average_attn_weights": False},
-    ],  # fmt: skip
+    ],
     ids=["plain", "padding", "float-mask", "bool-mask-padding", "no-weights", "per-head-weights"],
 )
 def test_full_rank_attention_reproduces_multihead_attention(batch_first, kwargs):
@@ -142,8 +142,9 @@ def test_lower_rank_factors_are_the_best_rank_r_approximation():
     for g in range(4):  # every gate matrix on its own
         gate = lstm.weight_hh_l0[g * 10 : (g + 1) * 10]
         u, s, vh = torch.linalg.svd(gate, full_matrices=False)
-        torch.testing.assert_close(factored.composed("weight_hh_l0")[g * 10 : (g + 1) * 10],
-                                   u[:, :3] @ torch.diag(s[:3]) @ vh[:3])  # fmt: skip
+        torch.testing.assert_close(
+            factored.composed("weight_hh_l0")[g * 10 : (g + 1) * 10], u[:, :3] @ torch.diag(s[:3]) @ vh[:3]
+        )
 
 
 def test_rank_is_ratio_of_min_dimension_and_factor_shapes_follow_the_paper():
@@ -190,7 +191,14 @@ def test_parameter_counts_of_the_papers_models(name):
     if name == "resnet18":  # conv1, layer1.0, shortcuts, linear stay; layers 1.1 to 4.1 are factorized
         assert not any(n.startswith(("layer1.0.", "linear", "conv1")) or "shortcut" in n for n in chosen)
         assert sorted({n.rsplit(".", 1)[0] for n in chosen}) == [
-            "layer1.1", "layer2.0", "layer2.1", "layer3.0", "layer3.1", "layer4.0", "layer4.1"]  # fmt: skip
+            "layer1.1",
+            "layer2.0",
+            "layer2.1",
+            "layer3.0",
+            "layer3.1",
+            "layer4.0",
+            "layer4.1",
+        ]
     if name == "vgg19":
         assert chosen == [f"conv{i}" for i in range(10, 17)] + ["classifier.1", "classifier.4"]
     if name == "resnet50":
@@ -227,11 +235,14 @@ def test_macs_count_conv_and_linear_exactly():
 
 
 def test_bad_arguments_are_refused():
-    for kwargs, name in [({"warmup_epochs": -1}, "warmup_epochs"), ({"warmup_epochs": 1.5}, "warmup_epochs"),
-                         ({"warmup_epochs": 1, "rank_ratio": 0}, "rank_ratio"),
-                         ({"warmup_epochs": 1, "rank_ratio": 1.5}, "rank_ratio"),
-                         ({"warmup_epochs": 1, "full_rank": "conv1"}, "full_rank"),
-                         ({"warmup_epochs": 1, "keep_lr_schedule": 1}, "keep_lr_schedule")]:  # fmt: skip
+    for kwargs, name in [
+        ({"warmup_epochs": -1}, "warmup_epochs"),
+        ({"warmup_epochs": 1.5}, "warmup_epochs"),
+        ({"warmup_epochs": 1, "rank_ratio": 0}, "rank_ratio"),
+        ({"warmup_epochs": 1, "rank_ratio": 1.5}, "rank_ratio"),
+        ({"warmup_epochs": 1, "full_rank": "conv1"}, "full_rank"),
+        ({"warmup_epochs": 1, "keep_lr_schedule": 1}, "keep_lr_schedule"),
+    ]:
         with pytest.raises(MisconfigurationException, match=f"`{name}`"):
             Pufferfish(**kwargs)
 
@@ -294,8 +305,15 @@ def _digits_model(epochs):
 def _fit(tmp_path, name, epochs, callbacks=(), **kwargs):
     dirpath = str(tmp_path / name)
     record = _Record(dirpath)
-    model, trainer, ranks = fit(CompressedDDP(start_method="spawn"), dirpath, model=_digits_model(4), max_steps=-1,
-                                max_epochs=epochs, callbacks=[*callbacks, record], **kwargs)  # fmt: skip
+    model, trainer, ranks = fit(
+        CompressedDDP(start_method="spawn"),
+        dirpath,
+        model=_digits_model(4),
+        max_steps=-1,
+        max_epochs=epochs,
+        callbacks=[*callbacks, record],
+        **kwargs,
+    )
     extra = [torch.load(os.path.join(dirpath, f"extra{r}.pt"), weights_only=False) for r in range(2)]
     return model, ranks, extra
 
@@ -311,8 +329,9 @@ def test_factorization_mid_training_with_two_processes_then_resume(tmp_path):
     a checkpoint written after the factorization resumes into the factorized model, bitwise like the straight run."""
     ckpt_dir = str(tmp_path / "ckpt")
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1)
-    model, straight, extra = _fit(tmp_path, "straight", 4, [Pufferfish(warmup_epochs=1), checkpoints],
-                                  enable_checkpointing=True)  # fmt: skip
+    model, straight, extra = _fit(
+        tmp_path, "straight", 4, [Pufferfish(warmup_epochs=1), checkpoints], enable_checkpointing=True
+    )
     for r in range(2):
         assert extra[r]["replicas_identical"] is True, "the SVD factors came out bitwise equal on both ranks"
         assert extra[r]["optimizer_has_every_parameter"]
@@ -343,8 +362,9 @@ def test_factorization_mid_training_with_two_processes_then_resume(tmp_path):
     for r in range(2):
         assert resumed_extra[r]["factorized"] == ["conv2", "fc1"]
         assert torch.equal(resumed[r]["params"], straight[r]["params"]), f"rank {r} differs after the resume"
-    torch.testing.assert_close(torch.tensor(resumed_extra[0]["lrs"]), torch.tensor(lrs[2 * steps_per_epoch :]),
-                               rtol=0, atol=0)  # fmt: skip
+    torch.testing.assert_close(
+        torch.tensor(resumed_extra[0]["lrs"]), torch.tensor(lrs[2 * steps_per_epoch :]), rtol=0, atol=0
+    )
 
 
 class _UnlaunchedDDP(CompressedDDP):

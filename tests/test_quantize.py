@@ -86,11 +86,15 @@ def test_qsgd_variance_bound(random_bits):
     x = torch.randn(4096, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     for levels, bucket in ((1, 4096), (7, 512), (15, 64)):
         compressor = QSGD(levels=levels, bucket_size=bucket, random_bits=random_bits)
-        errors = torch.stack([
-            (compressor.decompress(compressor.compress(x, _ctx((layer,), step=s)), _ctx((layer,), step=s)) - x)
-            .square().view(-1, bucket).sum(1)
-            for s in range(100)
-        ]).mean(0)  # fmt: skip
+        errors = torch.stack(
+            [
+                (compressor.decompress(compressor.compress(x, _ctx((layer,), step=s)), _ctx((layer,), step=s)) - x)
+                .square()
+                .view(-1, bucket)
+                .sum(1)
+                for s in range(100)
+            ]
+        ).mean(0)
         bound = min(bucket / levels**2, math.sqrt(bucket) / levels) * x.view(-1, bucket).square().sum(1)
         assert torch.all(errors <= 1.1 * bound), (levels, bucket)
 
@@ -100,8 +104,9 @@ def test_qsgd_wire_size():
     telemetry = [Telemetry(), Telemetry()]
     for t in telemetry:
         t.add_bucket(NUMEL * 4)
-    simulate_reduce([copy.deepcopy(compressor) for _ in range(2)], _grads(2, dtype=torch.float32), LAYERS,
-                    telemetry=telemetry)  # fmt: skip
+    simulate_reduce(
+        [copy.deepcopy(compressor) for _ in range(2)], _grads(2, dtype=torch.float32), LAYERS, telemetry=telemetry
+    )
     norms = sum(math.ceil(layer.numel / 512) for layer in LAYERS)
     fields = sum(math.ceil(layer.numel * 4 / 8) for layer in LAYERS)  # 3 bits of level + 1 of sign
     aligned = lambda n: -(-n // 8) * 8  # noqa: E731
@@ -172,8 +177,12 @@ def test_terngrad_wire_sizes(ranks, fields):
         telemetry = [Telemetry() for _ in range(ranks)]
         for t in telemetry:
             t.add_bucket(NUMEL * 4)
-        simulate_reduce([TernGrad(aggregation=aggregation) for _ in range(ranks)], _grads(ranks, dtype=torch.float32),
-                        LAYERS, telemetry=telemetry)  # fmt: skip
+        simulate_reduce(
+            [TernGrad(aggregation=aggregation) for _ in range(ranks)],
+            _grads(ranks, dtype=torch.float32),
+            LAYERS,
+            telemetry=telemetry,
+        )
         sent = telemetry[0].pop_step().bytes_payload  # what is handed to the collectives, before their factor
         if aggregation == "allreduce":
             assert sent == 4 * len(LAYERS) + 4 + values  # + 4: the non-finite flag rides with the scalers

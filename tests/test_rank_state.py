@@ -105,7 +105,7 @@ def test_a_key_that_is_not_a_plain_name_is_refused(tmp_path, key):
 def test_rank_0_s_checkpoint_holds_no_rank_s_state_and_each_rank_resumes_its_own(tmp_path):
     path = tmp_path / "last.ckpt"
     _save(path, world_size=2)
-    assert torch.load(path, weights_only=False)["gradcomp"] == {"format": 2, "world_size": 2, "step": 8}
+    assert torch.load(path, weights_only=False)["gradcomp"] == {"world_size": 2, "step": 8}
     for rank in range(2):
         strategy = _strategy(rank, 2)
         strategy.load_checkpoint(path)
@@ -125,21 +125,6 @@ def test_on_another_world_size_the_shared_state_carries_over_and_the_residuals_s
         assert restored["residuals"] == {}
         assert restored["step"] == 8
         assert torch.equal(restored["compressor"]["queries"]["net.0.weight"], torch.arange(4.0).view(4, 1))
-
-
-def test_a_checkpoint_with_every_rank_s_state_inside_loads_as_before(tmp_path):
-    """The layout of checkpoints written before each rank had a file: ``checkpoint["gradcomp"]["ranks"]``."""
-    path = tmp_path / "old.ckpt"
-    ranks = [_rank_state(rank) for rank in range(2)]
-    torch.save({"loops": {}, "global_step": 8, "gradcomp": {"format": 1, "world_size": 2, "ranks": ranks}}, path)
-    strategy = _strategy(1, 2)
-    strategy.load_checkpoint(path)
-    assert torch.equal(strategy.compression_state.state_dict()["residuals"]["net.0.weight"], torch.full((2, 2), 2.0))
-    strategy = _strategy(2, 3)
-    strategy.load_checkpoint(path)  # the warning is rank 0's (rank_zero_warn)
-    assert strategy.compression_state.state_dict()["residuals"] == {}
-    queries = strategy.compression_state.compressor.state_dict()["queries"]
-    assert torch.equal(queries["net.0.weight"], torch.arange(4.0).view(4, 1))
 
 
 def test_missing_or_stale_rank_files_start_the_state_empty_with_a_warning(tmp_path):

@@ -39,10 +39,14 @@ def _states(name, reset_state_after, ranks=2):
     except ValueError:
         feedback = False
     return [
-        CompressionState(copy.deepcopy(compressor), min_compress_numel=0, error_feedback=feedback,
-                         reset_state_after=reset_state_after)
+        CompressionState(
+            copy.deepcopy(compressor),
+            min_compress_numel=0,
+            error_feedback=feedback,
+            reset_state_after=reset_state_after,
+        )
         for _ in range(ranks)
-    ]  # fmt: skip
+    ]
 
 
 def _gradients(magnitude, dtype, steps=STEPS, ranks=2):

@@ -37,10 +37,12 @@ def test_scalecom_equals_its_equations(beta, ratio):
         outs = simulate_reduce(compressors, grads, LAYERS, step=step, residuals=residuals)
         p = [m + g for m, g in zip(memory, grads)]
         leader = step % n
-        chosen = torch.cat([
-            torch.topk(layer.flat(p[leader]).abs(), keep_count(layer.numel, ratio)).indices + layer.offset
-            for layer in LAYERS
-        ])  # fmt: skip
+        chosen = torch.cat(
+            [
+                torch.topk(layer.flat(p[leader]).abs(), keep_count(layer.numel, ratio)).indices + layer.offset
+                for layer in LAYERS
+            ]
+        )
         expected = torch.zeros(NUMEL, dtype=torch.float64)
         expected[chosen] = (p[0][chosen] / n + p[1][chosen] / n) + p[2][chosen] / n
         for out in outs:
@@ -62,9 +64,9 @@ def test_low_pass_memory_is_the_filter_of_the_zeroed_copy_bit_for_bit(beta):
     residuals = [torch.full((NUMEL,), -0.0) for _ in range(n)]
     grads = [g.float() for g in _grads(n, seed=7)]
     p = [g + -0.0 for g in grads]
-    chosen = torch.cat([
-        torch.topk(layer.flat(p[0]).abs(), keep_count(layer.numel, 0.1)).indices + layer.offset for layer in LAYERS
-    ])  # fmt: skip
+    chosen = torch.cat(
+        [torch.topk(layer.flat(p[0]).abs(), keep_count(layer.numel, 0.1)).indices + layer.offset for layer in LAYERS]
+    )
     old = [m.clone() for m in residuals]
     simulate_reduce(compressors, grads, LAYERS, step=0, residuals=residuals)
     for r in range(n):

@@ -51,8 +51,9 @@ def test_signum_momentum_over_steps():
     for r, c in zip(restored, compressors):
         r.load_state_dict(copy.deepcopy(c.state_dict()))
     grads = _grads(3, seed=9)
-    assert torch.equal(simulate_reduce(restored, grads, LAYERS, step=4)[0],
-                       simulate_reduce(compressors, grads, LAYERS, step=4)[0])  # fmt: skip
+    assert torch.equal(
+        simulate_reduce(restored, grads, LAYERS, step=4)[0], simulate_reduce(compressors, grads, LAYERS, step=4)[0]
+    )
 
 
 def test_signsgd_sends_one_bit_per_element_and_refuses_error_feedback():
@@ -97,10 +98,12 @@ def test_efsignsgd_error_feedback_over_steps():
         deltas = []
         for r in range(2):
             p = grads[r] + errors[r]
-            delta = torch.cat([
-                torch.tensor(layer.flat(p).abs().mean().item(), dtype=torch.float32).double() * _sign(layer.flat(p))
-                for layer in LAYERS
-            ])  # fmt: skip
+            delta = torch.cat(
+                [
+                    torch.tensor(layer.flat(p).abs().mean().item(), dtype=torch.float32).double() * _sign(layer.flat(p))
+                    for layer in LAYERS
+                ]
+            )
             errors[r] = p - delta
             deltas.append(delta)
         torch.testing.assert_close(out, (deltas[0] + deltas[1]) / 2, rtol=0, atol=1e-15)
@@ -135,8 +138,13 @@ def test_payload_is_one_bit_per_element_plus_fp32_scales(compressor, scales):
     telemetry = [Telemetry(), Telemetry()]
     for t in telemetry:
         t.add_bucket(NUMEL * 4)
-    simulate_reduce([copy.deepcopy(compressor) for _ in range(2)], _grads(2, dtype=torch.float32), LAYERS,
-                    residuals=[torch.zeros(NUMEL), torch.zeros(NUMEL)], telemetry=telemetry)  # fmt: skip
+    simulate_reduce(
+        [copy.deepcopy(compressor) for _ in range(2)],
+        _grads(2, dtype=torch.float32),
+        LAYERS,
+        residuals=[torch.zeros(NUMEL), torch.zeros(NUMEL)],
+        telemetry=telemetry,
+    )
     aligned = lambda n: -(-n // 8) * 8  # noqa: E731 (all-gather packs the two tensors at 8-byte offsets)
     flag = 8  # the non-finite flag: one more aligned word
     assert telemetry[0].pop_step().bytes_sent == aligned((NUMEL + 7) // 8) + aligned(4 * scales * len(LAYERS)) + flag

@@ -36,8 +36,9 @@ def _grads(n, seed, dtype=torch.float64):
 
 def _ctx(n, rank=0, seed=0, dtype=torch.float64):
     layers = _layers()
-    return BucketContext(index=0, step=0, rank=rank, world_size=n, layers=layers, dtype=dtype,
-                         seed=seed, device=torch.device("cpu"))  # fmt: skip
+    return BucketContext(
+        index=0, step=0, rank=rank, world_size=n, layers=layers, dtype=dtype, seed=seed, device=torch.device("cpu")
+    )
 
 
 class _TopKReference:
@@ -57,8 +58,13 @@ class _TopKReference:
         residuals, sums = [], torch.zeros(numel, dtype=torch.float64)
         for x in xs:  # rank order
             # TopK's own call (unsorted): the order the pairs are routed in
-            picked = torch.cat([torch.topk(layer.flat(x).abs(), max(1, int(layer.numel * self.ratio)), sorted=False)
-                                .indices + layer.offset for layer in _layers()])  # fmt: skip
+            picked = torch.cat(
+                [
+                    torch.topk(layer.flat(x).abs(), max(1, int(layer.numel * self.ratio)), sorted=False).indices
+                    + layer.offset
+                    for layer in _layers()
+                ]
+            )
             taken = dict.fromkeys(range(n), 0)
             residual = x.clone()
             for i in picked.tolist():
@@ -108,8 +114,12 @@ def test_sparseloco_two_phase_is_the_chunk_encoding_of_the_average_of_the_encodi
     n = 3
     make = lambda transport: SparseLoCo(ratio=0.05, chunk_size=64, transport=transport)  # noqa: E731
     grads = _grads(n, seed=4, dtype=torch.float32)
-    outs = simulate_reduce([make("two_phase") for _ in range(n)], grads, _layers(),
-                           residuals=[torch.zeros_like(grads[0]) for _ in range(n)])  # fmt: skip
+    outs = simulate_reduce(
+        [make("two_phase") for _ in range(n)],
+        grads,
+        _layers(),
+        residuals=[torch.zeros_like(grads[0]) for _ in range(n)],
+    )
     codec, ctx = make("allgather"), _ctx(n, dtype=torch.float32)
     average = torch.zeros_like(grads[0])
     for g in grads:
@@ -141,8 +151,11 @@ def test_dgc_two_phase_with_momentum_agrees_across_ranks_and_masks_what_went():
 
 @pytest.mark.parametrize(
     ("factory", "n"),
-    [(lambda: TopK(ratio=0.05), 8), (lambda: DGC(ratio=0.05, momentum=0.0), 5),
-     (lambda: SparseLoCo(ratio=0.05, chunk_size=64), 4)],
+    [
+        (lambda: TopK(ratio=0.05), 8),
+        (lambda: DGC(ratio=0.05, momentum=0.0), 5),
+        (lambda: SparseLoCo(ratio=0.05, chunk_size=64), 4),
+    ],
     ids=["topk", "dgc", "sparseloco"],
 )
 def test_the_byte_model_is_what_the_telemetry_counts(factory, n):
@@ -199,8 +212,10 @@ def test_auto_below_its_threshold_is_the_all_gather_bitwise(n):
         for transport in ("auto", "allgather"):
             compressors = [make(transport) for _ in range(n)]
             residuals = [torch.zeros(sum(layer.numel for layer in _layers()), dtype=torch.float64) for _ in range(n)]
-            outs = [simulate_reduce(compressors, _grads(n, seed=30 + step), _layers(), step=step, residuals=residuals)
-                    for step in range(2)]  # fmt: skip
+            outs = [
+                simulate_reduce(compressors, _grads(n, seed=30 + step), _layers(), step=step, residuals=residuals)
+                for step in range(2)
+            ]
             results.append((outs, residuals))
         (auto, auto_residuals), (gathered, gathered_residuals) = results
         assert all(torch.equal(x, y) for at, gt in zip(auto, gathered) for x, y in zip(at, gt))
@@ -210,8 +225,11 @@ def test_auto_below_its_threshold_is_the_all_gather_bitwise(n):
 def _train_on_gloo(rank: int, world_size: int) -> dict:
     """Three steps of a two-layer MLP under DDP with each default sparsifier's hook; replicas and bytes per step."""
     out = {}
-    for name, make in (("topk", lambda: TopK(ratio=0.05)), ("dgc", lambda: DGC(ratio=0.05, momentum=0.0)),
-                       ("sparseloco", lambda: SparseLoCo(ratio=0.05, chunk_size=256))):  # fmt: skip
+    for name, make in (
+        ("topk", lambda: TopK(ratio=0.05)),
+        ("dgc", lambda: DGC(ratio=0.05, momentum=0.0)),
+        ("sparseloco", lambda: SparseLoCo(ratio=0.05, chunk_size=256)),
+    ):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32))
         ddp = DDP(model)
@@ -240,9 +258,11 @@ def test_the_defaults_on_four_gloo_processes_keep_replicas_identical_and_receive
     bitwise identical, and each rank receives what the byte model declares, less than the all-gather would."""
     results = run_distributed(_train_on_gloo, world_size=4)
     layers = layers_from_shapes([(64, 32), (64,), (32, 64), (32,)])
-    for name, make in (("topk", lambda t: TopK(ratio=0.05, transport=t)),
-                       ("dgc", lambda t: DGC(ratio=0.05, momentum=0.0, transport=t)),
-                       ("sparseloco", lambda t: SparseLoCo(ratio=0.05, chunk_size=256, transport=t))):  # fmt: skip
+    for name, make in (
+        ("topk", lambda t: TopK(ratio=0.05, transport=t)),
+        ("dgc", lambda t: DGC(ratio=0.05, momentum=0.0, transport=t)),
+        ("sparseloco", lambda t: SparseLoCo(ratio=0.05, chunk_size=256, transport=t)),
+    ):
         model = bucket_wire_bytes(make("auto"), layers, 4).received
         assert model < bucket_wire_bytes(make("allgather"), layers, 4).received, name
         for result in results:

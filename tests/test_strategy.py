@@ -309,9 +309,14 @@ def test_switch_setters_validate():
 
 def test_ddp_arguments_pass_through():
     strategy = CompressedDDP(
-        TopK(0.01), static_graph=True, gradient_as_bucket_view=True, bucket_cap_mb=5,
-        process_group_backend="gloo", start_method="spawn", find_unused_parameters=False,
-    )  # fmt: skip
+        TopK(0.01),
+        static_graph=True,
+        gradient_as_bucket_view=True,
+        bucket_cap_mb=5,
+        process_group_backend="gloo",
+        start_method="spawn",
+        find_unused_parameters=False,
+    )
     assert strategy._ddp_kwargs == {
         "static_graph": True,
         "gradient_as_bucket_view": True,
@@ -332,10 +337,16 @@ def test_the_monitor_compressed_ddp_adds_gets_its_setup(tmp_path, monkeypatch, i
     set_up = []
     monkeypatch.setattr(CompressionMonitor, "setup", lambda self, trainer, pl_module, stage: set_up.append(stage))
     trainer = Trainer(
-        accelerator="cpu", devices=1, strategy=CompressedDDP(TopK(0.1)), max_steps=1, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        strategy=CompressedDDP(TopK(0.1)),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
         default_root_dir=str(tmp_path),
-    )  # fmt: skip
+    )
     trainer.fit(TinyNet())
     monitors = [cb for cb in trainer.callbacks if isinstance(cb, CompressionMonitor)]
     assert len(monitors) == 1
@@ -346,9 +357,16 @@ def _in_process_trainer(tmp_path, strategy, **kwargs):
     from lightning.pytorch import Trainer
 
     return Trainer(
-        accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(tmp_path), **kwargs,
-    )  # fmt: skip
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=str(tmp_path),
+        **kwargs,
+    )
 
 
 def test_the_setup_line_counts_the_compressed_tensors_of_this_model(tmp_path, in_process_ddp, caplog):

@@ -28,8 +28,15 @@ EXPECTED = {
 
 
 def _trainer(strategy: object, **kwargs: object) -> Trainer:
-    return Trainer(accelerator="cpu", devices=2, strategy=strategy, logger=False, enable_progress_bar=False,
-                   enable_checkpointing=False, **kwargs)  # fmt: skip
+    return Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_checkpointing=False,
+        **kwargs,
+    )
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
@@ -72,11 +79,24 @@ def test_lightnings_registry_holds_the_names_after_import():
     assert {"compressed_ddp", "compressed_ddp_auto", "ddp"} <= set(StrategyRegistry.available_strategies())
 
 
-def _fit(tmp_path: object, strategy: CompressedDDP, callbacks: list | None = None, steps: int = 1,
-                  model: TinyNet | None = None) -> Trainer:  # fmt: skip
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, callbacks=callbacks, max_steps=steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                      default_root_dir=str(tmp_path))  # fmt: skip
+def _fit(
+    tmp_path: object,
+    strategy: CompressedDDP,
+    callbacks: list | None = None,
+    steps: int = 1,
+    model: TinyNet | None = None,
+) -> Trainer:
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        callbacks=callbacks,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        default_root_dir=str(tmp_path),
+    )
     trainer.fit(model or TinyNet())
     return trainer
 
@@ -148,8 +168,11 @@ def test_an_unused_parameter_suggests_find_unused_parameters_on_compressed_ddp(t
 def test_a_recipe_names_the_strategy_by_its_registered_name():
     from lightning_gradcomp.cli import GradcompCLI
 
-    cli = GradcompCLI(args=["--config", "recipes/quickstart.yaml", "--trainer.strategy", "compressed_ddp_powersgd"],
-                      run=False, save_config_callback=None)  # fmt: skip
+    cli = GradcompCLI(
+        args=["--config", "recipes/quickstart.yaml", "--trainer.strategy", "compressed_ddp_powersgd"],
+        run=False,
+        save_config_callback=None,
+    )
     assert type(cli.trainer.strategy) is CompressedDDP
     assert type(cli.trainer.strategy.compressor) is PowerSGD
 

@@ -86,7 +86,7 @@ def test_classifier_refuses_an_unknown_architecture():
 @pytest.mark.parametrize(
     ("name", "cls"), [("sgd", torch.optim.SGD), ("novograd", "NovoGrad"), ("fused_sgd", "FusedSGD"),
                       ("fused_adalomo", "FusedAdaLomo")],
-)  # fmt: skip
+)
 def test_language_model_optimizer_choice(name, cls):
     kwargs = {"clip_grad_norm": 0.25} if name.startswith("fused_") else {}
     model = LSTMLanguageModel(hidden=8, num_layers=1, dropout=0.0, optimizer=name, lr=0.1, weight_decay=1e-4, **kwargs)

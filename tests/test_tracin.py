@@ -65,10 +65,19 @@ def run(tmp_path_factory):
     probe = _ShardedInfluence(tracin, str(tmp))
     _, ranks = fit(model, strategy, str(tmp / "run"), callbacks=[tracin, probe], max_epochs=EPOCHS)
     influence = [torch.load(tmp / f"influence{r}.pt", weights_only=True) for r in range(2)]
-    checkpoints = sorted((os.path.join(tmp, "tracin", f) for f in os.listdir(tmp / "tracin") if f.endswith(".pt")),
-                         key=lambda p: int(p.rsplit("step=", 1)[1][:-3]))  # fmt: skip
-    return SimpleNamespace(model=model.eval(), dataset=dataset, flipped=flipped, ranks=ranks, checkpoints=checkpoints,
-                           report=str(tmp / "tracin" / "report"), influence=influence)  # fmt: skip
+    checkpoints = sorted(
+        (os.path.join(tmp, "tracin", f) for f in os.listdir(tmp / "tracin") if f.endswith(".pt")),
+        key=lambda p: int(p.rsplit("step=", 1)[1][:-3]),
+    )
+    return SimpleNamespace(
+        model=model.eval(),
+        dataset=dataset,
+        flipped=flipped,
+        ranks=ranks,
+        checkpoints=checkpoints,
+        report=str(tmp / "tracin" / "report"),
+        influence=influence,
+    )
 
 
 def test_checkpoints_hold_the_synchronised_weights_and_the_learning_rate_in_force(run):
@@ -104,10 +113,16 @@ def test_sharded_scores_are_gathered_on_every_rank_and_match_one_process(run):
 
 
 def _captum(run, layers=None):
-    return captum_influence.TracInCP(run.model, run.dataset, run.checkpoints,
-                                     checkpoints_load_func=load_tracin_checkpoint, layers=layers,
-                                     loss_fn=nn.CrossEntropyLoss(reduction="sum"), batch_size=100,
-                                     sample_wise_grads_per_batch=True)  # fmt: skip
+    return captum_influence.TracInCP(
+        run.model,
+        run.dataset,
+        run.checkpoints,
+        checkpoints_load_func=load_tracin_checkpoint,
+        layers=layers,
+        loss_fn=nn.CrossEntropyLoss(reduction="sum"),
+        batch_size=100,
+        sample_wise_grads_per_batch=True,
+    )
 
 
 def _test_batch():
@@ -138,8 +153,10 @@ def test_layer_selection_and_last_layer_fast_path_agree_with_captum(run, method)
     ours = TracInScorer(run.model, run.checkpoints, method=method, layers=["net.2"]).self_influence(run.dataset)
     assert _relative_error(ours, reference) < RTOL
     first = _captum(run, layers=["net.0"]).self_influence(DataLoader(run.dataset, batch_size=100))
-    assert _relative_error(TracInScorer(run.model, run.checkpoints, layers=["net.0"]).self_influence(run.dataset),
-                           first) < RTOL  # fmt: skip
+    assert (
+        _relative_error(TracInScorer(run.model, run.checkpoints, layers=["net.0"]).self_influence(run.dataset), first)
+        < RTOL
+    )
 
 
 def test_last_layer_fast_path_on_proponents_too(run):
@@ -213,12 +230,22 @@ class _StepDecay(DigitsMLP):
 def test_step_cadence_on_a_single_device(tmp_path, learning_rate, expected):
     dataset, _ = digits(n=96)
     tracin = TracIn(str(tmp_path), every_n_steps=2, learning_rate=learning_rate, score_on_train_end=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=6, callbacks=[tracin], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=6,
+        callbacks=[tracin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(_StepDecay(dataset, batch_size=16, shuffle=False))
     assert [os.path.basename(p) for p in tracin.checkpoints] == [
-        "tracin-epoch=0-step=2.pt", "tracin-epoch=0-step=4.pt", "tracin-epoch=0-step=6.pt"
-    ]  # fmt: skip
+        "tracin-epoch=0-step=2.pt",
+        "tracin-epoch=0-step=4.pt",
+        "tracin-epoch=0-step=6.pt",
+    ]
     # StepLR halves the rate every two steps: each checkpoint's interval ran at one rate
     assert [torch.load(p, weights_only=True)["learning_rate"] for p in tracin.checkpoints] == pytest.approx(expected)
     assert tracin.learning_rates == pytest.approx(expected)
@@ -227,8 +254,16 @@ def test_step_cadence_on_a_single_device(tmp_path, learning_rate, expected):
 def test_mean_learning_rate_over_an_interval_with_changing_rates(tmp_path):
     dataset, _ = digits(n=96)
     tracin = TracIn(str(tmp_path), every_n_steps=4, score_on_train_end=False)
-    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=4, callbacks=[tracin], logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=4,
+        callbacks=[tracin],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(_StepDecay(dataset, batch_size=16, shuffle=False))
     assert tracin.learning_rates == pytest.approx([(0.1 + 0.1 + 0.05 + 0.05) / 4])
 

@@ -59,15 +59,29 @@ def warmup_run(tmp_path_factory):
     """One warm-up run with a checkpoint every epoch, the Identity run, and a resume from inside the dense phase."""
     tmp = tmp_path_factory.mktemp("warmup")
     ckpt_dir = str(tmp / "ckpt")
-    callbacks = [DenseWarmup(steps=DENSE_STEPS, ramp=list(RAMP), ramp_length=2),
-                 ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1)]  # fmt: skip
-    _, warm = fit(TinyNet(**DATA), _warmup_strategy(), str(tmp / "warm"), callbacks=callbacks, max_epochs=3,
-                  enable_checkpointing=True)  # fmt: skip
+    callbacks = [
+        DenseWarmup(steps=DENSE_STEPS, ramp=list(RAMP), ramp_length=2),
+        ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", save_top_k=-1, every_n_epochs=1),
+    ]
+    _, warm = fit(
+        TinyNet(**DATA),
+        _warmup_strategy(),
+        str(tmp / "warm"),
+        callbacks=callbacks,
+        max_epochs=3,
+        enable_checkpointing=True,
+    )
     identity = CompressedDDP(Identity(), **SPAWN)
     _, dense = fit(TinyNet(**DATA), identity, str(tmp / "identity"), max_steps=DENSE_STEPS + 1)
     resume_from = os.path.join(ckpt_dir, "epoch=0.ckpt")  # after step 4: inside the dense phase
-    _, resumed = fit(TinyNet(**DATA), _warmup_strategy(), str(tmp / "resumed"), max_epochs=3, ckpt_path=resume_from,
-                     callbacks=[DenseWarmup(steps=DENSE_STEPS, ramp=list(RAMP), ramp_length=2)])  # fmt: skip
+    _, resumed = fit(
+        TinyNet(**DATA),
+        _warmup_strategy(),
+        str(tmp / "resumed"),
+        max_epochs=3,
+        ckpt_path=resume_from,
+        callbacks=[DenseWarmup(steps=DENSE_STEPS, ramp=list(RAMP), ramp_length=2)],
+    )
     return warm, dense, resumed
 
 
@@ -119,8 +133,14 @@ def test_phase_schedule():
     warmup = DenseWarmup(epochs=1, ramp="dgc")
     assert warmup.ramp == DGC_RAMP == (0.25, 0.0625, 0.015625, 0.004)
     assert [warmup.phase(e) for e in range(7)] == [
-        (False, None), (True, 0), (True, 1), (True, 2), (True, 3), (True, None), (True, None)
-    ]  # fmt: skip
+        (False, None),
+        (True, 0),
+        (True, 1),
+        (True, 2),
+        (True, 3),
+        (True, None),
+        (True, None),
+    ]
     assert [DenseWarmup(steps=3).phase(s) for s in range(5)] == [(False, None)] * 3 + [(True, None)] * 2
     assert DenseWarmup(steps=0).phase(0) == (True, None)
     assert [DenseWarmup(steps=0, ramp=[0.5], ramp_length=3).phase(s)[1] for s in range(5)] == [0, 0, 0, None, None]
@@ -197,8 +217,10 @@ def _dense_phase(compressor_factory, steps=3):
     layers = layers_from_shapes([(32, 40), (16,)])
     numel = sum(layer.numel for layer in layers)
     hook = SimulatedHook([CompressionState(compressor_factory(), enabled=False) for _ in range(2)], layers)
-    grads = [[torch.randn(numel, generator=torch.Generator().manual_seed(10 * s + r)) for r in range(2)]
-             for s in range(steps)]  # fmt: skip
+    grads = [
+        [torch.randn(numel, generator=torch.Generator().manual_seed(10 * s + r)) for r in range(2)]
+        for s in range(steps)
+    ]
     return [hook.step(g) for g in grads], [(g[0] + g[1]) / 2 for g in grads]
 
 

@@ -94,8 +94,9 @@ def test_the_ratio_compares_with_plain_ddp_ring_at_the_world_size_and_drops_belo
     # 64 shards carry a norm each, and the non-finite flags ride on the all-gather)
     assert _step(QSGD, 64, layers).compression_ratio > 0.7 * at_two.compression_ratio
     # an all-reduce method keeps its ratio
-    assert _step(PowerSGD, 64, layers).compression_ratio == pytest.approx(_step(PowerSGD, 2, layers).compression_ratio,
-                                                                          rel=1e-2)  # fmt: skip
+    assert _step(PowerSGD, 64, layers).compression_ratio == pytest.approx(
+        _step(PowerSGD, 2, layers).compression_ratio, rel=1e-2
+    )
 
 
 def test_the_summary_reports_what_each_rank_moved_against_plain_ddp():

@@ -105,7 +105,7 @@ def test_the_partition_is_balanced_deterministic_and_complete():
     [lambda: TopK(ratio=0.05, transport="zen"), lambda: DGC(ratio=0.05, momentum=0.0, transport="zen"),
      lambda: AdaComp(bin_size_fc=8, transport="zen"), lambda: TopK(ratio=0.05, transport="zen-auto")],
     ids=["topk", "dgc", "adacomp", "topk-auto"],
-)  # fmt: skip
+)
 def test_sparsifiers_over_zen_equal_their_allgather_bitwise(n, factory):
     """Same selection, same error feedback; the sum of integer-valued pairs is exact either way."""
     layers = layers_from_shapes([(40, 13), (9, 21)])
@@ -251,8 +251,10 @@ def test_resume_of_the_auto_selector_is_exact():
     for a, b in zip(resumed, straight):
         a.load_state_dict(pickle.loads(pickle.dumps(b.state_dict())))
     for step in range(2, 4):
-        for x, y in zip(simulate_reduce(straight, data[step], layers, step=step),
-                        simulate_reduce(resumed, data[step], layers, step=step)):  # fmt: skip
+        for x, y in zip(
+            simulate_reduce(straight, data[step], layers, step=step),
+            simulate_reduce(resumed, data[step], layers, step=step),
+        ):
             assert torch.equal(x, y)
 
 

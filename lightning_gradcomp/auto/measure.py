@@ -233,10 +233,14 @@ def codec_cost(
     if not compressed:
         return Cost(0.0, 0.0, float(flat.numel() * element), 1)
     states = [
-        CompressionState(copy.deepcopy(candidate), error_feedback=state.error_feedback,
-                         min_compress_numel=state.min_compress_numel, seed=state.seed)
+        CompressionState(
+            copy.deepcopy(candidate),
+            error_feedback=state.error_feedback,
+            min_compress_numel=state.min_compress_numel,
+            seed=state.seed,
+        )
         for _ in range(world_size)
-    ]  # fmt: skip
+    ]
     hook = SimulatedHook(states, layers)
     best: tuple[float, StepStats] | None = None
     for attempt in range(1 + CODEC_TIMED_RUNS):  # the first run allocates and warms up (PowerSGD's query)
@@ -255,8 +259,14 @@ def codec_cost(
     encode, decode = stats.encode_ms / 1e3, stats.decode_ms / 1e3
     hook_s = max(0.0, wall / world_size - encode - decode)
     ranks = max(world_size, 2)  # one worker moves nothing: price the bytes as two would move them, like the dense cost
-    moved = bucket_wire_bytes(candidate, layers, ranks, min_compress_numel=state.min_compress_numel,
-                              error_feedback=state.error_feedback, tensor=flat)  # fmt: skip
+    moved = bucket_wire_bytes(
+        candidate,
+        layers,
+        ranks,
+        min_compress_numel=state.min_compress_numel,
+        error_feedback=state.error_feedback,
+        tensor=flat,
+    )
     nbytes = allreduce_equivalent(moved, ranks)
     rounds = candidate.rounds + (1 if dense_numel else 0)
     return Cost(encode + hook_s, decode, float(nbytes), rounds)

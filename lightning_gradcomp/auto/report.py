@@ -52,19 +52,26 @@ def advice(
     lines.append("| candidate | " + " | ".join(columns) + " |")
     lines.append("|---|" + "---|" * len(columns))
     options = {"encode_blocks_backward": encode_blocks_backward, "contended": contended}
-    plans = {label: plan_greedy(buckets, candidates, Link(link.alpha, beta), timing, margin,
-                                **options) for label, beta in columns.items()}  # fmt: skip
+    plans = {
+        label: plan_greedy(buckets, candidates, Link(link.alpha, beta), timing, margin, **options)
+        for label, beta in columns.items()
+    }
     for name in names:
-        cells = [predict(buckets, [name] * len(buckets), Link(link.alpha, beta), timing,
-                         **options).step for beta in columns.values()]  # fmt: skip
+        cells = [
+            predict(buckets, [name] * len(buckets), Link(link.alpha, beta), timing, **options).step
+            for beta in columns.values()
+        ]
         lines.append(f"| {name} | " + " | ".join(f"{c * 1e3:.1f}" for c in cells) + " |")
     lines.append("| **auto** | " + " | ".join(f"{p.predicted * 1e3:.1f}" for p in plans.values()) + " |")
     lines.append("")
     for label, plan in plans.items():
         used = sorted(set(plan.assignment) - {DENSE})
         rest = ", the rest dense" if DENSE in plan.assignment else ""
-        what = "plain DDP (every bucket dense)" if not used else (
-            ", ".join(f"{n} on {plan.assignment.count(n)} bucket(s)" for n in used) + rest)  # fmt: skip
+        what = (
+            "plain DDP (every bucket dense)"
+            if not used
+            else (", ".join(f"{n} on {plan.assignment.count(n)} bucket(s)" for n in used) + rest)
+        )
         speedup = plan.dense_predicted / plan.predicted
         lines.append(f"recommendation at {label}: {what}; predicted {speedup:.2f}x plain DDP")
     numel = sum(b.numel for b in buckets)
@@ -196,8 +203,10 @@ def describe_plan(
         "|---|---|---|---|---|",
     ]
     for b, (bucket, name) in enumerate(zip(buckets, plan.assignment)):
-        lines.append(f"| {b} | {bucket.costs[DENSE].nbytes / 1e6:.2f} | {bucket.ready * 1e3:.1f} | {name} |"
-                     f" {pred.finish[b] * 1e3:.1f} |")  # fmt: skip
+        lines.append(
+            f"| {b} | {bucket.costs[DENSE].nbytes / 1e6:.2f} | {bucket.ready * 1e3:.1f} | {name} |"
+            f" {pred.finish[b] * 1e3:.1f} |"
+        )
     lines.extend(f"  {reason}" for reason in plan.reasons)
     return "\n".join(lines)
 
@@ -219,9 +228,13 @@ def plan_metrics(
     """
     pred = predict(buckets, list(plan.assignment), link, timing, **options)
     dense = predict(buckets, [DENSE] * len(buckets), link, timing, **options)
-    metrics = {"auto/predicted_step_ms": plan.predicted * 1e3, "auto/dense_predicted_step_ms": dense.step * 1e3,
-               "auto/dense_measured_step_ms": (measured_dense or 0) * 1e3, "auto/alpha_ms": link.alpha * 1e3,
-               "auto/beta_gbit": link.beta * 8 / 1e9}  # fmt: skip
+    metrics = {
+        "auto/predicted_step_ms": plan.predicted * 1e3,
+        "auto/dense_predicted_step_ms": dense.step * 1e3,
+        "auto/dense_measured_step_ms": (measured_dense or 0) * 1e3,
+        "auto/alpha_ms": link.alpha * 1e3,
+        "auto/beta_gbit": link.beta * 8 / 1e9,
+    }
     for b, name in enumerate(plan.assignment):
         metrics[f"auto/bucket{b}/method"] = float(candidates.index(name))
         metrics[f"auto/bucket{b}/predicted_finish_ms"] = pred.finish[b] * 1e3
@@ -245,9 +258,16 @@ def plan_event(
     """
     dense = predict(buckets, [DENSE] * len(buckets), link, timing, **options)
     error = (dense.step - measured_dense) / measured_dense
-    return {"event": "plan", "link": {"alpha": link.alpha, "beta": link.beta}, "dense_predicted": dense.step,
-            "dense_measured": measured_dense, "dense_error": error, "predicted": plan.predicted,
-            "assignment": list(plan.assignment), "reasons": list(plan.reasons)}  # fmt: skip
+    return {
+        "event": "plan",
+        "link": {"alpha": link.alpha, "beta": link.beta},
+        "dense_predicted": dense.step,
+        "dense_measured": measured_dense,
+        "dense_error": error,
+        "predicted": plan.predicted,
+        "assignment": list(plan.assignment),
+        "reasons": list(plan.reasons),
+    }
 
 
 def compressed_share(buckets: Sequence[Bucket], assignment: Mapping[str, str]) -> float:

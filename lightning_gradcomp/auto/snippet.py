@@ -37,8 +37,10 @@ def apply_snippet(assignment: Sequence[str], compressors: Mapping[str, Compresso
     """The Python and the recipe (YAML) that apply a plan's per-bucket ``assignment`` of candidate names."""
     used = sorted(set(assignment) - {DENSE})
     if not used:
-        return ("Plain DDP is the fastest here: train without compression (Lightning's DDPStrategy, or CompressedDDP()"
-                " to log the bytes).")  # fmt: skip
+        return (
+            "Plain DDP is the fastest here: train without compression (Lightning's DDPStrategy, or CompressedDDP()"
+            " to log the bytes)."
+        )
     if len(used) == 1 and DENSE not in assignment:
         compressor = compressors[used[0]]
         python = [
@@ -46,8 +48,14 @@ def apply_snippet(assignment: Sequence[str], compressors: Mapping[str, Compresso
             f"from lightning_gradcomp.compressors import {type(compressor).__name__}",
             f"trainer = Trainer(..., strategy=CompressedDDP(compressor={compressor!r}))",
         ]
-        yaml = ["trainer:", "  strategy:", "    class_path: lightning_gradcomp.CompressedDDP", "    init_args:",
-                "      compressor:", *_compressor_yaml(compressor, "        ")]  # fmt: skip
+        yaml = [
+            "trainer:",
+            "  strategy:",
+            "    class_path: lightning_gradcomp.CompressedDDP",
+            "    init_args:",
+            "      compressor:",
+            *_compressor_yaml(compressor, "        "),
+        ]
     else:
         names = [DENSE, *used]
         python = [
@@ -55,9 +63,13 @@ def apply_snippet(assignment: Sequence[str], compressors: Mapping[str, Compresso
             "from lightning_gradcomp.callbacks import AutoCompression",
             f"trainer = Trainer(..., strategy=CompressedDDP(), callbacks=[AutoCompression(candidates={names!r})])",
         ]
-        yaml = ["trainer:", "  strategy: compressed_ddp", "  callbacks:",
-                "    - class_path: lightning_gradcomp.callbacks.AutoCompression",
-                f"      init_args: {{candidates: [{', '.join(names)}]}}"]  # fmt: skip
+        yaml = [
+            "trainer:",
+            "  strategy: compressed_ddp",
+            "  callbacks:",
+            "    - class_path: lightning_gradcomp.callbacks.AutoCompression",
+            f"      init_args: {{candidates: [{', '.join(names)}]}}",
+        ]
     return "\n".join(["To apply it in Python:", "", *python, "", "or in a recipe:", "", *yaml])
 
 

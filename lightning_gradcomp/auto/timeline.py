@@ -296,8 +296,9 @@ def plan_greedy(
         best = min(options.values())
         choice = min((n for n, s in options.items() if s <= best + margin * current), key=rank.__getitem__)
         if choice != assign[b] and options[choice] < current * (1 - margin):
-            reasons.append(f"bucket {b}: {assign[b]} -> {choice}, predicted {current * 1e3:.1f} ->"
-                           f" {options[choice] * 1e3:.1f} ms")  # fmt: skip
+            reasons.append(
+                f"bucket {b}: {assign[b]} -> {choice}, predicted {current * 1e3:.1f} -> {options[choice] * 1e3:.1f} ms"
+            )
             assign[b] = choice  # every bucket is visited at most once: the loop ends
     best_assign, best_step = assign, step_of(assign)
     for name in names[1:]:

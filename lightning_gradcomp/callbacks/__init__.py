@@ -9,6 +9,12 @@ from lightning_gradcomp.ddp.monitor import CompressionMonitor
 from lightning_gradcomp.diloco.monitor import OuterMonitor
 
 __all__ = [
-    "DGC_RAMP", "Accordion", "AutoCompression", "CompressionMonitor", "DenseWarmup", "OuterMonitor", "PacTrain",
+    "DGC_RAMP",
+    "Accordion",
+    "AutoCompression",
+    "CompressionMonitor",
+    "DenseWarmup",
+    "OuterMonitor",
+    "PacTrain",
     "TracIn",
-]  # fmt: skip
+]

@@ -101,6 +101,35 @@ class LocalGradientSum:
         self._handles = []
 
 
+def _check_arguments(
+    interval: Any, eta: Any, low: Any, high: Any, mode: Any, batch_size_factor: Any, lr_drop: Any
+) -> None:
+    """Refuse :class:`Accordion`'s arguments out of range, or set for a ``mode`` that does not use them, in one line."""
+    check_positive_int(interval, "interval", error=_MiscError)
+    check_number(eta, "eta", low=0, low_open=True, error=_MiscError)
+    check_choice(mode, "mode", ("levels", "batch_size", "both"), error=_MiscError)
+    if mode == "batch_size" and (low is not None or high is not None):
+        raise MisconfigurationException(
+            "`low_compression_level` and `high_compression_level` are set but `mode='batch_size'` does not switch"
+            " compression levels (use mode='both')."
+        )
+    # NaN would compare false with everything and silently pass the order check in setup; a string is a
+    # candidate's name (AutoCompression's limits), checked against the candidates in setup
+    for name, level in (
+        ("low_compression_level", low),
+        ("high_compression_level", high),
+    ):
+        if not isinstance(level, str):
+            check_number(level, name, low=0, low_open=True, allow_none=True, error=_MiscError)
+    if batch_size_factor is not None:
+        if mode == "levels":
+            raise MisconfigurationException(
+                "`batch_size_factor` is set but `mode='levels'` does not switch the batch size (use mode='both')."
+            )
+        check_int(batch_size_factor, "batch_size_factor", low=2, error=_MiscError)
+    check_number(lr_drop, "lr_drop", low=0, high=1, error=_MiscError)
+
+
 class Accordion(Callback):
     """Adapt each layer's compression to its learning regime (Accordion, Agarwal et al., MLSys 2021).
 
@@ -182,27 +211,7 @@ class Accordion(Callback):
         batch_size_factor: int | None = None,
         lr_drop: float = 1.0,
     ) -> None:
-        check_positive_int(interval, "interval", error=_MiscError)
-        check_number(eta, "eta", low=0, low_open=True, error=_MiscError)
-        check_choice(mode, "mode", ("levels", "batch_size", "both"), error=_MiscError)
-        if mode == "batch_size" and (low_compression_level is not None or high_compression_level is not None):
-            raise MisconfigurationException(
-                "`low_compression_level` and `high_compression_level` are set but `mode='batch_size'` does not switch"
-                " compression levels (use mode='both')."
-            )
-        # NaN would compare false with everything and silently pass the order check in setup; a string is a
-        # candidate's name (AutoCompression's limits), checked against the candidates in setup
-        for name, level in (("low_compression_level", low_compression_level),
-                            ("high_compression_level", high_compression_level)):  # fmt: skip
-            if not isinstance(level, str):
-                check_number(level, name, low=0, low_open=True, allow_none=True, error=_MiscError)
-        if batch_size_factor is not None:
-            if mode == "levels":
-                raise MisconfigurationException(
-                    "`batch_size_factor` is set but `mode='levels'` does not switch the batch size (use mode='both')."
-                )
-            check_int(batch_size_factor, "batch_size_factor", low=2, error=_MiscError)
-        check_number(lr_drop, "lr_drop", low=0, high=1, error=_MiscError)
+        _check_arguments(interval, eta, low_compression_level, high_compression_level, mode, batch_size_factor, lr_drop)
         self.interval = interval
         self.eta = float(eta)
         self.low_compression_level = low_compression_level

@@ -2,6 +2,28 @@
 
 The model and the planner are :mod:`lightning_gradcomp.auto.timeline`; the per-bucket dispatch is
 :class:`~lightning_gradcomp.compressors.Planned`. See docs/auto.md for the model, its assumptions and its limits.
+The callback goes through these phases:
+
+1. **Calibrate** for ``calibration_steps`` steps (after ``skip_steps``, so that DDP has rebuilt its buckets;
+   during a :class:`~lightning_gradcomp.callbacks.DenseWarmup` the window falls in the dense phase): every
+   bucket is averaged densely while every rank records when each bucket reaches the hook (its ready time), the
+   forward and optimizer times and the step time. Then every rank times dense all-reduces of a few sizes (the
+   link's latency ``alpha`` and bandwidth ``beta`` by least squares) and each candidate's encode and decode on the
+   step's real bucket gradients, through the real hook on simulated ranks in this process (no communication;
+   bytes from the payloads), on the buckets where compression could pay (``measure``).
+2. **Plan** on rank 0 with the timeline model (:func:`~lightning_gradcomp.auto.timeline.plan_greedy`): buckets
+   whose communication is hidden by the backward pass stay dense, the exposed tail is compressed with the least
+   lossy candidate that pays, and a switch must gain more than ``margin``. The plan (and rank 0's measurements)
+   is broadcast, so every rank applies the same plan.
+3. **Verify**: after a switch, the median step time of ``verify_steps`` steps is compared with the dense
+   baseline measured in calibration; if it is more than ``tolerance`` slower, the previous plan is restored and
+   a line says why.
+4. **Re-plan** when DDP's buckets change (their layers, not only their order), every ``replan_every`` steps if
+   set, and when the step time drifts from what was verified by more than ``drift`` (checked every
+   ``check_every`` steps: one small broadcast).
+5. **Limits**: a layer's level on ``Planned`` (set by :class:`~lightning_gradcomp.callbacks.Accordion`, listed
+   after this callback) is the most lossy candidate it may use; plans stay within the limits, and a change of
+   limits re-plans from the stored measurements (then verifies).
 """
 
 from __future__ import annotations
@@ -40,34 +62,18 @@ from lightning_gradcomp.validation import check_choice, check_int, check_number
 
 log = logging.getLogger(__name__)
 
+#: the checkpointed attributes that are plain values
+_PLAIN_STATE = ("phase", "phase_start", "baseline_step", "expected_step", "calibrations")
+
 
 class AutoCompression(Callback):
     """Choose per DDP bucket whether and how to compress, from measurements of this run; verify and fall back.
 
-    1. **Calibrate** for ``calibration_steps`` steps (after ``skip_steps``, so that DDP has rebuilt its buckets;
-       during a :class:`~lightning_gradcomp.callbacks.DenseWarmup` the window falls in the dense phase): every
-       bucket is averaged densely while every rank records when each bucket reaches the hook (its ready time), the
-       forward and optimizer times and the step time. Then every rank times dense all-reduces of a few sizes (the
-       link's latency ``alpha`` and bandwidth ``beta`` by least squares) and each candidate's encode and decode on the
-       step's real bucket gradients, through the real hook on simulated ranks in this process (no communication;
-       bytes from the payloads), on the buckets where compression could pay (``measure``).
-    2. **Plan** on rank 0 with the timeline model (:func:`~lightning_gradcomp.auto.timeline.plan_greedy`): buckets
-       whose communication is hidden by the backward pass stay dense, the exposed tail is compressed with the least
-       lossy candidate that pays, and a switch must gain more than ``margin``. The plan (and rank 0's measurements)
-       is broadcast, so every rank applies the same plan.
-    3. **Verify**: after a switch, the median step time of ``verify_steps`` steps is compared with the dense
-       baseline measured in calibration; if it is more than ``tolerance`` slower, the previous plan is restored and
-       a line says why.
-    4. **Re-plan** when DDP's buckets change (their layers, not only their order), every ``replan_every`` steps if
-       set, and when the step time drifts from what was verified by more than ``drift`` (checked every
-       ``check_every`` steps: one small broadcast).
-    5. **Limits**: a layer's level on ``Planned`` (set by :class:`~lightning_gradcomp.callbacks.Accordion`, listed
-       after this callback) is the most lossy candidate it may use; plans stay within the limits, and a change of
-       limits re-plans from the stored measurements (then verifies).
-
-    The callback replaces the strategy's compressor by a :class:`~lightning_gradcomp.compressors.Planned` holding the
-    candidates (or uses the strategy's own, when it is already one). Its state (the plan, the link, the measurements,
-    the phase) is checkpointed: a resumed run keeps its plan and does not calibrate again.
+    It calibrates (dense steps, timed), plans on rank 0 with the timeline model, verifies the plan against the dense
+    baseline and re-plans when the buckets, the limits or the step time change (the module's docstring has the
+    details). The callback replaces the strategy's compressor by a :class:`~lightning_gradcomp.compressors.Planned`
+    holding the candidates (or uses the strategy's own, when it is already one). Its state (the plan, the link, the
+    measurements, the phase) is checkpointed: a resumed run keeps its plan and does not calibrate again.
 
     Args:
         candidates: names from :data:`~lightning_gradcomp.auto.candidates.KNOWN_CANDIDATES` (default
@@ -270,12 +276,11 @@ class AutoCompression(Callback):
         group = self._strategy(trainer).ddp_process_group
         link = self.fixed_link or probe_link(trainer.strategy.root_device, group)
         buckets, timed = self._measure_codecs(trainer, pl_module, buckets, link, timing)
-        local: dict[str, Any] = {"link": link, "buckets": buckets, "timing": timing, "measured": measured_dense,
-                                 "timed": timed, "measuring_s": time.perf_counter() - begin}  # fmt: skip
+        local: dict[str, Any] = {"link": link, "buckets": buckets, "timing": timing, "measured": measured_dense}
+        local.update(timed=timed, measuring_s=time.perf_counter() - begin)
         local = self._local_measurements(trainer, local)
         self._limits = self.planned.layer_levels
-        self.local_plan = plan_greedy(self._within_limits(local["buckets"]), list(self.candidates), local["link"],
-                                      local["timing"], self.margin, **self.model_options)  # fmt: skip
+        self.local_plan = self._plan(local["buckets"], local["link"], local["timing"])
         shared: dict[str, Any] = trainer.strategy.broadcast(
             {**{k: (asdict(v) if k in ("link", "timing") else v) for k, v in local.items()}, "plan": self.local_plan},
             src=0,
@@ -287,13 +292,13 @@ class AutoCompression(Callback):
         self.calibrations += 1
         self.baseline_step = shared["measured"]
         event = plan_event(plan, self.buckets, link, timing, shared["measured"], self.model_options)
-        self.history.append({"step": self._trainer_step, **event, "timed_buckets": shared["timed"],
-                             "measuring_s": shared["measuring_s"]})  # fmt: skip
+        measuring = {"timed_buckets": shared["timed"], "measuring_s": shared["measuring_s"]}
+        self.history.append({"step": self._trainer_step, **event, **measuring})
         rank_zero_info(self.describe())
         if trainer.logger is not None and trainer.is_global_zero:
             finished = [b.finished for b in self._records[-1].buckets]  # the dense timeline, as measured
-            metrics = plan_metrics(plan, self.buckets, list(self.candidates), link, timing, self.baseline_step,
-                                   finished, self.model_options)  # fmt: skip
+            candidates, options = list(self.candidates), self.model_options
+            metrics = plan_metrics(plan, self.buckets, candidates, link, timing, self.baseline_step, finished, options)
             trainer.logger.log_metrics(metrics, step=trainer.global_step)
         new = self._apply_plan(plan)
         if new != self.previous_assignment and new:
@@ -310,6 +315,11 @@ class AutoCompression(Callback):
         self.planned.set_assignment(self.assignment)
         return self.assignment
 
+    def _plan(self, buckets: list[Bucket], link: Link, timing: Timing) -> Plan:
+        """The timeline model's plan for ``buckets`` within the limits in force."""
+        return plan_greedy(self._within_limits(buckets), list(self.candidates), link, timing, self.margin,
+                           **self.model_options)
+
     def _within_limits(self, buckets: list[Bucket]) -> list[Bucket]:
         """``buckets`` with only the candidates their layers' limits allow (Accordion's, through ``Planned``)."""
         return [bucket.restricted(set(self.planned.allowed(bucket.layers))) for bucket in buckets]
@@ -322,12 +332,18 @@ class AutoCompression(Callback):
         assert self.link is not None
         assert self.timing is not None
         self._limits = self.planned.layer_levels
-        self.plan = plan_greedy(self._within_limits(self.buckets), list(self.candidates), self.link, self.timing,
-                                self.margin, **self.model_options)  # fmt: skip
+        self.plan = self._plan(self.buckets, self.link, self.timing)
         limited = sum(len(self.planned.allowed(b.layers)) < len(self.candidates) for b in self.buckets)
-        self.history.append({"step": step, "event": "plan", "why": f"limits changed ({limited} bucket(s) limited)",
-                             "predicted": self.plan.predicted, "assignment": list(self.plan.assignment),
-                             "reasons": list(self.plan.reasons)})  # fmt: skip
+        self.history.append(
+            {
+                "step": step,
+                "event": "plan",
+                "why": f"limits changed ({limited} bucket(s) limited)",
+                "predicted": self.plan.predicted,
+                "assignment": list(self.plan.assignment),
+                "reasons": list(self.plan.reasons),
+            }
+        )
         rank_zero_info(self.describe())
         new = self._apply_plan(self.plan)
         if new != self.previous_assignment and new:
@@ -341,8 +357,13 @@ class AutoCompression(Callback):
         measured = trainer.strategy.broadcast(mine, src=0)
         assert self.baseline_step is not None
         assert self.plan is not None
-        record = {"step": self._trainer_step, "event": "verify", "measured": measured, "baseline": self.baseline_step,
-                  "predicted": self.plan.predicted}  # fmt: skip
+        record = {
+            "step": self._trainer_step,
+            "event": "verify",
+            "measured": measured,
+            "baseline": self.baseline_step,
+            "predicted": self.plan.predicted,
+        }
         self.history.append(record)
         if measured > self.baseline_step * (1 + self.tolerance):
             why = (
@@ -404,41 +425,31 @@ class AutoCompression(Callback):
     @override
     def state_dict(self) -> dict[str, Any]:
         return {
-            "phase": self.phase,
-            "phase_start": self.phase_start,
+            **{name: getattr(self, name) for name in _PLAIN_STATE},
             "assignment": dict(self.assignment),
             "previous_assignment": dict(self.previous_assignment),
             "link": None if self.link is None else asdict(self.link),
             "timing": None if self.timing is None else asdict(self.timing),
             "buckets": [asdict(b) for b in self.buckets],
             "plan": None if self.plan is None else asdict(self.plan),
-            "baseline_step": self.baseline_step,
-            "expected_step": self.expected_step,
             "history": list(self.history),
-            "calibrations": self.calibrations,
             "limits": dict(self._limits),
         }
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.phase = state_dict["phase"]
-        self.phase_start = state_dict["phase_start"]
+        for name in _PLAIN_STATE:
+            setattr(self, name, state_dict[name])
         self.assignment = dict(state_dict["assignment"])
         self.previous_assignment = dict(state_dict["previous_assignment"])
-        link = state_dict["link"]  # older checkpoints also hold "cpu_per_byte", no longer modelled
+        link = state_dict["link"]
         self.link = None if link is None else Link(alpha=link["alpha"], beta=link["beta"])
         self.timing = None if state_dict["timing"] is None else Timing(**state_dict["timing"])
         self.buckets = [Bucket.from_dict(b) for b in state_dict["buckets"]]
         self.plan = None if state_dict["plan"] is None else Plan.from_dict(state_dict["plan"])
-        self.baseline_step = state_dict["baseline_step"]
-        self.expected_step = state_dict["expected_step"]
         self.history = list(state_dict["history"])
-        self.calibrations = state_dict["calibrations"]
-        self._limits = dict(state_dict.get("limits", {}))
+        self._limits = dict(state_dict["limits"])
         if self.phase in ("calibrate", "verify"):
             self._records = []  # a window cut by the checkpoint starts again
         if self._planned is not None:
             self.planned.set_assignment(self.assignment)
-
-
-CompressedDDP.auto_callback = AutoCompression  # what CompressedDDP(compressor="auto") adds when fitting

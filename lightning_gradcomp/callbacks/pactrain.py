@@ -218,8 +218,10 @@ class PacTrain(Callback):
             return
         names = sorted(self.masks)
         # the masks' version and names travel with the masks: the same set, updated as often, on every rank
-        tensors = [torch.tensor([self.masks.version, zlib.crc32("\0".join(names).encode())]), *(
-            self.masks[n] for n in names)]  # fmt: skip
+        tensors = [
+            torch.tensor([self.masks.version, zlib.crc32("\0".join(names).encode())]),
+            *(self.masks[n] for n in names),
+        ]
         if not CompressedDDP.require(trainer, self).identical_on_all_ranks(tensors):
             raise RuntimeError(
                 "PacTrain: the pruning masks differ between ranks (their weights were not equal); refusing to"

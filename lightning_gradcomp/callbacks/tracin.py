@@ -103,8 +103,11 @@ class TracIn(Callback):
             raise MisconfigurationException(f"`dirpath` must be a path, got {dirpath!r}.")
         if every_n_epochs is not None and every_n_steps is not None:
             raise MisconfigurationException("Give `every_n_epochs` or `every_n_steps`, not both.")
-        for name, value in (("every_n_epochs", every_n_epochs), ("every_n_steps", every_n_steps),
-                            ("projection_dim", projection_dim)):  # fmt: skip
+        for name, value in (
+            ("every_n_epochs", every_n_epochs),
+            ("every_n_steps", every_n_steps),
+            ("projection_dim", projection_dim),
+        ):
             check_int(value, name, low=1, allow_none=True, error=_MiscError)
         check_choice(learning_rate, "learning_rate", ("mean", "last"), error=_MiscError)
         check_bool(score_on_train_end, "score_on_train_end", error=_MiscError)

@@ -241,8 +241,9 @@ class AdaComp(SparseTransport, Compressor):
             yield SentValue(sent)  # R <- G - sent
             if self.transport == "zen":  # Zen sums the selected pairs
                 indices = flat_nonzero(codes)
-                summed = yield from sparse_transport_sum(self, self.transport, indices, sent.index_select(0, indices),
-                                                         ctx, out)  # fmt: skip
+                summed = yield from sparse_transport_sum(
+                    self, self.transport, indices, sent.index_select(0, indices), ctx, out
+                )
                 return summed.div_(ctx.world_size)
         gathered = yield AllGather((pack_trits(codes), scales))
         out.zero_()

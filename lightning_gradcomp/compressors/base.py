@@ -47,6 +47,7 @@ __all__ = [
     "derive_seed",
     "keep_count",
     "layers_from_shapes",
+    "rank_order_sum",
 ]
 
 
@@ -221,22 +222,7 @@ class Compressor(ABC):
         Override when the sum can be formed without one dense tensor per rank (sparse payloads). ``out`` is as in
         :meth:`decompress`.
         """
-        # the first payload is decoded straight into the result, then ``+ 0.0``: the bits of accumulating into zeros
-        # (``0 + x`` is ``x`` but for ``-0.0``, which becomes ``+0.0``) for one pass where zeroing and adding took
-        # two; every other rank's payload is decoded into one scratch buffer (a fresh gradient-sized tensor per rank
-        # may cost its page faults on the CPU: as much as the decoding itself). A decompressed payload may be the
-        # payload itself, which must not change: it is copied, never written.
-        total = ctx.output(out)
-        if not payloads:
-            return total.zero_()
-        first = self.decompress(payloads[0], ctx, out=total)
-        if first is not total:
-            total.copy_(first)
-        total.add_(0.0)
-        scratch = torch.empty_like(total) if len(payloads) > 1 else None
-        for payload in payloads[1:]:
-            total.add_(self.decompress(payload, ctx, out=scratch))
-        return total
+        return rank_order_sum(self, payloads, ctx, out)
 
     def average(self, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None) -> Tensor:
         """:meth:`aggregate` divided by the world size: what the all-gather exchange returns.
@@ -349,9 +335,12 @@ class Compressor(ABC):
         return self.average(gathered, ctx, out=out)
 
     def reduce(
-        self, tensor: Tensor, ctx: BucketContext, memory: ResidualBuffers | None = None,
-        runs: GradientRuns | None = None
-    ) -> torch.futures.Future[Tensor]:  # fmt: skip
+        self,
+        tensor: Tensor,
+        ctx: BucketContext,
+        memory: ResidualBuffers | None = None,
+        runs: GradientRuns | None = None,
+    ) -> torch.futures.Future[Tensor]:
         """Average ``tensor`` across ranks through this compressor; returns a future of the flat average.
 
         Error feedback with ``memory`` (``x = accumulate(g) + e``, then ``e = x - sent`` from what :meth:`exchange`
@@ -362,9 +351,14 @@ class Compressor(ABC):
         return driver.reduce(self, tensor, ctx, memory, runs)
 
     def wire_bytes(
-        self, layers: Sequence[Layer] | int, world_size: int, *, error_feedback: bool | None = None,
-        tensor: Tensor | None = None, step: int = 0,
-    ) -> wire.Wire:  # fmt: skip
+        self,
+        layers: Sequence[Layer] | int,
+        world_size: int,
+        *,
+        error_feedback: bool | None = None,
+        tensor: Tensor | None = None,
+        step: int = 0,
+    ) -> wire.Wire:
         """The byte model: what one rank sends and receives (mean over ranks) to reduce ``layers`` over ``world_size``.
 
         ``layers``: those the compressor takes (or a number of elements, one flat layer); ``error_feedback``: the
@@ -374,8 +368,8 @@ class Compressor(ABC):
         (:func:`~lightning_gradcomp.engine.wire_model.traced_wire_bytes`), so it fits any exchange; a compressor
         may override it with a closed form that must agree. A whole bucket: ``wire_model.bucket_wire_bytes``.
         """
-        return wire_model.traced_wire_bytes(self, layers, world_size, error_feedback=self.resolve_error_feedback(
-            error_feedback), tensor=tensor, step=step)  # fmt: skip
+        enabled = self.resolve_error_feedback(error_feedback)
+        return wire_model.traced_wire_bytes(self, layers, world_size, error_feedback=enabled, tensor=tensor, step=step)
 
     # ----------------------------------------------------------------------------------------------------------
     # Per-layer compression levels
@@ -433,13 +427,6 @@ class Compressor(ABC):
         for key, buffers in self._layer_state.items():
             buffers.load_state_dict(state_dict.get(key, {}))
 
-    def restores_state(self, class_name: str, state: dict[str, Any]) -> bool:
-        """Whether a checkpoint's compressor state, saved by class ``class_name``, is this one's (the hook restores it).
-
-        The default: the same class; a compressor whose class was renamed or split extends it to its old names.
-        """
-        return class_name == type(self).__qualname__
-
     def reset_state(self) -> None:
         """Forget the state kept between steps (momenta, warm starts), as at the start of training.
 
@@ -449,10 +436,6 @@ class Compressor(ABC):
         """
         for buffers in self._layer_state.values():
             buffers.clear()
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # objects pickled before these were declared attributes lack them
-        self.__dict__.update({"_layer_levels": {}, "_levels_version": 0, "_layer_state": {}, **state})
 
     # ----------------------------------------------------------------------------------------------------------
     # Plumbing
@@ -467,9 +450,31 @@ class Compressor(ABC):
         return f"{type(self).__name__}({args})"
 
 
-def check_gradient_dtypes(
-    compressor: Compressor, layers: Iterable[tuple[Layer, torch.dtype]], min_numel: int
-) -> None:
+def rank_order_sum(
+    compressor: Compressor, payloads: Sequence[Payload], ctx: BucketContext, out: Tensor | None = None
+) -> Tensor:
+    """The sum of ``compressor``'s decompressed ``payloads``, in rank order: :meth:`Compressor.aggregate`'s default.
+
+    The first payload is decoded straight into the result, then ``+ 0.0``: the bits of accumulating into zeros
+    (``0 + x`` is ``x`` but for ``-0.0``, which becomes ``+0.0``) for one pass where zeroing and adding took two; every
+    other rank's payload is decoded into one scratch buffer (a fresh gradient-sized tensor per rank may cost its page
+    faults on the CPU: as much as the decoding itself). A decompressed payload may be the payload itself, which must
+    not change: it is copied, never written.
+    """
+    total = ctx.output(out)
+    if not payloads:
+        return total.zero_()
+    first = compressor.decompress(payloads[0], ctx, out=total)
+    if first is not total:
+        total.copy_(first)
+    total.add_(0.0)
+    scratch = torch.empty_like(total) if len(payloads) > 1 else None
+    for payload in payloads[1:]:
+        total.add_(compressor.decompress(payload, ctx, out=scratch))
+    return total
+
+
+def check_gradient_dtypes(compressor: Compressor, layers: Iterable[tuple[Layer, torch.dtype]], min_numel: int) -> None:
     """Ask ``compressor`` to check the gradient dtype of each of ``layers`` (layer, dtype) that it compresses.
 
     A layer the compressor leaves dense (below ``min_numel`` elements, or not its kind) is not asked.

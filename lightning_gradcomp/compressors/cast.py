@@ -112,8 +112,12 @@ class BF16(_Cast):
         devices, and gradients narrower than fp32 (fp16's own subnormals start at ``2**-14``) take the default path.
         """
         n = ctx.world_size
-        if (ctx.error_feedback or tensor.device.type != "cpu" or n & (n - 1)
-                or tensor.dtype not in (torch.float32, torch.float64)):  # fmt: skip
+        if (
+            ctx.error_feedback
+            or tensor.device.type != "cpu"
+            or n & (n - 1)
+            or tensor.dtype not in (torch.float32, torch.float64)
+        ):
             return (yield from super().exchange(tensor, ctx, out))
         payload = (tensor.mul_(1.0 / n).to(self.wire_dtype),)  # the input is spent: scale it in place
         summed = yield AllReduce(payload)

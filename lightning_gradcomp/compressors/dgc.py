@@ -245,8 +245,9 @@ class DGC(SparseShards, SparseTransport, Compressor):
         if tensor.device.type == "cpu" and LOOP_ON_CPU:
             indices, used = self._select_by_layer(tensor, ctx, ratios)
         else:
-            indices, used = select_layers(tensor, ctx.layers, ratios, layer_streams(ctx), self.sample_ratio,
-                                          self.strided_sample)  # fmt: skip
+            indices, used = select_layers(
+                tensor, ctx.layers, ratios, layer_streams(ctx), self.sample_ratio, self.strided_sample
+            )
         values = tensor.index_select(0, indices).masked_fill_(~used, 0)  # unused slots repeat an index: value 0
         return (encode_full_blob(layout, indices), values), indices, used
 
@@ -341,8 +342,9 @@ class DGC(SparseShards, SparseTransport, Compressor):
         gathered = yield AllGather(payload)
         return self.aggregate(gathered, ctx, out).div_(ctx.world_size)
 
-    def _two_phase_exchange(self, tensor: Tensor, payload: Payload, indices: Tensor, ctx: BucketContext,
-                            out: Tensor) -> Exchange:  # fmt: skip
+    def _two_phase_exchange(
+        self, tensor: Tensor, payload: Payload, indices: Tensor, ctx: BucketContext, out: Tensor
+    ) -> Exchange:
         """The selected pairs to their owners; ``v`` (and ``u``) cleared where a pair went (sparse_shards.py).
 
         ``k`` slots per layer, in index order; the unused ones repeat an index with the value 0 and take no row slot.

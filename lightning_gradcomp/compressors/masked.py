@@ -167,9 +167,11 @@ class MaskedCompressor(Compressor):
     unbiased: ClassVar[bool] = False
 
     def __init__(
-        self, inner: Compressor | None = None, masks: Masks | Mapping[str, Tensor] | None = None,
+        self,
+        inner: Compressor | None = None,
+        masks: Masks | Mapping[str, Tensor] | None = None,
         dense_threshold: float = 0.9,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         inner = Identity() if inner is None else inner
         if not isinstance(inner, Compressor) or isinstance(inner, MaskedCompressor):
@@ -268,8 +270,9 @@ class MaskedCompressor(Compressor):
             shape = torch.Size((rows.numel(), *layer.shape[1:]))
             return _Entry("rows", layer, Layer(layer.name, layer.index, shape, offset), index=rows)
         index = flat_nonzero(mask.reshape(-1))
-        return _Entry("elements", layer, Layer(layer.name, layer.index, torch.Size((index.numel(),)), offset),
-                      index=index)  # fmt: skip
+        return _Entry(
+            "elements", layer, Layer(layer.name, layer.index, torch.Size((index.numel(),)), offset), index=index
+        )
 
     def _gather(self, tensor: Tensor, layout: _Layout, reuse: str | None = None) -> Tensor:
         """The compact buffer of ``tensor``; ``reuse`` names a buffer kept for the next step (``reduce`` only).

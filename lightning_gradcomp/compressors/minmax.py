@@ -84,8 +84,9 @@ class MinMax(ShardedExchange):
         steps = (highs - lows) / self.levels
         # a constant layer has step 0: every code 0 decodes to its minimum exactly
         inverse = torch.where(steps > 0, steps.reciprocal(), torch.zeros_like(steps))
-        codes = ((x - lows.repeat_interleave(lengths, output_size=x.numel()))
-                 * inverse.repeat_interleave(lengths, output_size=x.numel()))  # fmt: skip
+        codes = (x - lows.repeat_interleave(lengths, output_size=x.numel())) * inverse.repeat_interleave(
+            lengths, output_size=x.numel()
+        )
         codes = codes.round_().clamp_(0, self.levels).to(torch.uint8)
         packed = codes if self.bits == 8 else pack_uint(codes, self.bits)
         return packed, lows, steps

@@ -95,8 +95,9 @@ class Planned(Compressor):
     def check_level(self, value: Any) -> str:
         """A limit must name a candidate."""
         if not isinstance(value, str) or value not in self.candidates:
-            raise ValueError(f"Expected a `limit` to name one of {list(self.candidates)} (least lossy first), got"
-                             f" {value!r}.")  # fmt: skip
+            raise ValueError(
+                f"Expected a `limit` to name one of {list(self.candidates)} (least lossy first), got {value!r}."
+            )
         return value
 
     def lossiness(self, name: str) -> int:

@@ -168,8 +168,12 @@ batch_same_shape=None, init='layer')
     def _workspace(self, ctx: BucketContext) -> Workspace:
         """The bucket layout's runs and factor workspaces, made once per layout (and device and dtype)."""
         ranks = tuple(self._rank_for(layer) for layer in ctx.layers)
-        key = (tuple((layer.name, layer.offset, tuple(layer.shape)) for layer in ctx.layers), ranks,
-               ctx.dtype, str(ctx.device))  # fmt: skip
+        key = (
+            tuple((layer.name, layer.offset, tuple(layer.shape)) for layer in ctx.layers),
+            ranks,
+            ctx.dtype,
+            str(ctx.device),
+        )
         found = self._workspaces.get(key)
         if found is None:
             # a layer is in one layout at a time (DDP's buckets after their rebuild, a new rank): the others go, and
@@ -206,8 +210,11 @@ batch_same_shape=None, init='layer')
         assert workspace.q_memory is not None
         names = {layer.name for layer in ctx.layers}
         views = workspace.query_views(workspace.q_memory)
-        known = {name: q for name, view in views.items()
-                 if (q := self._memory.get(name)) is not None and q.shape == view.shape}  # fmt: skip
+        known = {
+            name: q
+            for name, view in views.items()
+            if (q := self._memory.get(name)) is not None and q.shape == view.shape
+        }
         fresh = self._random_host_queries(ctx) if len(known) < len(names) else {}
         for name, view in views.items():
             view.copy_(_to_device(known[name] if name in known else fresh[name].t(), ctx.device))
@@ -278,8 +285,12 @@ batch_same_shape=None, init='layer')
         if self._torch_rng is not None:
             # plain tensors and numbers, so checkpoints load with torch.load(weights_only=True)
             _, keys, pos, has_gauss, cached = self._torch_rng.get_state()
-            state["torch_rng"] = {"keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
-                                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}  # fmt: skip
+            state["torch_rng"] = {
+                "keys": torch.from_numpy(keys.astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "cached_gaussian": float(cached),
+            }
         return state
 
     def reset_state(self) -> None:

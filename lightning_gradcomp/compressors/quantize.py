@@ -140,7 +140,6 @@ class QSGD(ShardedExchange):
     collective: ClassVar[Collective] = "allgather"
     unbiased: ClassVar[bool] = True
     level_attribute: ClassVar[str] = "levels"
-    random_bits: int | None = None  # what objects pickled before the argument existed draw
 
     def __init__(
         self, levels: int = 7, bucket_size: int = 512, random_bits: int | None = None, transport: str = "auto"
@@ -331,7 +330,6 @@ class TernGrad(Compressor):
         TernGrad(clip=2.5, aggregation='auto', random_bits=None)
     """
 
-    random_bits: int | None = None  # what objects pickled before the argument existed draw
 
     def __init__(
         self,

@@ -172,8 +172,11 @@ def _sum_of_signs(
     def exact(positions: Tensor, layer: Tensor) -> Tensor:  # the tables' sums in the same order, element by element
         total = None
         for r, (packed, _, _) in enumerate(payloads):
-            value = torch.where(_bits_at(packed, positions), positive[:, r].index_select(0, layer),
-                                negative[:, r].index_select(0, layer))  # fmt: skip
+            value = torch.where(
+                _bits_at(packed, positions),
+                positive[:, r].index_select(0, layer),
+                negative[:, r].index_select(0, layer),
+            )
             total = value + 0.0 if total is None else total + value
         assert total is not None
         return total / divisor if divisor != 1 else total

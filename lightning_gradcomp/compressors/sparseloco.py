@@ -179,8 +179,9 @@ class SparseLoCo(Compressor):
             yield SentValue(sent[:numel].to(ctx.dtype))
         # phase 1: owner s gets rows [s per, (s + 1) per) of every rank's encoding, as one row of bytes
         code_bytes = -(-per * self._keep // 4)
-        packed = pack_uint(torch.nn.functional.pad(codes.view(n, -1), (0, 4 * code_bytes - per * self._keep))
-                           .reshape(-1), 2).view(n, -1)  # fmt: skip
+        packed = pack_uint(
+            torch.nn.functional.pad(codes.view(n, -1), (0, 4 * code_bytes - per * self._keep)).reshape(-1), 2
+        ).view(n, -1)
         packed = torch.nn.functional.pad(packed, (0, -code_bytes % 4))
         row = torch.cat([positions.view(n, -1).view(torch.uint8), packed, scales.view(n, -1).view(torch.uint8)], 1)
         nbytes = row.shape[1]
@@ -231,6 +232,3 @@ class SparseLoCo(Compressor):
     def hparams(self) -> dict[str, Any]:
         """The constructor arguments."""
         return {"ratio": self.ratio, "chunk_size": self.chunk_size, "transport": self.transport}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__({"transport": "allgather", **state})  # pickled before the argument: its all-gather

@@ -251,8 +251,13 @@ class RandomK(Compressor):
     def indices(self, ctx: BucketContext) -> Tensor:
         """The flat indices every rank keeps at this step (sorted per layer, int64, on ``ctx.device``)."""
         counts = [keep_count(layer.numel, self.level(layer)) for layer in ctx.layers]
-        key = (ctx.seed, ctx.step, ctx.device, tuple((layer.index, layer.offset, layer.numel) for layer in ctx.layers),
-               tuple(counts))  # fmt: skip
+        key = (
+            ctx.seed,
+            ctx.step,
+            ctx.device,
+            tuple((layer.index, layer.offset, layer.numel) for layer in ctx.layers),
+            tuple(counts),
+        )
         cached = self._cache.get(key)
         if cached is not None:
             return cached
@@ -306,6 +311,5 @@ class RandomK(Compressor):
         return {k: v for k, v in self.__dict__.items() if k != "_cache"}  # cached index tensors are not state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
+        self.__dict__.update(state)
         self._cache = {}
-

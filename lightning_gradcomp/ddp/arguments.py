@@ -40,9 +40,10 @@ CONFLICTING_DDP_KWARGS = {
 }
 #: DistributedDataParallel's keywords ``**kwargs`` may carry, besides DDPStrategy's own
 _DDP_KWARGS = [
-    n for n in inspect.signature(DistributedDataParallel.__init__).parameters
+    n
+    for n in inspect.signature(DistributedDataParallel.__init__).parameters
     if n != "self" and n not in _SET_BY_LIGHTNING
-]  # fmt: skip
+]
 #: ``compressor="auto"``: :class:`~lightning_gradcomp.callbacks.AutoCompression` with its defaults
 AUTO = "auto"
 _Error = MisconfigurationException

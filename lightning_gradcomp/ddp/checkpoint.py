@@ -3,8 +3,7 @@
 ``CompressedDDP`` calls :func:`save_compression_state` and :func:`restore_compression_state` from its
 ``save_checkpoint`` and ``load_checkpoint``. The files are :mod:`lightning_gradcomp.runtime.rank_state`'s; the
 checkpoint itself only says that they exist (``checkpoint["gradcomp"]``), so rank 0's checkpoint is as large as plain
-``DDPStrategy``'s whatever the number of ranks. Checkpoints that hold every rank's state inside (written before
-this layout) still load.
+``DDPStrategy``'s whatever the number of ranks.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from lightning_gradcomp.runtime.rank_state import load_rank_state, rank_state_di
 __all__ = ["CHECKPOINT_KEY", "restore_compression_state", "save_compression_state"]
 
 CHECKPOINT_KEY = "gradcomp"
-#: ``checkpoint["gradcomp"]["format"]``: 1 held every rank's state (gathered to rank 0); 2 says each rank has a file
-GATHERED_FORMAT, PER_RANK_FORMAT = 1, 2
 
 
 def save_compression_state(
@@ -41,7 +38,7 @@ def save_compression_state(
     step = int(checkpoint.get("global_step", 0))
     save_rank_state(filepath, CHECKPOINT_KEY, {**state.state_dict(), "global_step": step}, rank, world_size)
     barrier("CompressedDDP.save_checkpoint")
-    checkpoint[CHECKPOINT_KEY] = {"format": PER_RANK_FORMAT, "world_size": world_size, "step": step}
+    checkpoint[CHECKPOINT_KEY] = {"world_size": world_size, "step": step}
 
 
 def restore_compression_state(
@@ -59,17 +56,17 @@ def restore_compression_state(
         _start_empty(state, checkpoint, why)
         return
     saved_world_size = int(saved["world_size"])
-    if saved["format"] == GATHERED_FORMAT:  # every rank's state inside the checkpoint
-        ranks = saved["ranks"]
-        _restore(state, ranks[rank] if saved_world_size == world_size else None, ranks[0], saved_world_size, world_size)
-        return
     same_size = saved_world_size == world_size
     own = load_rank_state(checkpoint_path, CHECKPOINT_KEY, rank) if same_size else None
     # on another world size every rank reads rank 0's file, for the state every rank shares
     shared = own if own is not None else load_rank_state(checkpoint_path, CHECKPOINT_KEY, 0)
     if shared is None or shared.state.get("global_step") != saved["step"] or (same_size and own is None):
-        _start_empty(state, checkpoint, f"The per-rank CompressedDDP state of {checkpoint_path} is missing or older"
-                     f" than the checkpoint (it belongs in {rank_state_dir(checkpoint_path)})")  # fmt: skip
+        _start_empty(
+            state,
+            checkpoint,
+            f"The per-rank CompressedDDP state of {checkpoint_path} is missing or older"
+            f" than the checkpoint (it belongs in {rank_state_dir(checkpoint_path)})",
+        )
         return
     _restore(state, own.state if own is not None else None, shared.state, saved_world_size, world_size)
 

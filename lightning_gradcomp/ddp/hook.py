@@ -15,7 +15,6 @@ over layers.
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,9 +25,10 @@ from torch.nn import Module
 from lightning_gradcomp.compressors.base import Compressor, check_gradient_dtypes
 from lightning_gradcomp.engine.collectives import TorchCollectives
 from lightning_gradcomp.engine.comm import CollectiveBackend, Comm, when_all
-from lightning_gradcomp.engine.context import BucketContext, GradientRuns, Layer, ddp_scale_
+from lightning_gradcomp.engine.context import Layer
 from lightning_gradcomp.engine.error_feedback import ErrorFeedback
 from lightning_gradcomp.engine.requests import StepUpdates
+from lightning_gradcomp.engine.split import Reduction, Split, reduce_dense, reduce_split, split_layers
 from lightning_gradcomp.engine.staging import CUDA_LAG, NonfiniteRun, to_cpu
 from lightning_gradcomp.engine.telemetry import BucketRecord, Telemetry
 from lightning_gradcomp.validation import check_int
@@ -38,117 +38,21 @@ log = logging.getLogger(__name__)
 _STATE_FORMAT = 1
 
 
-@dataclass(frozen=True)
-class _BucketPlan:
-    """How one bucket layout is split between the compressor and the dense all-reduce (cached per layout).
+def _layers(names: dict[int, tuple[int, str]], params: list[Tensor], numel: int) -> tuple[Layer, ...]:
+    """A bucket's layers at their offsets in its buffer; ``names`` maps a parameter's id to its index and name.
 
-    The plan also owns the buffers its layers are gathered into, reused every step: on the CPU a fresh allocation of
-    a bucket-sized tensor every step costs page faults (glibc maps and unmaps chunks near its 32 MB threshold) that
-    exceed the copy itself.
+    Raises:
+        RuntimeError: If the parameters do not fill the bucket's buffer.
     """
-
-    signature: tuple[int, ...]
-    compressor_key: tuple
-    compressed: tuple[Layer, ...]  # offsets into the gathered compressed tensor
-    dense: tuple[Layer, ...]  # offsets into the gathered dense tensor
-    every: tuple[Layer, ...]  # offsets into the bucket buffer
-    compressed_runs: tuple[tuple[int, int], ...]  # [start, end) ranges of the bucket buffer
-    dense_runs: tuple[tuple[int, int], ...]
-    numel: int
-    #: the compressor that reduces this bucket (the strategy's, or the candidate a Planned compressor hands it to)
-    compressor: Compressor = field(compare=False)
-    buffers: dict[str, Tensor] = field(default_factory=dict, compare=False)
-
-    @property
-    def whole_bucket(self) -> bool:
-        return not self.dense and self.compressed_runs == ((0, self.numel),)
-
-    def gather(self, buffer: Tensor, part: str, *, fill: bool = True) -> Tensor:
-        """The ``"dense"`` or ``"compressed"`` layers of ``buffer``, contiguous: a view if they are, else a copy.
-
-        With ``fill=False`` a layout of several runs gets the plan's buffer unfilled (the reduction's driver gathers
-        into it, see :class:`~lightning_gradcomp.compressors.base.GradientRuns`).
-        """
-        runs = self.runs(part)
-        if len(runs) == 1:
-            start, end = runs[0]
-            return buffer[start:end]
-        out = self.buffers.get(part)
-        if out is None or out.dtype != buffer.dtype or out.device != buffer.device:
-            out = self.buffers[part] = torch.empty(sum(end - start for start, end in runs), dtype=buffer.dtype,
-                                                   device=buffer.device)  # fmt: skip
-        if not fill:
-            return out
-        return torch.cat([buffer[start:end] for start, end in runs], out=out)
-
-    def runs(self, part: str) -> tuple[tuple[int, int], ...]:
-        """The ``[start, end)`` ranges of the bucket buffer that hold the ``"dense"`` or ``"compressed"`` layers."""
-        return self.dense_runs if part == "dense" else self.compressed_runs
-
-    def scatter(self, buffer: Tensor, compressed: Tensor | None, dense: Tensor | None) -> Tensor:
-        """Write the reduced parts back into the bucket ``buffer`` (views of it are left as they are)."""
-        for values, runs in ((compressed, self.compressed_runs), (dense, self.dense_runs)):
-            if values is None:
-                continue
-            offset = 0
-            for start, end in runs:
-                target = buffer[start:end]
-                if target.data_ptr() != values[offset:].data_ptr():
-                    target.copy_(values[offset : offset + end - start])
-                offset += end - start
-        return buffer
-
-
-def _runs(layers: list[Layer]) -> tuple[tuple[int, int], ...]:
-    runs: list[list[int]] = []
-    for layer in layers:
-        if runs and runs[-1][1] == layer.offset:
-            runs[-1][1] = layer.offset + layer.numel
-        else:
-            runs.append([layer.offset, layer.offset + layer.numel])
-    return tuple((start, end) for start, end in runs)
-
-
-def _relayout(layers: list[Layer]) -> tuple[Layer, ...]:
-    out, offset = [], 0
-    for layer in layers:
-        out.append(Layer(layer.name, layer.index, layer.shape, offset))
-        offset += layer.numel
-    return tuple(out)
-
-
-def _make_plan(
-    names: dict[int, tuple[int, str]], min_numel: int, signature: tuple[int, ...], params: list[Tensor], numel: int,
-    compressor: Compressor,
-) -> _BucketPlan:
-    """The plan of one bucket layout: its layers, which of them ``compressor`` takes at ``min_numel``, where each lies.
-
-    ``names`` maps a parameter's id to its index and name (``CompressionState``'s table of the model's parameters).
-    """
-    every: list[Layer] = []
-    compressed: list[Layer] = []
-    dense: list[Layer] = []
+    layers: list[Layer] = []
     offset = 0
     for p in params:
-        index, name = names.get(id(p), (-1, f"unnamed{len(every)}"))
-        every.append(Layer(name, index, p.shape, offset))
-        offset += every[-1].numel
-    compressor = compressor.bucket_compressor(every)
-    for layer in every:
-        (compressed if compressor.compresses(layer, min_numel) else dense).append(layer)
+        index, name = names.get(id(p), (-1, f"unnamed{len(layers)}"))
+        layers.append(Layer(name, index, p.shape, offset))
+        offset += p.numel()
     if offset != numel:
         raise RuntimeError(f"Bucket layout mismatch: parameters hold {offset} elements, the buffer {numel}.")
-    return _BucketPlan(
-        signature=signature,
-        compressor_key=compressor.plan_key(),
-        compressed=_relayout(compressed),
-        dense=_relayout(dense),
-        every=tuple(every),
-        compressed_runs=_runs(compressed),
-        dense_runs=_runs(dense),
-        numel=numel,
-        compressor=compressor,
-    )
+    return tuple(layers)
 
 
 class CompressionState:
@@ -218,7 +122,7 @@ class CompressionState:
         self.residuals = ErrorFeedback()
         self._comm: Comm | None = None
         self._names: dict[int, tuple[int, str]] = {}
-        self._plans: dict[int, _BucketPlan] = {}
+        self._plans: dict[int, tuple[tuple[int, ...], Split]] = {}  # bucket index: (its parameters, split)
         self._updates = StepUpdates()  # the step's staged state changes, committed after its last bucket
         self._in_flight: list[torch.futures.Future] = []  # the step's bucket reductions so far
         self._nonfinite_run = NonfiniteRun()  # consecutive steps non-finite on every rank (reset_state_after)
@@ -265,8 +169,11 @@ class CompressionState:
             ValueError: The compressor's error for the first layer it refuses.
         """
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
-        layers = [(Layer(name, i, p.shape), p.dtype) for i, (name, p) in enumerate(module.named_parameters())
-                  if p.requires_grad]  # fmt: skip
+        layers = [
+            (Layer(name, i, p.shape), p.dtype)
+            for i, (name, p) in enumerate(module.named_parameters())
+            if p.requires_grad
+        ]
         check_gradient_dtypes(compressor or self.compressor, layers, self.min_compress_numel)
 
     def detach(self, failed: bool = False) -> None:
@@ -337,23 +244,22 @@ class CompressionState:
     # ------------------------------------------------------------------------------------------------------------
     # Bucket plans
     # ------------------------------------------------------------------------------------------------------------
-    def plan(self, bucket: dist.GradBucket, compressor: Compressor) -> _BucketPlan:
+    def plan(self, bucket: dist.GradBucket, compressor: Compressor) -> Split:
         """The cached split of ``bucket``; rebuilt when DDP re-buckets, the compressor or its levels change."""
         params = bucket.parameters()
         signature = tuple(map(id, params))
         cached = self._plans.get(bucket.index())
-        if cached is not None and cached.signature == signature and cached.compressor_key == compressor.plan_key():
-            return cached
-        plan = _make_plan(self._names, self.min_compress_numel, signature, params, bucket.buffer().numel(),
-                          compressor)  # fmt: skip
-        if cached is None or cached.signature != signature:
+        if cached is not None and cached[0] == signature and cached[1].compressor_key == compressor.plan_key():
+            return cached[1]
+        split = split_layers(_layers(self._names, params, bucket.buffer().numel()), compressor, self.min_compress_numel)
+        if cached is None or cached[0] != signature:
             self.layout_version += 1
         if cached is not None:
             # the layout or the compressor changed: residuals must follow their parameters, not the bucket
             self.residuals.spill()
             self._plans.clear()
-        self._plans[bucket.index()] = plan
-        return plan
+        self._plans[bucket.index()] = (signature, split)
+        return split
 
     def start_recording(self) -> None:
         """From the next bucket on, record when each bucket reaches the hook and when its reduction finishes."""
@@ -366,7 +272,7 @@ class CompressionState:
 
     def bucket_layouts(self) -> set[tuple[str, ...]]:
         """The layer names of every bucket DDP has handed the hook in its current layout (see ``layout_version``)."""
-        return {tuple(layer.name for layer in plan.every) for plan in self._plans.values()}
+        return {tuple(layer.name for layer in split.every) for _, split in self._plans.values()}
 
     # ------------------------------------------------------------------------------------------------------------
     # The reduction of one bucket
@@ -389,13 +295,18 @@ class CompressionState:
         if buffer.is_sparse:
             reduced = self._reduce_sparse(buffer)
         else:
-            self.telemetry.add_bucket(buffer.numel() * buffer.element_size())
             plan = self.plan(bucket, self.compressor)
-            reduced = self._reduce_split(bucket.index(), buffer, plan) if self.enabled else self._reduce_dense(
-                bucket.index(), buffer, plan)  # fmt: skip
+            reduction = Reduction(self.comm, self.residuals, self._updates, bucket.index(), self.step, self.seed)
+            if self.enabled:
+                reduced = reduce_split(buffer, plan, reduction, error_feedback=self.error_feedback)
+            else:
+                reduced = reduce_dense(buffer, plan, reduction)
         if self.recorder is not None:  # the layers' names only while a measurement runs, not on every step
-            names = (tuple(layer.name for layer in plan.every) if plan is not None
-                     else tuple(self._names.get(id(p), (-1, "unnamed"))[1] for p in bucket.parameters()))  # fmt: skip
+            names = (
+                tuple(layer.name for layer in plan.every)
+                if plan is not None
+                else tuple(self._names.get(id(p), (-1, "unnamed"))[1] for p in bucket.parameters())
+            )
             entry = BucketRecord(entered, names, buffer.numel())
             self.recorder.append(entry)
             reduced = reduced.then(lambda fut: _stamp(fut, entry))
@@ -416,64 +327,6 @@ class CompressionState:
         gradient = buffer.div_(self.comm.world_size).coalesce()
         self.telemetry.add_bucket(gradient._indices().nbytes + gradient._values().nbytes, sparse=True)
         return self.comm.all_reduce_sparse(gradient)
-
-    def _context(self, index: int, layers: tuple[Layer, ...], like: Tensor) -> BucketContext:
-        comm = self.comm
-        return BucketContext(index=index, step=self.step, rank=comm.rank, world_size=comm.world_size, layers=layers,
-                             dtype=like.dtype, device=like.device, seed=self.seed, comm=comm,
-                             updates=self._updates)  # fmt: skip
-
-    def _all_reduce_dense(
-        self, index: int, tensor: Tensor, layers: tuple[Layer, ...], compressor: Compressor
-    ) -> torch.futures.Future:
-        """Plain averaging of ``tensor``, then the compressor's dense update (DGC's momentum, signSGD's sign).
-
-        Scaled by the reciprocal of the world size before the sum, as DDP's reducer scales a bucket without a hook:
-        at world sizes that are not powers of two, ``x * (1 / n)`` and ``x / n`` round differently, and this way the
-        dense layers are bitwise plain DDP's at every world size (torch's ``allreduce_hook`` divides, and is not).
-        """
-        averaged = self.comm.all_reduce((ddp_scale_(tensor, self.comm.world_size),)).then(lambda fut: fut.value()[0])
-        if not compressor.has_dense_update:
-            return averaged
-        ctx, updates = self._context(index, layers, tensor), self._updates
-
-        def finish(fut: torch.futures.Future[Tensor]) -> Tensor:
-            average = fut.value()
-            # the average is the same on every rank, and a NaN anywhere reaches it: no flag needs to travel
-            # the step's own updates, captured at issue time: this callback may run after the next step began
-            updates.observe(torch.isfinite(torch.sum(average, dtype=torch.float64)))
-            compressor.finish_dense(average, ctx)
-            return average
-
-        return averaged.then(finish)
-
-    def _reduce_dense(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
-        self.residuals.prepare(index, (), None, plan.every, buffer, keep=False)
-        return self._all_reduce_dense(index, buffer, plan.every, plan.compressor)
-
-    def _reduce_split(self, index: int, buffer: Tensor, plan: _BucketPlan) -> torch.futures.Future[Tensor]:
-        compressor = plan.compressor
-        keep = self.uses_error_feedback(compressor)
-        # with error feedback, several runs of compressed layers are gathered by the driver, in the pass that adds the
-        # residual (GradientRuns); without it a debt may be paid into the gathered tensor first
-        in_runs = keep and len(plan.compressed_runs) > 1
-        dense = plan.gather(buffer, "dense") if plan.dense else None
-        tensor = plan.gather(buffer, "compressed", fill=not in_runs) if plan.compressed else None
-        memory = self.residuals.prepare(index, plan.compressed, tensor, plan.dense, dense, keep=keep)
-        futures = [] if dense is None else [self._all_reduce_dense(index, dense, plan.dense, compressor)]
-        if tensor is None:
-            return futures[0].then(lambda fut: plan.scatter(buffer, None, fut.value()))
-        runs = GradientRuns(buffer, plan.compressed_runs) if in_runs else None
-        reduced = compressor.reduce(tensor, self._context(index, plan.compressed, tensor), memory, runs)
-        if plan.whole_bucket:
-            return reduced
-        futures.append(reduced)
-
-        def finish(fut: torch.futures.Future[list[Tensor]]) -> Tensor:
-            values = fut.value()
-            return plan.scatter(buffer, values[-1], values[0] if dense is not None else None)
-
-        return when_all(futures, buffer.device).then(finish)
 
     def _end_step(self, last: torch.futures.Future[Tensor]) -> torch.futures.Future[Tensor]:
         """After every bucket of the step: commit the staged state (if finite everywhere), count the verdict."""
@@ -508,8 +361,8 @@ class CompressionState:
         """Restore :meth:`state_dict`; residuals are laid into buckets at the next step."""
         self.step = int(state_dict["step"])
         self.residuals.load_state_dict(state_dict["residuals"])
-        self._nonfinite_run.load_state_dict(state_dict.get("nonfinite_run", {}))  # absent before 2026-11-25
-        if self.compressor.restores_state(state_dict["compressor_class"], state_dict["compressor"]):
+        self._nonfinite_run.load_state_dict(state_dict["nonfinite_run"])
+        if state_dict["compressor_class"] == type(self.compressor).__qualname__:
             self.compressor.load_state_dict(state_dict["compressor"])
         else:
             log.warning(

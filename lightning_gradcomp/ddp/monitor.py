@@ -92,19 +92,32 @@ class CompressionMonitor(Callback):
         state = self._state(trainer)
         telemetry = state.telemetry
         totals = torch.tensor(
-            [telemetry.total_steps, telemetry.total_bytes_sent, telemetry.total_bytes_received,
-             telemetry.total_bytes_dense, telemetry.total_bytes_dense_moved, telemetry.total_encode_ms,
-             telemetry.total_decode_ms],
+            [
+                telemetry.total_steps,
+                telemetry.total_bytes_sent,
+                telemetry.total_bytes_received,
+                telemetry.total_bytes_dense,
+                telemetry.total_bytes_dense_moved,
+                telemetry.total_encode_ms,
+                telemetry.total_decode_ms,
+            ],
             dtype=torch.float64,
-        )  # fmt: skip
+        )
         # every rank's own numbers, for the table (a collective: every rank reaches on_train_end; on the strategy's
         # device, since NCCL gathers no CPU tensor). Often the run's last collective: gather_rows returns only once
         # torch's threads let go of it, so that the process cannot abort at exit (see its docstring)
         gathered = gather_rows(totals.to(trainer.strategy.root_device))
         per_rank = gathered.cpu().reshape(-1, totals.numel())
         # in the callback metrics too, so that a launcher that returns only those (spawn) still reports them
-        names = ("total_steps", "total_bytes_sent", "total_bytes_received", "total_bytes_dense",
-                 "total_bytes_dense_moved", "total_encode_ms", "total_decode_ms")  # fmt: skip
+        names = (
+            "total_steps",
+            "total_bytes_sent",
+            "total_bytes_received",
+            "total_bytes_dense",
+            "total_bytes_dense_moved",
+            "total_encode_ms",
+            "total_decode_ms",
+        )
         trainer.callback_metrics.update({f"gradcomp/{n}": v for n, v in zip(names, totals)})
         if telemetry.total_steps:
             rank_zero_info(format_summary(per_rank.tolist(), repr(state.compressor)))

@@ -14,8 +14,7 @@ from lightning.fabric.strategies.registry import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException, _augment_message
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -34,12 +33,11 @@ from lightning_gradcomp.ddp.checks import (
 from lightning_gradcomp.ddp.hook import CompressionState, compression_hook
 from lightning_gradcomp.ddp.monitor import CompressionMonitor
 from lightning_gradcomp.ddp.names import register_presets
-from lightning_gradcomp.engine.collectives import hand_off_gil, identical_on_all_ranks, release_round_groups
+from lightning_gradcomp.engine.collectives import identical_on_all_ranks
 from lightning_gradcomp.optim.fused import FusedOptimizer, bind_fused_optimizer
-from lightning_gradcomp.runtime.faults import ScriptLauncher, is_collective_failure, record_failure
+from lightning_gradcomp.runtime.base import GradcompStrategy
 from lightning_gradcomp.runtime.model_transform import CHECKPOINT_KEY as _TRANSFORMS_KEY
 from lightning_gradcomp.runtime.model_transform import ModelTransform, carry_schedule
-from lightning_gradcomp.runtime.rank_state import remove_rank_states
 from lightning_gradcomp.validation import check_bool, check_int
 
 log = logging.getLogger(__name__)
@@ -81,7 +79,7 @@ def _warn_if_optimizer_momentum(compressor: Compressor, optimizers: Any) -> None
         rank_zero_warn(message)
 
 
-class CompressedDDP(DDPStrategy):
+class CompressedDDP(GradcompStrategy):
     """DDP strategy that averages gradients through a pluggable :class:`~lightning_gradcomp.Compressor`.
 
     The compressor runs inside DDP's communication hook, bucket by bucket, overlapped with the backward pass; every
@@ -132,8 +130,10 @@ class CompressedDDP(DDPStrategy):
     """
 
     strategy_name = "compressed_ddp"
-    #: the callback ``compressor="auto"`` adds; set by :mod:`lightning_gradcomp.callbacks.auto`, which sits above
-    #: this module (the strategy never imports its callbacks)
+    monitor_callback = CompressionMonitor
+    label = "CompressedDDP"
+    #: the callback ``compressor="auto"`` adds (``AutoCompression``); the package's root sets it, since the callbacks
+    #: sit above the strategy, which never imports them
     auto_callback: ClassVar[type[Callback] | None] = None
 
     def __init__(
@@ -164,13 +164,17 @@ class CompressedDDP(DDPStrategy):
         check_bool(monitor, "monitor", error=_MiscError)
         check_int(reset_state_after, "reset_state_after", low=1, allow_none=True, error=_MiscError)
         check_kwargs(kwargs, own=list(inspect.signature(CompressedDDP.__init__).parameters))
-        super().__init__(**kwargs)
-        self._monitor = monitor
+        super().__init__(monitor=monitor, **kwargs)
         self._fused: FusedOptimizer | None = None
         self._failed = False  # training ended with an exception (on_exception): teardown lets the collectives settle
         self._ddp_group: dist.ProcessGroup | None = None
-        self._state = CompressionState(chosen, error_feedback=error_feedback, min_compress_numel=min_compress_numel,
-                                       seed=seed, reset_state_after=reset_state_after)  # fmt: skip
+        self._state = CompressionState(
+            chosen,
+            error_feedback=error_feedback,
+            min_compress_numel=min_compress_numel,
+            seed=seed,
+            reset_state_after=reset_state_after,
+        )
 
     # ------------------------------------------------------------------------------------------------------------
     # Switches for callbacks (set them on every rank, between steps)
@@ -241,21 +245,16 @@ class CompressedDDP(DDPStrategy):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def connect(self, model: pl.LightningModule) -> None:
-        """Connect the model; when fitting, add a :class:`CompressionMonitor` unless the trainer has one.
+        """Connect the model and add the monitor; for ``compressor="auto"``, add :attr:`auto_callback` likewise.
 
-        For ``compressor="auto"``, add an ``AutoCompression`` with its defaults likewise.
-
-        Added here, not in :meth:`setup`: Lightning calls the callbacks' ``setup`` between ``connect`` and the
-        strategy's ``setup``, so a monitor appended in ``setup`` would never have its own ``setup`` called.
+        When fitting, each is added unless the trainer has one (:class:`GradcompStrategy` adds the monitor).
         """
         super().connect(model)
         trainer = getattr(model, "_trainer", None)
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not self._monitor:
-            return
-        if not any(isinstance(cb, CompressionMonitor) for cb in trainer.callbacks):
-            trainer.callbacks.append(CompressionMonitor())
         auto = type(self).auto_callback
-        if self._auto and auto is not None and not any(isinstance(cb, auto) for cb in trainer.callbacks):
+        if not self._auto or auto is None or trainer is None or trainer.state.fn != TrainerFn.FITTING:
+            return
+        if not any(isinstance(cb, auto) for cb in trainer.callbacks):
             trainer.callbacks.append(auto())
 
     @override
@@ -405,25 +404,18 @@ class CompressedDDP(DDPStrategy):
         super()._configure_launcher()
         if type(self._launcher) is _MultiProcessingLauncher and self._start_method != "popen":
             self._launcher = _Launcher(self, start_method=self._start_method)
-        elif type(self._launcher) is _SubprocessScriptLauncher and self.cluster_environment is not None:
-            # stops every rank when one fails, and names it (see lightning_gradcomp.runtime.faults)
-            self._launcher = ScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
-    def teardown(self) -> None:
-        """DDPStrategy's teardown, then release the hook's collectives and the extra process groups of its rounds.
+    def round_group_bases(self) -> Sequence[Any]:
+        """The group DDP averages over: the compressors' later rounds have groups of their own over its ranks."""
+        return [self.ddp_process_group or dist.group.WORLD]
 
-        Released here, on the main thread while the interpreter is alive: left to interpreter finalisation, a gloo
-        worker thread touching a Python object then aborts the process at exit (see
-        ``process_groups.release_round_groups`` and ``process_groups.hand_off_gil``).
-        """
-        super().teardown()
+    @override
+    def release_state(self) -> None:
+        """Unbind a fused optimizer and let go of the hook's collectives and future chains (the state stays)."""
         self._unbind_fused()
         self._state.detach(failed=self._failed)
         self._failed = False
-        if dist.is_available() and dist.is_initialized():
-            release_round_groups(self.ddp_process_group or dist.group.WORLD)
-            hand_off_gil()  # the collectives' threads finish with their Python objects now, not at exit
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -435,8 +427,6 @@ class CompressedDDP(DDPStrategy):
         _augment_message(exception, pattern=_UNUSED_PARAMETERS, new_message=_UNUSED_PARAMETERS_ADVICE)
         super().on_exception(exception)
         self._failed = True
-        if not is_collective_failure(exception):  # a failed collective is a consequence of another rank's fault
-            record_failure(self.global_rank, exception)
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints: each rank's compressor state in a file of its own beside the checkpoint
@@ -461,12 +451,6 @@ class CompressedDDP(DDPStrategy):
         restore_compression_state(self._state, checkpoint, checkpoint_path, self.global_rank, self.world_size)
         return checkpoint
 
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Remove the checkpoint (rank 0) and, on every rank, the state that rank saved beside it."""
-        super().remove_checkpoint(filepath)
-        remove_rank_states(filepath, self.global_rank)
-
     # ------------------------------------------------------------------------------------------------------------
     # Helpers
     # ------------------------------------------------------------------------------------------------------------
@@ -475,11 +459,6 @@ class CompressedDDP(DDPStrategy):
             self._state.check_gradient_dtypes(self._module() if self.model is None else self.model, compressor)
         except ValueError as err:
             raise MisconfigurationException(f"`compressor` does not fit this model's gradients: {err}") from err
-
-    def _module(self) -> pl.LightningModule:
-        if self.lightning_module is None:
-            raise RuntimeError("CompressedDDP has no LightningModule yet: it is connected by the Trainer.")
-        return self.lightning_module
 
 
 def _describe(module: pl.LightningModule, state: CompressionState, world_size: int) -> str:

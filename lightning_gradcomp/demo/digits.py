@@ -118,8 +118,9 @@ class RecordRun(pl.Callback):
         self.steps: list[dict[str, Any]] = []
         self.weights: list[dict[str, torch.Tensor]] = []
 
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:  # fmt: skip
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         """Record the step's telemetry and weights."""
         state = getattr(trainer.strategy, "compression_state", None)
         stats = state.telemetry.last if state is not None else None
@@ -163,8 +164,9 @@ class RecordRun(pl.Callback):
         )
 
 
-def fit(model: pl.LightningModule, strategy: Any, dirpath: str, callbacks: Sequence[pl.Callback] = (),
-        **trainer_kwargs: Any) -> tuple[pl.Trainer, list[dict[str, Any]]]:  # fmt: skip
+def fit(
+    model: pl.LightningModule, strategy: Any, dirpath: str, callbacks: Sequence[pl.Callback] = (), **trainer_kwargs: Any
+) -> tuple[pl.Trainer, list[dict[str, Any]]]:
     """Fit on two CPU processes (spawned); return the trainer and every rank's :class:`RecordRun` record."""
     import os
 
@@ -237,8 +239,13 @@ class DigitsNet(pl.LightningModule):
         """SGD with momentum (and the learning-rate schedule)."""
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
         steps = int(self.trainer.estimated_stepping_batches)  # finite: the demo sets max_epochs
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(
-            optimizer, steps), "interval": "step"}}  # fmt: skip
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps),
+                "interval": "step",
+            },
+        }
 
     def train_dataloader(self) -> DataLoader:
         """The training set."""

@@ -1,8 +1,9 @@
 """``DiLoCo``: periodic synchronization for slow links, as a Lightning strategy.
 
-:mod:`~lightning_gradcomp.diloco.strategy` schedules the rounds; :mod:`~lightning_gradcomp.diloco.outer` holds
-theta_global and the outer optimizer; :mod:`~lightning_gradcomp.diloco.exchange` averages a pseudo-gradient through a
-compressor; :mod:`~lightning_gradcomp.diloco.replicas` averages over two levels.
+:mod:`~lightning_gradcomp.diloco.strategy` is the Lightning strategy, which tells the round when an inner step was
+taken; :mod:`~lightning_gradcomp.diloco.round` holds theta_global, the outer optimizer and the phase, and does the
+outer step; :mod:`~lightning_gradcomp.diloco.exchange` averages the pseudo-gradient over the workers (plain, over two
+levels, or through a compressor); :mod:`~lightning_gradcomp.diloco.replicas` makes the two levels' process groups.
 """
 
 from lightning_gradcomp.diloco.strategy import DiLoCo

@@ -25,9 +25,10 @@ _OWN_ARGUMENTS = ("sync_every", "outer_optimizer", "fragments", "overlap_steps",
 _REFUSED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 #: DistributedDataParallel's arguments and their defaults (what LightningCLI passes when a recipe sets none)
 _DDP_DEFAULTS = {
-    n: p.default for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+    n: p.default
+    for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
     if n not in ("self", "module", "device_ids")
-}  # fmt: skip
+}
 
 
 def strategy_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:

@@ -6,8 +6,7 @@ optimizer's state and the phase in the round are the same on every rank: they go
 and buffers, its inner optimizer state, its pseudo-gradient in flight and its compressor's error-feedback residuals
 differ between ranks: each rank writes them into a file of its own beside the checkpoint
 (:mod:`lightning_gradcomp.runtime.rank_state`), so rank 0's checkpoint is as large with 64 ranks as with 2, and no
-rank's state passes through rank 0's memory. Checkpoints that hold every rank's state inside (written before this
-layout) still load.
+rank's state passes through rank 0's memory.
 """
 
 from __future__ import annotations
@@ -21,17 +20,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_gradcomp.diloco.outer import OuterState
+from lightning_gradcomp.diloco.round import Round
 from lightning_gradcomp.runtime.rank_state import load_rank_state, rank_state_dir, save_rank_state
 
 __all__ = [
-    "CHECKPOINT_KEY", "load_own_state", "load_shared_exchange_state", "own_state", "restart_from_global",
-    "restore_own_state", "save_diloco_state", "with_theta_global",
-]  # fmt: skip
+    "CHECKPOINT_KEY",
+    "load_own_state",
+    "load_shared_exchange_state",
+    "own_state",
+    "restart_from_global",
+    "restore_own_state",
+    "save_diloco_state",
+    "with_theta_global",
+]
 
 CHECKPOINT_KEY = "diloco"
-#: ``checkpoint["diloco"]["format"]``: 1 held every rank's state (gathered to rank 0); 2 says each rank has a file
-GATHERED_FORMAT, PER_RANK_FORMAT = 1, 2
 
 
 def save_diloco_state(
@@ -52,7 +55,7 @@ def save_diloco_state(
     step = int(checkpoint.get("global_step", 0))
     save_rank_state(filepath, CHECKPOINT_KEY, {**own, "global_step": step}, rank, world_size)
     barrier("DiLoCo.save_checkpoint")
-    checkpoint[CHECKPOINT_KEY] = {"format": PER_RANK_FORMAT, "world_size": world_size, "step": step, **shared}
+    checkpoint[CHECKPOINT_KEY] = {"world_size": world_size, "step": step, **shared}
 
 
 def load_own_state(
@@ -75,8 +78,6 @@ def load_own_state(
             " with rank 0's inner optimizer state."
         )
         return None
-    if section["format"] == GATHERED_FORMAT:
-        return dict(section["ranks"][rank])
     own = load_rank_state(checkpoint_path, CHECKPOINT_KEY, rank)
     if own is None or own.state.get("global_step") != section["step"]:
         rank_zero_warn(
@@ -96,85 +97,63 @@ def load_shared_exchange_state(checkpoint: Mapping[str, Any], checkpoint_path: _
     section = checkpoint.get(CHECKPOINT_KEY)
     if section is None:
         return None
-    if section["format"] == GATHERED_FORMAT:
-        exchange = section["ranks"][0].get("exchange")
-    else:
-        saved = load_rank_state(checkpoint_path, CHECKPOINT_KEY, 0)
-        exchange = saved.state.get("exchange") if saved is not None else None
+    saved = load_rank_state(checkpoint_path, CHECKPOINT_KEY, 0)
+    exchange = saved.state.get("exchange") if saved is not None else None
     return {**exchange, "residuals": {}} if exchange is not None else None
 
 
-def own_state(outer: OuterState, tensors: Sequence[Tensor], optimizers: Sequence[Optimizer]) -> dict[str, Any]:
+def own_state(round: Round, tensors: Sequence[Tensor], optimizers: Sequence[Optimizer]) -> dict[str, Any]:
     """This rank's own training state, on the CPU.
 
     Its parameters and buffers (``tensors``), its inner optimizers' state, its pseudo-gradient in flight (sent again on
-    resume) and its compressor's residuals.
+    resume) and its exchange's residuals.
     """
-    contribution = outer.contribution
     return {
         "tensors": [t.detach().to("cpu", copy=True) for t in tensors],
         "optimizer_states": [o.state_dict() for o in optimizers],
-        "contribution": [t.to("cpu", copy=True) for t in contribution] if contribution is not None else None,
-        "exchange": outer.exchange.state_dict() if outer.exchange is not None else None,
+        **round.own_state(),
     }
 
 
 def restore_own_state(
-    outer: OuterState,
-    saved_outer: dict[str, Any],
-    own: Mapping[str, Any],
-    tensors: Sequence[Tensor],
-    fragments: Sequence[Sequence[int]],
-    device: torch.device,
+    round: Round, shared: dict[str, Any], own: dict[str, Any], tensors: Sequence[Tensor], device: torch.device
 ) -> None:
-    """Resume exactly: the outer state, this rank's parameters and buffers (``tensors``, the model's), its residuals.
+    """Resume exactly: the round, this rank's parameters and buffers (``tensors``, the model's), its residuals.
 
     The exchange that was in flight is sent again, with the same values.
     """
-    outer.load_state_dict(saved_outer)
-    if outer.exchange is not None and own.get("exchange") is not None:
-        outer.exchange.load_state_dict(own["exchange"])
+    round.load_state_dict(shared)
     with torch.no_grad():
         for mine, saved in zip(tensors, own["tensors"], strict=True):
             mine.copy_(saved)
-    if outer.pending is not None:
-        contribution = [t.to(device) for t in own["contribution"]]
-        outer.contribution = [t.clone() for t in contribution]
-        params = tensors[: len(outer.params)]
-        layouts = outer.layouts(params, fragments[outer.pending["fragment"]])
-        outer.in_flight = outer.average(contribution, async_op=True, layouts=layouts)
+    round.load_own_state(own, device)
 
 
 def restart_from_global(
-    outer: OuterState,
-    saved_outer: dict[str, Any],
-    params: Sequence[Tensor],
-    buffers: Sequence[Tensor],
-    new_round: bool,
-    shared_exchange: dict[str, Any] | None,
+    round: Round, shared: dict[str, Any], new_round: bool, shared_exchange: dict[str, Any] | None
 ) -> None:
     """Every rank from the saved theta_global and outer state, without its own state (none can be mapped to it).
 
     The round goes on at the saved phase (``new_round``: a new one starts), without the exchange that was in flight;
     ``shared_exchange`` (rank 0's compressor state without residuals), if given, is loaded.
     """
-    state = {**saved_outer, "dirty": [False] * len(outer.dirty), "pending": None}
+    state = {**shared, "dirty": [False] * len(round.dirty), "pending": None}
     if new_round:
         state["phase"] = 0
-    outer.load_state_dict(state)
-    if outer.exchange is not None and shared_exchange is not None:
-        outer.exchange.load_state_dict(shared_exchange)
-    outer.copy_to(params, range(len(params)))
-    outer.restore_buffers(buffers)
+    round.load_state_dict(state)
+    if round.exchange.compressor is not None and shared_exchange is not None:
+        round.exchange.load_state_dict(shared_exchange)
+    round.copy_to()
+    round.restore_buffers()
 
 
 def with_theta_global(
-    state: dict[str, Any], module: nn.Module, params: Sequence[Tensor], buffers: Sequence[Tensor], outer: OuterState
+    state: dict[str, Any], module: nn.Module, params: Sequence[Tensor], buffers: Sequence[Tensor], round: Round
 ) -> dict[str, Any]:
     """``state`` (the module's state dict) with theta_global and the buffers of the last sync in place of the rank's."""
     floats = [b for b in buffers if b.is_floating_point()]
-    shared = {id(p): g for p, g in zip(params, outer.params)}
-    shared.update({id(b): g for b, g in zip(floats, outer.buffers)})
+    shared = {id(p): g for p, g in zip(params, round.params)}
+    shared.update({id(b): g for b, g in zip(floats, round.buffers)})
     for name, value in module.state_dict(keep_vars=True).items():
         if id(value) in shared and name in state:
             state[name] = shared[id(value)].detach().clone().to(state[name].device)

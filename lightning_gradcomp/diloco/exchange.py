@@ -1,19 +1,21 @@
-"""A compressor on DiLoCo's outer exchange: the pseudo-gradient averaged through the compressor contract.
+"""DiLoCo's outer exchange: the one place where a pseudo-gradient crosses the wire, on the engine's collectives.
 
-SparseLoCo (Sarfi et al. 2025, arXiv 2508.15706), INTELLECT-1 (Jaghouar et al. 2024, arXiv 2412.01152) and Streaming
-DiLoCo (Douillard et al. 2025, arXiv 2501.18512) compress the pseudo-gradient ``theta_global - theta_local`` before it
-is averaged; SparseLoCo keeps each worker's compression error and adds it to the next round's pseudo-gradient (error
-feedback over outer steps). :class:`OuterExchange` does this with the package's compressors, on the same path as
-the communication hook: the pseudo-gradient of one dtype is laid out as a bucket (a flat tensor and its
-:class:`~lightning_gradcomp.compressors.Layer` entries, so layer-wise compressors such as PowerSGD see matrices), the
-layers the compressor takes go through :meth:`Compressor.reduce <lightning_gradcomp.compressors.Compressor.reduce>`
-(the driver forms ``x = g + e`` and settles ``e = x - sent`` from what the exchange declares), the rest are
-all-reduced densely, and every state change (the residual, the compressor's own) is staged and committed only when
-the whole average is finite on every rank.
+Every outer step averages the workers' pseudo-gradients ``theta_global - theta_local`` (DiLoCo, Douillard et al.
+2023, arXiv 2311.08105), one flat tensor per dtype and fragment. :class:`OuterExchange` does it in one of three ways,
+all through :class:`~lightning_gradcomp.engine.comm.Comm`, so every byte is counted where the package counts bytes
+(:class:`~lightning_gradcomp.engine.telemetry.Telemetry`):
 
-The commit happens when the average is waited for, not when the collectives complete: while an exchange is in
-flight (Streaming DiLoCo's overlap) the residual and the compressor's state are still those of before it, which is
-what a checkpoint saves and what a resume sends the same contribution from again.
+- **plain**: each rank divides by the number of workers and the flat is all-reduced (the paper's mean);
+- **two levels** (``DiLoCo(replica_group=...)``): rank ``j`` of each replica group all-reduces the ``j``-th shard with
+  rank ``j`` of every other group, then the group all-gathers the shards over its fast link, so a group puts one
+  model's ring all-reduce on the slow link in all (INTELLECT-1, Jaghouar et al. 2024, arXiv 2412.01152);
+- **compressed** (``DiLoCo(compressor=...)``): the pseudo-gradient is split as a DDP bucket is
+  (:mod:`lightning_gradcomp.engine.split`: the layers the compressor takes, the rest averaged densely), with each
+  rank's error-feedback residual kept across outer steps (SparseLoCo, Sarfi et al. 2025, arXiv 2508.15706; Streaming
+  DiLoCo's 4-bit exchange, Douillard et al. 2025, arXiv 2501.18512). Every state change (the residual, the
+  compressor's own) is staged and committed only when the whole average is finite on every rank, when the exchange is
+  waited for: while one is in flight (Streaming DiLoCo's overlap) the state is still that of before it, which is what a
+  checkpoint saves and what a resume sends the same contribution from again.
 """
 
 from __future__ import annotations
@@ -24,163 +26,230 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
+from lightning_gradcomp.compressors.base import Compressor, Layer
+from lightning_gradcomp.diloco.replicas import ReplicaGroups, dtype_groups
 from lightning_gradcomp.engine.collectives import TorchCollectives
-from lightning_gradcomp.engine.comm import CollectiveBackend, Comm, when_all
-from lightning_gradcomp.engine.context import ddp_scale_
+from lightning_gradcomp.engine.comm import CollectiveBackend, Comm
 from lightning_gradcomp.engine.error_feedback import ErrorFeedback
 from lightning_gradcomp.engine.requests import StepUpdates
+from lightning_gradcomp.engine.split import Reduction, Split, reduce_split, split_layers
 from lightning_gradcomp.engine.staging import to_cpu
 from lightning_gradcomp.engine.telemetry import Telemetry
-from lightning_gradcomp.engine.wire_model import relayout
 
-__all__ = ["OuterExchange", "OuterRound"]
-
-
-def _gather(flat: Tensor, layers: Sequence[Layer]) -> Tensor:
-    """The elements of ``layers`` in ``flat``, consecutive (a copy: the outer exchange runs once per round)."""
-    return torch.cat([layer.flat(flat) for layer in layers])
+__all__ = ["InFlight", "OuterExchange"]
 
 
-def _scatter(flat: Tensor, layers: Sequence[Layer], values: Tensor) -> None:
-    for layer, piece in zip(layers, values.split([layer.numel for layer in layers])):
-        layer.flat(flat).copy_(piece)
+class InFlight:
+    """One outer exchange, possibly still on the wire; :meth:`wait` completes it once.
 
-
-class OuterRound:
-    """One outer exchange in flight; :meth:`wait` commits its staged state (if finite) and returns the averages."""
+    Args:
+        flats: the tensors that were sent; the averages overwrite them.
+        futures: the collectives in flight.
+        complete: run once they are done, with whether every average is finite; returns the averages.
+    """
 
     def __init__(
-        self,
-        flats: list[Tensor],
-        futures: list[torch.futures.Future],
-        updates: StepUpdates,
-        on_done: Callable[[], None],
+        self, flats: list[Tensor], futures: list[torch.futures.Future], complete: Callable[[bool], None]
     ) -> None:
-        self._flats, self._futures, self._updates, self._on_done = flats, futures, updates, on_done
+        self._flats, self._futures, self._complete = flats, futures, complete
+        self._finite: bool | None = None
 
-    def wait(self) -> list[Tensor]:
-        """The averaged pseudo-gradients (written into the tensors that were sent), the round's state committed."""
-        for future in self._futures:
-            future.wait()
-        if self._flats:
-            # one verdict for the whole round: a NaN in a densely averaged layer also leaves the residual as it was
-            sums = torch.stack([flat.sum(dtype=torch.float64).cpu() for flat in self._flats])
-            self._updates.observe(torch.isfinite(sums).all())
-        self._updates.commit()
-        self._on_done()
-        return self._flats
+    def wait(self) -> tuple[list[Tensor], bool]:
+        """The averages (in the tensors that were sent) and whether all of them are finite (one host read)."""
+        if self._finite is None:
+            for future in self._futures:
+                future.wait()
+            self._finite = all_finite(self._flats)
+            self._complete(self._finite)
+        return self._flats, self._finite
+
+
+def all_finite(tensors: Sequence[Tensor]) -> bool:
+    """Whether every element of ``tensors`` is finite (one host read for all of them)."""
+    if not tensors:
+        return True
+    sums = torch.stack([t.sum(dtype=torch.float64).cpu() for t in tensors])
+    return bool(torch.isfinite(sums).all())
 
 
 class OuterExchange:
-    """A compressor, each rank's error-feedback residuals and the collectives of DiLoCo's outer exchange.
+    """The average over the workers of DiLoCo's pseudo-gradients and buffers, and its counters.
 
     Args:
-        compressor: how the pseudo-gradient's layers it takes are averaged (the rest are all-reduced densely).
-        error_feedback: keep each rank's compression error across outer steps and add it to the next round's
-            pseudo-gradient; ``None``: the compressor's default (on for biased compressors).
+        compressor: average the layers it takes through it, with error feedback across outer steps; ``None``: a
+            plain mean.
+        error_feedback: keep each rank's compression error and add it to the next round's pseudo-gradient;
+            ``None``: the compressor's default (on for biased compressors).
         min_compress_numel: layers with fewer elements are averaged densely (see ``Compressor.compresses``).
         seed: the seed of the randomness shared by all ranks.
+
+    Attributes:
+        telemetry: where the collectives count what they move.
+        bytes_sent: what this rank has put on the wire for outer exchanges and buffer averages, in all.
+        bytes_received: what it has taken off the wire, likewise.
+        step: outer exchanges completed (the step compressors draw their shared randomness from).
     """
 
     def __init__(
         self,
-        compressor: Compressor,
+        compressor: Compressor | None = None,
         *,
         error_feedback: bool | None = None,
         min_compress_numel: int = 1024,
         seed: int = 0,
     ) -> None:
-        compressor.check_error_feedback(error_feedback)
+        if compressor is not None:
+            compressor.check_error_feedback(error_feedback)
         self.compressor = compressor
         self.error_feedback = error_feedback
         self.min_compress_numel = min_compress_numel
         self.seed = seed
         self.telemetry = Telemetry()
         self.residuals = ErrorFeedback()
-        self.step = 0  # outer exchanges applied: the step compressors draw their shared randomness from
-        self.last_bytes = (0, 0)  # (sent, received) by the last exchange waited for, as its collectives count them
-        self._comm: Comm | None = None
+        self.step = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.replicas: ReplicaGroups | None = None
+        self._comm: Comm | None = None  # over every worker (with replicas: the peers of this rank's index)
+        self._group: Comm | None = None  # with replicas: this rank's replica group
+        #: over every rank, counted as the outer loop's (a synchronous step: DenseWarmup's dense phase)
+        self.world: Comm | None = None
+        #: with replicas: the group's dense data parallelism at every inner step, counted apart (its fast link)
+        self.in_group: Comm | None = None
+        self._splits: dict[int, Split] = {}
 
-    def attach(self, device: torch.device, process_group: Any = None, backend: CollectiveBackend | None = None) -> None:
-        """Bind to the collectives (on every rank at the same point: the compressor's round groups are made here)."""
+    def attach(
+        self,
+        device: torch.device,
+        process_group: Any = None,
+        replicas: ReplicaGroups | None = None,
+        backend: CollectiveBackend | None = None,
+    ) -> None:
+        """Bind to the collectives (on every rank at the same point: process groups are made here)."""
+        self.replicas = replicas
         if backend is None:
             collectives = TorchCollectives(process_group)
-            collectives.ensure_rounds(self.compressor.rounds)
+            if self.compressor is not None:
+                collectives.ensure_rounds(self.compressor.rounds)
             backend = collectives
-        self._comm = Comm(backend, self.telemetry, device)
+        self.world = self._comm = Comm(backend, self.telemetry, device)
+        if replicas is not None:
+            self._comm = Comm(TorchCollectives(replicas.peers), self.telemetry, device)
+            self._group = Comm(TorchCollectives(replicas.group), self.telemetry, device)
+            self.in_group = Comm(TorchCollectives(replicas.group), Telemetry(), device)
+        self.telemetry.world_size = self.world.world_size
 
     @property
-    def attached(self) -> bool:
-        """Whether :meth:`attach` bound it to collectives."""
-        return self._comm is not None
+    def comm(self) -> Comm:
+        """The collectives over the workers (available after :meth:`attach`)."""
+        if self._comm is None:
+            raise RuntimeError("OuterExchange.attach must be called before the first outer exchange.")
+        return self._comm
 
-    def average(self, flats: Sequence[Tensor], layouts: Sequence[tuple[Layer, ...]]) -> OuterRound:
+    # ------------------------------------------------------------------------------------------------------------
+    # The exchange
+    # ------------------------------------------------------------------------------------------------------------
+    def start(self, flats: list[Tensor], layouts: Sequence[tuple[Layer, ...]]) -> InFlight:
         """Start averaging each flat pseudo-gradient (laid out as its ``layouts`` entry); the averages overwrite them.
 
         Every rank must call it with the same layouts, in the same order.
         """
-        if self._comm is None:
-            raise RuntimeError("OuterExchange.attach must be called before the first outer exchange.")
-        updates = StepUpdates()
-        futures = [self._average_one(flat, layers, updates) for flat, layers in zip(flats, layouts, strict=True)]
+        if self._comm is None:  # no process group (a run of one process without torch.distributed): the mean is it
+            return InFlight(flats, [], lambda finite: None)
+        comm, updates = self._comm, StepUpdates()
+        futures: list[torch.futures.Future] = []
+        for flat, layers in zip(flats, layouts, strict=True):
+            if self.compressor is not None:
+                # index: the group's first parameter, unique per fragment and dtype, stable across resumes
+                reduction = Reduction(comm, self.residuals, updates, layers[0].index, self.step, self.seed)
+                split = self._split(layers)
+                futures.append(reduce_split(flat, split, reduction, error_feedback=self.error_feedback))
+            elif self.replicas is not None:
+                futures.append(self._shard_all_reduce(flat))
+            else:
+                comm.telemetry.add_bucket(flat.numel() * flat.element_size())
+                futures.append(comm.all_reduce((flat.div_(comm.world_size),)))
 
-        def count() -> None:
-            # the counter moves when the exchange is applied: one in flight is sent again on resume with its own step
+        def complete(finite: bool) -> None:
+            if self.replicas is not None:
+                self._gather_shards(flats, futures)
+            updates.observe(torch.tensor(finite))
+            updates.commit()
             self.step += 1
-            stats = self.telemetry.pop_step()
-            self.last_bytes = (stats.bytes_sent, stats.bytes_received) if stats is not None else (0, 0)
+            self._count()
 
-        return OuterRound(list(flats), futures, updates, count)
+        return InFlight(flats, futures, complete)
 
-    def _context(self, layers: tuple[Layer, ...], like: Tensor, updates: StepUpdates) -> BucketContext:
-        comm = self._comm
-        assert comm is not None
-        return BucketContext(index=layers[0].index, step=self.step, rank=comm.rank, world_size=comm.world_size,
-                             layers=layers, dtype=like.dtype, device=like.device, seed=self.seed, comm=comm,
-                             updates=updates)  # fmt: skip
+    def average(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """The plain mean over the workers of ``tensors`` (the buffers: BatchNorm's statistics), at once, as copies.
 
-    def _average_one(self, flat: Tensor, layers: tuple[Layer, ...], updates: StepUpdates) -> torch.futures.Future:
-        comm = self._comm
-        assert comm is not None
-        self.telemetry.add_bucket(flat.numel() * flat.element_size())
-        compressor = self.compressor.bucket_compressor(layers)
-        chosen = [layer for layer in layers if compressor.compresses(layer, self.min_compress_numel)]
-        others = [layer for layer in layers if not compressor.compresses(layer, self.min_compress_numel)]
-        compressed, dense = relayout(chosen), relayout(others)
-        tensor = _gather(flat, chosen) if chosen else None
-        dense_tensor = _gather(flat, others) if others else None
-        index = layers[0].index  # the group's first parameter: unique per fragment and dtype, stable across resumes
-        memory = self.residuals.prepare(index, compressed, tensor, dense, dense_tensor,
-                                        keep=compressor.resolve_error_feedback(self.error_feedback))  # fmt: skip
-        futures = []
-        if dense_tensor is not None:
-            averaged = comm.all_reduce((ddp_scale_(dense_tensor, comm.world_size),)).then(lambda fut: fut.value()[0])
-            if compressor.has_dense_update:
-                ctx = self._context(dense, dense_tensor, updates)
+        One flat tensor per dtype and device. It changes no compressor state and does not count as an outer exchange.
+        """
+        groups = dtype_groups(tensors)
+        flats = [torch.cat([tensors[i].detach().flatten() for i in group]) for group in groups]
+        if self._comm is None:
+            pass  # no process group: the mean of one worker
+        elif self.replicas is not None:
+            futures = [self._shard_all_reduce(flat) for flat in flats]
+            torch.futures.wait_all(futures)
+            self._gather_shards(flats, futures)
+        elif flats:
+            comm = self.comm
+            comm.telemetry.add_bucket(sum(flat.numel() * flat.element_size() for flat in flats))
+            comm.all_reduce([flat.div_(comm.world_size) for flat in flats]).wait()
+        self._count()
+        averaged: list[Tensor] = [torch.empty(0)] * len(tensors)
+        for group, flat in zip(groups, flats):
+            for i, piece in zip(group, flat.split([tensors[i].numel() for i in group])):
+                averaged[i] = piece.view_as(tensors[i])
+        return averaged
 
-                def finish_dense(fut: torch.futures.Future, ctx: BucketContext = ctx) -> Tensor:
-                    average = fut.value()
-                    compressor.finish_dense(average, ctx)
-                    return average
+    def count(self) -> None:
+        """Add what the collectives counted since the last count to :attr:`bytes_sent` and :attr:`bytes_received`."""
+        self._count()
 
-                averaged = averaged.then(finish_dense)
-            futures.append(averaged.then(lambda fut: _scatter(flat, others, fut.value())))
-        if tensor is not None:
-            reduced = compressor.reduce(tensor, self._context(compressed, tensor, updates), memory)
-            futures.append(reduced.then(lambda fut: _scatter(flat, chosen, fut.value())))
-        return when_all(futures, flat.device)
+    def _count(self) -> None:
+        stats = self.telemetry.pop_step()
+        if stats is not None:
+            self.bytes_sent += stats.bytes_sent
+            self.bytes_received += stats.bytes_received
+
+    def _split(self, layers: tuple[Layer, ...]) -> Split:
+        """The split of a pseudo-gradient of ``layers``, cached per layout while the compressor's levels hold."""
+        assert self.compressor is not None
+        key = layers[0].index
+        split = self._splits.get(key)
+        if split is None or split.every != layers or split.compressor_key != self.compressor.plan_key():
+            split = self._splits[key] = split_layers(layers, self.compressor, self.min_compress_numel)
+        return split
+
+    def _shard_all_reduce(self, flat: Tensor) -> torch.futures.Future:
+        """With replica groups: this rank's shard of ``flat``, averaged with its peers (the slow link)."""
+        assert self.replicas is not None
+        k, comm = self.replicas.size, self.comm
+        shard = torch.nn.functional.pad(flat, (0, (-flat.numel()) % k)).view(k, -1)[self.replicas.index].clone()
+        comm.telemetry.add_bucket(shard.numel() * shard.element_size())
+        return comm.all_reduce((shard.div_(self.replicas.count),))
+
+    def _gather_shards(self, flats: list[Tensor], futures: list[torch.futures.Future]) -> None:
+        """With replica groups: every shard's average gathered inside the group (the fast link) into ``flats``."""
+        assert self._group is not None
+        gathered = [self._group.all_gather(future.value()) for future in futures]
+        for flat, future in zip(flats, gathered):
+            rows = future.wait()
+            flat.copy_(torch.cat([row[0] for row in rows])[: flat.numel()])
 
     # ------------------------------------------------------------------------------------------------------------
     # State: this rank's own (the residuals differ between ranks)
     # ------------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's residuals (per parameter), the compressor's own state and the exchange counter."""
-        compressor = to_cpu(self.compressor.state_dict())  # a compressor may hand out its live buffers
+        compressor = to_cpu(self.compressor.state_dict()) if self.compressor is not None else None
         return {"residuals": self.residuals.state_dict(), "compressor": compressor, "step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (residuals are laid out again at the next exchange)."""
         self.residuals.load_state_dict(state["residuals"])
-        self.compressor.load_state_dict(state["compressor"])
+        if self.compressor is not None and state["compressor"] is not None:
+            self.compressor.load_state_dict(state["compressor"])
         self.step = state["step"]

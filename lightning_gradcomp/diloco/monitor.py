@@ -2,7 +2,7 @@
 
 The counterpart of :class:`~lightning_gradcomp.CompressionMonitor` for periodic synchronization (DiLoCo, Douillard et
 al. 2023, arXiv 2311.08105): the bytes of a sync, the same bytes spread over the inner steps that share it, the
-syncs taken and the rounds skipped. It reads the strategy's :class:`~lightning_gradcomp.diloco.outer.OuterState` and
+syncs taken and the rounds skipped. It reads the strategy's :class:`~lightning_gradcomp.diloco.round.Round` and
 sits below the strategy, which adds it when fitting.
 """
 
@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_gradcomp.diloco.outer import OuterState
+from lightning_gradcomp.diloco.round import Round
 from lightning_gradcomp.engine import wire
 from lightning_gradcomp.validation import check_strategy_state
 
@@ -61,9 +61,9 @@ class OuterMonitor(Callback):
         self._last_step = trainer.global_step
         self._last_sent, self._last_received = outer.bytes_sent, outer.bytes_received
 
-    def _state(self, trainer: pl.Trainer) -> OuterState:
+    def _state(self, trainer: pl.Trainer) -> Round:
         return check_strategy_state(
-            trainer.strategy, "outer_state", OuterState, self, "DiLoCo", error=MisconfigurationException
+            trainer.strategy, "outer_state", Round, self, "DiLoCo", error=MisconfigurationException
         )
 
     @override
@@ -106,7 +106,7 @@ class OuterMonitor(Callback):
         rank_zero_info(format_outer_summary(trainer.global_step, outer, dense_per_step, trainer.world_size))
 
 
-def format_outer_summary(steps: int, outer: OuterState, dense_per_step: int, world_size: int) -> str:
+def format_outer_summary(steps: int, outer: Round, dense_per_step: int, world_size: int) -> str:
     """One line: syncs, skipped rounds, MB moved in all and per step, against plain DDP's ring of the gradients.
 
     Moved is sent plus received; plain DDP's ring all-reduce of ``dense_per_step`` bytes moves ``4 (n - 1) / n``

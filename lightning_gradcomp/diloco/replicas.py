@@ -5,21 +5,24 @@ parallelism inside a node, DiLoCo across nodes): the ranks of a node average the
 the fast intra-node link, so they hold identical replicas, and only the rare outer exchange crosses the slow link
 between nodes.
 
-Since the ranks of a group hold the same pseudo-gradient, the mean over groups equals the mean over all ranks; it is
-computed hierarchically, the way that puts the fewest bytes on the slow link (:func:`average_across_groups`): rank
-``j`` of each group all-reduces the ``j``-th of ``k`` shards of the pseudo-gradient with rank ``j`` of every other
-group (its *peers*), then the group all-gathers the shards over the fast link.
+Since the ranks of a group hold the same pseudo-gradient, the mean over groups equals the mean over all ranks; the
+outer exchange computes it hierarchically, the way that puts the fewest bytes on the slow link
+(:class:`~lightning_gradcomp.diloco.exchange.OuterExchange`): rank ``j`` of each group all-reduces the ``j``-th of
+``k`` shards of the pseudo-gradient with rank ``j`` of every other group (its *peers*), then the group all-gathers the
+shards over the fast link.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from lightning_gradcomp.engine.comm import Comm
 
 #: what ``DiLoCo(replica_group=...)`` accepts, in words (the error message's)
 ACCEPTED = 'None (every rank its own replica), "node" (the ranks of a node), or an integer >= 1 (ranks per group)'
@@ -100,15 +103,16 @@ def build_replica_groups(size: int, world_size: int, rank: int) -> ReplicaGroups
     return ReplicaGroups(size=size, count=count, index=rank % size, group=group, peers=peers)
 
 
-def _flats_by_dtype(tensors: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
+def dtype_groups(tensors: Sequence[Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by dtype and device, in order of first appearance: one flat tensor per group."""
     groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
     for i, t in enumerate(tensors):
         groups.setdefault((t.dtype, t.device), []).append(i)
-    return [(ix, torch.cat([tensors[i].flatten() for i in ix])) for ix in groups.values()]
+    return list(groups.values())
 
 
-def average_in_group(params: Sequence[Tensor], buffers: Sequence[Tensor], groups: ReplicaGroups) -> None:
-    """Dense data parallelism inside the group: the mean of the gradients and of the floating-point buffers.
+def average_in_group(params: Sequence[Tensor], buffers: Sequence[Tensor], comm: Comm) -> None:
+    """Dense data parallelism inside the group ``comm`` spans: the mean of the gradients and floating-point buffers.
 
     One all-reduce per dtype and device. A parameter without a gradient on this rank contributes zeros (and gets the
     group's mean), so that every rank of the group sends the same layout and ends with the same gradients; averaging
@@ -121,39 +125,9 @@ def average_in_group(params: Sequence[Tensor], buffers: Sequence[Tensor], groups
         grads.append(p.grad)
     tensors = [*grads, *(b for b in buffers if b.is_floating_point())]
     with torch.no_grad():
-        for indices, flat in _flats_by_dtype(tensors):
-            flat.div_(groups.size)
-            dist.all_reduce(flat, group=groups.group)
+        for indices in dtype_groups(tensors):
+            flat = torch.cat([tensors[i].flatten() for i in indices])
+            comm.telemetry.add_bucket(flat.numel() * flat.element_size())
+            comm.all_reduce((flat.div_(comm.world_size),)).wait()
             for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
                 tensors[i].copy_(piece.view_as(tensors[i]))
-
-
-def average_across_groups(
-    flats: list[Tensor], groups: ReplicaGroups, count: Callable[[str, int, int], None], async_op: bool = False
-) -> tuple[list[Any], Callable[[], None]]:
-    """The mean over the groups of ``flats`` (identical within a group), written into ``flats`` in place.
-
-    Each rank all-reduces one ``1 / k`` shard with its peers (``2 (G - 1) / G * M / k`` bytes each, so a group puts
-    ``2 (G - 1) / G * M`` on the slow link in all, spread over its ``k`` ranks), then the group all-gathers the shards
-    over the fast link. An all-reduce over every rank would give the same mean but put ``2 (N - 1) / N * M`` through
-    each group's link (``N = G k``). Returns the all-reduces' works (empty unless ``async_op``) and what completes
-    the average once they are done (the all-gather), which also counts the bytes through ``count(kind, bytes,
-    ranks)``.
-    """
-    k = groups.size
-    shards, works = [], []
-    for flat in flats:
-        shard = torch.nn.functional.pad(flat, (0, (-flat.numel()) % k)).view(k, -1)[groups.index].clone()
-        shard.div_(groups.count)
-        works.append(dist.all_reduce(shard, group=groups.peers, async_op=async_op))
-        shards.append(shard)
-
-    def gather() -> None:
-        for flat, shard in zip(flats, shards):
-            pieces = [torch.empty_like(shard) for _ in range(k)]
-            dist.all_gather(pieces, shard, group=groups.group)
-            flat.copy_(torch.cat(pieces)[: flat.numel()])
-            count("all_reduce", shard.numel() * shard.element_size(), groups.count)
-            count("all_gather", shard.numel() * shard.element_size(), k)
-
-    return [w for w in works if w is not None], gather

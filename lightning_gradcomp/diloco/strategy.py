@@ -9,7 +9,7 @@ pseudo-gradient ``theta_global - theta_local`` and an outer optimizer steps the 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,8 +17,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.overrides.distributed import _sync_module_states
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -39,17 +37,11 @@ from lightning_gradcomp.diloco.checkpoint import (
     with_theta_global,
 )
 from lightning_gradcomp.diloco.monitor import OuterMonitor
-from lightning_gradcomp.diloco.outer import (
-    OuterOptimizerCallable,
-    OuterState,
-    all_finite,
-    default_outer_optimizer,
-    forget_nonfinite_state,
-)
-from lightning_gradcomp.diloco.replicas import ReplicaGroups, average_in_group, replica_groups_for
-from lightning_gradcomp.engine.collectives import hand_off_gil, release_round_groups, side_group
-from lightning_gradcomp.runtime.faults import ScriptLauncher, is_collective_failure, record_failure
-from lightning_gradcomp.runtime.rank_state import remove_rank_states
+from lightning_gradcomp.diloco.replicas import average_in_group, replica_groups_for
+from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round, default_outer_optimizer
+from lightning_gradcomp.engine.collectives import side_group
+from lightning_gradcomp.engine.comm import Comm
+from lightning_gradcomp.runtime.base import GradcompStrategy
 from lightning_gradcomp.validation import check_bool, check_choice
 
 log = logging.getLogger(__name__)
@@ -57,38 +49,20 @@ log = logging.getLogger(__name__)
 _MiscError = MisconfigurationException
 
 SIGTERM_CHECKS = ("sync", "step")  # DiLoCo's ``sigterm_check``: once per sync period, or at every step as Lightning
-def _split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
-    """Parameter indices cut into ``fragments`` consecutive runs of about equal size (in elements).
-
-    Consecutive, as Streaming DiLoCo's fragments are consecutive transformer blocks.
-    """
-    total = sum(numels)
-    cuts, seen, out, current = 1, 0, [], []
-    for i, n in enumerate(numels):
-        current.append(i)
-        seen += n
-        left_tensors, left_fragments = len(numels) - i - 1, fragments - cuts
-        if cuts < fragments and (seen >= cuts * total / fragments or left_tensors == left_fragments):
-            out.append(current)
-            current, cuts = [], cuts + 1
-    out.append(current)
-    return out
 
 
-def _averaging_in_group(
-    closure: Any, params: list[Tensor], buffers: list[Tensor], groups: ReplicaGroups
-) -> Callable[[], Any]:
-    """``closure`` (the forward and backward), then the group's mean of the gradients and buffers."""
+def _averaging_in(closure: Any, params: list[Tensor], buffers: list[Tensor], comm: Comm) -> Callable[[], Any]:
+    """``closure`` (the forward and backward), then the mean of the gradients and buffers over ``comm``'s ranks."""
 
     def run() -> Any:
         output = closure()
-        average_in_group(params, buffers, groups)
+        average_in_group(params, buffers, comm)
         return output
 
     return run
 
 
-class DiLoCo(DDPStrategy):
+class DiLoCo(GradcompStrategy):
     """DiLoCo: inner steps on each worker with no communication, an outer step on the averaged pseudo-gradient.
 
     Each worker steps the module's own optimizer (the inner optimizer, e.g. AdamW) and LR schedulers on its local
@@ -145,6 +119,8 @@ class DiLoCo(DDPStrategy):
     """
 
     strategy_name = "diloco"
+    monitor_callback = OuterMonitor
+    label = "DiLoCo"
 
     def __init__(
         self,
@@ -163,13 +139,18 @@ class DiLoCo(DDPStrategy):
         self.sigterm_check = check_choice(sigterm_check, "sigterm_check", SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
-        super().__init__(**strategy_kwargs(kwargs))
+        super().__init__(monitor=monitor, **strategy_kwargs(kwargs))
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
-        self._monitor = monitor
         self.replica_group = replica_group
-        self._replicas: ReplicaGroups | None = None
-        self._outer = OuterState(outer_optimizer or default_outer_optimizer, offload=offload, compressor=compressor)
-        self._fragments: list[list[int]] = []
+        self._round = Round(
+            sync_every,
+            fragments,
+            overlap_steps,
+            outer_optimizer or default_outer_optimizer,
+            offload=offload,
+            compressor=compressor,
+            warn=rank_zero_warn,
+        )
         self._attached = False
         self._restored: Mapping[str, Any] | None = None  # the checkpoint's DiLoCo section, applied at setup
         self._own: dict[str, Any] | None = None  # this rank's own state read with the checkpoint, applied at setup
@@ -201,26 +182,13 @@ class DiLoCo(DDPStrategy):
         self._synchronous = check_bool(value, "synchronous", error=_MiscError)
 
     @property
-    def outer_state(self) -> OuterState:
-        """theta_global, the outer optimizer, the phase in the round and the outer exchange's counters."""
-        return self._outer
+    def outer_state(self) -> Round:
+        """The round: theta_global, the outer optimizer, the phase in the round and the outer exchange's counters."""
+        return self._round
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup: no DDP wrapper, rank 0's model everywhere, theta_global taken
     # ------------------------------------------------------------------------------------------------------------
-    @override
-    def connect(self, model: pl.LightningModule) -> None:
-        """Connect the model; when fitting, add an :class:`OuterMonitor` unless the trainer has one.
-
-        Added here, not in :meth:`setup`: Lightning calls the callbacks' ``setup`` before the strategy's.
-        """
-        super().connect(model)
-        trainer = getattr(model, "_trainer", None)
-        if trainer is None or trainer.state.fn != TrainerFn.FITTING or not self._monitor:
-            return
-        if not any(isinstance(cb, OuterMonitor) for cb in trainer.callbacks):
-            trainer.callbacks.append(OuterMonitor())
-
     @override
     def configure_ddp(self) -> None:
         """Start every replica from rank 0's parameters and buffers, as DDP's wrapper would, but do not wrap.
@@ -238,16 +206,17 @@ class DiLoCo(DDPStrategy):
             return
         params = self._params()
         check_fit(len(self.optimizers), len(params), self.fragments)
-        self._fragments = _split_fragments([p.numel() for p in params], self.fragments)
-        self._replicas = self._outer.replicas = replica_groups_for(
+        round = self._round
+        round.replicas = replica_groups_for(
             self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
         )
-        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and self.world_size > 1:
             # the outer exchange on a group of its own: on the default group, an exchange overlapped with inner steps
-            # would hold up the broadcast Lightning's loop issues there at every step (process_groups.side_group)
-            self._outer.process_group = side_group()
+            # would hold up the broadcast Lightning's loop issues there at every step (engine.collectives.side_group)
+            round.process_group = side_group()
         names = [n for n, p in self._module().named_parameters() if p.requires_grad]
-        self._outer.attach(params, self._buffers(), fragments=len(self._fragments), names=names)
+        round.attach(params, self._buffers(), names=names, distributed=distributed)
         self._attached = True
         if self.sigterm_check == "sync" and self.world_size > 1:
             self._gate_sigterm_broadcast(trainer)
@@ -283,17 +252,12 @@ class DiLoCo(DDPStrategy):
         """
         if not self._attached or self.synchronous:
             return True
-        return self._outer.phase % (self.sync_every // self.fragments) == self.overlap_steps
+        return self._round.checks_sigterm_now()
 
     def _ungate_sigterm_broadcast(self) -> None:
         if self._gated_loop is not None:
             self._gated_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
             self._gated_loop = None
-
-    def _module(self) -> pl.LightningModule:
-        if self.lightning_module is None:
-            raise RuntimeError("DiLoCo has no LightningModule yet: it is connected by the Trainer.")
-        return self.lightning_module
 
     def _params(self) -> list[Tensor]:
         return [p for p in self._module().parameters() if p.requires_grad]
@@ -313,86 +277,26 @@ class DiLoCo(DDPStrategy):
         rank, and theta_global follows the synchronized model (a round in progress is closed first).
         """
         fitting = self._attached and self._module().trainer.state.fn == TrainerFn.FITTING
-        groups = self._replicas
+        exchange = self._round.exchange
+        comm = exchange.in_group
         if fitting and self.synchronous:  # plain data parallelism (a dense warm-up): every rank's gradients averaged
-            self._close_round()
-            groups = ReplicaGroups(self.world_size, 1, self.global_rank, None, None) if self.world_size > 1 else None
-        if fitting and groups is not None:
-            closure = _averaging_in_group(closure, self._params(), self._buffers(), groups)
+            self._round.close(self.optimizers)
+            comm = exchange.world if self.world_size > 1 else None
+        if fitting and comm is not None:
+            closure = _averaging_in(closure, self._params(), self._buffers(), comm)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if fitting and self.synchronous:  # theta_global follows; the outer optimizer holds no state
-            self._outer.follow(self._params(), self._buffers(), self.world_size)
+            self._round.follow()
         elif fitting:
-            self._after_inner_step()
+            self._round.after_inner_step(self.optimizers)
         return output
-
-    def _after_inner_step(self) -> None:
-        outer = self._outer
-        outer.phase += 1
-        outer.dirty = [True] * self.fragments
-        if outer.pending is not None:
-            outer.pending["remaining"] -= 1
-            if outer.pending["remaining"] == 0:
-                self._finish_exchange()
-        period = self.sync_every // self.fragments
-        if outer.phase % period == 0:
-            self._start_exchange(outer.phase // period - 1, overlapped=self.overlap_steps > 0)
-        if outer.phase == self.sync_every:
-            outer.phase = 0
-
-    def _start_exchange(self, fragment: int, overlapped: bool) -> None:
-        """Send fragment ``fragment``'s pseudo-gradient; apply it now, or (``overlapped``) after ``overlap_steps``."""
-        outer = self._outer
-        flats = outer.pseudo_gradients(self._params(), self._fragments[fragment])
-        outer.contribution = [f.clone() for f in flats] if overlapped else None
-        layouts = outer.layouts(self._params(), self._fragments[fragment])
-        outer.in_flight = outer.average(flats, async_op=overlapped, layouts=layouts)
-        outer.pending = {"fragment": fragment, "remaining": self.overlap_steps}
-        if not overlapped:
-            self._finish_exchange()
-
-    def _finish_exchange(self) -> None:
-        """Step theta_global with the exchange's average and set every worker's fragment to it.
-
-        With ``overlap_steps`` the fragment's local progress since the exchange started is replaced by the new
-        theta_global (Streaming DiLoCo's merge with mixing factor 0).
-        """
-        outer, params, buffers = self._outer, self._params(), self._buffers()
-        assert outer.pending is not None
-        assert outer.in_flight is not None
-        fragment, indices = outer.pending["fragment"], self._fragments[outer.pending["fragment"]]
-        averaged = outer.in_flight.wait()
-        outer.pending = outer.in_flight = outer.contribution = None
-        averaged_buffers = outer.average_buffers(buffers)
-        if all_finite([*averaged, *averaged_buffers]):
-            outer.step(averaged, params, indices)
-            outer.set_buffers(buffers, averaged_buffers)
-            outer.syncs += 1
-        else:
-            outer.skipped += 1
-            outer.restore_buffers(buffers)
-            forget_nonfinite_state(self._outer, params, self.optimizers)
-            rank_zero_warn(
-                f"DiLoCo: the averaged pseudo-gradient is not finite (a rank's inner steps diverged): outer step"
-                f" skipped, every worker reset to theta_global ({outer.skipped} skipped so far)."
-            )
-        outer.copy_to(params, indices)
-        outer.dirty[fragment] = False
 
     @override
     def on_train_end(self) -> None:
         """A partial last round ends with an outer step, so that every rank holds the same theta_global."""
         super().on_train_end()
         if self._attached:
-            self._close_round()
-
-    def _close_round(self) -> None:
-        """Apply the exchange in flight, if any, and sync every fragment trained since its last sync."""
-        if self._outer.pending is not None:
-            self._finish_exchange()
-        for k in range(self.fragments):
-            if self._outer.dirty[k]:  # trained since its last sync
-                self._start_exchange(k, overlapped=False)
+            self._round.close(self.optimizers)
 
     # ------------------------------------------------------------------------------------------------------------
     # Validation during fit runs on theta_global
@@ -402,10 +306,9 @@ class DiLoCo(DDPStrategy):
         """Keep this rank's parameters and buffers aside and evaluate theta_global (the model a checkpoint holds)."""
         super().on_validation_start()
         if self._attached and self._local is None:
-            params, buffers = self._params(), self._buffers()
-            self._local = [t.detach().clone() for t in (*params, *buffers)]
-            self._outer.copy_to(params, range(len(params)))
-            self._outer.restore_buffers(buffers)
+            self._local = [t.detach().clone() for t in (*self._params(), *self._buffers())]
+            self._round.copy_to()
+            self._round.restore_buffers()
 
     @override
     def on_validation_end(self) -> None:
@@ -426,7 +329,7 @@ class DiLoCo(DDPStrategy):
         state = super().lightning_module_state_dict()
         if not self._attached:
             return state
-        return with_theta_global(state, self._module(), self._params(), self._buffers(), self._outer)
+        return with_theta_global(state, self._module(), self._params(), self._buffers(), self._round)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -437,8 +340,8 @@ class DiLoCo(DDPStrategy):
         weights-only checkpoint, with no ``"loops"``, carries no training state.
         """
         if self._attached and "loops" in checkpoint:
-            shared = {"sync_every": self.sync_every, "fragments": self.fragments, "outer": self._outer.state_dict()}
-            own = own_state(self._outer, self._local or [*self._params(), *self._buffers()], self.optimizers)
+            shared = {"sync_every": self.sync_every, "fragments": self.fragments, "outer": self._round.state_dict()}
+            own = own_state(self._round, self._local or [*self._params(), *self._buffers()], self.optimizers)
             save_diloco_state(checkpoint, filepath, shared, own, self.global_rank, self.world_size, self.barrier)
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
 
@@ -450,15 +353,9 @@ class DiLoCo(DDPStrategy):
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
             self._own = load_own_state(checkpoint, checkpoint_path, self.global_rank, self.world_size)
-            if self._own is None and self._outer.exchange is not None:
+            if self._own is None and self._round.exchange.compressor is not None:
                 self._shared_exchange = load_shared_exchange_state(checkpoint, checkpoint_path)
         return checkpoint
-
-    @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Remove the checkpoint (rank 0) and, on every rank, the state that rank saved beside it."""
-        super().remove_checkpoint(filepath)
-        remove_rank_states(filepath, self.global_rank)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -477,7 +374,7 @@ class DiLoCo(DDPStrategy):
         same_schedule = section["sync_every"] == self.sync_every and section["fragments"] == self.fragments
         if same_schedule and self._own is not None:
             tensors = [*self._params(), *self._buffers()]
-            restore_own_state(self._outer, section["outer"], self._own, tensors, self._fragments, self.root_device)
+            restore_own_state(self._round, section["outer"], self._own, tensors, self.root_device)
             return
         if not same_schedule:
             rank_zero_warn(
@@ -485,8 +382,7 @@ class DiLoCo(DDPStrategy):
                 f" fragments, this run every {self.sync_every} in {self.fragments}: a new round starts from"
                 " its theta_global."
             )
-        restart_from_global(self._outer, section["outer"], self._params(), self._buffers(), not same_schedule,
-                            self._shared_exchange)  # fmt: skip
+        restart_from_global(self._round, section["outer"], not same_schedule, self._shared_exchange)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -497,44 +393,30 @@ class DiLoCo(DDPStrategy):
         self._own = self._shared_exchange = None
 
     @override
-    def _configure_launcher(self) -> None:
-        super()._configure_launcher()
-        if type(self._launcher) is _SubprocessScriptLauncher and self.cluster_environment is not None:
-            # stops every rank when one fails, and names it (see lightning_gradcomp.runtime.faults)
-            environment = self.cluster_environment
-            self._launcher = ScriptLauncher(environment, self.num_processes, self.num_nodes, label="DiLoCo")
+    def round_group_bases(self) -> Sequence[Any]:
+        """The outer exchange's group, when a compressor made round groups over it."""
+        if self._round.exchange.compressor is None:
+            return ()
+        return [self._round.process_group or dist.group.WORLD]
 
     @override
-    def on_exception(self, exception: BaseException) -> None:
-        """Note this rank's own failure for the main process's report (a failed collective is another rank's fault)."""
-        super().on_exception(exception)
-        if not is_collective_failure(exception):
-            record_failure(self.global_rank, exception)
+    def release_state(self) -> None:
+        """Lightning's per-step SIGTERM broadcast back, and the state read for a resume dropped.
 
-    @override
-    def teardown(self) -> None:
-        """DDPStrategy's teardown; the outer state stays readable (``outer_state``) for inspection after ``fit``.
-
-        The compressor's extra process groups are released and the collectives' threads get the GIL now, not at exit
-        (see ``process_groups.release_round_groups`` and ``hand_off_gil``).
+        The round stays readable (``outer_state``) for inspection after ``fit``.
         """
-        super().teardown()
-        if dist.is_available() and dist.is_initialized():
-            if self._outer.exchange is not None:
-                release_round_groups(self._outer.process_group or dist.group.WORLD)
-            hand_off_gil()
         self._ungate_sigterm_broadcast()
         self._attached = False
         self._local = None
         self._own = self._shared_exchange = None
-        log.debug("DiLoCo: %d outer steps, %d skipped", self._outer.syncs, self._outer.skipped)
+        log.debug("DiLoCo: %d outer steps, %d skipped", self._round.syncs, self._round.skipped)
 
 
 def _setup_line(strategy: DiLoCo, params: list[Tensor]) -> str:
     """The line DiLoCo logs once set up: what is synced, how often, by which outer optimizer, over how many ranks."""
     processes = "1 process" if strategy.world_size == 1 else f"{strategy.world_size} processes"
     streaming = f" in {strategy.fragments} fragments" if strategy.fragments > 1 else ""
-    groups = strategy._replicas
+    groups = strategy.outer_state.replicas
     if groups is not None:
         processes += f": {groups.count} replicas of {groups.size} ranks, dense data parallelism inside each"
     return (

@@ -302,9 +302,14 @@ class TorchCollectives:
     ) -> torch.futures.Future[Tensor]:
         """Start an all-to-all with variable splits (``all_to_all_single``: gloo and NCCL) on round ``round``."""
         out = torch.empty(sum(recv_splits), dtype=tensor.dtype, device=tensor.device)
-        work = dist.all_to_all_single(out, tensor, output_split_sizes=list(recv_splits),
-                                      input_split_sizes=list(send_splits), group=self._group(round),
-                                      async_op=True)  # fmt: skip
+        work = dist.all_to_all_single(
+            out,
+            tensor,
+            output_split_sizes=list(recv_splits),
+            input_split_sizes=list(send_splits),
+            group=self._group(round),
+            async_op=True,
+        )
         return self._track(_future(work).then(lambda fut: _value_then(fut, out)))
 
     def _track(self, future: torch.futures.Future) -> torch.futures.Future:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from lightning_gradcomp.engine import wire
 from lightning_gradcomp.engine.comm import Payload
-from lightning_gradcomp.engine.context import BucketContext, GradientRuns, ResidualBuffers
+from lightning_gradcomp.engine.context import BucketContext, GradientRuns, Layer, ResidualBuffers
 from lightning_gradcomp.engine.requests import (
     AllGather,
     AllGatherV,
@@ -80,6 +80,33 @@ class Reducible(Protocol):
     def decompress(self, payload: Payload, ctx: BucketContext, out: Tensor | None = None) -> Tensor: ...
 
     def nonfinite_witness(self, payload: Payload) -> Tensor | None: ...
+
+
+class Splittable(Reducible, Protocol):
+    """What :mod:`~lightning_gradcomp.engine.split` uses of a compressor besides the driver's part: its split."""
+
+    def bucket_compressor(self, layers: Sequence[Layer]) -> Splittable: ...
+
+    def compresses(self, layer: Layer, min_numel: int) -> bool: ...
+
+    def plan_key(self) -> tuple: ...
+
+    def resolve_error_feedback(self, enabled: bool | None) -> bool: ...
+
+    @property
+    def has_dense_update(self) -> bool: ...
+
+    def finish_dense(self, average: Tensor, ctx: BucketContext) -> None: ...
+
+    def reduce(
+        self, tensor: Tensor, ctx: BucketContext, memory: ResidualBuffers | None = None,
+        runs: GradientRuns | None = None,
+    ) -> torch.futures.Future[Tensor]: ...
+
+    def wire_bytes(
+        self, layers: Sequence[Layer] | int, world_size: int, *, error_feedback: bool | None = None,
+        tensor: Tensor | None = None, step: int = 0,
+    ) -> wire.Wire: ...
 
 
 class Compaction(Protocol):

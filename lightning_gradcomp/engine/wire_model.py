@@ -24,9 +24,10 @@ from torch import Tensor
 from lightning_gradcomp.engine import driver, wire
 from lightning_gradcomp.engine.comm import Comm, ReduceOpName
 from lightning_gradcomp.engine.context import BucketContext, Layer, ResidualBuffers
+from lightning_gradcomp.engine.split import relayout, split_layers, split_wire_bytes
 from lightning_gradcomp.engine.telemetry import Telemetry
 
-__all__ = ["MirroredRanks", "bucket_wire_bytes", "relayout", "traced_wire_bytes"]
+__all__ = ["MirroredRanks", "bucket_wire_bytes", "traced_wire_bytes"]
 
 
 class MirroredRanks:
@@ -85,15 +86,6 @@ class MirroredRanks:
         return self._done(out)
 
 
-def relayout(layers: Sequence[Layer]) -> tuple[Layer, ...]:
-    """``layers`` laid side by side from offset 0, as the hook hands a bucket's compressed layers to a compressor."""
-    out, offset = [], 0
-    for layer in layers:
-        out.append(Layer(layer.name, layer.index, layer.shape, offset))
-        offset += layer.numel
-    return tuple(out)
-
-
 def _as_layers(layers: Sequence[Layer] | int) -> tuple[Layer, ...]:
     if isinstance(layers, int):
         return (Layer("flat", 0, torch.Size([layers])),)
@@ -131,15 +123,24 @@ def traced_wire_bytes(
         tensor = tensor.detach().reshape(-1).clone()
     backend = MirroredRanks(world_size)
     comm = Comm(backend, Telemetry(), tensor.device)
-    ctx = BucketContext(index=laid[0].index, step=step, rank=0, world_size=world_size, layers=laid,
-                        dtype=tensor.dtype, device=tensor.device, seed=seed, comm=comm)  # fmt: skip
+    ctx = BucketContext(
+        index=laid[0].index,
+        step=step,
+        rank=0,
+        world_size=world_size,
+        layers=laid,
+        dtype=tensor.dtype,
+        device=tensor.device,
+        seed=seed,
+        comm=comm,
+    )
     memory = ResidualBuffers(torch.zeros_like(tensor)) if error_feedback else None
     driver.issue_all(copy.deepcopy(compressor), tensor, ctx, memory)
     return backend.moved
 
 
 def bucket_wire_bytes(
-    compressor: driver.Reducible,
+    compressor: driver.Splittable,
     layers: Sequence[Layer],
     world_size: int,
     *,
@@ -151,8 +152,9 @@ def bucket_wire_bytes(
 ) -> wire.Wire:
     """What one rank moves (mean over ranks) for a whole DDP bucket, as the hook reduces it.
 
-    The layers the compressor takes count by its :meth:`~lightning_gradcomp.compressors.Compressor.wire_bytes`, the
-    others as one dense ring all-reduce.
+    The bucket is split as the hook splits it (:func:`~lightning_gradcomp.engine.split.split_layers`) and priced by
+    :func:`~lightning_gradcomp.engine.split.split_wire_bytes`: the layers the compressor takes by its
+    :meth:`~lightning_gradcomp.compressors.Compressor.wire_bytes`, the others as one dense ring all-reduce.
 
     Args:
         compressor: the strategy's compressor (its ``bucket_compressor`` for ``layers`` runs the bucket).
@@ -164,16 +166,5 @@ def bucket_wire_bytes(
         dtype: the gradient's dtype without ``tensor``.
         step: the optimizer step.
     """
-    runner = compressor.bucket_compressor(layers)  # type: ignore[attr-defined]
-    chosen = [layer for layer in layers if runner.compresses(layer, min_compress_numel)]
-    dtype = dtype if tensor is None else tensor.dtype
-    dense = sum(layer.numel for layer in layers) - sum(layer.numel for layer in chosen)
-    moved = wire.all_reduce(dense * dtype.itemsize, world_size) if dense else wire.Wire()
-    if not chosen:
-        return moved
-    if tensor is None:
-        part = torch.randn(sum(layer.numel for layer in chosen), generator=torch.Generator().manual_seed(0)).to(dtype)
-    else:
-        part = torch.cat([layer.flat(tensor.reshape(-1)) for layer in chosen])
-    return moved + runner.wire_bytes(relayout(chosen), world_size, error_feedback=error_feedback, tensor=part,
-                                     step=step)  # fmt: skip
+    split = split_layers(layers, compressor, min_compress_numel)
+    return split_wire_bytes(split, world_size, error_feedback=error_feedback, tensor=tensor, dtype=dtype, step=step)

@@ -44,10 +44,14 @@ class VGG19BN(nn.Module):
             self.add_module(f"batch_norm{i}", nn.BatchNorm2d(out_channels))
             in_channels = out_channels
         self.classifier = nn.Sequential(
-            nn.Dropout(), nn.Linear(512, 512), nn.ReLU(True),
-            nn.Dropout(), nn.Linear(512, 512), nn.ReLU(True),
+            nn.Dropout(),
+            nn.Linear(512, 512),
+            nn.ReLU(True),
+            nn.Dropout(),
+            nn.Linear(512, 512),
+            nn.ReLU(True),
             nn.Linear(512, num_classes),
-        )  # fmt: skip
+        )
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 m.weight.data.normal_(0, math.sqrt(2.0 / (m.kernel_size[0] * m.kernel_size[1] * m.out_channels)))

@@ -327,8 +327,13 @@ class FusedAdaLomo(FusedOptimizer):
         check_number(clip_threshold, "clip_threshold", low=0.0, low_open=True)
         check_number(decay_rate, "decay_rate", high=0.0, high_open=True)
         check_number(weight_decay, "weight_decay", low=0.0)
-        defaults = {"lr": lr, "eps": tuple(eps), "clip_threshold": clip_threshold, "decay_rate": decay_rate,
-                    "weight_decay": weight_decay}  # fmt: skip
+        defaults = {
+            "lr": lr,
+            "eps": tuple(eps),
+            "clip_threshold": clip_threshold,
+            "decay_rate": decay_rate,
+            "weight_decay": weight_decay,
+        }
         super().__init__(params, defaults, clip_grad_value, clip_grad_norm)
 
     def _update(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> None:

@@ -79,8 +79,15 @@ class NovoGrad(Optimizer):
         check_bool(grad_averaging, "grad_averaging")
         check_bool(amsgrad, "amsgrad")
         check_bool(foreach, "foreach")
-        defaults = {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
-                    "grad_averaging": grad_averaging, "amsgrad": amsgrad, "foreach": foreach}  # fmt: skip
+        defaults = {
+            "lr": lr,
+            "betas": tuple(betas),
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "grad_averaging": grad_averaging,
+            "amsgrad": amsgrad,
+            "foreach": foreach,
+        }
         super().__init__(params, defaults)
 
     @torch.no_grad()

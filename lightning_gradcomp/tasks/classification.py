@@ -17,18 +17,30 @@ from lightning_gradcomp.validation import check_bool, check_choice, check_int, c
 def small_cnn(num_classes: int = 10, in_channels: int = 1) -> nn.Module:
     """Two convolutions and two linear layers for 8x8 images (the quickstart's model, ~38k parameters)."""
     return nn.Sequential(
-        nn.Conv2d(in_channels, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-        nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, num_classes),
-    )  # fmt: skip
+        nn.Conv2d(in_channels, 32, 3, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.Conv2d(32, 64, 3, padding=1),
+        nn.BatchNorm2d(64),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(64 * 4 * 4, 128),
+        nn.ReLU(),
+        nn.Linear(128, num_classes),
+    )
 
 
 def mlp(num_classes: int = 10, in_features: int = 64, hidden: int = 256) -> nn.Module:
     """A two-hidden-layer perceptron over flattened images."""
     return nn.Sequential(
-        nn.Flatten(), nn.Linear(in_features, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(in_features, hidden),
+        nn.ReLU(),
+        nn.Linear(hidden, hidden),
+        nn.ReLU(),
         nn.Linear(hidden, num_classes),
-    )  # fmt: skip
+    )
 
 
 def build_model(arch: str, num_classes: int, in_channels: int) -> nn.Module:
@@ -67,8 +79,11 @@ def check_milestones(milestones: Any, warmup_epochs: int) -> None:
     """Increasing epochs after the warm-up (a decay inside the warm-up would be cancelled by it)."""
     if milestones is None:
         return
-    accepted = f"None or a list of increasing integers > {warmup_epochs}" if warmup_epochs else (
-        "None or a list of increasing integers >= 1")  # fmt: skip
+    accepted = (
+        f"None or a list of increasing integers > {warmup_epochs}"
+        if warmup_epochs
+        else ("None or a list of increasing integers >= 1")
+    )
     low = warmup_epochs + 1 if warmup_epochs else 1
     if (
         isinstance(milestones, (str, bytes))
@@ -165,8 +180,13 @@ class ImageClassifier(pl.LightningModule):
         """SGD with the step decay (and optional linear warm-up), stepped every epoch."""
         hp = self.hparams
         factory = DGCSGD if hp.get("optimizer", "sgd") == "dgc_sgd" else torch.optim.SGD
-        optimizer = factory(self.parameters(), lr=hp["lr"], momentum=hp["momentum"], nesterov=hp["nesterov"],
-                            weight_decay=hp["weight_decay"])  # fmt: skip
+        optimizer = factory(
+            self.parameters(),
+            lr=hp["lr"],
+            momentum=hp["momentum"],
+            nesterov=hp["nesterov"],
+            weight_decay=hp["weight_decay"],
+        )
         # SequentialLR restarts the decay scheduler's epoch counter when the warm-up ends, so its milestones are
         # counted from there: shifted by the warm-up, the decay lands on the epochs given in `milestones`
         shift = hp["warmup_epochs"]

@@ -124,9 +124,13 @@ class CIFAR10DataModule(pl.LightningDataModule):
     std = (0.2470, 0.2435, 0.2616)
 
     def __init__(
-        self, data_dir: str = "data", batch_size: int = 128, num_workers: int = 4, download: bool = True,
+        self,
+        data_dir: str = "data",
+        batch_size: int = 128,
+        num_workers: int = 4,
+        download: bool = True,
         augment: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         check_positive_int(batch_size, "batch_size", error=MisconfigurationException)
         check_int(num_workers, "num_workers", low=0, error=MisconfigurationException)
@@ -173,8 +177,14 @@ class CIFAR10DataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training images."""
-        return DataLoader(self.train_set, batch_size=self.batch_size, shuffle=True, num_workers=self.num_workers,
-                          drop_last=True, persistent_workers=self.num_workers > 0)  # fmt: skip
+        return DataLoader(
+            self.train_set,
+            batch_size=self.batch_size,
+            shuffle=True,
+            num_workers=self.num_workers,
+            drop_last=True,
+            persistent_workers=self.num_workers > 0,
+        )
 
     def val_dataloader(self) -> DataLoader:
         """The 10,000 test images (the papers report test accuracy)."""

@@ -52,9 +52,15 @@ class TextDataModule(pl.LightningDataModule):
     vocab_size = 256
 
     def __init__(
-        self, files: list[str] | None = None, max_bytes: int = 2_000_000, seq_len: int = 128, batch_size: int = 32,
-        val_fraction: float = 0.05, tokens: str = "bytes", vocab_size: int = 10_000,
-    ) -> None:  # fmt: skip
+        self,
+        files: list[str] | None = None,
+        max_bytes: int = 2_000_000,
+        seq_len: int = 128,
+        batch_size: int = 32,
+        val_fraction: float = 0.05,
+        tokens: str = "bytes",
+        vocab_size: int = 10_000,
+    ) -> None:
         super().__init__()
         check_choice(tokens, "tokens", ("bytes", "words"), error=MisconfigurationException)
         check_int(vocab_size, "vocab_size", low=2, error=MisconfigurationException)
@@ -175,11 +181,18 @@ class LSTMLanguageModel(_NextTokenModel):
     """
 
     def __init__(
-        self, vocab_size: int = 256, hidden: int = 256, num_layers: int = 2, dropout: float = 0.2, lr: float = 20.0,
-        milestones: list[int] | None = None, tie_weights: bool = True,
-        optimizer: Literal["sgd", "novograd", "fused_sgd", "fused_adalomo"] = "sgd", weight_decay: float = 0.0,
+        self,
+        vocab_size: int = 256,
+        hidden: int = 256,
+        num_layers: int = 2,
+        dropout: float = 0.2,
+        lr: float = 20.0,
+        milestones: list[int] | None = None,
+        tie_weights: bool = True,
+        optimizer: Literal["sgd", "novograd", "fused_sgd", "fused_adalomo"] = "sgd",
+        weight_decay: float = 0.0,
         clip_grad_norm: float | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
         check_positive_int(vocab_size, "vocab_size", error=MisconfigurationException)
         check_positive_int(hidden, "hidden", error=MisconfigurationException)
@@ -189,8 +202,9 @@ class LSTMLanguageModel(_NextTokenModel):
         check_milestones(milestones, 0)
         check_choice(optimizer, "optimizer", tuple(_OPTIMIZERS), error=MisconfigurationException)
         check_number(weight_decay, "weight_decay", low=0, error=MisconfigurationException)
-        check_number(clip_grad_norm, "clip_grad_norm", low=0, low_open=True, allow_none=True,
-                     error=MisconfigurationException)  # fmt: skip
+        check_number(
+            clip_grad_norm, "clip_grad_norm", low=0, low_open=True, allow_none=True, error=MisconfigurationException
+        )
         if clip_grad_norm is not None and not optimizer.startswith("fused_"):
             raise MisconfigurationException(
                 f"`clip_grad_norm` is for the fused optimizers; with optimizer={optimizer!r} clip with the Trainer's"
@@ -218,8 +232,7 @@ class LSTMLanguageModel(_NextTokenModel):
         if name.startswith("fused_"):
             kwargs["clip_grad_norm"] = hp.get("clip_grad_norm")
         optimizer = _OPTIMIZERS[name](self.parameters(), **kwargs)
-        decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(hp["milestones"] or []),
-                                                     gamma=0.25)  # fmt: skip
+        decay = torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(hp["milestones"] or []), gamma=0.25)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": decay, "interval": "epoch"}}
 
 
@@ -248,18 +261,29 @@ class GPTLanguageModel(_NextTokenModel):
     """
 
     def __init__(
-        self, vocab_size: int = 256, block_size: int = 128, n_layer: int = 4, n_head: int = 4, n_embd: int = 256,
-        dropout: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.1, warmup_steps: int = 100,
+        self,
+        vocab_size: int = 256,
+        block_size: int = 128,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 256,
+        dropout: float = 0.0,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
-    ) -> None:  # fmt: skip
+    ) -> None:
         super().__init__()
-        for name, value in (("vocab_size", vocab_size), ("block_size", block_size), ("n_layer", n_layer),
-                            ("n_head", n_head), ("n_embd", n_embd)):  # fmt: skip
+        for name, value in (
+            ("vocab_size", vocab_size),
+            ("block_size", block_size),
+            ("n_layer", n_layer),
+            ("n_head", n_head),
+            ("n_embd", n_embd),
+        ):
             check_positive_int(value, name, error=MisconfigurationException)
         if n_embd % n_head:
-            raise MisconfigurationException(
-                f"Expected `n_head` to divide `n_embd` ({n_embd}), got n_head={n_head}."
-            )
+            raise MisconfigurationException(f"Expected `n_head` to divide `n_embd` ({n_embd}), got n_head={n_head}.")
         check_number(dropout, "dropout", low=0, high=1, high_open=True, error=MisconfigurationException)
         check_number(lr, "lr", low=0, low_open=True, error=MisconfigurationException)
         check_number(weight_decay, "weight_decay", low=0, error=MisconfigurationException)

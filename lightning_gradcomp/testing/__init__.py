@@ -66,7 +66,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
     "planned": lambda: Planned(
         {"dense": Identity(), "topk": TopK(ratio=0.1), "powersgd": PowerSGD(rank=2)},
         {"param1": "topk", "param0": "powersgd"},
-    ),  # fmt: skip
+    ),
     "planned-powersgd": lambda: Planned({"dense": Identity(), "powersgd": PowerSGD(rank=2)}, {"param0": "powersgd"}),
     "planned-default": lambda: Planned({"topk": TopK(ratio=0.1), "bf16": BF16()}),
     "masked": lambda: MaskedCompressor(Identity()),
@@ -116,7 +116,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
         order="index",
         similarity_weight=0.5,
         residual="average",
-    ),  # fmt: skip
+    ),
     "lgc-ps-stage2": lambda: LGC(ratio=0.05, innovation_ratio=0.005, dense_steps=0, training_steps=100),
     "lgc-allreduce-stage2": lambda: LGCAllReduce(ratio=0.05, dense_steps=0, training_steps=100),
     "lgc-ps-stage3": lambda: LGC(
@@ -127,7 +127,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
         leader="rotating",
         optimizer="sgd",
         momentum=0.9,
-    ),  # fmt: skip
+    ),
     "lgc-allreduce-stage3-linear": lambda: LGCAllReduce(
         ratio=0.05,
         dense_steps=0,
@@ -135,7 +135,7 @@ EXAMPLES: dict[str, Callable[[], Compressor]] = {
         linear_encoder=True,
         leader="fixed",
         project=False,
-    ),  # fmt: skip
+    ),
     "lgc-allreduce-stage3": lambda: LGCAllReduce(ratio=0.05, dense_steps=0, training_steps=0),
     "zen": lambda: Zen(),
     "zen-always": lambda: Zen(dense_threshold=1.0),

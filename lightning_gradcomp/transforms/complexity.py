@@ -23,8 +23,15 @@ from lightning_gradcomp.transforms.lowrank import (
     FactorizedMultiheadAttention,
 )
 
-_UNITS = (nn.Linear, nn.modules.conv._ConvNd, nn.LSTM, nn.MultiheadAttention, FactorizedLinear, FactorizedConv,
-          FactorizedMultiheadAttention)  # fmt: skip
+_UNITS = (
+    nn.Linear,
+    nn.modules.conv._ConvNd,
+    nn.LSTM,
+    nn.MultiheadAttention,
+    FactorizedLinear,
+    FactorizedConv,
+    FactorizedMultiheadAttention,
+)
 
 
 def count_parameters(module: nn.Module) -> int:

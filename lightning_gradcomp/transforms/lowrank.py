@@ -123,9 +123,17 @@ class FactorizedConv(nn.Module):
         self.in_channels, self.out_channels, self.rank = conv.in_channels, conv.out_channels, rank
         self.kernel_size = conv.kernel_size
         self.u = cls(
-            conv.in_channels, rank, conv.kernel_size, stride=conv.stride, padding=conv.padding,
-            dilation=conv.dilation, bias=False, padding_mode=conv.padding_mode, device=w.device, dtype=w.dtype,
-        )  # fmt: skip
+            conv.in_channels,
+            rank,
+            conv.kernel_size,
+            stride=conv.stride,
+            padding=conv.padding,
+            dilation=conv.dilation,
+            bias=False,
+            padding_mode=conv.padding_mode,
+            device=w.device,
+            dtype=w.dtype,
+        )
         self.v = cls(rank, conv.out_channels, 1, bias=conv.bias is not None, device=w.device, dtype=w.dtype)
 
     @classmethod
@@ -221,8 +229,9 @@ class FactorizedLSTM(nn.LSTM):
         try:
             return super().forward(input, hx)
         finally:  # do not keep this step's graph alive through the module
-            self._flat_weights = [None if n in self._factor_ranks else w for n, w in zip(self._flat_weights_names,
-                                                                                     self._flat_weights)]  # fmt: skip
+            self._flat_weights = [
+                None if n in self._factor_ranks else w for n, w in zip(self._flat_weights_names, self._flat_weights)
+            ]
 
     def extra_repr(self) -> str:  # noqa: D102 (nn.Module's)
         return super().extra_repr() + f", ranks={sorted(set(self._factor_ranks.values()))}"
@@ -331,9 +340,12 @@ class FactorizedMultiheadAttention(nn.Module):
             if mask is not None:
                 mask = mask.view(bsz, h, -1, src_len) if mask.shape[0] != 1 else mask.unsqueeze(0)
             out = F.scaled_dot_product_attention(
-                q.view(bsz, h, tgt_len, d), k.view(bsz, h, src_len, d), v.view(bsz, h, src_len, d),
-                attn_mask=mask, dropout_p=dropout,
-            )  # fmt: skip
+                q.view(bsz, h, tgt_len, d),
+                k.view(bsz, h, src_len, d),
+                v.view(bsz, h, src_len, d),
+                attn_mask=mask,
+                dropout_p=dropout,
+            )
             out = out.permute(2, 0, 1, 3).reshape(tgt_len * bsz, self.embed_dim)
         out = self.out_proj(out).view(tgt_len, bsz, self.embed_dim)
         if self.batch_first:

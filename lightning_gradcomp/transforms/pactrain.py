@@ -54,9 +54,11 @@ def prunable_parameters(module: nn.Module, exclude: Sequence[str] = ()) -> dict[
     return {
         name: p
         for name, p in module.named_parameters()
-        if p.dim() >= 2 and p.requires_grad and id(p) not in skipped
+        if p.dim() >= 2
+        and p.requires_grad
+        and id(p) not in skipped
         and not any(fnmatch.fnmatchcase(name, pattern) for pattern in exclude)
-    }  # fmt: skip
+    }
 
 
 def _keep(n: int, sparsity: float) -> int:
@@ -105,6 +107,9 @@ def magnitude_masks(
         score = scores[name]
         chosen = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
         chosen[torch.topk(score, _keep(score.numel(), sparsity), sorted=False).indices] = True
-        out[name] = chosen.reshape(w.shape[0], *([1] * (w.dim() - 1))).expand(w.shape).clone() if (
-            granularity == "channel") else chosen.reshape(w.shape)  # fmt: skip
+        out[name] = (
+            chosen.reshape(w.shape[0], *([1] * (w.dim() - 1))).expand(w.shape).clone()
+            if (granularity == "channel")
+            else chosen.reshape(w.shape)
+        )
     return out

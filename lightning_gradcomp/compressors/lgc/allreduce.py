@@ -128,11 +128,22 @@ class LGCAllReduce(LGCBase):
         max_factor: float | None = 1.0,
     ) -> None:
         super().__init__(
-            ratio=ratio, dense_steps=dense_steps, training_steps=training_steps, leader=leader, channels=channels,
-            decoder_channels=decoder_channels, latent_channels=latent_channels, linear_encoder=linear_encoder, lr=lr,
-            optimizer=optimizer, momentum=momentum, reconstruction_weight=reconstruction_weight,
-            similarity_weight=similarity_weight, normalize=normalize, seed=seed,
-        )  # fmt: skip
+            ratio=ratio,
+            dense_steps=dense_steps,
+            training_steps=training_steps,
+            leader=leader,
+            channels=channels,
+            decoder_channels=decoder_channels,
+            latent_channels=latent_channels,
+            linear_encoder=linear_encoder,
+            lr=lr,
+            optimizer=optimizer,
+            momentum=momentum,
+            reconstruction_weight=reconstruction_weight,
+            similarity_weight=similarity_weight,
+            normalize=normalize,
+            seed=seed,
+        )
         self.project = check_bool(project, "project", allow_none=True)
         self.beta = check_number(beta, "beta", low=0.0, high=1.0, low_open=True, allow_none=True)
         self.order = check_choice(order, "order", (None, *_ORDERS))

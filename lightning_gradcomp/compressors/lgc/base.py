@@ -131,16 +131,22 @@ def encode_layers(
     :meth:`LGCBase._segments`.
     """
     with torch.no_grad():
-        return torch.cat([
-            model.encode((x[at : at + k].float() / divisor(scales[i]))[None])[0]
-            for i, (_, at, k) in enumerate(segments)
-        ])  # fmt: skip
+        return torch.cat(
+            [
+                model.encode((x[at : at + k].float() / divisor(scales[i]))[None])[0]
+                for i, (_, at, k) in enumerate(segments)
+            ]
+        )
 
 
 def decode_layers(
-    model: LGCAutoencoder, j: int, z: Tensor, scales: Tensor, segments: Sequence[tuple[Layer, int, int]],
+    model: LGCAutoencoder,
+    j: int,
+    z: Tensor,
+    scales: Tensor,
+    segments: Sequence[tuple[Layer, int, int]],
     side: Tensor | None = None,
-) -> Tensor:  # fmt: skip
+) -> Tensor:
     """Decoder ``j``'s values (slot layout, float32, scaled back) from every layer's code in ``z``.
 
     ``side``: the innovation in the slot layout (the parameter-server variant's decoders take it as an input).
@@ -280,8 +286,14 @@ class LGCBase(Compressor):
     def _build(self, decoders: int, device: torch.device) -> LGCAutoencoder:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(derive_seed(self.seed, 0x16C))
-            model = LGCAutoencoder(decoders, self.channels, self.decoder_channels, self.latent_channels,
-                                   innovation=self.variant == "ps", linear_encoder=self.linear_encoder)  # fmt: skip
+            model = LGCAutoencoder(
+                decoders,
+                self.channels,
+                self.decoder_channels,
+                self.latent_channels,
+                innovation=self.variant == "ps",
+                linear_encoder=self.linear_encoder,
+            )
         return model.to(device)
 
     def latent_numel(self, k: int) -> int:
@@ -348,8 +360,15 @@ class LGCBase(Compressor):
         finite = torch.isfinite(torch.stack([loss.detach(), *(g.sum() for g in grads_by_name.values())]).sum())
         if not on_cpu or bool(finite):
             apply = None if on_cpu else torch.stack([e["fresh"] for _, e in entries]).any() & finite
-            new = optimizer_step({n: p.detach() for n, p in params.items()}, grads_by_name, state,
-                                 kind=self.optimizer, lr=self.lr, momentum=self.momentum, apply=apply)  # fmt: skip
+            new = optimizer_step(
+                {n: p.detach() for n, p in params.items()},
+                grads_by_name,
+                state,
+                kind=self.optimizer,
+                lr=self.lr,
+                momentum=self.momentum,
+                apply=apply,
+            )
             with torch.no_grad():
                 for name, p in params.items():
                     p.copy_(new[name])
@@ -536,31 +555,6 @@ class LGCBase(Compressor):
     def __getstate__(self) -> dict[str, Any]:
         # the working copy is rebuilt from the committed weights on first use
         return {**self.__dict__, "_model": None, "_prepared_step": None}
-
-    def restores_state(self, class_name: str, state: dict[str, Any]) -> bool:
-        """Whether a checkpoint's compressor state, saved by ``class_name``, is this variant's.
-
-        Checkpoints saved before the two variants were classes of their own name ``"LGC"`` for both; the
-        autoencoder's heads (one more input channel for the innovation) and the pending data (the innovation's
-        indices) tell which variant saved them. A state without either has nothing variant-specific.
-        """
-        if class_name not in (type(self).__qualname__, "LGC"):
-            return False
-        saved = _saved_variant(state)
-        return saved is None or saved == self.variant
-
-
-def _saved_variant(state: dict[str, Any]) -> str | None:
-    """``"ps"`` or ``"allreduce"``: which variant saved ``state`` (:meth:`LGCBase.state_dict`), ``None``: no telling."""
-    pending = state.get("pending") or {}
-    if pending:
-        return "ps" if "innovation" in next(iter(pending.values())) else "allreduce"
-    heads = [value for name, value in (state.get("autoencoder") or {}).items() if name.startswith("heads.0.weight")]
-    decoders = [value for name, value in (state.get("autoencoder") or {}).items() if name.startswith("decoders.0.")]
-    if not heads or not decoders:
-        return None
-    width = [value for value in decoders if value.dim() == 3][-1].shape[1]  # the last transposed convolution's out
-    return "ps" if heads[0].shape[1] == width + 1 else "allreduce"
 
 
 def _hash_key(key: str) -> int:

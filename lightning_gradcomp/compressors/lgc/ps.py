@@ -109,11 +109,22 @@ class LGC(LGCBase):
         project: bool | None = None,
     ) -> None:
         super().__init__(
-            ratio=ratio, dense_steps=dense_steps, training_steps=training_steps, leader=leader, channels=channels,
-            decoder_channels=decoder_channels, latent_channels=latent_channels, linear_encoder=linear_encoder, lr=lr,
-            optimizer=optimizer, momentum=momentum, reconstruction_weight=reconstruction_weight,
-            similarity_weight=similarity_weight, normalize=normalize, seed=seed,
-        )  # fmt: skip
+            ratio=ratio,
+            dense_steps=dense_steps,
+            training_steps=training_steps,
+            leader=leader,
+            channels=channels,
+            decoder_channels=decoder_channels,
+            latent_channels=latent_channels,
+            linear_encoder=linear_encoder,
+            lr=lr,
+            optimizer=optimizer,
+            momentum=momentum,
+            reconstruction_weight=reconstruction_weight,
+            similarity_weight=similarity_weight,
+            normalize=normalize,
+            seed=seed,
+        )
         check_number(innovation_ratio, "innovation_ratio", low=0.0, high=self.ratio, low_open=True, high_open=True)
         self.innovation_ratio = float(innovation_ratio)
         self.ps_form = check_choice(ps_form, "ps_form", (None, *_PS_FORMS))
@@ -170,9 +181,15 @@ class LGC(LGCBase):
     # Stage 3 decoding, shared by the reduction and the single-rank contract
     # ------------------------------------------------------------------------------------------------------------
     def _ps_decoded(
-        self, model: LGCAutoencoder, j: int, code: Tensor, indices: Tensor, values: Tensor, own: Tensor,
+        self,
+        model: LGCAutoencoder,
+        j: int,
+        code: Tensor,
+        indices: Tensor,
+        values: Tensor,
+        own: Tensor,
         ctx: BucketContext,
-    ) -> Tensor:  # fmt: skip
+    ) -> Tensor:
         """Rank ``j``'s decoded values at the leader's ``indices`` (float32).
 
         From the leader's ``code`` (its codes followed by its scales) and rank ``j``'s innovation ``values`` at
@@ -217,7 +234,7 @@ class LGC(LGCBase):
 
     def _ps_mine(
         self, model: LGCAutoencoder, tensor: Tensor, code: Tensor, indices: Tensor, own: Tensor, ctx: BucketContext
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         """This rank's decoded values (float32) and its projection factors, from the leader's code."""
         decoded = self._ps_decoded(model, ctx.rank, code, indices, tensor.index_select(0, own), own, ctx)
         return decoded, self._ps_factors(tensor, indices, decoded, ctx)
@@ -229,7 +246,7 @@ class LGC(LGCBase):
 
     def _ps_broadcast(
         self, model: LGCAutoencoder, tensor: Tensor, layout: SparseLayout, ctx: BucketContext
-    ) -> tuple[Tensor, Tensor]:  # fmt: skip
+    ) -> tuple[Tensor, Tensor]:
         """What the leader broadcasts first: its code with the scales, and its index blob (zeros elsewhere)."""
         if ctx.rank == self.leader_of(ctx):
             blob = self._leader_blob(tensor, layout)
@@ -287,8 +304,12 @@ class LGC(LGCBase):
         for vals, idx in gathered:  # rank order: the same sum on every rank
             out.index_add_(0, idx.long(), vals.to(ctx.dtype))
         data = torch.stack([vals.float() for vals, _ in gathered])
-        self._stage_data(ctx, values=data, indices=torch.stack([idx.long() for _, idx in gathered]),
-                         innovation=self._innovation_of(data, ctx))  # fmt: skip
+        self._stage_data(
+            ctx,
+            values=data,
+            indices=torch.stack([idx.long() for _, idx in gathered]),
+            innovation=self._innovation_of(data, ctx),
+        )
         return out.div_(ctx.world_size)
 
     def _ps_round_one(
@@ -313,10 +334,14 @@ class LGC(LGCBase):
         parts = [
             self._ps_contribution(
                 decoded if j == ctx.rank else self._ps_decoded(model, j, code, indices, values, idx.long(), ctx),
-                factors, indices, values, idx.long(), ctx,
+                factors,
+                indices,
+                values,
+                idx.long(),
+                ctx,
             )
             for j, (values, idx, factors) in enumerate(gathered)
-        ]  # fmt: skip
+        ]
         # what the aggregate used for this rank: its (projected) decoded values at the leader's indices, its
         # innovation exactly at its own
         yield SentAt(indices, parts[ctx.rank][0], exactly=own)

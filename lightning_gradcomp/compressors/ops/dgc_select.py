@@ -43,8 +43,15 @@ from lightning_gradcomp.compressors.ops.random_subsets import draws, stream_key,
 from lightning_gradcomp.compressors.ops.segments import LayoutCache
 from lightning_gradcomp.engine.context import BucketContext, Layer
 
-__all__ = ["LOWER_BOUND", "MAX_ADAPTATION_ITERS", "UPPER_BOUND", "layer_streams", "sample_plan", "sample_positions",
-           "select_layers"]  # fmt: skip
+__all__ = [
+    "LOWER_BOUND",
+    "MAX_ADAPTATION_ITERS",
+    "UPPER_BOUND",
+    "layer_streams",
+    "sample_plan",
+    "sample_positions",
+    "select_layers",
+]
 
 # the reference code's threshold adaptation (synxlin/deep-gradient-compression, dgc/compression.py)
 UPPER_BOUND = 1.3  # more than 1.3 k candidates: exact top-k among them
@@ -81,7 +88,7 @@ def layer_streams(ctx: BucketContext) -> Tensor:
             [stream_key(ctx.seed, layer.index, ctx.rank, _SALT) for layer in ctx.layers],
             dtype=torch.int64,
             device=ctx.device,
-        ),  # fmt: skip
+        ),
     )
     return streams(keys, ctx.step)
 
@@ -133,8 +140,9 @@ class _Plan:
     kth: Tensor  # int64 [L]: where each layer's smallest of them lies in layer_topk's answer
 
 
-def _plan(layers: Sequence[Layer], ratios: Sequence[float], sample_ratio: float, strided: bool,
-          device: torch.device) -> _Plan:  # fmt: skip
+def _plan(
+    layers: Sequence[Layer], ratios: Sequence[float], sample_ratio: float, strided: bool, device: torch.device
+) -> _Plan:
     lengths = [layer.numel for layer in layers]
     starts = [0, *itertools.accumulate(lengths)][:-1]
     ks = [math.ceil(n * r) for n, r in zip(lengths, ratios)]
@@ -145,9 +153,13 @@ def _plan(layers: Sequence[Layer], ratios: Sequence[float], sample_ratio: float,
     widths = [samples + (s and strided) for (samples, _, _), s in zip(plans, sampled)]
     sample_starts = [0, *itertools.accumulate(widths)][:-1]
     sample_ks = [min(top, width) for (_, top, _), width in zip(plans, widths)]
-    on = lambda values, dtype=torch.int64: torch.tensor(values, dtype=dtype).to(device)  # noqa: E731
-    per_entry = lambda values: torch.repeat_interleave(torch.tensor(values, dtype=torch.int64),  # noqa: E731
-                                                       torch.tensor(widths)).to(device)  # fmt: skip
+
+    def on(values: list, dtype: torch.dtype = torch.int64) -> Tensor:
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    def per_entry(values: list) -> Tensor:
+        return torch.repeat_interleave(torch.tensor(values, dtype=torch.int64), torch.tensor(widths)).to(device)
+
     per_slot = torch.repeat_interleave(torch.arange(len(layers)), torch.tensor(ks))
     return _Plan(
         numel=sum(lengths),
@@ -172,7 +184,7 @@ def _plan(layers: Sequence[Layer], ratios: Sequence[float], sample_ratio: float,
         uniform=per_entry([int(s and not strided) for s in sampled]).bool(),
         sample_layers=tuple(
             Layer(f"sample{i}", i, torch.Size((w,)), at) for i, (w, at) in enumerate(zip(widths, sample_starts))
-        ),  # fmt: skip
+        ),
         sample_ks=tuple(sample_ks),
         kth=on(list(itertools.accumulate(sample_ks))).sub_(1),
     )
@@ -181,14 +193,21 @@ def _plan(layers: Sequence[Layer], ratios: Sequence[float], sample_ratio: float,
 _PLANS: LayoutCache[_Plan] = LayoutCache()
 
 
-def _plan_of(layers: Sequence[Layer], ratios: Sequence[float], sample_ratio: float, strided: bool,
-             device: torch.device) -> _Plan:  # fmt: skip
+def _plan_of(
+    layers: Sequence[Layer], ratios: Sequence[float], sample_ratio: float, strided: bool, device: torch.device
+) -> _Plan:
     key = (tuple(layer.numel for layer in layers), tuple(ratios), sample_ratio, strided, str(device))
     return _PLANS.get(key, lambda: _plan(layers, ratios, sample_ratio, strided, device))
 
 
-def select_layers(bucket: Tensor, layers: Sequence[Layer], ratios: Sequence[float], streams_: Tensor,
-                  sample_ratio: float, strided: bool) -> tuple[Tensor, Tensor]:  # fmt: skip
+def select_layers(
+    bucket: Tensor,
+    layers: Sequence[Layer],
+    ratios: Sequence[float],
+    streams_: Tensor,
+    sample_ratio: float,
+    strided: bool,
+) -> tuple[Tensor, Tensor]:
     """Every layer's DGC selection in ``ceil(ratio d)`` slots, and which slots are used: no host read.
 
     Args:
@@ -210,8 +229,9 @@ def select_layers(bucket: Tensor, layers: Sequence[Layer], ratios: Sequence[floa
     ladder = [threshold]
     for _ in range(MAX_ADAPTATION_ITERS):  # as the loop lowers it: one rounding per step
         ladder.append(ladder[-1] * LOWER_BOUND)
-    layer = torch.repeat_interleave(torch.arange(len(plan.sample_ks), device=bucket.device), plan.lengths,
-                                    output_size=numel)  # fmt: skip
+    layer = torch.repeat_interleave(
+        torch.arange(len(plan.sample_ks), device=bucket.device), plan.lengths, output_size=numel
+    )
     level = _levels(magnitudes, layer, ladder)
     histogram = torch.zeros(len(plan.sample_ks) * _LEVELS, dtype=torch.int64, device=bucket.device)
     histogram.index_add_(0, level, torch.ones(1, dtype=torch.int64, device=bucket.device).expand(numel))

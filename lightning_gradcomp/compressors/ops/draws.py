@@ -88,8 +88,9 @@ def _layer_indices(layers: Sequence[Layer], device: torch.device) -> Tensor:
     return found
 
 
-def uniform_draws(ctx: BucketContext, dtype: torch.dtype, bits: int | None = None, salt: int = 0, *,
-                  out: Tensor | None = None) -> Tensor:  # fmt: skip
+def uniform_draws(
+    ctx: BucketContext, dtype: torch.dtype, bits: int | None = None, salt: int = 0, *, out: Tensor | None = None
+) -> Tensor:
     """One uniform draw per element of ``ctx``'s bucket, different on every rank, keyed by layer and position.
 
     Args:

@@ -23,8 +23,19 @@ from torch import Tensor
 
 _WORD_BITS = 63  # usable bits of an int64 word: the sign bit stays clear, so sums never overflow into it
 # the dtypes whose tensors NumPy reads without a copy (flat_nonzero)
-_NUMPY_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.float16,
-                           torch.float32, torch.float64})  # fmt: skip
+_NUMPY_DTYPES = frozenset(
+    {
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.float32,
+        torch.float64,
+    }
+)
 
 
 def flat_nonzero(values: Tensor) -> Tensor:
@@ -64,7 +75,7 @@ def _flat_nonzero_of_mask(mask: np.ndarray) -> np.ndarray:
     if n < _WORD_SCAN_MIN or not mask.flags.c_contiguous:
         return np.flatnonzero(mask)
     words = mask[:full].view(np.uint64)
-    head = words[:_WORD_SCAN_MIN // 8]  # the density is judged from the first words: either path is exact
+    head = words[: _WORD_SCAN_MIN // 8]  # the density is judged from the first words: either path is exact
     if 4 * np.count_nonzero(head) > head.size:
         return np.flatnonzero(mask)
     occupied = np.flatnonzero(words != 0)

@@ -46,8 +46,11 @@ def orthogonalize(matrices: Tensor, epsilon: float = 1e-8) -> None:
     """
     rank = matrices.shape[2]
     if rank <= 2 or matrices.dtype in (torch.float16, torch.bfloat16):
-        _gram_schmidt([matrices[:, :, i : i + 1] for i in range(rank)],
-                      [matrices[:, :, i + 1 :] for i in range(rank - 1)], epsilon)  # fmt: skip
+        _gram_schmidt(
+            [matrices[:, :, i : i + 1] for i in range(rank)],
+            [matrices[:, :, i + 1 :] for i in range(rank - 1)],
+            epsilon,
+        )
     else:
         _qr_into(matrices.transpose(1, 2))
 
@@ -61,8 +64,7 @@ def _qr_into(transposed: Tensor) -> None:
     whose padding is zero keep it zero). A matrix's result is then the same alone or in any batch.
     """
     b, r, n = transposed.shape
-    padded = torch.zeros(b, r, _aligned(n, transposed.element_size()), dtype=transposed.dtype,
-                         device=transposed.device)  # fmt: skip
+    padded = torch.zeros(b, r, _aligned(n, transposed.element_size()), dtype=transposed.dtype, device=transposed.device)
     padded[:, :, :n] = transposed
     transposed.copy_(torch.linalg.qr(padded.transpose(1, 2)).Q[:, :n, :].transpose(1, 2))
 
@@ -109,8 +111,11 @@ class Run:
 
     def matrices(self, flat: Tensor) -> Tensor:
         """The run's matrices in the flat 1-D ``flat`` as one ``(b, n, m)`` view."""
-        return flat.as_strided((self.batch, self.rows, self.cols), (self.spacing, self.cols, 1),
-                               flat.storage_offset() + self.layers[0].offset)  # fmt: skip
+        return flat.as_strided(
+            (self.batch, self.rows, self.cols),
+            (self.spacing, self.cols, 1),
+            flat.storage_offset() + self.layers[0].offset,
+        )
 
     def aligned(self, flat: Tensor) -> bool:
         """Whether every matrix of the run starts on a 64-byte boundary of ``flat``'s memory."""
@@ -144,8 +149,17 @@ def plan_runs(layers: Sequence[Layer], ranks: Sequence[int], batched: bool, item
     p_at = _stretches([(rows, rank, len(run_layers)) for (rows, _, rank), run_layers, _ in members], itemsize)
     q_at = _stretches([(cols, rank, len(run_layers)) for (_, cols, rank), run_layers, _ in members], itemsize)
     return tuple(
-        Run(tuple(run_layers), rows, cols, rank, spacing or rows * cols, p_at[i], _aligned(rank * rows, itemsize),
-            q_at[i], _aligned(rank * cols, itemsize))  # fmt: skip
+        Run(
+            tuple(run_layers),
+            rows,
+            cols,
+            rank,
+            spacing or rows * cols,
+            p_at[i],
+            _aligned(rank * rows, itemsize),
+            q_at[i],
+            _aligned(rank * cols, itemsize),
+        )
         for i, ((rows, cols, rank), run_layers, spacing) in enumerate(members)
     )
 
@@ -181,8 +195,9 @@ def _payload_index(runs: Sequence[Run], device: torch.device, p: bool) -> Tensor
     """Where the payload's elements (every matrix's ``P^T`` or ``Q^T``, row-major, run after run) lie in a workspace."""
     parts = []
     for run in runs:
-        at, stride, size = (run.p_at, run.p_stride, run.rank * run.rows) if p else \
-            (run.q_at, run.q_stride, run.rank * run.cols)  # fmt: skip
+        at, stride, size = (
+            (run.p_at, run.p_stride, run.rank * run.rows) if p else (run.q_at, run.q_stride, run.rank * run.cols)
+        )
         parts.append((torch.arange(run.batch).view(-1, 1) * stride + at + torch.arange(size)).view(-1))
     return torch.cat(parts).to(device) if parts else torch.zeros(0, dtype=torch.int64, device=device)
 
@@ -258,8 +273,9 @@ class Workspace:
         p_work = torch.zeros(p_numel, dtype=dtype, device=device)
         q_work = torch.zeros(q_numel, dtype=dtype, device=device)
         q_memory = torch.zeros_like(q_work) if memory else None
-        workspace = cls(runs, _payload_index(runs, device, p=True), _payload_index(runs, device, p=False),
-                        p_work, q_work, q_memory)  # fmt: skip
+        workspace = cls(
+            runs, _payload_index(runs, device, p=True), _payload_index(runs, device, p=False), p_work, q_work, q_memory
+        )
         workspace.views = [_views(run, p_work, q_work) for run in runs]
         workspace.p_batches = [_batch_views(p_work, *batch) for batch in _batches(runs, p=True)]
         workspace.q_batches = [_batch_views(q_work, *batch) for batch in _batches(runs, p=False)]

@@ -141,8 +141,9 @@ def _segment_ranks(flags: Tensor, plan: _SubsetPlan) -> Tensor:
     return total - torch.repeat_interleave(before, plan.lengths, output_size=plan.draws)
 
 
-def shared_subsets(layers: Sequence[Layer], counts: Sequence[int], keys: Sequence[int], step: int,
-                   device: torch.device) -> Tensor:  # fmt: skip
+def shared_subsets(
+    layers: Sequence[Layer], counts: Sequence[int], keys: Sequence[int], step: int, device: torch.device
+) -> Tensor:
     """A uniformly random ``counts[i]``-subset of every layer, as flat indices sorted per layer (int64, ``device``).
 
     ``keys[i]`` is layer ``i``'s stream key (:func:`stream_key` of the seed and its stable index): its subset depends

@@ -265,8 +265,11 @@ def _group_layout(starts: list[int], lengths: list[int], numel: int, width: int,
         for p in range(start, min(head, start + n)):  # this layer's elements in a group that started before it
             positions.append(p)
             layers.append(i)
-    return GroupLayout(layer_of_group.to(device), torch.tensor(positions, dtype=torch.int64, device=device),
-                       torch.tensor(layers, dtype=torch.int64, device=device))  # fmt: skip
+    return GroupLayout(
+        layer_of_group.to(device),
+        torch.tensor(positions, dtype=torch.int64, device=device),
+        torch.tensor(layers, dtype=torch.int64, device=device),
+    )
 
 
 class LayoutCache(Generic[Built]):

@@ -398,9 +398,14 @@ def _encode_pull(union: Tensor, sums: Tensor, bitmap: bool, ctx: BucketContext, 
 
 
 def _decode_pull(
-    blob: Tensor, owner: int, union: int, bitmap: bool, ctx: BucketContext, index_dtype: torch.dtype,
+    blob: Tensor,
+    owner: int,
+    union: int,
+    bitmap: bool,
+    ctx: BucketContext,
+    index_dtype: torch.dtype,
     device: torch.device,
-) -> tuple[Tensor, Tensor]:  # fmt: skip
+) -> tuple[Tensor, Tensor]:
     """``owner``'s indices (int64) and sums (``ctx.dtype``) from its pull blob."""
     index_nbytes = _index_nbytes(union, bitmap, owner, ctx, index_dtype, device)
     if bitmap:

@@ -113,8 +113,9 @@ def device_owners(numel: int, world_size: int, seed: int, device: torch.device) 
     def build() -> Owners:
         omap = owner_map(numel, world_size, seed, torch.device("cpu"))
         starts = torch.tensor((0, *omap.sizes[:-1]), dtype=torch.int64).cumsum(0)
-        return Owners(omap.owners.to(device), omap.positions.to(device), omap.order.to(device), omap.sizes,
-                      starts.to(device))  # fmt: skip
+        return Owners(
+            omap.owners.to(device), omap.positions.to(device), omap.order.to(device), omap.sizes, starts.to(device)
+        )
 
     with _OWNERS_LOCK:
         return _OWNERS.get((numel, world_size, seed, str(device)), build)
@@ -155,8 +156,9 @@ def route_pairs(indices: Tensor, values: Tensor, ctx: BucketContext) -> Routed:
     owners = omap.owners.index_select(0, indices).masked_fill_(values == 0, n)  # owner n: not sent
     order = by_owner(owners, n + 1).to(indices.device)
     ordered = owners.index_select(0, order)
-    counts = torch.zeros(n + 1, dtype=torch.int64, device=indices.device).scatter_add_(0, owners,
-                                                                                       torch.ones_like(owners))
+    counts = torch.zeros(n + 1, dtype=torch.int64, device=indices.device).scatter_add_(
+        0, owners, torch.ones_like(owners)
+    )
     firsts = counts.cumsum(0).sub_(counts)
     within = torch.arange(k, device=indices.device).sub_(firsts.index_select(0, ordered))
     fits = (ordered < n) & (within < slots)

@@ -173,8 +173,8 @@ class ShardedExchange(Compressor):
     :attr:`second_over_first`, the bytes of the owner's encoding over a rank's (for ``"auto"``).
     """
 
-    #: What objects pickled before ``transport`` existed use: the all-gather they were built with.
-    transport: str = "allgather"
+    #: ``"allgather"``, ``"two_phase"`` or ``"auto"``, set by the subclass (:func:`check_transport`)
+    transport: str
     #: Bytes of the owner's encoding of a shard over a rank's encoding of it (``"auto"``'s formula).
     second_over_first: ClassVar[float] = 1.0
 
