@@ -176,7 +176,7 @@ class OuterExchange:
             updates.observe(torch.tensor(finite))
             updates.commit()
             self.step += 1
-            self._count()
+            self.count()
 
         return InFlight(flats, futures, complete)
 
@@ -197,7 +197,7 @@ class OuterExchange:
             comm = self.comm
             comm.telemetry.add_bucket(sum(flat.numel() * flat.element_size() for flat in flats))
             comm.all_reduce([flat.div_(comm.world_size) for flat in flats]).wait()
-        self._count()
+        self.count()
         averaged: list[Tensor] = [torch.empty(0)] * len(tensors)
         for group, flat in zip(groups, flats):
             for i, piece in zip(group, flat.split([tensors[i].numel() for i in group])):
@@ -206,9 +206,6 @@ class OuterExchange:
 
     def count(self) -> None:
         """Add what the collectives counted since the last count to :attr:`bytes_sent` and :attr:`bytes_received`."""
-        self._count()
-
-    def _count(self) -> None:
         stats = self.telemetry.pop_step()
         if stats is not None:
             self.bytes_sent += stats.bytes_sent
