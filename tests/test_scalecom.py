@@ -132,7 +132,7 @@ def _bytes_per_rank(rank: int, world_size: int) -> dict:
         optimizer.step()
         # each bucket with compressed layers also sends the 4-byte non-finite flag, and DDP rebuilds its buckets
         # after the first step: count the payload alone
-        flags = 4 * sum(1 for plan in state._plans.values() if plan.compressed)
+        flags = 4 * sum(1 for _, split in state._plans.values() if split.compressed)
         sent.append(state.telemetry.pop_step().bytes_payload - flags)  # handed to the collectives
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
     everyone = [torch.empty_like(flat) for _ in range(world_size)]
