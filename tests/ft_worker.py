@@ -131,6 +131,7 @@ def strategy(args: argparse.Namespace) -> DiLoCo:
             lighthouse=args.lighthouse,
             replica_group_id=args.name,
             min_replicas=args.min_replicas,
+            start_replicas=args.start_replicas,
             timeout=args.timeout,
             quorum_timeout=args.quorum_timeout,
             connect_timeout=args.connect_timeout,
@@ -152,6 +153,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--overlap", type=int, default=0)
     parser.add_argument("--compressor")
     parser.add_argument("--min-replicas", type=int, default=1)
+    parser.add_argument("--start-replicas", type=int)
     parser.add_argument("--timeout", type=float, default=20.0)
     parser.add_argument("--quorum-timeout", type=float, default=120.0)
     parser.add_argument("--connect-timeout", type=float, default=10.0)

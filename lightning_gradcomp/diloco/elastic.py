@@ -46,6 +46,8 @@ __all__ = ["ElasticRound", "Job", "MembershipError"]
 
 log = logging.getLogger(__name__)
 
+_START_POLL_S = 0.2  # how often a group asks again for a first quorum with more groups in it
+
 
 class MembershipError(RuntimeError):
     """This replica group does not belong in the run it joined (its settings differ), or would reset it."""
@@ -76,6 +78,8 @@ class _Sync:
         fragment: the fragment exchanged (``None``: no exchange in this quorum: everyone is starting).
         contributes: whether this group's pseudo-gradient counts in the average.
         contributors: how many count (the mean's divisor); members: the quorum's groups (the collectives' size).
+        top_step: the highest torchft step in the quorum.
+        new_in_a_used_lighthouse: the lighthouse formed quorums before this one, and no member was in them.
         failed: why this sync cannot commit here (``""``: it can).
     """
 
@@ -84,6 +88,8 @@ class _Sync:
     contributes: bool
     contributors: int
     members: int
+    top_step: int = 0
+    new_in_a_used_lighthouse: bool = False
     failed: str = ""
 
 
@@ -125,6 +131,8 @@ class ElasticRound(Round):
         self._open: _Sync | None = None  # a quorum opened for the sync to come (the join's)
         self._inflight: _Sync | None = None  # the quorum of the exchange in flight
         self._restored_step: dict[str, int] | None = None
+        self._first_quorum: int | None = None  # the id of the first quorum this group was in
+        self._waiting_logged = False
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -193,16 +201,46 @@ class ElasticRound(Round):
                 lighthouse already formed quorums.
         """
         self.joined = True
-        sync = self._enter(STARTING)
-        if sync.fragment is not None:
-            self._open = sync
-            return True
-        if sync.quorum.peer_state is not None:
-            self._heal(sync.quorum, sync.quorum.peer_state["round"]["phase"])
-        else:
-            self._refuse_a_new_model_in_a_trained_run(sync)
+        deadline = time.monotonic() + self.config.quorum_timeout
+        while True:
+            sync = self._enter(STARTING)
+            if sync.fragment is not None:
+                self._open = sync
+                return True
+            if sync.quorum.peer_state is not None:
+                self._heal(sync.quorum, sync.quorum.peer_state["round"]["phase"])
+                break
+            if sync.top_step > 0 or sync.members >= self.config.starting_replicas:
+                break
+            self._wait_for_more(sync, deadline)  # a new run starts only with enough groups in its first quorum
+        if sync.top_step == 0 and sync.new_in_a_used_lighthouse:
+            raise MembershipError(
+                f"TorchFT: replica group '{self.config.name}' would start a new model, but the lighthouse at"
+                f" {self.config.lighthouse} formed quorums before with groups that are gone, and no live group is"
+                " further along: what was trained is not on any live group. Resume from a checkpoint"
+                " (`trainer.fit(model, ckpt_path=...)`), or restart the lighthouse to start a new run."
+            )
         self.session_of().should_commit(not sync.failed, sync.failed)
         return False
+
+    def _wait_for_more(self, sync: _Sync, deadline: float) -> None:
+        """Before asking again for a first quorum with more groups: at most ``quorum_timeout`` in all.
+
+        Raises:
+            NoQuorumError: If the deadline passed.
+        """
+        from lightning_gradcomp.ft.session import NoQuorumError
+
+        wanted = self.config.starting_replicas
+        if time.monotonic() > deadline:
+            raise NoQuorumError(
+                f"TorchFT: replica group '{self.config.name}' found {sync.members} of the {wanted} groups a new run"
+                f" starts with (`start_replicas`) within {self.config.quorum_timeout:g} s at {self.config.lighthouse}."
+            )
+        if not self._waiting_logged:
+            self.info(f"DiLoCo: replica group '{self.config.name}' waits for {wanted} groups to start the run.")
+            self._waiting_logged = True
+        time.sleep(_START_POLL_S)
 
     def finish_join(self, optimizers: Sequence[Optimizer]) -> None:
         """Take part in the others' sync as the step they are in: healed first, this group's own step void."""
@@ -216,16 +254,6 @@ class ElasticRound(Round):
             sync.failed = sync.failed or "this group joined at the others' step but not at their place in the round"
             self.phase = (sync.fragment + 1) * self.period - 1
         self.after_inner_step(optimizers)
-
-    def _refuse_a_new_model_in_a_trained_run(self, sync: _Sync) -> None:
-        quorum_id = self.session_of().groups.quorum_id or 0
-        if self.session_of().step == 0 and quorum_id > 1 and self._restored_step is None:
-            raise MembershipError(
-                f"TorchFT: replica group '{self.config.name}' would start a new model, but the lighthouse at"
-                f" {self.config.lighthouse} has formed {quorum_id - 1} quorum(s) before and no live group is further"
-                " along: what was trained is not on any live group. Resume from a checkpoint"
-                " (`trainer.fit(model, ckpt_path=...)`), or restart the lighthouse to start a new run."
-            )
 
     # ------------------------------------------------------------------------------------------------------------
     # The sync
@@ -316,19 +344,25 @@ class ElasticRound(Round):
         session = self.session_of()
         before = session.step
         quorum = session.quorum()
+        quorum_id = session.groups.quorum_id or 0
+        if self._first_quorum is None:
+            self._first_quorum = quorum_id
         healed = quorum.peer_state is not None
         contributes = mode != STARTING and not healed and not quorum.errored
         sync = _Sync(quorum, None if mode == STARTING else mode, contributes, quorum.members, quorum.members)
+        sync.top_step = quorum.step
         if quorum.errored:
             sync.failed = "the quorum's process group or heal failed here"
         if not quorum.reconfigured:
             return sync  # the same members as at the last sync: all at this place, none healing
-        rows = session.all_gather(Member(mode, contributes, before).row(self.fingerprint))
+        veteran = self._first_quorum < quorum_id
+        rows = session.all_gather(Member(mode, contributes, before, veteran).row(self.fingerprint))
         if rows is None:
             sync.failed = "the members' check failed (a group left during it)"
             return sync
         members = [Member.of(row) for row in rows]
-        top = max(member.step for member, _ in members)
+        top = sync.top_step = max(member.step for member, _ in members)
+        sync.new_in_a_used_lighthouse = quorum_id > 1 and not any(member.veteran for member, _ in members)
         leaders = [(member, codes) for member, codes in members if member.step == top]
         reference = leaders[0][1]  # the first group at the highest step (by name): the run's settings
         difference = self.fingerprint.difference(reference)

@@ -59,6 +59,9 @@ class TorchFT:
         replica_group_id: this group's name, unique among the groups (``None``: the ``REPLICA_GROUP_ID`` variable).
             Groups are ranked by it, as strings, in the exchange.
         min_replicas: the fewest replica groups a round may commit with (torchft's ``min_replica_size``).
+        start_replicas: the groups a new run waits for in its first quorum (``None``: ``min_replicas``), so that
+            identical seeds give the paper's first round over all of them; a group that comes later heals from
+            them at their first sync.
         timeout: seconds for a collective, a commit vote or a heal's transfer before it counts as failed.
         quorum_timeout: seconds a group waits at a sync for the others (a joining group waits up to one round).
         connect_timeout: seconds to reach the lighthouse and the other groups' managers.
@@ -72,6 +75,7 @@ class TorchFT:
     lighthouse: str | None = None
     replica_group_id: str | int | None = None
     min_replicas: int = 1
+    start_replicas: int | None = None
     timeout: float = 60.0
     quorum_timeout: float = 300.0
     connect_timeout: float = 30.0
@@ -95,12 +99,18 @@ class TorchFT:
         if isinstance(name, bool) or not isinstance(name, (str, int)) or not str(name) or ":" in str(name):
             raise ValueError(f"Expected `replica_group_id` to be a non-empty name without ':', got {name!r}.")
         check_int(self.min_replicas, "min_replicas", low=1)
+        check_int(self.start_replicas, "start_replicas", low=1, allow_none=True)
         for field in ("timeout", "quorum_timeout", "connect_timeout"):
             check_number(getattr(self, field), field, low=0.0, low_open=True)
         if not isinstance(self.hostname, str) or not self.hostname:
             raise ValueError(f"Expected `hostname` to be a non-empty host name or address, got {self.hostname!r}.")
         object.__setattr__(self, "lighthouse", lighthouse.rstrip("/"))
         object.__setattr__(self, "replica_group_id", str(name))
+
+    @property
+    def starting_replicas(self) -> int:
+        """The groups a new run's first quorum needs (``start_replicas``, resolved)."""
+        return self.start_replicas if self.start_replicas is not None else self.min_replicas
 
     @property
     def name(self) -> str:

@@ -67,18 +67,21 @@ class Member:
         mode: :data:`STARTING`, :data:`DENSE`, or the fragment whose sync it is at.
         contributes: whether its pseudo-gradient (or gradient) counts in the average.
         step: torchft's step as it asked for the quorum (before a heal).
+        veteran: it was in an earlier quorum of this lighthouse.
     """
 
     mode: int
     contributes: bool
     step: int
+    veteran: bool = False
 
     def row(self, fingerprint: Fingerprint) -> Tensor:
         """The row it all-gathers: its place, then the fingerprint's codes."""
-        return torch.tensor([self.mode, int(self.contributes), self.step, *fingerprint.codes()], dtype=torch.int64)
+        place = [self.mode, int(self.contributes), self.step, int(self.veteran)]
+        return torch.tensor([*place, *fingerprint.codes()], dtype=torch.int64)
 
     @staticmethod
     def of(row: Tensor) -> tuple[Member, list[int]]:
         """A gathered row back as a :class:`Member` and its fingerprint's codes."""
         values = [int(v) for v in row.tolist()]
-        return Member(values[0], bool(values[1]), values[2]), values[3:]
+        return Member(values[0], bool(values[1]), values[2], bool(values[3])), values[4:]

@@ -1,0 +1,146 @@
+"""Fault-tolerant DiLoCo on torchft: real replica groups (one Lightning job each), a lighthouse, SIGKILL.
+
+Every scenario starts its own lighthouse in this process on a free port and its groups as processes of their own
+(tests/ft_worker.py), kills only the processes it started, by pid, and stops the lighthouse. A group dies where it
+kills itself (an exact step, or inside an exchange), so nothing here depends on timing; a survivor that must outlive
+a restart waits for the restarted group's file, bounded. The reference is plain ``DiLoCo`` on as many processes of
+one job, fed the same shards.
+"""
+
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from lightning_gradcomp import TorchFT
+from lightning_gradcomp.demo.ports import free_port
+from lightning_gradcomp.ft.lighthouse import Lighthouse
+from tests.ft_worker import launch, load
+
+STEPS, H = 24, 4
+WAIT_S = 420  # one fit on a loaded 2-core machine takes well under a minute
+
+
+def _wait(proc: subprocess.Popen, outdir, name: str) -> int:
+    try:
+        return proc.wait(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        with open(os.path.join(str(outdir), f"{name}.log")) as f:
+            pytest.fail(f"{name} did not finish within {WAIT_S} s:\n{f.read()[-4000:]}")
+
+
+def _output(outdir, name: str) -> str:
+    with open(os.path.join(str(outdir), f"{name}.log")) as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module")
+def killed_between_syncs(tmp_path_factory):
+    """2 groups, rounds of 4 steps: group 1 dies at step 10 (inside round 3) and is restarted; group 0 waits for the
+    restarted one before step 14, so that it joins at the sync of step 16. Beside it, plain DiLoCo on 2 processes."""
+    outdir = tmp_path_factory.mktemp("ft")
+    joined = str(outdir / "restarted")
+    started: list[subprocess.Popen] = []
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), "--sync-every", str(H)]
+        common += ["--start-replicas", "2"]
+        try:
+            plain = launch(outdir, "plain", "--devices", "2", "--steps", "12", "--sync-every", str(H))
+            survivor = launch(outdir, "0", *common, "--pause-at", "14", "--until", joined)
+            victim = launch(outdir, "1", *common, "--kill-at", "10")
+            started += [plain, survivor, victim]
+            killed = _wait(victim, outdir, "1")
+            restarted = launch(outdir, "1", *common, "--attempt", "1", "--touch", joined)
+            started.append(restarted)
+            codes = {name: _wait(p, outdir, name) for name, p in [("0", survivor), ("1", restarted), ("plain", plain)]}
+        finally:
+            for proc in started:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    return outdir, killed, codes
+
+
+def test_no_failure_is_plain_diloco_bitwise_and_a_death_between_syncs_costs_the_survivor_nothing(killed_between_syncs):
+    outdir, killed, codes = killed_between_syncs
+    assert killed == -signal.SIGKILL
+    assert codes == {"0": 0, "1": 0, "plain": 0}, _output(outdir, "0")[-3000:]
+    survivor, plain = load(outdir, "0-0")["steps"], load(outdir, "plain-rank0")["steps"]
+    assert [s["global_step"] for s in survivor] == list(range(1, STEPS + 1))
+    for i in range(10):  # before the death is noticed (the sync of step 12): plain DiLoCo, bit for bit
+        assert torch.equal(survivor[i]["global"], plain[i]["global"]), f"step {i + 1}: theta_global"
+        assert torch.equal(survivor[i]["params"], plain[i]["params"]), f"step {i + 1}: the local parameters"
+    assert [survivor[i]["participants"] for i in (3, 7, 11)] == [2, 2, 1], "the sync of step 12 had group 0 alone"
+    assert not torch.equal(survivor[11]["global"], plain[11]["global"]), "one pseudo-gradient, not two"
+    assert torch.isfinite(survivor[11]["global"]).all()
+    assert survivor[-1]["discarded"] == 0, "a group that dies between syncs costs the others no round"
+    assert survivor[-1]["syncs"] == STEPS // H
+
+
+def test_a_restarted_group_heals_before_its_first_inner_step_and_holds_the_survivors_theta_global(killed_between_syncs):
+    outdir, _, _ = killed_between_syncs
+    survivor, restarted = load(outdir, "0-0"), load(outdir, "1-1")
+    mine, theirs = restarted["steps"], {s["global_step"]: s for s in survivor["steps"]}
+    first = mine[0]
+    assert first["global_step"] == 16, "it joined the sync of step 16: Lightning's counters are the survivor's"
+    assert first["heals"] == 1
+    assert torch.equal(first["params"], first["global"]), "no inner step of its own before the heal"
+    assert torch.equal(first["global"], theirs[16]["global"]), "the survivors' theta_global, bit for bit"
+    assert first["ft_step"] == theirs[16]["ft_step"]
+    assert first["lr"] == theirs[16]["lr"], "the learning-rate schedule carried over"
+    assert first["epoch"] == theirs[16]["epoch"]
+    assert [s["global_step"] for s in mine] == list(range(16, STEPS + 1)), "max_steps means the same on both"
+    by_step = {s["ft_step"]: s["global"] for s in survivor["steps"]}
+    for step in mine:
+        assert torch.equal(step["global"], by_step[step["ft_step"]]), f"theta_global at torchft step {step['ft_step']}"
+    assert [theirs[s]["participants"] for s in (16, 20, 24)] == [1, 2, 2], "it counts from its first full round"
+    # a fresh group joining a trained run does not reset it: the survivor's theta_global went on from its own
+    assert not torch.equal(theirs[16]["global"], load(outdir, "plain-rank0")["steps"][0]["global"])
+    assert restarted["logged"]["gradcomp/heals"] == 1
+    assert "healed from a live peer at step" in _output(outdir, "1")
+
+
+def test_an_absent_lighthouse_is_a_clear_error_within_the_connect_timeout():
+    from lightning_gradcomp.ft.session import LighthouseUnreachableError, Session
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    config = TorchFT(lighthouse=f"http://127.0.0.1:{free_port()}", replica_group_id="0", connect_timeout=2)
+    start = time.monotonic()
+    with pytest.raises(LighthouseUnreachableError, match="no lighthouse answered at http://127.0.0.1:.* within 2 s"):
+        Session(config, rank=0, world_size=1, store=("127.0.0.1", port), rounds=1, state_dict=dict)
+    assert time.monotonic() - start < 30
+    del store
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lighthouse": "127.0.0.1:29510"}, "Expected `lighthouse` to be an address 'http://HOST:PORT'"),
+        ({"replica_group_id": "a:b"}, "Expected `replica_group_id` to be a non-empty name without ':'"),
+        ({"min_replicas": 0}, "Expected `min_replicas` to be an integer >= 1, got 0."),
+        ({"quorum_timeout": 0}, "Expected `quorum_timeout` to be a finite number > 0, got 0."),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(kwargs, message):
+    settings = {"lighthouse": "http://127.0.0.1:29510", "replica_group_id": "0", **kwargs}
+    with pytest.raises(ValueError, match="Expected") as error:
+        TorchFT(**settings)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_the_lighthouse_and_the_group_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510/")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "7")
+    config = TorchFT()
+    assert (config.lighthouse, config.name) == ("http://127.0.0.1:29510", "7")
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
+    with pytest.raises(ValueError, match="TORCHFT_LIGHTHOUSE variable: neither is set"):
+        TorchFT()
