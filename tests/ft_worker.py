@@ -12,7 +12,7 @@ Fault injection (the process kills itself, so where it dies is exact, not timed)
   its all-reduce: the others' collective fails mid-exchange;
 - ``--pause-at STEP --until FILE``: wait (at most ``PAUSE_S``) before global step ``STEP`` until ``FILE`` exists, so
   that a group restarted by the test joins before this one finishes;
-- ``--touch FILE``: create ``FILE`` once the fit started.
+- ``--touch FILE``: create ``FILE`` once the fit started; ``--wait-for FILE``: before it, wait until ``FILE`` exists.
 
 Each finished fit saves ``OUTDIR/NAME-ATTEMPT.pt``: per optimizer step its global step, phase, theta_global, local
 parameters, torchft's step and the round's counters, and the output's ``gradcomp/*`` metrics.
@@ -66,6 +66,9 @@ class Record(Callback):
         self.steps: list[dict[str, Any]] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
+        deadline = time.monotonic() + PAUSE_S
+        while self.args.wait_for and not os.path.exists(self.args.wait_for) and time.monotonic() < deadline:
+            time.sleep(0.05)
         if self.args.touch and trainer.global_rank == 0:
             open(self.args.touch, "w").close()
         if self.args.kill_in_exchange:
@@ -162,6 +165,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--pause-at", type=int)
     parser.add_argument("--until")
     parser.add_argument("--touch")
+    parser.add_argument("--wait-for")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     shard = int(args.name) if args.lighthouse else None

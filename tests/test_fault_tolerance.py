@@ -144,3 +144,105 @@ def test_the_lighthouse_and_the_group_come_from_the_environment(monkeypatch):
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
     with pytest.raises(ValueError, match="TORCHFT_LIGHTHOUSE variable: neither is set"):
         TorchFT()
+
+
+def _run(outdir, plans: dict[str, list[str]], restart: dict[str, list[str]] | None = None, plain: int = 0, **kw):
+    """Start the groups of ``plans`` (name: options) and, with ``plain``, plain DiLoCo on that many processes; when
+    a group of ``restart`` has died, start it again with those options. Every process's return code, by name."""
+    started: dict[str, subprocess.Popen] = {}
+    codes: dict[str, int] = {}
+    restart = dict(restart or {})
+    try:
+        if plain:
+            started["plain"] = launch(outdir, "plain", "--devices", str(plain), *kw.get("plain_options", []))
+        for name, options in plans.items():
+            started[name] = launch(outdir, name, *options)
+        for name, options in restart.items():
+            codes[f"{name}-killed"] = _wait(started[name], outdir, name)
+            started[name] = launch(outdir, name, *options)
+        for name, proc in started.items():
+            codes[name] = _wait(proc, outdir, name)
+    finally:
+        for proc in started.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return codes
+
+
+@pytest.fixture(scope="module")
+def killed_in_an_exchange(tmp_path_factory):
+    """3 groups: group 2 dies inside the exchange of step 8 (after its quorum, as it sends) and is restarted; the
+    others wait before step 14 for it. Beside it, plain DiLoCo on 3 processes."""
+    outdir = tmp_path_factory.mktemp("ft")
+    joined = str(outdir / "restarted")
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), "--shards", "3", "--start-replicas", "3"]
+        survivor = [*common, "--pause-at", "14", "--until", joined]
+        codes = _run(
+            outdir,
+            {"0": survivor, "1": survivor, "2": [*common, "--kill-in-exchange", "2"]},
+            restart={"2": [*common, "--attempt", "1", "--touch", joined]},
+            plain=3,
+            plain_options=["--shards", "3", "--steps", "8"],
+        )
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_three_groups_are_plain_diloco_bitwise_and_a_death_in_an_exchange_costs_one_round(killed_in_an_exchange):
+    outdir, codes = killed_in_an_exchange
+    assert codes == {"2-killed": -signal.SIGKILL, "plain": 0, "0": 0, "1": 0, "2": 0}, _output(outdir, "0")[-3000:]
+    plain = load(outdir, "plain-rank0")["steps"]
+    survivors = [load(outdir, f"{name}-0")["steps"] for name in ("0", "1")]
+    for steps in survivors:
+        for i in range(7):  # up to the exchange group 2 died in: plain DiLoCo on 3 processes, bit for bit
+            assert torch.equal(steps[i]["global"], plain[i]["global"]), f"step {i + 1}"
+        assert torch.equal(steps[7]["global"], steps[3]["global"]), "the round of step 8 was discarded"
+        assert torch.equal(steps[7]["params"], steps[3]["global"]), "back to theta_global"
+        assert steps[-1]["discarded"] == 1, "at most the interrupted round is lost"
+        assert steps[-1]["global_step"] == STEPS
+    by_step = [{s["ft_step"]: s["global"] for s in steps} for steps in survivors]
+    restarted = {s["ft_step"]: s["global"] for s in load(outdir, "2-1")["steps"]}
+    assert set(by_step[0]) == set(by_step[1])
+    for step, theta in by_step[0].items():  # identical after every committed round, on every live group
+        assert torch.equal(theta, by_step[1][step]), f"torchft step {step}"
+        if step in restarted:
+            assert torch.equal(theta, restarted[step]), f"the restarted group at torchft step {step}"
+    first = load(outdir, "2-1")["steps"][0]
+    assert first["heals"] == 1
+    assert first["global_step"] == 16
+    assert "discarded on replica group '0'" in _output(outdir, "0")
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """2 groups train; a third built with another ``sync_every`` joins at step 12 (the others wait for it before
+    step 10); once they finished, a fresh group alone asks the same lighthouse to start a new model."""
+    outdir = tmp_path_factory.mktemp("ft")
+    started, up = str(outdir / "started"), str(outdir / "odd-up")
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--steps", "16"]
+        good = [*common, "--start-replicas", "2", "--pause-at", "10", "--until", up, "--touch", started]
+        odd = [*common, "--shards", "3", "--sync-every", "5", "--wait-for", started, "--touch", up]
+        codes = _run(outdir, {"0": good, "1": good, "2": odd})
+        codes["3"] = _run(outdir, {"3": [*common, "--shards", "4"]})["3"]
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_a_group_that_does_not_belong_or_would_reset_the_run_is_refused(refused):
+    outdir, codes = refused
+    assert (codes["0"], codes["1"]) == (0, 0), _output(outdir, "0")[-3000:]
+    assert codes["2"] != 0 and codes["3"] != 0
+    odd = _output(outdir, "2")
+    assert "MembershipError: TorchFT: replica group '2' does not belong in the run at http://127.0.0.1:" in odd
+    assert "another sync_every (5 here, 4 there). It is refused before averaging into theta_global." in odd
+    assert "would start a new model, but the lighthouse" in _output(outdir, "3")
+    groups = [load(outdir, f"{name}-0")["steps"] for name in ("0", "1")]
+    for steps in groups:
+        assert steps[-1]["discarded"] == 1, "the sync the odd group asked to join is discarded, nothing averaged"
+        assert torch.equal(steps[11]["global"], steps[7]["global"])
+        assert steps[-1]["global_step"] == 16
+    by_step = [{s["ft_step"]: s["global"] for s in steps} for steps in groups]
+    assert all(torch.equal(theta, by_step[1][step]) for step, theta in by_step[0].items())

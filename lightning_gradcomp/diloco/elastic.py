@@ -81,6 +81,7 @@ class _Sync:
         top_step: the highest torchft step in the quorum.
         new_in_a_used_lighthouse: the lighthouse formed quorums before this one, and no member was in them.
         failed: why this sync cannot commit here (``""``: it can).
+        skip: no member runs the exchange (every member saw the same reason not to): nothing waits for a peer.
     """
 
     quorum: Quorum
@@ -91,6 +92,7 @@ class _Sync:
     top_step: int = 0
     new_in_a_used_lighthouse: bool = False
     failed: str = ""
+    skip: bool = False
 
 
 class ElasticRound(Round):
@@ -133,6 +135,7 @@ class ElasticRound(Round):
         self._restored_step: dict[str, int] | None = None
         self._first_quorum: int | None = None  # the id of the first quorum this group was in
         self._waiting_logged = False
+        self._last_line = ""
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -210,9 +213,10 @@ class ElasticRound(Round):
             if sync.quorum.peer_state is not None:
                 self._heal(sync.quorum, sync.quorum.peer_state["round"]["phase"])
                 break
-            if sync.top_step > 0 or sync.members >= self.config.starting_replicas:
+            if sync.top_step > 0 or (sync.members >= self.config.starting_replicas and not sync.failed):
                 break
-            self._wait_for_more(sync, deadline)  # a new run starts only with enough groups in its first quorum
+            # a new run starts only with enough groups in its first quorum, and not with one that was refused
+            self._wait_for_more(sync, deadline)
         if sync.top_step == 0 and sync.new_in_a_used_lighthouse:
             raise MembershipError(
                 f"TorchFT: replica group '{self.config.name}' would start a new model, but the lighthouse at"
@@ -269,6 +273,8 @@ class ElasticRound(Round):
         self._inflight = sync
         if sync.fragment is None:  # nobody at the highest step is at a sync: no exchange to take part in
             sync.failed = sync.failed or f"the groups at the highest step are not at the sync of fragment {fragment}"
+            sync.skip = True
+        if sync.skip:
             return Pending(fragment, remaining, InFlight([], [], lambda kept: None))
         fragment = sync.fragment  # the others' (this group's own unless it joined them)
         flats, layouts = self.pseudo_gradients(fragment)
@@ -298,7 +304,7 @@ class ElasticRound(Round):
 
         def decide(finite: bool) -> bool:
             mine = floats if sync.contributes else [torch.zeros_like(b) for b in floats]
-            kept["buffers"] = self.exchange.average(mine) if sync.fragment is not None else mine
+            kept["buffers"] = mine if sync.skip else self.exchange.average(mine)
             kept["finite"] = finite and all_finite(kept["buffers"])
             reason = sync.failed or ("" if kept["finite"] else "the average is not finite")
             if not reason and sync.contributors == 0:
@@ -358,7 +364,7 @@ class ElasticRound(Round):
         veteran = self._first_quorum < quorum_id
         rows = session.all_gather(Member(mode, contributes, before, veteran).row(self.fingerprint))
         if rows is None:
-            sync.failed = "the members' check failed (a group left during it)"
+            sync.failed, sync.skip = "the members' check failed (a group left during it)", True
             return sync
         members = [Member.of(row) for row in rows]
         top = sync.top_step = max(member.step for member, _ in members)
@@ -372,10 +378,11 @@ class ElasticRound(Round):
                 f" {difference}. It is refused before averaging into theta_global."
             )
         if any(codes != reference for _, codes in members):
-            sync.failed = "a group that does not belong was refused"
+            sync.failed, sync.skip = "a group that does not belong was refused", True
         places = {member.mode for member, _ in leaders if member.mode != STARTING}
         if len(places) > 1:
             sync.failed = sync.failed or f"the groups at the highest step are at different syncs {sorted(places)}"
+            sync.skip = True
         sync.fragment = min(places) if places else None
         sync.contributors = sum(member.contributes for member, _ in members)
         if sync.fragment is None:
@@ -383,10 +390,13 @@ class ElasticRound(Round):
         place = "all starting" if sync.fragment is None else "at a sync"
         if sync.fragment is not None and self.fragments > 1:
             place = f"at the sync of fragment {sync.fragment}"
-        self.info(
+        line = (
             f"DiLoCo: replica group '{self.config.name}' in a quorum of {quorum.members} groups at step {top}, {place}"
             f" ({sync.contributors} contributing{'; this one healed' if healed else ''})."
         )
+        if line != self._last_line:  # a new run's first quorums repeat while it waits for its groups
+            self.info(line)
+            self._last_line = line
         return sync
 
     def _heal(self, quorum: Quorum, phase: int) -> None:

@@ -192,6 +192,11 @@ class DiLoCo(GradcompStrategy):
 
     @synchronous.setter
     def synchronous(self, value: bool) -> None:
+        if value and self.fault_tolerance is not None:
+            raise MisconfigurationException(
+                "DiLoCo(fault_tolerance=...) runs no synchronous (dense) steps across replica groups: drop DenseWarmup,"
+                " or warm up without fault tolerance and resume from its checkpoint with it."
+            )
         self._synchronous = check_bool(value, "synchronous", error=_MiscError)
 
     @property

@@ -29,8 +29,11 @@ class Lighthouse:
         min_replicas: the fewest replica groups a new quorum needs.
         port: the port to listen on (0: any free one).
         host: the address to bind (``127.0.0.1``: this machine only; ``0.0.0.0``: every interface).
-        join_timeout_ms: how long a valid quorum waits for healthy groups that have not asked yet.
-        heartbeat_timeout_ms: how long a silent group counts as alive.
+        join_timeout_ms: how long a valid quorum waits for healthy groups that have not asked yet (the default of
+            ``torchft_lighthouse``; torchft's Python ``LighthouseServer`` defaults to 100 ms, which lets a quorum
+            form without a group that is merely a moment late).
+        heartbeat_timeout_ms: how long a silent group counts as alive (how long the others' next sync waits for a
+            group that died).
         quorum_tick_ms: how often the quorum is recomputed (besides at every request).
 
     Attributes:
@@ -42,9 +45,9 @@ class Lighthouse:
         min_replicas: int = 1,
         port: int = 0,
         host: str = "127.0.0.1",
-        join_timeout_ms: int | None = None,
-        heartbeat_timeout_ms: int | None = None,
-        quorum_tick_ms: int | None = None,
+        join_timeout_ms: int = 60_000,
+        heartbeat_timeout_ms: int = 5_000,
+        quorum_tick_ms: int = 100,
     ) -> None:
         import_torchft()
         from torchft._torchft import LighthouseServer
