@@ -10,6 +10,7 @@ one job, fed the same shards.
 import os
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from torch.distributed import TCPStore
 from lightning_gradcomp import TorchFT
 from lightning_gradcomp.demo.ports import free_port
 from lightning_gradcomp.ft.lighthouse import Lighthouse
+from tests.distributed import child_env
 from tests.ft_worker import launch, load
 
 STEPS, H = 24, 4
@@ -40,37 +42,57 @@ def _output(outdir, name: str) -> str:
         return f.read()
 
 
+def _cli_lighthouse(outdir, port: int) -> subprocess.Popen:
+    """``lightning-gradcomp lighthouse`` as a user starts it, once it listens."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = open(os.path.join(str(outdir), "lighthouse.log"), "w")  # noqa: SIM115 (the process's output, closed below)
+    command = [sys.executable, "-m", "lightning_gradcomp.cli", "lighthouse", "--min-replicas", "1", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*command, "--heartbeat-timeout-ms", "2000"], cwd=root, env=child_env(), stdout=out, stderr=subprocess.STDOUT
+    )
+    out.close()
+    deadline = time.monotonic() + WAIT_S
+    while "listening on" not in _output(outdir, "lighthouse") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return proc
+
+
 @pytest.fixture(scope="module")
 def killed_between_syncs(tmp_path_factory):
     """2 groups, rounds of 4 steps: group 1 dies at step 10 (inside round 3) and is restarted; group 0 waits for the
-    restarted one before step 14, so that it joins at the sync of step 16. Beside it, plain DiLoCo on 2 processes."""
+    restarted one before step 14, so that it joins at the sync of step 16. Beside it, plain DiLoCo on 2 processes.
+    The lighthouse is the command's, stopped with SIGTERM at the end."""
     outdir = tmp_path_factory.mktemp("ft")
-    joined = str(outdir / "restarted")
-    started: list[subprocess.Popen] = []
-    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
-        common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), "--sync-every", str(H)]
-        common += ["--start-replicas", "2"]
-        try:
-            plain = launch(outdir, "plain", "--devices", "2", "--steps", "12", "--sync-every", str(H))
-            survivor = launch(outdir, "0", *common, "--pause-at", "14", "--until", joined)
-            victim = launch(outdir, "1", *common, "--kill-at", "10")
-            started += [plain, survivor, victim]
-            killed = _wait(victim, outdir, "1")
-            restarted = launch(outdir, "1", *common, "--attempt", "1", "--touch", joined)
-            started.append(restarted)
-            codes = {name: _wait(p, outdir, name) for name, p in [("0", survivor), ("1", restarted), ("plain", plain)]}
-        finally:
-            for proc in started:
-                if proc.poll() is None:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.wait()
+    joined, port = str(outdir / "restarted"), free_port()
+    common = ["--lighthouse", f"http://127.0.0.1:{port}", "--steps", str(STEPS), "--sync-every", str(H)]
+    common += ["--start-replicas", "2"]
+    started = [launch(outdir, "plain", "--devices", "2", "--steps", "12", "--sync-every", str(H))]
+    try:
+        lighthouse = _cli_lighthouse(outdir, port)
+        started.append(lighthouse)
+        survivor = launch(outdir, "0", *common, "--pause-at", "14", "--until", joined)
+        victim = launch(outdir, "1", *common, "--kill-at", "10")
+        started += [survivor, victim]
+        killed = _wait(victim, outdir, "1")
+        restarted = launch(outdir, "1", *common, "--attempt", "1", "--touch", joined)
+        started.append(restarted)
+        codes = {name: _wait(p, outdir, name) for name, p in [("0", survivor), ("1", restarted), ("plain", started[0])]}
+        lighthouse.send_signal(signal.SIGTERM)
+        codes["lighthouse"] = _wait(lighthouse, outdir, "lighthouse")
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
     return outdir, killed, codes
 
 
 def test_no_failure_is_plain_diloco_bitwise_and_a_death_between_syncs_costs_the_survivor_nothing(killed_between_syncs):
     outdir, killed, codes = killed_between_syncs
     assert killed == -signal.SIGKILL
-    assert codes == {"0": 0, "1": 0, "plain": 0}, _output(outdir, "0")[-3000:]
+    assert codes == {"0": 0, "1": 0, "plain": 0, "lighthouse": 0}, _output(outdir, "0")[-3000:]
+    assert "listening on http://127.0.0.1:" in _output(outdir, "lighthouse")  # loopback unless told otherwise
+    assert "lighthouse stopped" in _output(outdir, "lighthouse")
     survivor, plain = load(outdir, "0-0")["steps"], load(outdir, "plain-rank0")["steps"]
     assert [s["global_step"] for s in survivor] == list(range(1, STEPS + 1))
     for i in range(10):  # before the death is noticed (the sync of step 12): plain DiLoCo, bit for bit
@@ -234,7 +256,8 @@ def refused(tmp_path_factory):
 def test_a_group_that_does_not_belong_or_would_reset_the_run_is_refused(refused):
     outdir, codes = refused
     assert (codes["0"], codes["1"]) == (0, 0), _output(outdir, "0")[-3000:]
-    assert codes["2"] != 0 and codes["3"] != 0
+    assert codes["2"] != 0
+    assert codes["3"] != 0
     odd = _output(outdir, "2")
     assert "MembershipError: TorchFT: replica group '2' does not belong in the run at http://127.0.0.1:" in odd
     assert "another sync_every (5 here, 4 there). It is refused before averaging into theta_global." in odd
