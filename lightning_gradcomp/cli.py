@@ -1,5 +1,6 @@
-"""The ``lightning-gradcomp`` command: LightningCLI's ``fit``, ``validate``, ``test``; ``quickstart``, ``advise``,
-``lighthouse``.
+"""The ``lightning-gradcomp`` command: LightningCLI's ``fit``, ``validate``, ``test``, and three of its own.
+
+``quickstart``, ``advise`` and ``lighthouse``:
 
 ::
 
