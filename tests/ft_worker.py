@@ -28,11 +28,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gradcomp import DiLoCo, TorchFT
-from lightning_gradcomp.compressors import RandomK
+from lightning_gradcomp.compressors import PowerSGD, RandomK
 from tests.distributed import child_env, free_port
 from tests.models import TinyNet, synthetic_classification
 
@@ -52,7 +52,8 @@ class ShardNet(TinyNet):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
-        shard = self.shard if self.shard is not None else self.trainer.global_rank
+        # a group of several processes reads one shard per rank, as the same ranks of a plain job would
+        shard = self.trainer.global_rank + (self.shard * self.trainer.world_size if self.shard is not None else 0)
         data = synthetic_classification(self.n)
         sampler = DistributedSampler(data, num_replicas=self.shards, rank=shard, shuffle=True, seed=0)
         return DataLoader(data, batch_size=self.batch_size, sampler=sampler)
@@ -103,7 +104,9 @@ class Record(Callback):
 
     def on_fit_end(self, trainer, pl_module) -> None:
         logged = {k: float(v) for k, v in trainer.callback_metrics.items() if k.startswith("gradcomp/")}
-        name = f"{self.args.name}-{self.args.attempt}" if self.args.lighthouse else f"plain-rank{trainer.global_rank}"
+        name = f"{self.args.name}-{self.args.attempt}" if self.args.lighthouse else "plain"
+        if trainer.world_size > 1 or not self.args.lighthouse:  # one file per rank of a job of several
+            name += f"-rank{trainer.global_rank}"
         torch.save({"steps": self.steps, "logged": logged}, os.path.join(self.args.outdir, f"{name}.pt"))
 
 
@@ -127,8 +130,12 @@ def _kill_in_exchange(k: int) -> None:
 def strategy(args: argparse.Namespace) -> DiLoCo:
     kwargs: dict[str, Any] = {"sync_every": args.sync_every, "fragments": args.fragments}
     kwargs["overlap_steps"] = args.overlap
+    if args.replica_group and not args.lighthouse:
+        kwargs["replica_group"] = args.replica_group
     if args.compressor == "randomk":
         kwargs["compressor"] = RandomK(ratio=0.25)
+    elif args.compressor == "powersgd":  # two dependent rounds: a process group each
+        kwargs["compressor"] = PowerSGD(rank=2)
     if args.lighthouse:
         kwargs["fault_tolerance"] = TorchFT(
             lighthouse=args.lighthouse,
@@ -155,6 +162,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--fragments", type=int, default=1)
     parser.add_argument("--overlap", type=int, default=0)
     parser.add_argument("--compressor")
+    parser.add_argument("--replica-group", type=int, help="plain DiLoCo's two levels (ranks per replica)")
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--start-replicas", type=int)
     parser.add_argument("--timeout", type=float, default=20.0)
@@ -166,22 +174,28 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--until")
     parser.add_argument("--touch")
     parser.add_argument("--wait-for")
+    parser.add_argument("--save-at", type=int, help="save OUTDIR/ckpt-NAME/last.ckpt at this global step")
+    parser.add_argument("--resume", action="store_true", help="resume from OUTDIR/ckpt-NAME/last.ckpt")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     shard = int(args.name) if args.lighthouse else None
+    ckpt_dir = os.path.join(args.outdir, f"ckpt-{args.name}")
+    saving = []
+    if args.save_at:
+        saving.append(ModelCheckpoint(dirpath=ckpt_dir, filename="last", every_n_train_steps=args.save_at))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
         strategy=strategy(args),
         max_steps=args.steps,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(saving),
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[Record(args)],
+        callbacks=[Record(args), *saving],
     )
-    trainer.fit(ShardNet(shard, args.shards))
+    trainer.fit(ShardNet(shard, args.shards), ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if args.resume else None)
 
 
 def launch(outdir: Any, name: str, *options: str, log: str | None = None) -> subprocess.Popen:

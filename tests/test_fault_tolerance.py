@@ -170,7 +170,8 @@ def test_the_lighthouse_and_the_group_come_from_the_environment(monkeypatch):
 
 def _run(outdir, plans: dict[str, list[str]], restart: dict[str, list[str]] | None = None, plain: int = 0, **kw):
     """Start the groups of ``plans`` (name: options) and, with ``plain``, plain DiLoCo on that many processes; when
-    a group of ``restart`` has died, start it again with those options. Every process's return code, by name."""
+    a group of ``restart`` has died, start it again with those options. Every process's return code, by name.
+    ``log``: the groups' logs are ``NAME-LOG.log`` (else ``NAME.log``)."""
     started: dict[str, subprocess.Popen] = {}
     codes: dict[str, int] = {}
     restart = dict(restart or {})
@@ -178,7 +179,7 @@ def _run(outdir, plans: dict[str, list[str]], restart: dict[str, list[str]] | No
         if plain:
             started["plain"] = launch(outdir, "plain", "--devices", str(plain), *kw.get("plain_options", []))
         for name, options in plans.items():
-            started[name] = launch(outdir, name, *options)
+            started[name] = launch(outdir, name, *options, log=f"{name}-{kw['log']}.log" if "log" in kw else None)
         for name, options in restart.items():
             codes[f"{name}-killed"] = _wait(started[name], outdir, name)
             started[name] = launch(outdir, name, *options)
@@ -194,34 +195,40 @@ def _run(outdir, plans: dict[str, list[str]], restart: dict[str, list[str]] | No
 
 @pytest.fixture(scope="module")
 def killed_in_an_exchange(tmp_path_factory):
-    """3 groups: group 2 dies inside the exchange of step 8 (after its quorum, as it sends) and is restarted; the
-    others wait before step 14 for it. Beside it, plain DiLoCo on 3 processes."""
+    """3 groups, each exchange overlapped with the next inner step (Streaming DiLoCo's ``overlap_steps=1``): group 2
+    dies inside the exchange started at step 8 (after its quorum, as it sends) and is restarted; the others wait
+    before step 14 for it. Beside it, plain DiLoCo on 3 processes."""
     outdir = tmp_path_factory.mktemp("ft")
     joined = str(outdir / "restarted")
     with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
         common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), "--shards", "3", "--start-replicas", "3"]
+        common += ["--overlap", "1"]
         survivor = [*common, "--pause-at", "14", "--until", joined]
         codes = _run(
             outdir,
             {"0": survivor, "1": survivor, "2": [*common, "--kill-in-exchange", "2"]},
             restart={"2": [*common, "--attempt", "1", "--touch", joined]},
             plain=3,
-            plain_options=["--shards", "3", "--steps", "8"],
+            plain_options=["--shards", "3", "--steps", "8", "--overlap", "1"],
         )
     return outdir, codes
 
 
 @pytest.mark.slow
-def test_three_groups_are_plain_diloco_bitwise_and_a_death_in_an_exchange_costs_one_round(killed_in_an_exchange):
+def test_three_overlapped_groups_are_plain_diloco_bitwise_and_a_death_in_an_exchange_costs_one_round(
+    killed_in_an_exchange,
+):
     outdir, codes = killed_in_an_exchange
     assert codes == {"2-killed": -signal.SIGKILL, "plain": 0, "0": 0, "1": 0, "2": 0}, _output(outdir, "0")[-3000:]
     plain = load(outdir, "plain-rank0")["steps"]
     survivors = [load(outdir, f"{name}-0")["steps"] for name in ("0", "1")]
     for steps in survivors:
-        for i in range(7):  # up to the exchange group 2 died in: plain DiLoCo on 3 processes, bit for bit
+        for i in range(8):  # up to the exchange group 2 died in: plain DiLoCo on 3 processes, bit for bit
             assert torch.equal(steps[i]["global"], plain[i]["global"]), f"step {i + 1}"
-        assert torch.equal(steps[7]["global"], steps[3]["global"]), "the round of step 8 was discarded"
-        assert torch.equal(steps[7]["params"], steps[3]["global"]), "back to theta_global"
+            assert torch.equal(steps[i]["params"], plain[i]["params"]), f"step {i + 1}"
+        # sent at step 8, applied at step 9: discarded there
+        assert torch.equal(steps[8]["global"], steps[4]["global"]), "the round sent at step 8 was discarded"
+        assert torch.equal(steps[8]["params"], steps[4]["global"]), "back to theta_global"
         assert steps[-1]["discarded"] == 1, "at most the interrupted round is lost"
         assert steps[-1]["global_step"] == STEPS
     by_step = [{s["ft_step"]: s["global"] for s in steps} for steps in survivors]
@@ -269,3 +276,68 @@ def test_a_group_that_does_not_belong_or_would_reset_the_run_is_refused(refused)
         assert steps[-1]["global_step"] == 16
     by_step = [{s["ft_step"]: s["global"] for s in steps} for steps in groups]
     assert all(torch.equal(theta, by_step[1][step]) for step, theta in by_step[0].items())
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Streaming DiLoCo (2 fragments) with PowerSGD on the outer exchange (two rounds, a process group each): 2 groups
+    for 24 steps, beside plain DiLoCo on 2 processes; the same 2 groups for 16 steps, saving a checkpoint at step 16
+    (an epoch's end), then a whole-job restart of both from their checkpoints on the same lighthouse, to step 24."""
+    outdir = tmp_path_factory.mktemp("ft")
+    codes = {}
+    variant = ["--fragments", "2", "--compressor", "powersgd"]
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--start-replicas", "2", *variant]
+        first = [*common, "--steps", "16", "--save-at", "16"]
+        codes["saved"] = _run(outdir, {"0": first, "1": first})
+        later = [*common, "--steps", "24", "--resume", "--attempt", "1"]
+        codes["resumed"] = _run(outdir, {"0": later, "1": later})
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        whole = ["--lighthouse", lighthouse.address, "--start-replicas", "2", "--steps", "24", "--attempt", "9"]
+        plain = {"plain_options": ["--steps", "24", *variant]}
+        codes["whole"] = _run(outdir, {"0": [*whole, *variant], "1": [*whole, *variant]}, plain=2, log="whole", **plain)
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_streaming_and_a_two_round_compressor_are_plain_diloco_bitwise_and_resume_exactly(resumed):
+    outdir, codes = resumed
+    expected = {"saved": {"0": 0, "1": 0}, "resumed": {"0": 0, "1": 0}, "whole": {"0": 0, "1": 0, "plain": 0}}
+    assert codes == expected, _output(outdir, "0")[-3000:]
+    for name in ("0", "1"):
+        again, whole = load(outdir, f"{name}-1")["steps"], load(outdir, f"{name}-9")["steps"]
+        plain = load(outdir, f"plain-rank{name}")["steps"]
+        for mine, theirs in zip(whole, plain, strict=True):
+            assert torch.equal(mine["global"], theirs["global"]), f"group {name}, step {mine['global_step']}"
+            assert torch.equal(mine["params"], theirs["params"])
+        assert [s["global_step"] for s in again] == list(range(17, 25))
+        assert again[0]["heals"] == 0, "every group resumed at the same step: nobody heals"
+        for mine, theirs in zip(again, whole[16:]):
+            assert torch.equal(mine["global"], theirs["global"]), f"group {name}, step {mine['global_step']}"
+            assert torch.equal(mine["params"], theirs["params"])
+
+
+@pytest.fixture(scope="module")
+def two_process_groups(tmp_path_factory):
+    """2 groups of 2 processes each (dense data parallelism inside a group), beside plain DiLoCo's two levels on 4
+    processes (``replica_group=2``)."""
+    outdir = tmp_path_factory.mktemp("ft")
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        group = ["--lighthouse", lighthouse.address, "--devices", "2", "--shards", "4", "--steps", "8"]
+        group += ["--start-replicas", "2"]
+        plain = {"plain_options": ["--shards", "4", "--steps", "8", "--replica-group", "2"]}
+        codes = _run(outdir, {"0": group, "1": group}, plain=4, **plain)
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_groups_of_two_processes_are_plain_two_level_diloco_bitwise(two_process_groups):
+    outdir, codes = two_process_groups
+    assert codes == {"plain": 0, "0": 0, "1": 0}, _output(outdir, "0")[-3000:]
+    for group in (0, 1):
+        for rank in (0, 1):
+            mine = load(outdir, f"{group}-0-rank{rank}")["steps"]
+            theirs = load(outdir, f"plain-rank{2 * group + rank}")["steps"]
+            for step, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+                assert torch.equal(a["global"], b["global"]), f"group {group} rank {rank}, step {step + 1}"
+                assert torch.equal(a["params"], b["params"]), f"group {group} rank {rank}, step {step + 1}"

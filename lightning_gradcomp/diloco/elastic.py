@@ -420,8 +420,19 @@ class ElasticRound(Round):
         self.heal_seconds = quorum.seconds + time.perf_counter() - start
         self.info(
             f"DiLoCo: replica group '{self.config.name}' healed from a live peer at step {quorum.step} in"
-            f" {self.heal_seconds:.2f} s (theta_global, the outer optimizer, the phase {phase}, Lightning's counters)."
+            f" {self.heal_seconds:.2f} s (theta_global, the outer optimizer, the phase in the round"
+            f" {state['round']['phase']}, Lightning's counters: global step {self.training_step_of(state)})."
         )
+
+    @staticmethod
+    def training_step_of(state: dict[str, Any]) -> int | str:
+        """The global step a peer's state holds (its optimizer steps), or ``"?"``."""
+        loops = state.get("lightning", {}).get("loops", {})
+        progress = loops.get("epoch_loop.automatic_optimization.optim_progress")
+        try:
+            return int(progress["optimizer"]["step"]["total"]["completed"]) + 1  # the step it is inside
+        except (KeyError, TypeError):
+            return "?"
 
     def _snapshot(self) -> dict[str, Any]:
         """What a peer that heals from this group receives (torchft calls this on its quorum thread)."""
