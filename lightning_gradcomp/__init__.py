@@ -11,6 +11,7 @@ from lightning_gradcomp.callbacks import PacTrain
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.ddp import CompressedDDP, CompressionState, compression_hook
 from lightning_gradcomp.diloco import DiLoCo
+from lightning_gradcomp.ft import TorchFT
 from lightning_gradcomp.transforms import Pufferfish
 
 __version__ = "0.1.0.dev0"
@@ -31,6 +32,7 @@ __all__ = [
     "Layer",
     "PacTrain",
     "Pufferfish",
+    "TorchFT",
     "callbacks",
     "compression_hook",
     "compressors",

@@ -1,10 +1,13 @@
-"""The ``lightning-gradcomp`` command: LightningCLI's ``fit``, ``validate`` and ``test``, ``quickstart``, ``advise``.
+"""The ``lightning-gradcomp`` command: LightningCLI's ``fit``, ``validate``, ``test``, and three of its own.
+
+``quickstart``, ``advise`` and ``lighthouse``:
 
 ::
 
     lightning-gradcomp fit --config recipes/cifar10_resnet18_powersgd_warmup.yaml
     lightning-gradcomp quickstart                  # offline, two CPU processes, a few minutes
     lightning-gradcomp advise --config recipe.yaml # a few steps: the link, the codecs, what compression would pay
+    lightning-gradcomp lighthouse --min-replicas 2 # torchft's lighthouse for DiLoCo(fault_tolerance=TorchFT(...))
 
 Any component can be named by its short class name in a recipe (``class_path: PowerSGD``): importing this module
 imports lightning-gradcomp's strategy, compressors, callbacks and tasks first, as LightningCLI requires. The current
@@ -50,6 +53,7 @@ LIGHTNING_SUBCOMMANDS = {
 OWN_SUBCOMMANDS = {
     "quickstart": "Train a small CNN on two CPU processes with PowerSGD and densely; say whether compression paid.",
     "advise": "Run a recipe for a few steps and predict what compression would pay on this link and on others.",
+    "lighthouse": "Run torchft's lighthouse for fault-tolerant DiLoCo (on loopback unless given --host) until Ctrl+C.",
 }
 #: the flag ``fit`` needs to replace a config.yaml an earlier run wrote
 OVERWRITE_FLAG = "--overwrite-config"
@@ -363,6 +367,34 @@ def advise(argv: list[str]) -> None:
     trainer.fit(cli.model, datamodule=cli.datamodule)
 
 
+def lighthouse(argv: list[str]) -> None:
+    """Run torchft's lighthouse until SIGINT or SIGTERM (:mod:`lightning_gradcomp.ft.lighthouse`)."""
+    parser = argparse.ArgumentParser(
+        prog="lightning-gradcomp lighthouse",
+        description="torchft's lighthouse (as torchft_lighthouse): the replica groups of a DiLoCo(fault_tolerance="
+        "TorchFT(...)) run ask it for each sync's quorum. It has no authentication: whoever reaches its port can join"
+        " a quorum, so it listens on 127.0.0.1 unless --host says otherwise.",
+    )
+    parser.add_argument("--min-replicas", type=int, required=True, help="the fewest groups a new quorum needs")
+    parser.add_argument("--port", type=int, default=29510)
+    parser.add_argument("--host", default="127.0.0.1", help="the address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--join-timeout-ms", type=int, default=60_000, help="wait for healthy stragglers")
+    parser.add_argument("--heartbeat-timeout-ms", type=int, default=5_000, help="a silent group is dead after")
+    known = parser.parse_args(argv)
+    from lightning_gradcomp.ft.lighthouse import Lighthouse, serve
+
+    if known.min_replicas < 1:
+        parser.error(f"--min-replicas must be >= 1, got {known.min_replicas}")
+    server = Lighthouse(
+        known.min_replicas,
+        known.port,
+        known.host,
+        join_timeout_ms=known.join_timeout_ms,
+        heartbeat_timeout_ms=known.heartbeat_timeout_ms,
+    )
+    serve(server, announce=lambda line: print(line, flush=True))
+
+
 @rank_zero_only
 def _print_rank_zero(text: str) -> None:
     print(text, flush=True)
@@ -381,6 +413,9 @@ def main(args: list[str] | None = None) -> None:
         return
     if argv and argv[0] == "advise":
         advise(argv[1:])
+        return
+    if argv and argv[0] == "lighthouse":
+        lighthouse(argv[1:])
         return
     overwrite = OVERWRITE_FLAG in argv
     GradcompCLI(args=[a for a in argv if a != OVERWRITE_FLAG], overwrite_config=overwrite)

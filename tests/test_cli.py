@@ -88,7 +88,7 @@ def test_the_verdict_follows_the_step_times():
 def test_help_lists_every_subcommand_without_lightnings_args_warning():
     result = _run("--help", timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in ("fit", "validate", "test", "quickstart", "advise"):
+    for name in ("fit", "validate", "test", "quickstart", "advise", "lighthouse"):
         line = re.search(rf"^    {name} +(\S.*)$", result.stdout, flags=re.M)
         assert line, result.stdout
         assert re.search(r"[.]$", line[1]) or name in OWN_SUBCOMMANDS, line[1]  # one whole line, not cut short

@@ -45,21 +45,33 @@ class InFlight:
     Args:
         flats: the tensors that were sent; the averages overwrite them.
         futures: the collectives in flight.
-        complete: run once they are done, with whether every average is finite; returns the averages.
+        complete: run once they are done, with whether the exchange's state changes are kept.
+        gather: run once they are done, before the averages are checked: puts them into ``flats`` (two levels).
     """
 
     def __init__(
-        self, flats: list[Tensor], futures: list[torch.futures.Future], complete: Callable[[bool], None]
+        self,
+        flats: list[Tensor],
+        futures: list[torch.futures.Future],
+        complete: Callable[[bool], None],
+        gather: Callable[[], None] | None = None,
     ) -> None:
-        self._flats, self._futures, self._complete = flats, futures, complete
+        self._flats, self._futures, self._complete, self._gather = flats, futures, complete, gather
         self._finite: bool | None = None
 
-    def wait(self) -> tuple[list[Tensor], bool]:
-        """The averages (in the tensors that were sent) and whether all of them are finite (one host read)."""
+    def wait(self, decide: Callable[[bool], bool] | None = None) -> tuple[list[Tensor], bool]:
+        """The averages (in the tensors that were sent) and whether they are kept; the staged state is committed then.
+
+        Kept: whether all averages are finite (one host read), or what ``decide`` answers given that (a
+        fault-tolerant run's commit vote).
+        """
         if self._finite is None:
             for future in self._futures:
                 future.wait()
-            self._finite = all_finite(self._flats)
+            if self._gather is not None:
+                self._gather()
+            finite = all_finite(self._flats)
+            self._finite = finite if decide is None else decide(finite)
             self._complete(self._finite)
         return self._flats, self._finite
 
@@ -134,7 +146,8 @@ class OuterExchange:
             backend = collectives
         self.world = self._comm = Comm(backend, self.telemetry, device)
         if replicas is not None:
-            self._comm = Comm(TorchCollectives(replicas.peers), self.telemetry, device)
+            if replicas.peers is not None:  # else the peers' collectives are ``backend``'s (torchft's, across jobs)
+                self._comm = Comm(TorchCollectives(replicas.peers), self.telemetry, device)
             self._group = Comm(TorchCollectives(replicas.group), self.telemetry, device)
             self.in_group = Comm(TorchCollectives(replicas.group), Telemetry(), device)
         self.telemetry.world_size = self.world.world_size
@@ -171,14 +184,14 @@ class OuterExchange:
                 futures.append(comm.all_reduce((flat.div_(comm.world_size),)))
 
         def complete(finite: bool) -> None:
-            if self.replicas is not None:
-                self._gather_shards(flats, futures)
             updates.observe(torch.tensor(finite))
             updates.commit()
             self.step += 1
             self.count()
 
-        return InFlight(flats, futures, complete)
+        # with two levels the averages reach ``flats`` in the gather: they are checked after it, not this rank's own
+        gather = (lambda: self._gather_shards(flats, futures)) if self.replicas is not None else None
+        return InFlight(flats, futures, complete, gather)
 
     def average(self, tensors: Sequence[Tensor]) -> list[Tensor]:
         """The plain mean over the workers of ``tensors`` (the buffers: BatchNorm's statistics), at once, as copies.

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_gradcomp.diloco.elastic import ElasticRound
 from lightning_gradcomp.diloco.round import Round
 from lightning_gradcomp.engine import wire
 from lightning_gradcomp.validation import check_strategy_state
@@ -34,7 +35,10 @@ class OuterMonitor(Callback):
     - ``gradcomp/bytes_sent_per_step``, ``gradcomp/bytes_received_per_step``: the bytes so far divided by the optimizer
       steps so far (amortised: what a per-step method would have to beat);
     - ``gradcomp/syncs``: outer steps taken so far; ``gradcomp/skipped_syncs``: rounds skipped because the averaged
-      pseudo-gradient was not finite.
+      pseudo-gradient was not finite;
+    - with fault tolerance (:class:`~lightning_gradcomp.TorchFT`), this replica group's ``gradcomp/participants``
+      (the groups whose pseudo-gradient counted in the last sync), ``gradcomp/discarded_rounds`` (syncs discarded
+      because one failed during them), ``gradcomp/heals`` and ``gradcomp/heal_seconds`` (the last heal's duration).
 
     At the end of ``fit`` (after the final outer step of a partial last round) the totals go into the callback
     metrics (``gradcomp/total_*``) and rank 0 logs one line with them and what plain DDP's ring all-reduce of the
@@ -88,6 +92,9 @@ class OuterMonitor(Callback):
         log("gradcomp/bytes_received_per_step", outer.bytes_received / steps)
         log("gradcomp/syncs", float(outer.syncs))
         log("gradcomp/skipped_syncs", float(outer.skipped))
+        if isinstance(outer, ElasticRound):
+            for name, value in outer.metrics().items():
+                log(f"gradcomp/{name}", value)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -103,7 +110,8 @@ class OuterMonitor(Callback):
         # in the callback metrics too, so that a launcher that returns only those (spawn) still reports them
         trainer.callback_metrics.update({f"gradcomp/{k}": torch.tensor(float(v)) for k, v in totals.items()})
         dense_per_step = sum(p.numel() * p.element_size() for p in outer.params)
-        rank_zero_info(format_outer_summary(trainer.global_step, outer, dense_per_step, trainer.world_size))
+        workers = trainer.world_size * (max(outer.members, 1) if isinstance(outer, ElasticRound) else 1)
+        rank_zero_info(format_outer_summary(trainer.global_step, outer, dense_per_step, workers))
 
 
 def format_outer_summary(steps: int, outer: Round, dense_per_step: int, world_size: int) -> str:
@@ -116,8 +124,9 @@ def format_outer_summary(steps: int, outer: Round, dense_per_step: int, world_si
     per_step = moved.moved / max(steps, 1)
     dense = wire.all_reduce(dense_per_step, world_size)
     ratio = wire.compression_ratio(dense, moved.scaled(1 / max(steps, 1)))
+    elastic = f", {outer.discarded} discarded, {outer.heals} heals" if isinstance(outer, ElasticRound) else ""
     return (
-        f"gradcomp summary (DiLoCo): {steps} optimizer steps, {outer.syncs} syncs ({outer.skipped} skipped);"
+        f"gradcomp summary (DiLoCo): {steps} optimizer steps, {outer.syncs} syncs ({outer.skipped} skipped{elastic});"
         f" {outer.bytes_sent / 1e6:,.3f} MB sent, {outer.bytes_received / 1e6:,.3f} MB received"
         f" ({per_step / 1e6:,.4f} MB moved per step, plain DDP's ring {dense.moved / 1e6:,.4f}: {ratio:,.1f}x less)."
     )

@@ -192,10 +192,7 @@ class Round:
             if self.pending.remaining == 0:
                 self.finish(optimizers)
         if self.phase % self.period == 0:
-            fragment = self.phase // self.period - 1
-            flats, layouts = self.pseudo_gradients(fragment)
-            contribution = [f.clone() for f in flats] if self.overlap_steps else None
-            self.pending = Pending(fragment, self.overlap_steps, self.exchange.start(flats, layouts), contribution)
+            self.pending = self.send(self.phase // self.period - 1, self.overlap_steps)
             if not self.overlap_steps:
                 self.finish(optimizers)
         if self.phase == self.sync_every:
@@ -203,8 +200,17 @@ class Round:
 
     def start(self, fragment: int) -> None:
         """Send fragment ``fragment``'s pseudo-gradient now; its outer step is applied by :meth:`finish`."""
+        self.pending = self.send(fragment, 0)
+
+    def send(self, fragment: int, remaining: int) -> Pending:
+        """Start averaging ``fragment``'s pseudo-gradient; its outer step is due ``remaining`` inner steps later.
+
+        With ``remaining`` this rank's contribution is kept, to send it again if a run resumes mid-exchange. The one
+        place an exchange starts (the fault-tolerant round asks for its quorum here).
+        """
         flats, layouts = self.pseudo_gradients(fragment)
-        self.pending = Pending(fragment, 0, self.exchange.start(flats, layouts))
+        contribution = [f.clone() for f in flats] if remaining else None
+        return Pending(fragment, remaining, self.exchange.start(flats, layouts), contribution)
 
     def finish(self, optimizers: Sequence[Optimizer]) -> None:
         """Step theta_global with the exchange's average and set every worker's fragment to it.

@@ -36,11 +36,14 @@ from lightning_gradcomp.diloco.checkpoint import (
     save_diloco_state,
     with_theta_global,
 )
+from lightning_gradcomp.diloco.elastic import ElasticRound
+from lightning_gradcomp.diloco.joining import bind, check_fault_tolerance, joins_at_this_step
 from lightning_gradcomp.diloco.monitor import OuterMonitor
 from lightning_gradcomp.diloco.replicas import average_in_group, replica_groups_for
 from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round, default_outer_optimizer
 from lightning_gradcomp.engine.collectives import side_group
 from lightning_gradcomp.engine.comm import Comm
+from lightning_gradcomp.ft.config import TorchFT
 from lightning_gradcomp.runtime.base import GradcompStrategy
 from lightning_gradcomp.validation import check_bool, check_choice
 
@@ -102,6 +105,9 @@ class DiLoCo(GradcompStrategy):
             on the default group, then every rank stops). ``"sync"``: once per sync period (every
             ``sync_every / fragments`` steps, when no exchange is in flight), so that inner steps cross no wire;
             ``"step"``: at every step, as Lightning does, at the cost of one round trip of the link per step.
+        fault_tolerance: a :class:`~lightning_gradcomp.TorchFT`: this Lightning job is one replica group of a run
+            whose outer exchange goes through torchft, which survives groups that die and heals those that (re)join
+            (docs/fault_tolerance.md). ``None``: every rank of this job is a worker, and a failed rank ends them all.
         **kwargs: passed to :class:`~lightning.pytorch.strategies.DDPStrategy` (``process_group_backend``,
             ``timeout``, ``start_method``, ...).
 
@@ -133,16 +139,22 @@ class DiLoCo(GradcompStrategy):
         monitor: bool = True,
         compressor: Compressor | None = None,
         sigterm_check: str = "sync",
+        fault_tolerance: TorchFT | None = None,
         **kwargs: Any,
     ) -> None:
         check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
+        check_fault_tolerance(fault_tolerance, replica_group)
         self.sigterm_check = check_choice(sigterm_check, "sigterm_check", SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
         super().__init__(monitor=monitor, **strategy_kwargs(kwargs))
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self.replica_group = replica_group
-        self._round = Round(
+        self.fault_tolerance = fault_tolerance
+        elastic: dict[str, Any] = {}
+        if fault_tolerance is not None:  # the exchange across replica groups, through torchft
+            elastic = {"fault_tolerance": fault_tolerance, "info": rank_zero_info}
+        self._round = (Round if fault_tolerance is None else ElasticRound)(
             sync_every,
             fragments,
             overlap_steps,
@@ -150,6 +162,7 @@ class DiLoCo(GradcompStrategy):
             offload=offload,
             compressor=compressor,
             warn=rank_zero_warn,
+            **elastic,
         )
         self._attached = False
         self._restored: Mapping[str, Any] | None = None  # the checkpoint's DiLoCo section, applied at setup
@@ -179,6 +192,11 @@ class DiLoCo(GradcompStrategy):
 
     @synchronous.setter
     def synchronous(self, value: bool) -> None:
+        if value and self.fault_tolerance is not None:
+            raise MisconfigurationException(
+                "DiLoCo(fault_tolerance=...) runs no synchronous (dense) steps across replica groups: drop DenseWarmup,"
+                " or warm up without fault tolerance and resume from its checkpoint with it."
+            )
         self._synchronous = check_bool(value, "synchronous", error=_MiscError)
 
     @property
@@ -207,14 +225,17 @@ class DiLoCo(GradcompStrategy):
         params = self._params()
         check_fit(len(self.optimizers), len(params), self.fragments)
         round = self._round
-        round.replicas = replica_groups_for(
-            self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
-        )
         distributed = dist.is_available() and dist.is_initialized()
+        if not isinstance(round, ElasticRound):
+            round.replicas = replica_groups_for(
+                self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
+            )
         if distributed and self.world_size > 1:
             # the outer exchange on a group of its own: on the default group, an exchange overlapped with inner steps
             # would hold up the broadcast Lightning's loop issues there at every step (engine.collectives.side_group)
             round.process_group = side_group()
+        if isinstance(round, ElasticRound):  # the exchange goes across jobs, through torchft
+            bind(round, self, trainer, round.process_group)
         names = [n for n, p in self._module().named_parameters() if p.requires_grad]
         round.attach(params, self._buffers(), names=names, distributed=distributed)
         self._attached = True
@@ -277,6 +298,9 @@ class DiLoCo(GradcompStrategy):
         rank, and theta_global follows the synchronized model (a round in progress is closed first).
         """
         fitting = self._attached and self._module().trainer.state.fn == TrainerFn.FITTING
+        round = self._round
+        if fitting and isinstance(round, ElasticRound) and joins_at_this_step(round, closure, self.optimizers):
+            return None  # this group joined the others at their sync (healed there): no step of its own
         exchange = self._round.exchange
         comm = exchange.in_group
         if fitting and self.synchronous:  # plain data parallelism (a dense warm-up): every rank's gradients averaged
@@ -395,8 +419,8 @@ class DiLoCo(GradcompStrategy):
     @override
     def round_group_bases(self) -> Sequence[Any]:
         """The outer exchange's group, when a compressor made round groups over it."""
-        if self._round.exchange.compressor is None:
-            return ()
+        if self._round.exchange.compressor is None or isinstance(self._round, ElasticRound):
+            return ()  # fault tolerant: the rounds' groups are torchft's, closed with its session
         return [self._round.process_group or dist.group.WORLD]
 
     @override
@@ -406,6 +430,8 @@ class DiLoCo(GradcompStrategy):
         The round stays readable (``outer_state``) for inspection after ``fit``.
         """
         self._ungate_sigterm_broadcast()
+        if isinstance(self._round, ElasticRound):
+            self._round.close_session()
         self._attached = False
         self._local = None
         self._own = self._shared_exchange = None
@@ -417,7 +443,13 @@ def _setup_line(strategy: DiLoCo, params: list[Tensor]) -> str:
     processes = "1 process" if strategy.world_size == 1 else f"{strategy.world_size} processes"
     streaming = f" in {strategy.fragments} fragments" if strategy.fragments > 1 else ""
     groups = strategy.outer_state.replicas
-    if groups is not None:
+    round = strategy.outer_state
+    if isinstance(round, ElasticRound):
+        processes += (
+            f" in replica group '{round.config.name}' of a fault-tolerant run (lighthouse {round.config.lighthouse},"
+            f" at least {round.config.min_replicas} groups per sync)"
+        )
+    elif groups is not None:
         processes += f": {groups.count} replicas of {groups.size} ranks, dense data parallelism inside each"
     return (
         f"DiLoCo: {sum(p.numel() for p in params):,} parameters synced{streaming} every {strategy.sync_every} optimizer"

@@ -1,0 +1,343 @@
+"""Fault-tolerant DiLoCo on torchft: real replica groups (one Lightning job each), a lighthouse, SIGKILL.
+
+Every scenario starts its own lighthouse in this process on a free port and its groups as processes of their own
+(tests/ft_worker.py), kills only the processes it started, by pid, and stops the lighthouse. A group dies where it
+kills itself (an exact step, or inside an exchange), so nothing here depends on timing; a survivor that must outlive
+a restart waits for the restarted group's file, bounded. The reference is plain ``DiLoCo`` on as many processes of
+one job, fed the same shards.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from lightning_gradcomp import TorchFT
+from lightning_gradcomp.demo.ports import free_port
+from lightning_gradcomp.ft.lighthouse import Lighthouse
+from tests.distributed import child_env
+from tests.ft_worker import launch, load
+
+STEPS, H = 24, 4
+WAIT_S = 420  # one fit on a loaded 2-core machine takes well under a minute
+
+
+def _wait(proc: subprocess.Popen, outdir, name: str) -> int:
+    try:
+        return proc.wait(timeout=WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        with open(os.path.join(str(outdir), f"{name}.log")) as f:
+            pytest.fail(f"{name} did not finish within {WAIT_S} s:\n{f.read()[-4000:]}")
+
+
+def _output(outdir, name: str) -> str:
+    with open(os.path.join(str(outdir), f"{name}.log")) as f:
+        return f.read()
+
+
+def _cli_lighthouse(outdir, port: int) -> subprocess.Popen:
+    """``lightning-gradcomp lighthouse`` as a user starts it, once it listens."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = open(os.path.join(str(outdir), "lighthouse.log"), "w")  # noqa: SIM115 (the process's output, closed below)
+    command = [sys.executable, "-m", "lightning_gradcomp.cli", "lighthouse", "--min-replicas", "1", "--port", str(port)]
+    proc = subprocess.Popen(
+        [*command, "--heartbeat-timeout-ms", "2000"], cwd=root, env=child_env(), stdout=out, stderr=subprocess.STDOUT
+    )
+    out.close()
+    deadline = time.monotonic() + WAIT_S
+    while "listening on" not in _output(outdir, "lighthouse") and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return proc
+
+
+@pytest.fixture(scope="module")
+def killed_between_syncs(tmp_path_factory):
+    """2 groups, rounds of 4 steps: group 1 dies at step 10 (inside round 3) and is restarted; group 0 waits for the
+    restarted one before step 14, so that it joins at the sync of step 16. Beside it, plain DiLoCo on 2 processes.
+    The lighthouse is the command's, stopped with SIGTERM at the end."""
+    outdir = tmp_path_factory.mktemp("ft")
+    joined, port = str(outdir / "restarted"), free_port()
+    common = ["--lighthouse", f"http://127.0.0.1:{port}", "--steps", str(STEPS), "--sync-every", str(H)]
+    common += ["--start-replicas", "2"]
+    started = [launch(outdir, "plain", "--devices", "2", "--steps", "12", "--sync-every", str(H))]
+    try:
+        lighthouse = _cli_lighthouse(outdir, port)
+        started.append(lighthouse)
+        survivor = launch(outdir, "0", *common, "--pause-at", "14", "--until", joined)
+        victim = launch(outdir, "1", *common, "--kill-at", "10")
+        started += [survivor, victim]
+        killed = _wait(victim, outdir, "1")
+        restarted = launch(outdir, "1", *common, "--attempt", "1", "--touch", joined)
+        started.append(restarted)
+        codes = {name: _wait(p, outdir, name) for name, p in [("0", survivor), ("1", restarted), ("plain", started[0])]}
+        lighthouse.send_signal(signal.SIGTERM)
+        codes["lighthouse"] = _wait(lighthouse, outdir, "lighthouse")
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return outdir, killed, codes
+
+
+def test_no_failure_is_plain_diloco_bitwise_and_a_death_between_syncs_costs_the_survivor_nothing(killed_between_syncs):
+    outdir, killed, codes = killed_between_syncs
+    assert killed == -signal.SIGKILL
+    assert codes == {"0": 0, "1": 0, "plain": 0, "lighthouse": 0}, _output(outdir, "0")[-3000:]
+    assert "listening on http://127.0.0.1:" in _output(outdir, "lighthouse")  # loopback unless told otherwise
+    assert "lighthouse stopped" in _output(outdir, "lighthouse")
+    survivor, plain = load(outdir, "0-0")["steps"], load(outdir, "plain-rank0")["steps"]
+    assert [s["global_step"] for s in survivor] == list(range(1, STEPS + 1))
+    for i in range(10):  # before the death is noticed (the sync of step 12): plain DiLoCo, bit for bit
+        assert torch.equal(survivor[i]["global"], plain[i]["global"]), f"step {i + 1}: theta_global"
+        assert torch.equal(survivor[i]["params"], plain[i]["params"]), f"step {i + 1}: the local parameters"
+    assert [survivor[i]["participants"] for i in (3, 7, 11)] == [2, 2, 1], "the sync of step 12 had group 0 alone"
+    assert not torch.equal(survivor[11]["global"], plain[11]["global"]), "one pseudo-gradient, not two"
+    assert torch.isfinite(survivor[11]["global"]).all()
+    assert survivor[-1]["discarded"] == 0, "a group that dies between syncs costs the others no round"
+    assert survivor[-1]["syncs"] == STEPS // H
+
+
+def test_a_restarted_group_heals_before_its_first_inner_step_and_holds_the_survivors_theta_global(killed_between_syncs):
+    outdir, _, _ = killed_between_syncs
+    survivor, restarted = load(outdir, "0-0"), load(outdir, "1-1")
+    mine, theirs = restarted["steps"], {s["global_step"]: s for s in survivor["steps"]}
+    first = mine[0]
+    assert first["global_step"] == 16, "it joined the sync of step 16: Lightning's counters are the survivor's"
+    assert first["heals"] == 1
+    assert torch.equal(first["params"], first["global"]), "no inner step of its own before the heal"
+    assert torch.equal(first["global"], theirs[16]["global"]), "the survivors' theta_global, bit for bit"
+    assert first["ft_step"] == theirs[16]["ft_step"]
+    assert first["lr"] == theirs[16]["lr"], "the learning-rate schedule carried over"
+    assert first["epoch"] == theirs[16]["epoch"]
+    assert [s["global_step"] for s in mine] == list(range(16, STEPS + 1)), "max_steps means the same on both"
+    by_step = {s["ft_step"]: s["global"] for s in survivor["steps"]}
+    for step in mine:
+        assert torch.equal(step["global"], by_step[step["ft_step"]]), f"theta_global at torchft step {step['ft_step']}"
+    assert [theirs[s]["participants"] for s in (16, 20, 24)] == [1, 2, 2], "it counts from its first full round"
+    # a fresh group joining a trained run does not reset it: the survivor's theta_global went on from its own
+    assert not torch.equal(theirs[16]["global"], load(outdir, "plain-rank0")["steps"][0]["global"])
+    assert restarted["logged"]["gradcomp/heals"] == 1
+    assert "healed from a live peer at step" in _output(outdir, "1")
+
+
+def test_an_absent_lighthouse_is_a_clear_error_within_the_connect_timeout():
+    from lightning_gradcomp.ft.session import LighthouseUnreachableError, Session
+
+    port = free_port()
+    store = TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    config = TorchFT(lighthouse=f"http://127.0.0.1:{free_port()}", replica_group_id="0", connect_timeout=2)
+    start = time.monotonic()
+    with pytest.raises(LighthouseUnreachableError, match="no lighthouse answered at http://127.0.0.1:.* within 2 s"):
+        Session(config, rank=0, world_size=1, store=("127.0.0.1", port), rounds=1, state_dict=dict)
+    assert time.monotonic() - start < 30
+    del store
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"lighthouse": "127.0.0.1:29510"}, "Expected `lighthouse` to be an address 'http://HOST:PORT'"),
+        ({"replica_group_id": "a:b"}, "Expected `replica_group_id` to be a non-empty name without ':'"),
+        ({"min_replicas": 0}, "Expected `min_replicas` to be an integer >= 1, got 0."),
+        ({"quorum_timeout": 0}, "Expected `quorum_timeout` to be a finite number > 0, got 0."),
+    ],
+)
+def test_bad_settings_are_refused_in_one_line(kwargs, message):
+    settings = {"lighthouse": "http://127.0.0.1:29510", "replica_group_id": "0", **kwargs}
+    with pytest.raises(ValueError, match="Expected") as error:
+        TorchFT(**settings)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+def test_the_lighthouse_and_the_group_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510/")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "7")
+    config = TorchFT()
+    assert (config.lighthouse, config.name) == ("http://127.0.0.1:29510", "7")
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
+    with pytest.raises(ValueError, match="TORCHFT_LIGHTHOUSE variable: neither is set"):
+        TorchFT()
+
+
+def _run(outdir, plans: dict[str, list[str]], restart: dict[str, list[str]] | None = None, plain: int = 0, **kw):
+    """Start the groups of ``plans`` (name: options) and, with ``plain``, plain DiLoCo on that many processes; when
+    a group of ``restart`` has died, start it again with those options. Every process's return code, by name.
+    ``log``: the groups' logs are ``NAME-LOG.log`` (else ``NAME.log``)."""
+    started: dict[str, subprocess.Popen] = {}
+    codes: dict[str, int] = {}
+    restart = dict(restart or {})
+    try:
+        if plain:
+            started["plain"] = launch(outdir, "plain", "--devices", str(plain), *kw.get("plain_options", []))
+        for name, options in plans.items():
+            started[name] = launch(outdir, name, *options, log=f"{name}-{kw['log']}.log" if "log" in kw else None)
+        for name, options in restart.items():
+            codes[f"{name}-killed"] = _wait(started[name], outdir, name)
+            started[name] = launch(outdir, name, *options)
+        for name, proc in started.items():
+            codes[name] = _wait(proc, outdir, name)
+    finally:
+        for proc in started.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return codes
+
+
+@pytest.fixture(scope="module")
+def killed_in_an_exchange(tmp_path_factory):
+    """3 groups, each exchange overlapped with the next inner step (Streaming DiLoCo's ``overlap_steps=1``): group 2
+    dies inside the exchange started at step 8 (after its quorum, as it sends) and is restarted; the others wait
+    before step 14 for it. Beside it, plain DiLoCo on 3 processes."""
+    outdir = tmp_path_factory.mktemp("ft")
+    joined = str(outdir / "restarted")
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), "--shards", "3", "--start-replicas", "3"]
+        common += ["--overlap", "1"]
+        survivor = [*common, "--pause-at", "14", "--until", joined]
+        codes = _run(
+            outdir,
+            {"0": survivor, "1": survivor, "2": [*common, "--kill-in-exchange", "2"]},
+            restart={"2": [*common, "--attempt", "1", "--touch", joined]},
+            plain=3,
+            plain_options=["--shards", "3", "--steps", "8", "--overlap", "1"],
+        )
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_three_overlapped_groups_are_plain_diloco_bitwise_and_a_death_in_an_exchange_costs_one_round(
+    killed_in_an_exchange,
+):
+    outdir, codes = killed_in_an_exchange
+    assert codes == {"2-killed": -signal.SIGKILL, "plain": 0, "0": 0, "1": 0, "2": 0}, _output(outdir, "0")[-3000:]
+    plain = load(outdir, "plain-rank0")["steps"]
+    survivors = [load(outdir, f"{name}-0")["steps"] for name in ("0", "1")]
+    for steps in survivors:
+        for i in range(8):  # up to the exchange group 2 died in: plain DiLoCo on 3 processes, bit for bit
+            assert torch.equal(steps[i]["global"], plain[i]["global"]), f"step {i + 1}"
+            assert torch.equal(steps[i]["params"], plain[i]["params"]), f"step {i + 1}"
+        # sent at step 8, applied at step 9: discarded there
+        assert torch.equal(steps[8]["global"], steps[4]["global"]), "the round sent at step 8 was discarded"
+        assert torch.equal(steps[8]["params"], steps[4]["global"]), "back to theta_global"
+        assert steps[-1]["discarded"] == 1, "at most the interrupted round is lost"
+        assert steps[-1]["global_step"] == STEPS
+    by_step = [{s["ft_step"]: s["global"] for s in steps} for steps in survivors]
+    restarted = {s["ft_step"]: s["global"] for s in load(outdir, "2-1")["steps"]}
+    assert set(by_step[0]) == set(by_step[1])
+    for step, theta in by_step[0].items():  # identical after every committed round, on every live group
+        assert torch.equal(theta, by_step[1][step]), f"torchft step {step}"
+        if step in restarted:
+            assert torch.equal(theta, restarted[step]), f"the restarted group at torchft step {step}"
+    first = load(outdir, "2-1")["steps"][0]
+    assert first["heals"] == 1
+    assert first["global_step"] == 16
+    assert "discarded on replica group '0'" in _output(outdir, "0")
+
+
+@pytest.fixture(scope="module")
+def refused(tmp_path_factory):
+    """2 groups train; a third built with another ``sync_every`` joins at step 12 (the others wait for it before
+    step 10); once they finished, a fresh group alone asks the same lighthouse to start a new model."""
+    outdir = tmp_path_factory.mktemp("ft")
+    started, up = str(outdir / "started"), str(outdir / "odd-up")
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--steps", "16"]
+        good = [*common, "--start-replicas", "2", "--pause-at", "10", "--until", up, "--touch", started]
+        odd = [*common, "--shards", "3", "--sync-every", "5", "--wait-for", started, "--touch", up]
+        codes = _run(outdir, {"0": good, "1": good, "2": odd})
+        codes["3"] = _run(outdir, {"3": [*common, "--shards", "4"]})["3"]
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_a_group_that_does_not_belong_or_would_reset_the_run_is_refused(refused):
+    outdir, codes = refused
+    assert (codes["0"], codes["1"]) == (0, 0), _output(outdir, "0")[-3000:]
+    assert codes["2"] != 0
+    assert codes["3"] != 0
+    odd = _output(outdir, "2")
+    assert "MembershipError: TorchFT: replica group '2' does not belong in the run at http://127.0.0.1:" in odd
+    assert "another sync_every (5 here, 4 there). It is refused before averaging into theta_global." in odd
+    assert "would start a new model, but the lighthouse" in _output(outdir, "3")
+    groups = [load(outdir, f"{name}-0")["steps"] for name in ("0", "1")]
+    for steps in groups:
+        assert steps[-1]["discarded"] == 1, "the sync the odd group asked to join is discarded, nothing averaged"
+        assert torch.equal(steps[11]["global"], steps[7]["global"])
+        assert steps[-1]["global_step"] == 16
+    by_step = [{s["ft_step"]: s["global"] for s in steps} for steps in groups]
+    assert all(torch.equal(theta, by_step[1][step]) for step, theta in by_step[0].items())
+
+
+@pytest.fixture(scope="module")
+def resumed(tmp_path_factory):
+    """Streaming DiLoCo (2 fragments) with PowerSGD on the outer exchange (two rounds, a process group each): 2 groups
+    for 24 steps, beside plain DiLoCo on 2 processes; the same 2 groups for 16 steps, saving a checkpoint at step 16
+    (an epoch's end), then a whole-job restart of both from their checkpoints on the same lighthouse, to step 24."""
+    outdir = tmp_path_factory.mktemp("ft")
+    codes = {}
+    variant = ["--fragments", "2", "--compressor", "powersgd"]
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--start-replicas", "2", *variant]
+        first = [*common, "--steps", "16", "--save-at", "16"]
+        codes["saved"] = _run(outdir, {"0": first, "1": first})
+        later = [*common, "--steps", "24", "--resume", "--attempt", "1"]
+        codes["resumed"] = _run(outdir, {"0": later, "1": later})
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        whole = ["--lighthouse", lighthouse.address, "--start-replicas", "2", "--steps", "24", "--attempt", "9"]
+        plain = {"plain_options": ["--steps", "24", *variant]}
+        codes["whole"] = _run(outdir, {"0": [*whole, *variant], "1": [*whole, *variant]}, plain=2, log="whole", **plain)
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_streaming_and_a_two_round_compressor_are_plain_diloco_bitwise_and_resume_exactly(resumed):
+    outdir, codes = resumed
+    expected = {"saved": {"0": 0, "1": 0}, "resumed": {"0": 0, "1": 0}, "whole": {"0": 0, "1": 0, "plain": 0}}
+    assert codes == expected, _output(outdir, "0")[-3000:]
+    for name in ("0", "1"):
+        again, whole = load(outdir, f"{name}-1")["steps"], load(outdir, f"{name}-9")["steps"]
+        plain = load(outdir, f"plain-rank{name}")["steps"]
+        for mine, theirs in zip(whole, plain, strict=True):
+            assert torch.equal(mine["global"], theirs["global"]), f"group {name}, step {mine['global_step']}"
+            assert torch.equal(mine["params"], theirs["params"])
+        assert [s["global_step"] for s in again] == list(range(17, 25))
+        assert again[0]["heals"] == 0, "every group resumed at the same step: nobody heals"
+        for mine, theirs in zip(again, whole[16:]):
+            assert torch.equal(mine["global"], theirs["global"]), f"group {name}, step {mine['global_step']}"
+            assert torch.equal(mine["params"], theirs["params"])
+
+
+@pytest.fixture(scope="module")
+def two_process_groups(tmp_path_factory):
+    """2 groups of 2 processes each (dense data parallelism inside a group), beside plain DiLoCo's two levels on 4
+    processes (``replica_group=2``)."""
+    outdir = tmp_path_factory.mktemp("ft")
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        group = ["--lighthouse", lighthouse.address, "--devices", "2", "--shards", "4", "--steps", "8"]
+        group += ["--start-replicas", "2"]
+        plain = {"plain_options": ["--shards", "4", "--steps", "8", "--replica-group", "2"]}
+        codes = _run(outdir, {"0": group, "1": group}, plain=4, **plain)
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_groups_of_two_processes_are_plain_two_level_diloco_bitwise(two_process_groups):
+    outdir, codes = two_process_groups
+    assert codes == {"plain": 0, "0": 0, "1": 0}, _output(outdir, "0")[-3000:]
+    for group in (0, 1):
+        for rank in (0, 1):
+            mine = load(outdir, f"{group}-0-rank{rank}")["steps"]
+            theirs = load(outdir, f"plain-rank{2 * group + rank}")["steps"]
+            for step, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+                assert torch.equal(a["global"], b["global"]), f"group {group} rank {rank}, step {step + 1}"
+                assert torch.equal(a["params"], b["params"]), f"group {group} rank {rank}, step {step + 1}"
