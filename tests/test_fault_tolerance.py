@@ -220,12 +220,12 @@ def test_three_overlapped_groups_are_plain_diloco_bitwise_and_a_death_in_an_exch
 ):
     outdir, codes = killed_in_an_exchange
     assert codes == {"2-killed": -signal.SIGKILL, "plain": 0, "0": 0, "1": 0, "2": 0}, _output(outdir, "0")[-3000:]
-    plain = load(outdir, "plain-rank0")["steps"]
     survivors = [load(outdir, f"{name}-0")["steps"] for name in ("0", "1")]
-    for steps in survivors:
+    for rank, steps in enumerate(survivors):
+        plain = load(outdir, f"plain-rank{rank}")["steps"]  # group g reads the shard of plain DiLoCo's rank g
         for i in range(8):  # up to the exchange group 2 died in: plain DiLoCo on 3 processes, bit for bit
-            assert torch.equal(steps[i]["global"], plain[i]["global"]), f"step {i + 1}"
-            assert torch.equal(steps[i]["params"], plain[i]["params"]), f"step {i + 1}"
+            assert torch.equal(steps[i]["global"], plain[i]["global"]), f"group {rank}, step {i + 1}"
+            assert torch.equal(steps[i]["params"], plain[i]["params"]), f"group {rank}, step {i + 1}"
         # sent at step 8, applied at step 9: discarded there
         assert torch.equal(steps[8]["global"], steps[4]["global"]), "the round sent at step 8 was discarded"
         assert torch.equal(steps[8]["params"], steps[4]["global"]), "back to theta_global"

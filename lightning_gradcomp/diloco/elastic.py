@@ -271,12 +271,13 @@ class ElasticRound(Round):
             if peer is not None and sync.fragment is not None:  # behind the others: their state, then their sync
                 self._heal(sync.quorum, peer["round"]["phase"])
         self._inflight = sync
-        if sync.fragment is None:  # nobody at the highest step is at a sync: no exchange to take part in
+        target = sync.fragment  # the others' (this group's own unless it joined them)
+        if target is None:  # nobody at the highest step is at a sync: no exchange to take part in
             sync.failed = sync.failed or f"the groups at the highest step are not at the sync of fragment {fragment}"
             sync.skip = True
-        if sync.skip:
+        if sync.skip or target is None:
             return Pending(fragment, remaining, InFlight([], [], lambda kept: None))
-        fragment = sync.fragment  # the others' (this group's own unless it joined them)
+        fragment = target
         flats, layouts = self.pseudo_gradients(fragment)
         if not sync.contributes:
             for flat in flats:
