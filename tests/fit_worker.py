@@ -55,9 +55,16 @@ from lightning_gradcomp.optim.fused import FusedSGD
 from tests.distributed import child_env, free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
 
+#: the paper's outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9), which the references compute: its momentum carries
+#: state across rounds and through a resume
+PAPER_OUTER = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
 
 def _diloco(**fixed: Any) -> Callable[..., DDPStrategy]:
-    """A DiLoCo factory that drops the DistributedDataParallel arguments of a variant (DiLoCo does not wrap in DDP)."""
+    """A DiLoCo factory with the paper's outer optimizer unless ``fixed`` names one (``defaults=True``: DiLoCo's own
+    defaults), dropping the DistributedDataParallel arguments of a variant (DiLoCo does not wrap in DDP)."""
+    if not fixed.pop("defaults", False):
+        fixed.setdefault("outer_optimizer", PAPER_OUTER)
     return lambda **kwargs: DiLoCo(**fixed, **{k: v for k, v in kwargs.items() if k != "bucket_cap_mb"})
 
 
@@ -83,9 +90,18 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4": _diloco(sync_every=4),
     "diloco-h4f2": _diloco(sync_every=4, fragments=2),
     "diloco-h4-offload": _diloco(sync_every=4, offload=True),
-    "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
+    # overlap: Streaming DiLoCo's merge with mixing factor 0 (the local work replaced) and 0.5; eager updates (the
+    # default merge), also with the exchange applied one period late (overlap_steps == sync_every / fragments)
+    "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1, merge="mix", mixing_factor=0.0),
+    "diloco-h4t1-mix": _diloco(sync_every=4, overlap_steps=1, merge="mix"),
+    "diloco-h4t1-eager": _diloco(sync_every=4, overlap_steps=1),
+    "diloco-h4t4-eager": _diloco(sync_every=4, overlap_steps=4),
     "diloco-h4-sigterm-every-step": _diloco(sync_every=4, sigterm_check="step"),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
+    "diloco-h4f2t1-mix": _diloco(sync_every=4, fragments=2, overlap_steps=1, merge="mix", mixing_factor=0.5),
+    "diloco-h4f2t2": _diloco(sync_every=4, fragments=2, overlap_steps=2),
+    # every argument at its default but the round's length
+    "diloco-h4-defaults": _diloco(sync_every=4, defaults=True),
     # with DenseWarmup(steps=W) (WARMUP_STEPS): W steps of plain data parallelism, then the rounds
     "diloco-h2-w3": _diloco(sync_every=2),
     "diloco-h3-w7": _diloco(sync_every=3),
