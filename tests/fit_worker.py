@@ -51,6 +51,7 @@ from lightning_gradcomp.compressors import (
     SparseLoCo,
     TopK,
 )
+from lightning_gradcomp.optim import MuonAdamW, muon_param_groups
 from lightning_gradcomp.optim.fused import FusedSGD
 from tests.distributed import child_env, free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
@@ -226,6 +227,16 @@ class ScheduledNet(TinyNet):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class MuonNet(TinyNet):
+    """``_small_data``'s TinyNet whose one optimizer is MuonAdamW: Muon on the two linear weights, AdamW on the rest."""
+
+    def __init__(self) -> None:
+        super().__init__(n=64, batch_size=8)
+
+    def configure_optimizers(self) -> Any:
+        return MuonAdamW(muon_param_groups(self), lr=0.02, adamw_lr=1e-3)
+
+
 # epochs of _small_data, saving DIRPATH/RUN/last.ckpt at each epoch's end; tiny buckets so that the model spans
 # several, and DDP's layout after a resume (one bucket, then rebuilt) differs from an uninterrupted run's
 _EPOCHS = {"max_steps": -1, "enable_checkpointing": True}
@@ -253,6 +264,8 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "val": (ValNet, {"max_steps": 8, "val_check_interval": 3, "num_sanity_val_steps": 0}, {}, False),
     "epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2}, _BUCKETS, False),
     "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
+    "muon-epochs2": (MuonNet, {**_EPOCHS, "max_epochs": 2}, _BUCKETS, False),
+    "muon-epochs4": (MuonNet, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
     "bf16-epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2, "precision": "bf16-true"}, _BUCKETS, False),
     "bf16-epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4, "precision": "bf16-true"}, _BUCKETS, False),
     # ScheduledNet for 4 epochs: torch's SGD; FusedSGD; FusedSGD keeping every epoch's checkpoint, its learning rate

@@ -7,6 +7,7 @@ reference DiLoCo is computed in the test process, from the same data, model and 
 
 import copy
 import os
+import re
 import shutil
 from functools import partial
 
@@ -33,6 +34,8 @@ RESUMED_IN_FLIGHT = "diloco-h4f2t1:epochs4+diloco-h4f2t1:epochs2"
 # every step: the checkpoint after 8 steps holds fragment 1's exchange, sent at step 8)
 RESUMED_MIX = "diloco-h4f2t1-mix:epochs4+diloco-h4f2t1-mix:epochs2"
 RESUMED_DELAYED = "diloco-h4f2t2:epochs4+diloco-h4f2t2:epochs2"
+# Muon inside (MuonAdamW, one optimizer): resumed 2 steps into a round, with each rank's Muon and AdamW state
+RESUMED_MUON = "diloco-h3:muon-epochs4+diloco-h3:muon-epochs2"
 # a checkpoint with compressor residuals, saved on 2, 3 and 4 processes: rank 0's file must not grow
 SIZED = "diloco-h4-sparseloco:epochs2"
 LAUNCH = [
@@ -61,6 +64,9 @@ LAUNCH = [
     "diloco-h4f2t2:epochs4",
     "diloco-h4f2t2:epochs2",
     RESUMED_DELAYED,
+    "diloco-h3:muon-epochs4",
+    "diloco-h3:muon-epochs2",
+    RESUMED_MUON,
     "diloco-h4:nan",
     "diloco-h4:val",
     # 4 steps per epoch, a round of 3: the checkpoint after 2 epochs (8 steps) is 2 steps into a round
@@ -302,6 +308,7 @@ def test_logged_bytes_are_the_bytes_of_the_all_reduced_tensors(launch):
         assert rank["logged"]["gradcomp/total_bytes_sent"] == total == rank["bytes_sent"]
         assert rank["logged"]["gradcomp/total_syncs"] == 2
     assert "gradcomp summary (DiLoCo): 8 optimizer steps, 2 syncs (0 skipped)" in output
+    assert re.search(r"8 optimizer steps, 2 syncs .*x less\); [\d.]+ ms per optimizer step\.$", output, flags=re.M)
     assert records["diloco-h4:nan"][0]["logged"]["gradcomp/total_skipped_syncs"] == 1
 
 
@@ -438,6 +445,21 @@ def test_the_overlap_merges_resume_bitwise_with_an_exchange_in_flight(launch, re
         others = [rank["others"] for rank in _saved_ranks(root, saved)]
         assert sorted(others[0]) == [0, 1]
         assert not torch.equal(others[0][0][0], others[1][0][0])
+
+
+def test_muon_inside_trains_and_resumes_bitwise_mid_round(launch):
+    """``MuonAdamW`` as the inner optimizer: one optimizer, so DiLoCo takes it; its state is each rank's own."""
+    root, _, records = launch
+    assert_same_weights(records["diloco-h3:muon-epochs4"], records[RESUMED_MUON], "resumed mid-round")
+    assert_replicas_identical(records[RESUMED_MUON])
+    ranks = _saved_ranks(root, "diloco-h3:muon-epochs2")
+    states = [rank["optimizer_states"][0]["state"] for rank in ranks]
+    kinds = [set(state) for state in states[0].values()]
+    assert kinds.count({"momentum_buffer"}) == 2, "Muon's state for the two linear weights"
+    assert kinds.count({"step", "exp_avg", "exp_avg_sq"}) == len(kinds) - 2, "AdamW's for the rest"
+    assert not torch.equal(states[0][0]["momentum_buffer"], states[1][0]["momentum_buffer"]), "each rank's own"
+    trained = records["diloco-h3:muon-epochs4"][0]["params"]
+    assert not torch.equal(trained, _flat(TinyNet().parameters()).detach())
 
 
 def test_streaming_with_overlap_trains_and_resumes_with_an_exchange_in_flight(launch):
