@@ -91,16 +91,15 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4": _diloco(sync_every=4),
     "diloco-h4f2": _diloco(sync_every=4, fragments=2),
     "diloco-h4-offload": _diloco(sync_every=4, offload=True),
-    # overlap: Streaming DiLoCo's merge with mixing factor 0 (the local work replaced) and 0.5; eager updates (the
-    # default merge), also with the exchange applied one period late (overlap_steps == sync_every / fragments)
+    # overlap: Streaming DiLoCo's merge with mixing factor 0 (the local work replaced) and 0.5 (the default); eager
+    # updates, also with the exchange applied one period late (overlap_steps == sync_every / fragments)
     "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1, merge="mix", mixing_factor=0.0),
-    "diloco-h4t1-mix": _diloco(sync_every=4, overlap_steps=1, merge="mix"),
-    "diloco-h4t1-eager": _diloco(sync_every=4, overlap_steps=1),
-    "diloco-h4t4-eager": _diloco(sync_every=4, overlap_steps=4),
+    "diloco-h4t1-mix": _diloco(sync_every=4, overlap_steps=1),
+    "diloco-h4t1-eager": _diloco(sync_every=4, overlap_steps=1, merge="eager"),
+    "diloco-h4t4-eager": _diloco(sync_every=4, overlap_steps=4, merge="eager"),
     "diloco-h4-sigterm-every-step": _diloco(sync_every=4, sigterm_check="step"),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
-    "diloco-h4f2t1-mix": _diloco(sync_every=4, fragments=2, overlap_steps=1, merge="mix", mixing_factor=0.5),
-    "diloco-h4f2t2": _diloco(sync_every=4, fragments=2, overlap_steps=2),
+    "diloco-h4f2t2": _diloco(sync_every=4, fragments=2, overlap_steps=2, merge="eager"),
     # every argument at its default but the round's length
     "diloco-h4-defaults": _diloco(sync_every=4, defaults=True),
     # with DenseWarmup(steps=W) (WARMUP_STEPS): W steps of plain data parallelism, then the rounds

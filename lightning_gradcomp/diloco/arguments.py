@@ -11,13 +11,21 @@ from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
+import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.diloco.defaults import AUTO, DEFAULT_MERGE, DEFAULT_MIXING_FACTOR, MERGES, OUTER_LR
+from lightning_gradcomp.diloco.defaults import (
+    AUTO,
+    DEFAULT_MERGE,
+    DEFAULT_MIXING_FACTOR,
+    MERGES,
+    OUTER_LR,
+    OUTER_MOMENTUM,
+)
 from lightning_gradcomp.diloco.replicas import check_replica_group
 from lightning_gradcomp.runtime.arguments import STRATEGY_KWARGS, check_strategy_kwargs, unexpected_keyword
 from lightning_gradcomp.validation import check_choice, check_int, check_number, one_line
@@ -158,16 +166,27 @@ def check_merge(overlap_steps: int, merge: Any, mixing_factor: Any) -> tuple[str
 def outer_optimizer_of(value: Any) -> tuple[Callable[[Iterable[Tensor]], Optimizer] | None, str | None]:
     """``outer_optimizer`` as a callable of the parameters, and a note when a bare optimizer class was given.
 
-    A bare class (``torch.optim.SGD``) would get torch's default lr (0.001 for SGD), with which the outer step barely
-    moves theta_global; it is taken with DiLoCo's outer lr instead, and the note says so.
+    A bare ``torch.optim.SGD`` would get torch's default lr (0.001), with which the outer step barely moves
+    theta_global; it is taken with DiLoCo's default outer settings instead, and the note says so. Another bare
+    optimizer class is refused: no default lr of ours fits every optimizer.
+
+    Raises:
+        MisconfigurationException: If ``value`` is a bare optimizer class other than SGD.
     """
-    if inspect.isclass(value) and issubclass(value, Optimizer):
+    if inspect.isclass(value) and issubclass(value, torch.optim.SGD):
+        settings = f"lr={OUTER_LR}, momentum={OUTER_MOMENTUM}, nesterov=True"
         note = (
-            f"DiLoCo: outer_optimizer={value.__name__} is a bare class: built as {value.__name__}(lr={OUTER_LR})"
-            " (DiLoCo's outer lr; torch's default lr would barely move theta_global); pass"
-            f" functools.partial({value.__module__}.{value.__name__}, lr=...) to choose its settings."
+            f"DiLoCo: outer_optimizer={value.__name__} is a bare class: built as {value.__name__}({settings})"
+            " (DiLoCo's default outer settings; torch's default lr=0.001 would barely move theta_global); pass"
+            f" functools.partial(torch.optim.{value.__name__}, lr=...) to choose."
         )
-        return partial(value, lr=OUTER_LR), note  # type: ignore[call-arg]  # every torch optimizer takes lr
+        return partial(value, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True), note
+    if inspect.isclass(value) and issubclass(value, Optimizer):
+        raise MisconfigurationException(
+            f"Expected `outer_optimizer` to be a callable with its settings, e.g."
+            f" functools.partial(torch.optim.{value.__name__}, lr=...), got the bare class {value.__name__}: its"
+            " default lr is not an outer step's."
+        )
     return value, None
 
 

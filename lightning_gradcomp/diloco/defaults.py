@@ -38,24 +38,29 @@ AUTO = "auto"
 AUTO_OUTER_STEPS = 60
 #: ``"auto"`` never makes the round longer than the paper's H
 AUTO_MAX_SYNC_EVERY = 500
-#: fewer outer steps than this in a run is warned about when fitting starts
-MIN_OUTER_STEPS = 10
+#: fewer outer steps than this in a run is warned about when fitting starts (measured: 12 outer steps ended 8 to 11 %
+#: above plain DDP, 60 about 3 %)
+MIN_OUTER_STEPS = 20
 
-#: the default outer optimizer: plain SGD (no momentum), lr 1.0 (averaging the replicas)
-OUTER_LR = 1.0
-OUTER_MOMENTUM = 0.0
+#: the default outer optimizer: Nesterov SGD, lr 0.5, momentum 0.5 (a constant pseudo-gradient is applied once per
+#: outer step at steady state, lr / (1 - momentum) = 1; measured, it never diverged where the paper's 0.7 and 0.9,
+#: and even plain averaging, did on some seeds)
+OUTER_LR = 0.5
+OUTER_MOMENTUM = 0.5
 #: DiLoCo's (arXiv 2311.08105, section 3): Nesterov SGD, lr 0.7, momentum 0.9, tuned for H = 500
 PAPER_OUTER_LR, PAPER_OUTER_MOMENTUM = 0.7, 0.9
 
-#: how a fragment's local work is merged when its overlapped exchange completes (``DiLoCo(merge=...)``)
-MERGES = ("eager", "mix")
-DEFAULT_MERGE = "eager"
+#: how a fragment's local work is merged when its overlapped exchange completes (``DiLoCo(merge=...)``); measured at
+#: H = 50, 5 fragments, 5 steps of overlap: mixing factor 0.5 ended 0.2 % above the blocking exchange, eager updates
+#: 1.8 %, mixing factor 0 diverged on one seed of three
+MERGES = ("mix", "eager")
+DEFAULT_MERGE = "mix"
 #: Streaming DiLoCo's mixing factor with ``merge="mix"`` (arXiv 2501.18512; torchft's ``fragment_update_alpha``)
 DEFAULT_MIXING_FACTOR = 0.5
 
 
 def default_outer_optimizer(params: Iterable[Tensor]) -> Optimizer:
-    """The default outer optimizer: SGD with :data:`OUTER_LR` and :data:`OUTER_MOMENTUM` (chosen by measurement)."""
+    """The default outer optimizer: Nesterov SGD with :data:`OUTER_LR` and :data:`OUTER_MOMENTUM` (measured)."""
     if OUTER_MOMENTUM:
         return torch.optim.SGD(params, lr=OUTER_LR, momentum=OUTER_MOMENTUM, nesterov=True)
     return torch.optim.SGD(params, lr=OUTER_LR)

@@ -110,14 +110,14 @@ class DiLoCo(GradcompStrategy):
             and its outer step is applied then. At most ``sync_every / fragments`` (equal: the exchange is applied
             one period late, when the next one starts: the one-outer-step delay of eager updates).
         merge: how the fragment's local work during the overlap is kept when its outer step is applied (only with
-            ``overlap_steps``). ``"eager"`` (the default; eager updates, Kale et al. 2025, arXiv 2502.12996): while
-            the exchange is in flight the fragment trains from the outer step of its own estimate of the average (its
-            own pseudo-gradient's share plus the others' from its previous exchange), and when the average arrives
-            it is moved by the difference between the true outer step and that estimate's, keeping every inner step;
-            ``"mix"`` (Streaming DiLoCo, arXiv 2501.18512): the fragment becomes
-            ``mixing_factor * local + (1 - mixing_factor) * theta_global``.
-        mixing_factor: Streaming DiLoCo's mixing factor with ``merge="mix"``, in ``[0, 1)`` (default 0.5; 0 replaces
-            the local work by theta_global, torchft's default).
+            ``overlap_steps``). ``"mix"`` (the default; Streaming DiLoCo, arXiv 2501.18512): the fragment becomes
+            ``mixing_factor * local + (1 - mixing_factor) * theta_global``. ``"eager"`` (eager updates, Kale et al.
+            2025, arXiv 2502.12996): while the exchange is in flight the fragment trains from the outer step of its
+            own estimate of the average (its own pseudo-gradient's share plus the others' from its previous
+            exchange), and when the average arrives it is moved by the difference between the true outer step and
+            that estimate's, keeping every inner step.
+        mixing_factor: Streaming DiLoCo's mixing factor with ``merge="mix"``, in ``[0, 1)`` (default 0.5, chosen by
+            measurement; 0 replaces the local work by theta_global, torchft's default).
         offload: keep theta_global and the outer optimizer's state in CPU memory.
         replica_group: two levels: dense data parallelism inside groups of ranks (their gradients averaged at every
             inner step), DiLoCo across the groups. ``"node"``: the ranks of a node; an integer: that many consecutive
