@@ -88,7 +88,7 @@ def _strategy(spec: dict) -> Any:
     from lightning_gradcomp.compressors import PowerSGD
 
     config = spec["config"]
-    if config == "ddp":
+    if config in ("ddp", "ddp-muon"):
         return DDPStrategy()
     if config == "powersgd":
         return CompressedDDP(PowerSGD(rank=4))
@@ -103,43 +103,81 @@ def _strategy(spec: dict) -> Any:
             overlap_steps=spec["overlap_steps"] if streaming else 0,
             sigterm_check=spec["sigterm_check"],
         )
-    # convergence: diloco-h<H>[-w<dense warm-up steps>][-lr<outer lr>][-m<outer momentum>][-<outer compressor>]
+    # convergence: diloco-<h<H>|auto>[-w<W>][-lr<outer lr>][-m<momentum>|-defaults][-f<F>][-t<tau>[-eager|-mix<a>]]
+    # [-<outer compressor>][-muon]
     parsed = parse_diloco_config(config)
-    outer = partial(torch.optim.SGD, lr=parsed.outer_lr, momentum=parsed.momentum, nesterov=parsed.momentum > 0)
-    return DiLoCo(sync_every=parsed.sync_every, outer_optimizer=outer, compressor=_compressor(parsed.compressor))
+    kwargs: dict[str, Any] = {"sync_every": parsed.sync_every, "compressor": _compressor(parsed.compressor)}
+    if parsed.outer_lr is not None:  # else DiLoCo's default outer optimizer
+        momentum = parsed.momentum or 0.0
+        outer = partial(torch.optim.SGD, lr=parsed.outer_lr, momentum=momentum, nesterov=momentum > 0)
+        kwargs["outer_optimizer"] = outer
+    if parsed.fragments > 1:
+        kwargs["fragments"] = parsed.fragments
+    if parsed.overlap_steps:
+        kwargs.update(overlap_steps=parsed.overlap_steps, merge=parsed.merge, mixing_factor=parsed.mixing_factor)
+    return DiLoCo(**kwargs)
 
 
 class DiLoCoConfig(NamedTuple):
-    """A convergence configuration's DiLoCo: H, the outer SGD's lr and momentum, the outer exchange's compressor,
-    and the optimizer steps of plain data parallelism (``DenseWarmup(steps=...)``) before the first round."""
+    """A convergence configuration's DiLoCo and inner optimizer (see :func:`parse_diloco_config`)."""
 
-    sync_every: int
-    outer_lr: float
-    momentum: float
+    sync_every: int | str  # an integer, or "auto"
+    outer_lr: float | None  # None: DiLoCo's default outer optimizer
+    momentum: float | None
     compressor: str  # "none" (fp32) or one of OUTER_COMPRESSORS
     warmup_steps: int  # 0: DiLoCo's rounds from the first step
+    fragments: int = 1
+    overlap_steps: int = 0
+    merge: str | None = None  # None: DiLoCo's default merge
+    mixing_factor: float | None = None
+    muon: bool = False  # the inner optimizer: Muon with AdamW (GPTLanguageModel(optimizer="muon")), else AdamW
 
 
+_NUMBER = r"[0-9]*\.?[0-9]+"
 DILOCO_CONFIG = re.compile(
-    r"diloco-h([1-9][0-9]*)(?:-w([1-9][0-9]*))?(?:-lr([0-9]*\.?[0-9]+))?(?:-m(0|0?\.[0-9]+))?"
-    r"(?:-(" + "|".join(OUTER_COMPRESSORS) + "))?"
+    r"diloco-(?:h([1-9][0-9]*)|(auto))(?:-w([1-9][0-9]*))?"
+    rf"(?:(?:-lr({_NUMBER}))?(?:-m(0|0?\.[0-9]+))?|-(defaults))"
+    r"(?:-f([1-9][0-9]*))?(?:-t([1-9][0-9]*)(?:-(eager)|-mix(0|0?\.[0-9]+))?)?"
+    r"(?:-(" + "|".join(OUTER_COMPRESSORS) + r"))?(-muon)?"
 )
 
 
 def parse_diloco_config(config: str) -> DiLoCoConfig:
-    """``diloco-h<H>[-w<warm-up steps>][-lr<outer lr>][-m<outer momentum>][-<outer compressor>]`` as a
-    ``DiLoCoConfig``; the defaults are no dense warm-up, the paper's outer Nesterov SGD, lr 0.7, momentum 0.9
-    (momentum 0 is plain SGD: lr 1.0 averages the replicas), and an uncompressed (fp32) outer exchange."""
+    """A configuration name as a ``DiLoCoConfig``.
+
+    ``diloco-<h<H>|auto>[-w<W>][-lr<outer lr>][-m<outer momentum>|-defaults][-f<F>][-t<tau>[-eager|-mix<alpha>]]``
+    ``[-<outer compressor>][-muon]``: ``auto`` is ``sync_every="auto"``; ``-w<W>``: ``DenseWarmup(steps=W)``; the outer
+    optimizer is the paper's Nesterov SGD (lr 0.7, momentum 0.9) with ``h<H>``, with the lr and momentum given
+    replacing its own (momentum 0 is plain SGD), and DiLoCo's own default with ``-defaults`` or ``auto``; ``-f``,
+    ``-t``: ``fragments`` and ``overlap_steps``, merged as DiLoCo's default merge or as named; the compressor of the
+    outer exchange (fp32 if none); ``-muon``: the inner optimizer is Muon with AdamW. ``ddp-muon`` is plain DDP with
+    that inner optimizer.
+    """
     match = DILOCO_CONFIG.fullmatch(config)
-    if match is None or float(match.group(3) or 0.7) <= 0:
+    if match is None or float(match.group(4) or 0.7) <= 0:
         raise ValueError(
-            "--configs: expected ddp or diloco-h<H>[-w<warm-up steps >= 1>][-lr<outer lr>][-m<momentum in [0, 1)>]"
-            f"[-{'|'.join(OUTER_COMPRESSORS)}], got {config!r}"
+            "--configs: expected ddp[-muon] or diloco-<h<H>|auto>[-w<warm-up steps >= 1>][-lr<outer lr>]"
+            "[-m<momentum in [0, 1)>|-defaults][-f<fragments>][-t<overlap steps>[-eager|-mix<alpha>]]"
+            f"[-{'|'.join(OUTER_COMPRESSORS)}][-muon], got {config!r}"
         )
-    sync_every, warmup, outer_lr, momentum, compressor = match.groups()
+    h, auto, warmup, outer_lr, momentum, defaults, fragments, overlap, eager, mix, compressor, muon = match.groups()
+    paper = not (auto or defaults)
     return DiLoCoConfig(
-        int(sync_every), float(outer_lr or 0.7), float(momentum or 0.9), compressor or "none", int(warmup or 0)
+        sync_every="auto" if auto else int(h),
+        outer_lr=float(outer_lr) if outer_lr else (0.7 if paper or momentum else None),
+        momentum=float(momentum) if momentum else (0.9 if paper or outer_lr else None),
+        compressor=compressor or "none",
+        warmup_steps=int(warmup or 0),
+        fragments=int(fragments or 1),
+        overlap_steps=int(overlap or 0),
+        merge="eager" if eager else ("mix" if mix is not None else None),
+        mixing_factor=float(mix) if mix is not None else None,
+        muon=bool(muon),
     )
+
+
+def _is_muon(config: str) -> bool:
+    return config == "ddp-muon" or (config.startswith("diloco-") and parse_diloco_config(config).muon)
 
 
 def _warmup(config: str) -> list:
@@ -177,7 +215,8 @@ def _fit(spec: dict, rank: int, world: int) -> dict:
     from lightning_gradcomp.tasks import GPTLanguageModel, TextDataModule
 
     pl.seed_everything(spec["seed"], verbose=False)
-    model = GPTLanguageModel(**spec["model"])
+    muon = {"optimizer": "muon", "muon_lr": spec["muon_lr"]} if _is_muon(spec["config"]) else {}
+    model = GPTLanguageModel(**spec["model"], **muon)
     clock = _make_clock()
     common: dict[str, Any] = {
         "accelerator": "cpu",
@@ -494,6 +533,7 @@ def run_convergence(args: argparse.Namespace) -> None:
             "batch_size": args.batch_size,
             "val_every": args.val_every,
             "val_batches": args.val_batches,
+            "muon_lr": args.muon_lr,
             "runs": [{"config": c, "seed": seed, "steps": args.steps} for c in args.configs],
         }
         begin = time.time()
@@ -505,23 +545,33 @@ def run_convergence(args: argparse.Namespace) -> None:
         f" x batch {args.batch_size} x {args.seq_len}, AdamW lr {args.lr}, {args.steps} steps; validation loss"
         f" ({args.val_batches} batches) at the last step, mean ± std over seeds {args.seeds}:",
         "",
-        "| configuration | final val loss | vs plain DDP | wall-clock (s) |",
-        "|---|---|---|---|",
+        "| configuration | final val loss | vs plain DDP | per seed vs its DDP | wall-clock (s) |",
+        "|---|---|---|---|---|",
     ]
-    finals: dict[str, list[float]] = {}
+    lines += convergence_rows(runs)
+    _write(args.out, "\n".join(lines), {"args": vars(args), "runs": runs})
+    _plot_convergence(runs, args.out + ".png")
+
+
+def convergence_rows(runs: list[dict]) -> list[str]:
+    """The table's rows: each configuration's final loss (mean ± std over seeds), against plain DDP's mean and per
+    seed against the same seed's plain DDP (``ddp``, or ``ddp-muon`` for a ``-muon`` configuration)."""
+    finals: dict[str, dict[int, float]] = {}
     walls: dict[str, list[float]] = {}
     for r in runs:
         if "error" not in r and r["val"]:
-            finals.setdefault(r["config"], []).append(r["val"][-1][2])
+            finals.setdefault(r["config"], {})[r["seed"]] = r["val"][-1][2]
             walls.setdefault(r["config"], []).append(r["val"][-1][1])
-    ddp = statistics.mean(finals["ddp"]) if "ddp" in finals else None
-    for config, values in finals.items():
+    rows = []
+    for config, by_seed in finals.items():
+        values = list(by_seed.values())
         mean = statistics.mean(values)
         std = statistics.stdev(values) if len(values) > 1 else 0.0
-        rel = f"{100 * (mean / ddp - 1):+.1f} %" if ddp else ""
-        lines.append(f"| {config} | {mean:.4f} ± {std:.4f} | {rel} | {statistics.mean(walls[config]):.0f} |")
-    _write(args.out, "\n".join(lines), {"args": vars(args), "runs": runs})
-    _plot_convergence(runs, args.out + ".png")
+        baseline = finals.get("ddp-muon" if config.endswith("muon") and "ddp-muon" in finals else "ddp", {})
+        rel = f"{100 * (mean / statistics.mean(baseline.values()) - 1):+.1f} %" if baseline else ""
+        seeds = ", ".join(f"{100 * (v / baseline[k] - 1):+.1f}" for k, v in by_seed.items() if k in baseline)
+        rows.append(f"| {config} | {mean:.4f} ± {std:.4f} | {rel} | {seeds} | {statistics.mean(walls[config]):.0f} |")
+    return rows
 
 
 def _plot_convergence(runs: list[dict], path: str) -> None:
@@ -624,7 +674,8 @@ def main() -> None:
     conv.add_argument("--n-embd", type=int, default=128)
     conv.add_argument("--seq-len", type=int, default=64)
     conv.add_argument("--batch-size", type=int, default=16)
-    conv.add_argument("--lr", type=float, default=3e-3)
+    conv.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak lr (with -muon: of the non-matrices)")
+    conv.add_argument("--muon-lr", type=float, default=0.02, help="Muon's peak lr in the -muon configurations")
     conv.add_argument("--lr-warmup", type=int, default=40)
     conv.add_argument(
         "--out", default=os.path.join(HERE, "results", "diloco_convergence"), help="writes OUT.md, OUT.json, OUT.png"
@@ -638,7 +689,7 @@ def main() -> None:
         if args.workers < 1:
             parser.error(f"--workers: expected an integer >= 1, got {args.workers}")
         for config in args.configs:
-            if config != "ddp":
+            if config not in ("ddp", "ddp-muon"):
                 try:
                     parse_diloco_config(config)
                 except ValueError as error:

@@ -36,6 +36,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 import lightning_gradcomp
 from lightning_gradcomp import callbacks, compressors, tasks  # noqa: F401  (registers short class names)
+from lightning_gradcomp.auto.measure import outer_costs, outer_payloads
 from lightning_gradcomp.auto.report import advice, plot_speedup
 from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
 from lightning_gradcomp.auto.timeline import plan_greedy
@@ -320,10 +321,12 @@ class _AdviseReport(Callback):
             print("lightning-gradcomp advise: the run ended before the calibration finished", flush=True)
             return
         names, options = list(auto.candidates), auto.model_options
-        print(
-            "\n" + advice(auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, **options),
-            flush=True,
+        numel = sum(b.numel for b in auto.buckets)
+        outer = outer_costs(numel, trainer.world_size, outer_payloads())
+        report = advice(
+            auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, **options, outer=outer
         )
+        print("\n" + report, flush=True)
         plan = plan_greedy(auto.buckets, names, auto.link, auto.timing, auto.margin, **options)  # at the measured link
         print(
             "\n"

@@ -51,13 +51,21 @@ from lightning_gradcomp.compressors import (
     SparseLoCo,
     TopK,
 )
+from lightning_gradcomp.optim import MuonAdamW, muon_param_groups
 from lightning_gradcomp.optim.fused import FusedSGD
 from tests.distributed import child_env, free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
 
+#: the paper's outer optimizer (Nesterov SGD, lr 0.7, momentum 0.9), which the references compute: its momentum carries
+#: state across rounds and through a resume
+PAPER_OUTER = partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)
+
 
 def _diloco(**fixed: Any) -> Callable[..., DDPStrategy]:
-    """A DiLoCo factory that drops the DistributedDataParallel arguments of a variant (DiLoCo does not wrap in DDP)."""
+    """A DiLoCo factory with the paper's outer optimizer unless ``fixed`` names one (``defaults=True``: DiLoCo's own
+    defaults), dropping the DistributedDataParallel arguments of a variant (DiLoCo does not wrap in DDP)."""
+    if not fixed.pop("defaults", False):
+        fixed.setdefault("outer_optimizer", PAPER_OUTER)
     return lambda **kwargs: DiLoCo(**fixed, **{k: v for k, v in kwargs.items() if k != "bucket_cap_mb"})
 
 
@@ -83,9 +91,17 @@ STRATEGIES: dict[str, Callable[..., DDPStrategy]] = {
     "diloco-h4": _diloco(sync_every=4),
     "diloco-h4f2": _diloco(sync_every=4, fragments=2),
     "diloco-h4-offload": _diloco(sync_every=4, offload=True),
-    "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1),
+    # overlap: Streaming DiLoCo's merge with mixing factor 0 (the local work replaced) and 0.5 (the default); eager
+    # updates, also with the exchange applied one period late (overlap_steps == sync_every / fragments)
+    "diloco-h4t1": _diloco(sync_every=4, overlap_steps=1, merge="mix", mixing_factor=0.0),
+    "diloco-h4t1-mix": _diloco(sync_every=4, overlap_steps=1),
+    "diloco-h4t1-eager": _diloco(sync_every=4, overlap_steps=1, merge="eager"),
+    "diloco-h4t4-eager": _diloco(sync_every=4, overlap_steps=4, merge="eager"),
     "diloco-h4-sigterm-every-step": _diloco(sync_every=4, sigterm_check="step"),
     "diloco-h4f2t1": _diloco(sync_every=4, fragments=2, overlap_steps=1),
+    "diloco-h4f2t2": _diloco(sync_every=4, fragments=2, overlap_steps=2, merge="eager"),
+    # every argument at its default but the round's length
+    "diloco-h4-defaults": _diloco(sync_every=4, defaults=True),
     # with DenseWarmup(steps=W) (WARMUP_STEPS): W steps of plain data parallelism, then the rounds
     "diloco-h2-w3": _diloco(sync_every=2),
     "diloco-h3-w7": _diloco(sync_every=3),
@@ -210,6 +226,16 @@ class ScheduledNet(TinyNet):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class MuonNet(TinyNet):
+    """``_small_data``'s TinyNet whose one optimizer is MuonAdamW: Muon on the two linear weights, AdamW on the rest."""
+
+    def __init__(self) -> None:
+        super().__init__(n=64, batch_size=8)
+
+    def configure_optimizers(self) -> Any:
+        return MuonAdamW(muon_param_groups(self), lr=0.02, adamw_lr=1e-3)
+
+
 # epochs of _small_data, saving DIRPATH/RUN/last.ckpt at each epoch's end; tiny buckets so that the model spans
 # several, and DDP's layout after a resume (one bucket, then rebuilt) differs from an uninterrupted run's
 _EPOCHS = {"max_steps": -1, "enable_checkpointing": True}
@@ -237,6 +263,8 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "val": (ValNet, {"max_steps": 8, "val_check_interval": 3, "num_sanity_val_steps": 0}, {}, False),
     "epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2}, _BUCKETS, False),
     "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
+    "muon-epochs2": (MuonNet, {**_EPOCHS, "max_epochs": 2}, _BUCKETS, False),
+    "muon-epochs4": (MuonNet, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),
     "bf16-epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2, "precision": "bf16-true"}, _BUCKETS, False),
     "bf16-epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4, "precision": "bf16-true"}, _BUCKETS, False),
     # ScheduledNet for 4 epochs: torch's SGD; FusedSGD; FusedSGD keeping every epoch's checkpoint, its learning rate

@@ -87,14 +87,23 @@ def test_diloco_benchmark_reads_its_outer_optimizer_and_warmup_from_the_config_n
     from benchmarks.diloco import _warmup, parse_diloco_config
     from lightning_gradcomp.callbacks import DenseWarmup
 
-    assert parse_diloco_config("diloco-h50") == (50, 0.7, 0.9, "none", 0)  # the paper's outer Nesterov SGD, fp32
-    assert parse_diloco_config("diloco-h20-lr1.0-m0") == (20, 1.0, 0.0, "none", 0)
-    assert parse_diloco_config("diloco-h50-lr0.5") == (50, 0.5, 0.9, "none", 0)
-    assert parse_diloco_config("diloco-h50-m0.5") == (50, 0.7, 0.5, "none", 0)
-    assert parse_diloco_config("diloco-h50-minmax8") == (50, 0.7, 0.9, "minmax8", 0)
-    assert parse_diloco_config("diloco-h50-lr0.7-m0.5-sparseloco") == (50, 0.7, 0.5, "sparseloco", 0)
-    assert parse_diloco_config("diloco-h50-w100") == (50, 0.7, 0.9, "none", 100)
-    assert parse_diloco_config("diloco-h50-w50-lr1.0-m0-minmax4") == (50, 1.0, 0.0, "minmax4", 50)
+    def head(config: str) -> tuple:
+        return tuple(parse_diloco_config(config)[:5])
+
+    assert head("diloco-h50") == (50, 0.7, 0.9, "none", 0)  # the paper's outer Nesterov SGD, fp32
+    assert head("diloco-h20-lr1.0-m0") == (20, 1.0, 0.0, "none", 0)
+    assert head("diloco-h50-lr0.5") == (50, 0.5, 0.9, "none", 0)
+    assert head("diloco-h50-m0.5") == (50, 0.7, 0.5, "none", 0)
+    assert head("diloco-h50-minmax8") == (50, 0.7, 0.9, "minmax8", 0)
+    assert head("diloco-h50-lr0.7-m0.5-sparseloco") == (50, 0.7, 0.5, "sparseloco", 0)
+    assert head("diloco-h50-w100") == (50, 0.7, 0.9, "none", 100)
+    assert head("diloco-h50-w50-lr1.0-m0-minmax4") == (50, 1.0, 0.0, "minmax4", 50)
+    # DiLoCo's own defaults, the round "auto", the overlap and its merge, Muon inside
+    assert head("diloco-h50-defaults") == (50, None, None, "none", 0)
+    assert head("diloco-auto") == ("auto", None, None, "none", 0)
+    assert parse_diloco_config("diloco-h50-defaults-f5-t10-mix0.5-minmax8-muon")[5:] == (5, 10, "mix", 0.5, True)
+    assert parse_diloco_config("diloco-h50-f5-t10-eager")[5:] == (5, 10, "eager", None, False)
+    assert parse_diloco_config("diloco-h50-t10")[5:] == (1, 10, None, None, False)
     (warmup,) = _warmup("diloco-h50-w30-m0.5")
     assert isinstance(warmup, DenseWarmup)
     assert (warmup.unit, warmup.length) == ("steps", 30)
@@ -114,8 +123,12 @@ def test_diloco_benchmark_reads_its_outer_optimizer_and_warmup_from_the_config_n
         "diloco-h50-w1.5",
         "diloco-h50-m0.5-w50",
         "diloco-h50-w-5",
+        "diloco-h50-defaults-lr1",
+        "diloco-h50-eager",
+        "diloco-h50-t5-mix1.0",
+        "diloco-h50-muon-minmax8",
     ):
-        with pytest.raises(ValueError, match=f"--configs: expected ddp or diloco-h<H>.*got '{bad}'"):
+        with pytest.raises(ValueError, match=f"--configs: expected ddp.* or diloco-<h<H>.*got '{bad}'"):
             parse_diloco_config(bad)
     run = subprocess.run(
         [sys.executable, "benchmarks/diloco.py", "convergence", "--configs", "ddp", "diloco-h50-m2"],

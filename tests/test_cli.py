@@ -236,6 +236,13 @@ def test_advise_measures_a_few_steps_and_prints_the_prediction_and_the_recommend
         assert f"recommendation at {label}: " in out
     assert re.search(r"^\| H=100 8-bit \|( [\d.]+ \|){5}$", out, flags=re.M), "DiLoCo's rows"
     assert "Periodic synchronization" in out
+    # DiLoCo's compute utilisation by payload and schedule, and the constructor to paste, which builds
+    assert re.search(r"^\| 8-bit \| one-step delay \|( \d+ % \|){4}$", out, flags=re.M), out[-3000:]
+    call = re.search(r"^    trainer = Trainer\(\.\.\., strategy=(DiLoCo\(.*\))\)$", out, flags=re.M)[1]
+    from lightning_gradcomp import DiLoCo
+    from lightning_gradcomp.compressors import MinMax, SparseLoCo
+
+    assert isinstance(eval(call, {"DiLoCo": DiLoCo, "MinMax": MinMax, "SparseLoCo": SparseLoCo}), DiLoCo)
     measured = re.search(r"^recommendation at measured: (.*);", out, flags=re.M)[1]
     if measured.startswith("plain DDP"):
         assert "Plain DDP is the fastest here" in out

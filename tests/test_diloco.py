@@ -7,6 +7,7 @@ reference DiLoCo is computed in the test process, from the same data, model and 
 
 import copy
 import os
+import re
 import shutil
 from functools import partial
 
@@ -19,6 +20,7 @@ from torch.utils.data import DistributedSampler
 
 from lightning_gradcomp import DiLoCo
 from lightning_gradcomp.compressors import Identity
+from lightning_gradcomp.diloco.defaults import auto_sync_every
 from lightning_gradcomp.diloco.replicas import group_size
 from lightning_gradcomp.diloco.round import split_fragments
 from lightning_gradcomp.runtime.rank_state import load_rank_state, rank_state_dir
@@ -28,6 +30,11 @@ from tests.models import TinyNet, synthetic_classification
 RESUMED = "diloco-h3:epochs4+diloco-h3:epochs2"
 # the checkpoint after 8 steps holds fragment 1's exchange in flight
 RESUMED_IN_FLIGHT = "diloco-h4f2t1:epochs4+diloco-h4f2t1:epochs2"
+# eager updates applied one period late (in flight at every step: the checkpoint after 8 steps holds fragment 1's
+# exchange, sent at step 8)
+RESUMED_DELAYED = "diloco-h4f2t2:epochs4+diloco-h4f2t2:epochs2"
+# Muon inside (MuonAdamW, one optimizer): resumed 2 steps into a round, with each rank's Muon and AdamW state
+RESUMED_MUON = "diloco-h3:muon-epochs4+diloco-h3:muon-epochs2"
 # a checkpoint with compressor residuals, saved on 2, 3 and 4 processes: rank 0's file must not grow
 SIZED = "diloco-h4-sparseloco:epochs2"
 LAUNCH = [
@@ -45,6 +52,17 @@ LAUNCH = [
     "diloco-h4f2t1:epochs4",
     "diloco-h4f2t1:epochs2",
     RESUMED_IN_FLIGHT,
+    "diloco-h4t1-mix:steps8",
+    "diloco-h4t1-eager:steps6",
+    "diloco-h4t1-eager:steps8",
+    "diloco-h4t4-eager:steps8",
+    "diloco-h4-defaults:steps8",
+    "diloco-h4f2t2:epochs4",
+    "diloco-h4f2t2:epochs2",
+    RESUMED_DELAYED,
+    "diloco-h3:muon-epochs4",
+    "diloco-h3:muon-epochs2",
+    RESUMED_MUON,
     "diloco-h4:nan",
     "diloco-h4:val",
     # 4 steps per epoch, a round of 3: the checkpoint after 2 epochs (8 steps) is 2 steps into a round
@@ -78,18 +96,37 @@ def launch(tmp_path_factory):
     return root, output, records
 
 
+def _nesterov(theta: torch.Tensor, buf: torch.Tensor | None, g: torch.Tensor, lr: float, mu: float) -> torch.Tensor:
+    """Where one step of Nesterov SGD (torch's convention: the buffer starts as the first gradient) takes ``theta``."""
+    buf = g.clone() if buf is None else mu * buf + g
+    return theta - lr * (g + mu * buf)
+
+
 def reference_diloco(
-    world_size: int, sync_every: int, steps: int, sign: float = 1.0, overlap: int = 0, group: int = 1, warmup: int = 0
+    world_size: int,
+    sync_every: int,
+    steps: int,
+    sign: float = 1.0,
+    overlap: int = 0,
+    group: int = 1,
+    warmup: int = 0,
+    merge: str = "mix",
+    alpha: float = 0.0,
+    outer_lr: float = 0.7,
+    outer_momentum: float = 0.9,
 ) -> list[torch.Tensor]:
     """DiLoCo by hand: theta_global after ``steps`` steps (a partial last round ends with an outer step).
 
     TinyNet's inner SGD on each rank's shard (as Lightning's DistributedSampler deals it), the mean of
-    ``sign * (theta_global - theta_local)``, outer Nesterov SGD. Written from the paper's Algorithm 1, independently
-    of the strategy's code. ``overlap``: the mean is applied that many inner steps after it was taken, and replaces
-    the replicas' parameters then (Streaming DiLoCo with one fragment and mixing factor 0). ``group``: consecutive
-    ranks per replica, whose inner step takes the mean of their shards' gradients (dense data parallelism).
-    ``warmup``: the first steps take the mean of every rank's gradient (plain data parallelism); the rounds start
-    from the weights they end with, with a fresh outer optimizer.
+    ``sign * (theta_global - theta_local)``, outer SGD (Nesterov when ``outer_momentum`` is above 0). Written from the
+    paper's Algorithm 1, independently of the strategy's code. ``overlap``: the mean is applied that many inner steps
+    after it was taken (one fragment), and the replicas merge then: ``merge="mix"`` (Streaming DiLoCo) sets each to
+    ``alpha * local + (1 - alpha) * theta_global``; ``merge="eager"`` (eager updates) sets each, as the exchange
+    starts, to the outer step of its estimate of the mean (its own pseudo-gradient over the replicas plus the others'
+    of the previous exchange), and moves it by the true step minus that one when the mean arrives. ``group``:
+    consecutive ranks per replica, whose inner step takes the mean of their shards' gradients (dense data
+    parallelism). ``warmup``: the first steps take the mean of every rank's gradient (plain data parallelism); the
+    rounds start from the weights they end with, with a fresh outer optimizer.
     """
     model = TinyNet()
     data = synthetic_classification(model.n)
@@ -101,28 +138,64 @@ def reference_diloco(
     replicas = [copy.deepcopy(model) for _ in range(world_size)]
     inner = [torch.optim.SGD(m.parameters(), lr=model.lr, momentum=0.9) for m in replicas]
     theta = [p.detach().clone() for p in model.parameters()]
-    outer = torch.optim.SGD(theta, lr=0.7, momentum=0.9, nesterov=True)
+    nesterov = outer_momentum > 0
+    outer = torch.optim.SGD(theta, lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+    others = [[torch.zeros_like(g) for g in theta] for _ in replicas]  # eager: the others' previous shares
+    own_deltas: list[list[torch.Tensor]] = []  # eager: each replica's pseudo-gradient in flight
+    proxies: list[list[torch.Tensor]] = []  # eager: where each replica was placed as the exchange started
+
+    def deltas() -> list[list[torch.Tensor]]:
+        return [[sign * (g - p.detach()) for g, p in zip(theta, m.parameters())] for m in replicas]
 
     def exchange() -> list[torch.Tensor]:
-        return [
-            sum(sign * (g - list(m.parameters())[i].detach()) / world_size for m in replicas)
-            for i, g in enumerate(theta)
-        ]
+        return [sum(d[i] for d in deltas()) / world_size for i in range(len(theta))]
 
-    def apply(mean: list[torch.Tensor]) -> None:
+    def estimate_step(r: int) -> list[torch.Tensor]:
+        """Replica ``r``'s eager estimate of the mean, stepped by a copy of the outer optimizer."""
+        out = []
+        for i, g in enumerate(theta):
+            estimate = own_deltas[r][i] / world_size + others[r][i]
+            if nesterov:
+                out.append(_nesterov(g, outer.state[g].get("momentum_buffer"), estimate, outer_lr, outer_momentum))
+            else:
+                out.append(g - outer_lr * estimate)
+        return out
+
+    def start() -> list[torch.Tensor]:
+        own_deltas[:] = deltas()
+        mean = [sum(d[i] for d in own_deltas) / world_size for i in range(len(theta))]
+        if overlap and merge == "eager":
+            proxies[:] = [estimate_step(r) for r in range(len(replicas))]
+            with torch.no_grad():
+                for m, proxy in zip(replicas, proxies):
+                    for p, value in zip(m.parameters(), proxy):
+                        p.copy_(value)
+        return mean
+
+    def apply(mean: list[torch.Tensor], in_flight: int = 0) -> bool:
+        """The outer step on ``mean``, then each replica's merge; whether the replicas kept local work."""
         for g, d in zip(theta, mean):
-            g.grad = d
+            g.grad = d.clone()
         outer.step()
         buffers = [[b for b in m.buffers() if b.is_floating_point()] for m in replicas]
         mean_buffers = [sum(bs) / world_size for bs in zip(*buffers)]
+        keep = in_flight > 0 and (merge == "eager" or alpha > 0)
         with torch.no_grad():
-            for m, own in zip(replicas, buffers):
-                for p, g in zip(m.parameters(), theta):
-                    p.copy_(g)
-                for b, mean in zip(own, mean_buffers):
-                    b.copy_(mean)
+            for r, (m, own) in enumerate(zip(replicas, buffers)):
+                for i, (p, g) in enumerate(zip(m.parameters(), theta)):
+                    if merge == "eager" and overlap:
+                        others[r][i] = mean[i] - own_deltas[r][i] / world_size
+                    if not keep:
+                        p.copy_(g)
+                    elif merge == "eager":
+                        p.add_(g - proxies[r][i])
+                    else:
+                        p.copy_(alpha * p + (1 - alpha) * g)
+                for b, value in zip(own, mean_buffers):
+                    b.copy_(value)
+        return keep
 
-    pending, since_applied = None, 0  # (the mean in flight, steps until applied); inner steps since the last apply
+    pending, since_applied = None, 0  # (the mean in flight, step applied, step sent); inner steps since an apply
     for step in range(steps):
         dense = step < warmup
         for m, optimizer, own in zip(replicas, inner, shards_of):
@@ -138,17 +211,18 @@ def reference_diloco(
             continue
         since_applied += 1
         if pending is not None and step + 1 == pending[1]:
-            apply(pending[0])
-            pending, since_applied = None, 0
+            kept = apply(pending[0], overlap)
+            pending, since_applied = None, 1 if kept else 0
         if (step + 1 - warmup) % sync_every == 0:
-            pending = (exchange(), step + 1 + overlap)
+            pending = (start(), step + 1 + overlap, step + 1)
             if not overlap:
                 apply(pending[0])
                 pending, since_applied = None, 0
     if pending is not None:
-        apply(pending[0])
-        since_applied = 0
+        kept = apply(pending[0], steps - pending[2])
+        since_applied = 1 if kept else 0
     if since_applied:
+        own_deltas[:] = deltas()
         apply(exchange())
     return theta
 
@@ -230,6 +304,7 @@ def test_logged_bytes_are_the_bytes_of_the_all_reduced_tensors(launch):
         assert rank["logged"]["gradcomp/total_bytes_sent"] == total == rank["bytes_sent"]
         assert rank["logged"]["gradcomp/total_syncs"] == 2
     assert "gradcomp summary (DiLoCo): 8 optimizer steps, 2 syncs (0 skipped)" in output
+    assert re.search(r"8 optimizer steps, 2 syncs .*x less\); [\d.]+ ms per optimizer step\.$", output, flags=re.M)
     assert records["diloco-h4:nan"][0]["logged"]["gradcomp/total_skipped_syncs"] == 1
 
 
@@ -315,6 +390,72 @@ def test_an_overlapped_exchange_matches_diloco_computed_by_hand(launch):
     assert_replicas_identical(ours)
     # the exchange is sent at steps 4 and 8 and applied at step 5 (buffers averaged) and at the end of fit
     assert [s["collectives"] > 0 for s in ours[0]["steps"]] == [False, False, False, True, True, False, False, True]
+
+
+@pytest.mark.parametrize(
+    ("run", "steps", "reference"),
+    [
+        ("diloco-h4t1-mix:steps8", 8, {"overlap": 1, "merge": "mix", "alpha": 0.5}),
+        ("diloco-h4t1-eager:steps8", 8, {"overlap": 1, "merge": "eager"}),
+        ("diloco-h4t1-eager:steps6", 6, {"overlap": 1, "merge": "eager"}),  # the last round's work kept, then synced
+        ("diloco-h4t4-eager:steps8", 8, {"overlap": 4, "merge": "eager"}),  # one outer step late
+    ],
+)
+def test_the_overlap_merges_match_diloco_computed_by_hand(launch, run, steps, reference):
+    """Streaming DiLoCo's mixing factor and eager updates keep the local work of the steps taken in flight."""
+    _, _, records = launch
+    ours = records[run]
+    expected = _flat(reference_diloco(2, 4, steps, **reference))
+    torch.testing.assert_close(ours[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    replaced = _flat(reference_diloco(2, 4, steps, overlap=reference["overlap"]))  # mixing factor 0
+    assert (ours[0]["params"] - replaced).abs().max() > 1e-4, "the reference can tell the merge"
+    assert_replicas_identical(ours)
+    if reference["merge"] == "eager":  # in flight, each rank trains from its own estimate's outer step
+        step = ours[0]["steps"][4]
+        assert not torch.equal(step["params"], ours[1]["steps"][4]["params"])
+
+
+def test_every_default_but_the_round_matches_diloco_computed_by_hand(launch):
+    """``DiLoCo(sync_every=4)``: the default outer optimizer, Nesterov SGD with lr 0.5 and momentum 0.5."""
+    _, output, records = launch
+    ours = records["diloco-h4-defaults:steps8"]
+    expected = _flat(reference_diloco(2, 4, 8, outer_lr=0.5, outer_momentum=0.5))
+    torch.testing.assert_close(ours[0]["params"], expected, rtol=1e-5, atol=1e-6)
+    assert (ours[0]["params"] - _flat(reference_diloco(2, 4, 8))).abs().max() > 1e-4, "not the paper's"
+    assert "every 4 optimizer steps (outer optimizer SGD(lr=0.5, momentum=0.5, nesterov=True))" in output
+
+
+@pytest.mark.parametrize(
+    ("resumed", "uninterrupted", "saved", "pending"),
+    [
+        (RESUMED_IN_FLIGHT, "diloco-h4f2t1:epochs4", "diloco-h4f2t1:epochs2", {"fragment": 1, "remaining": 1}),
+        (RESUMED_DELAYED, "diloco-h4f2t2:epochs4", "diloco-h4f2t2:epochs2", {"fragment": 1, "remaining": 2}),
+    ],
+)
+def test_the_overlap_merges_resume_bitwise_with_an_exchange_in_flight(launch, resumed, uninterrupted, saved, pending):
+    root, _, records = launch
+    assert_same_weights(records[uninterrupted], records[resumed], "resumed in flight")
+    assert_replicas_identical(records[resumed])
+    assert _saved(root, saved)["diloco"]["outer"]["pending"] == pending
+    if "t2" in saved:  # eager: each rank's estimate of the others' shares is its own, saved in its file
+        others = [rank["others"] for rank in _saved_ranks(root, saved)]
+        assert sorted(others[0]) == [0, 1]
+        assert not torch.equal(others[0][0][0], others[1][0][0])
+
+
+def test_muon_inside_trains_and_resumes_bitwise_mid_round(launch):
+    """``MuonAdamW`` as the inner optimizer: one optimizer, so DiLoCo takes it; its state is each rank's own."""
+    root, _, records = launch
+    assert_same_weights(records["diloco-h3:muon-epochs4"], records[RESUMED_MUON], "resumed mid-round")
+    assert_replicas_identical(records[RESUMED_MUON])
+    ranks = _saved_ranks(root, "diloco-h3:muon-epochs2")
+    states = [rank["optimizer_states"][0]["state"] for rank in ranks]
+    kinds = [set(state) for state in states[0].values()]
+    assert kinds.count({"momentum_buffer"}) == 2, "Muon's state for the two linear weights"
+    assert kinds.count({"step", "exp_avg", "exp_avg_sq"}) == len(kinds) - 2, "AdamW's for the rest"
+    assert not torch.equal(states[0][0]["momentum_buffer"], states[1][0]["momentum_buffer"]), "each rank's own"
+    trained = records["diloco-h3:muon-epochs4"][0]["params"]
+    assert not torch.equal(trained, _flat(TinyNet().parameters()).detach())
 
 
 def test_streaming_with_overlap_trains_and_resumes_with_an_exchange_in_flight(launch):
@@ -553,10 +694,92 @@ def test_one_process_matches_the_reference(in_process_ddp, tmp_path):
     _assert_matches_reference([torch.load(tmp_path / "diloco-h2-steps6" / "rank0.pt", weights_only=False)], 1)
 
 
-def test_registered_by_name():
+def _trainer(tmp_path, strategy, **kwargs) -> Trainer:
+    return Trainer(
+        **{
+            "strategy": strategy,
+            "accelerator": "cpu",
+            "devices": 1,
+            "max_steps": 1,
+            "logger": False,
+            "enable_checkpointing": False,
+            "enable_progress_bar": False,
+            "enable_model_summary": False,
+            "default_root_dir": tmp_path,
+            **kwargs,
+        }
+    )
+
+
+def test_registered_by_name_with_sync_every_auto_from_the_run(in_process_ddp, tmp_path, caplog):
+    """``strategy="diloco"``: H is chosen when fitting starts, about 60 outer steps over the run (120 steps: H = 2);
+    one process is warned about (nothing to average), and the setup line says what was chosen."""
+    import logging
+
     trainer = Trainer(strategy="diloco", accelerator="cpu", devices=2, logger=False)
     assert isinstance(trainer.strategy, DiLoCo)
-    assert trainer.strategy.sync_every == 500
+    assert trainer.strategy.sync_every == "auto"
+    trainer = _trainer(tmp_path, "diloco", max_steps=120, max_epochs=-1)
+    with caplog.at_level(logging.INFO), pytest.warns(UserWarning, match="DiLoCo: 1 replica .* nothing is averaged"):
+        trainer.fit(TinyNet())
+    assert trainer.strategy.sync_every == 2
+    assert trainer.strategy.outer_state.syncs == 60
+    assert "synced every 2 ('auto') optimizer steps (outer optimizer SGD(lr=0.5, momentum=0.5, nesterov=True))" in (
+        caplog.text
+    )
+
+
+@pytest.mark.parametrize(("total", "expected"), [(60, 1), (600, 10), (6000, 100), (10**6, 500), (float("inf"), 500)])
+def test_auto_gives_about_60_outer_steps_and_at_most_the_papers_round(total, expected):
+    assert auto_sync_every(total) == expected
+    assert auto_sync_every(total, fragments=4) % 4 == 0
+    assert auto_sync_every(600, fragments=3, overlap_steps=7) == 21, "a period of at least the overlap"
+
+
+def test_a_run_with_few_outer_steps_is_warned_before_it_starts(in_process_ddp, tmp_path):
+    """``sync_every=500`` in a 4-step run: no outer step before the end; the warning names the fix."""
+    trainer = _trainer(tmp_path, DiLoCo(sync_every=500), max_steps=4, max_epochs=-1)
+    message = r"sync_every=500 gives 0 outer steps and a partial one at the end in this run's 4 optimizer steps"
+    message += r" \(fewer than 20\): validation and checkpoints hold the starting weights until the end"
+    with pytest.warns(UserWarning, match=message + r".*use sync_every='auto' \(H=1 here\)"):
+        trainer.fit(TinyNet())
+
+
+def test_a_bare_sgd_class_is_taken_with_diloco_outer_settings_and_said(in_process_ddp, tmp_path):
+    strategy = DiLoCo(sync_every=1, outer_optimizer=torch.optim.SGD)
+    built = r"built as SGD\(lr=0.5, momentum=0.5, nesterov=True\) \(DiLoCo's default outer settings"
+    with pytest.warns(UserWarning, match=r"outer_optimizer=SGD is a bare class: " + built):
+        _trainer(tmp_path, strategy).fit(TinyNet())
+    group = strategy.outer_state.optimizer.param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == (0.5, 0.5, True)
+
+
+def test_an_outer_lr_too_small_to_train_is_warned_about(in_process_ddp, tmp_path):
+    """What LightningCLI builds from ``class_path: torch.optim.SGD`` without ``init_args``: torch's lr 0.001."""
+    strategy = DiLoCo(sync_every=1, outer_optimizer=partial(torch.optim.SGD))
+    with pytest.warns(UserWarning, match="the outer optimizer's lr is 0.001: .* barely trains"):
+        _trainer(tmp_path, strategy).fit(TinyNet())
+
+
+def test_validating_a_mid_round_checkpoint_says_its_weights_are_the_last_syncs(in_process_ddp, tmp_path, caplog):
+    """A checkpoint 2 steps into a round of 4: ``validate`` evaluates theta_global of the last sync, and says so; so
+    does the validation during ``fit`` that runs mid-round (after steps 3 and 6), once."""
+    import logging
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.fit_worker import ValNet
+
+    saving = ModelCheckpoint(dirpath=tmp_path, filename="last")
+    kwargs = {"max_steps": 6, "max_epochs": -1, "val_check_interval": 3, "callbacks": [saving]}
+    trainer = _trainer(tmp_path, DiLoCo(sync_every=4), enable_checkpointing=True, **kwargs)
+    with caplog.at_level(logging.INFO):
+        trainer.fit(ValNet())
+        assert caplog.text.count("validation runs on theta_global of the last sync") == 1, "once per fit"
+        assert "validation runs on theta_global of the last sync (3 inner steps ago)" in caplog.text
+        caplog.clear()
+        _trainer(tmp_path, DiLoCo(sync_every=4)).validate(ValNet(), ckpt_path=str(tmp_path / "last.ckpt"))
+    assert "this checkpoint was saved 2 inner steps into a round: its weights are theta_global" in caplog.text
 
 
 @pytest.mark.parametrize(
@@ -564,8 +787,22 @@ def test_registered_by_name():
     [
         ({"sync_every": 0}, "Expected `sync_every` to be an integer >= 1, got 0."),
         ({"sync_every": 4, "fragments": 3}, "divides `sync_every` (4), got 3."),
-        ({"sync_every": 4, "fragments": 2, "overlap_steps": 2}, "`overlap_steps` to be an integer in [0, 1], got 2"),
+        ({"sync_every": 4, "fragments": 2, "overlap_steps": 3}, "`overlap_steps` to be an integer in [0, 2], got 3"),
+        ({"sync_every": "often"}, "Expected `sync_every` to be an integer >= 1 or 'auto', got 'often'."),
         ({"outer_optimizer": 0.7}, "Expected `outer_optimizer` to be a callable"),
+        ({"outer_optimizer": torch.optim.Adam}, "got the bare class Adam: its default lr is not an outer step's."),
+        (
+            {"outer_optimizer": torch.optim.SGD([torch.zeros(1)], lr=0.7)},
+            "got an optimizer instance, SGD, built over other tensors.",
+        ),
+        ({"merge": "eager"}, "Expected `overlap_steps` >= 1 with `merge`"),
+        ({"mixing_factor": 0.5}, "Expected `overlap_steps` >= 1 with `mixing_factor`"),
+        ({"overlap_steps": 1, "merge": "eager", "mixing_factor": 0.5}, "Expected `merge='mix'` with `mixing_factor`"),
+        ({"overlap_steps": 1, "merge": "average"}, "Expected `merge` to be one of 'mix', 'eager', got 'average'."),
+        (
+            {"overlap_steps": 1, "merge": "mix", "mixing_factor": 1.0},
+            "Expected `mixing_factor` to be a finite number in [0, 1), got 1.0.",
+        ),
         ({"offload": 1}, "Expected `offload` to be True or False, got 1."),
         ({"sigterm_check": "never"}, "Expected `sigterm_check` to be one of 'sync', 'step', got 'never'."),
         ({"bucket_cap_mb": 25}, "DiLoCo does not accept `bucket_cap_mb`=25"),
@@ -604,7 +841,7 @@ def test_more_than_one_optimizer_is_refused_when_fitting_starts(in_process_ddp, 
         enable_progress_bar=False,
         default_root_dir=tmp_path,
     )
-    with pytest.raises(MisconfigurationException, match="DiLoCo steps one inner optimizer; .* returned 2"):
+    with pytest.raises(MisconfigurationException, match="returned 2: return one optimizer with a parameter group"):
         trainer.fit(TwoOptimizers())
 
 

@@ -28,7 +28,7 @@ def test_recipe_parses_and_instantiates(path, monkeypatch, tmp_path):
     strategy = config["trainer"]["strategy"]
     if strategy["class_path"].endswith("DiLoCo"):
         assert isinstance(cli.trainer.strategy, DiLoCo)
-        assert cli.trainer.strategy.sync_every == strategy["init_args"]["sync_every"]
+        assert cli.trainer.strategy.sync_every == strategy.get("init_args", {}).get("sync_every", "auto")
     else:
         assert isinstance(cli.trainer.strategy, CompressedDDP), "the other recipes train with CompressedDDP"
         # the compressor the recipe names is the one the strategy holds (Identity when it names none)
@@ -74,15 +74,25 @@ def test_cifar_recipes_decay_the_learning_rate_at_the_documented_epochs(path, mo
     assert lrs[-1] == pytest.approx(base / 100)
 
 
-def test_the_diloco_recipe_builds_the_outer_optimizer_it_names(monkeypatch, tmp_path):
+def test_the_diloco_recipe_is_diloco_at_its_defaults_and_an_outer_class_without_settings_is_caught(
+    monkeypatch, tmp_path
+):
+    """The recipe sets nothing but ``sync_every: auto``: the default outer optimizer. An outer optimizer named by its
+    class alone on the command line gets torch's lr (0.001), which DiLoCo warns about when fitting starts."""
+    from lightning_gradcomp.diloco.preflight import low_outer_lr
+
     monkeypatch.chdir(tmp_path)
     path = os.path.join(ROOT, "recipes", "lm_diloco.yaml")
-    cli = GradcompCLI(args=["--config", path, "--trainer.accelerator", "cpu", "--trainer.devices", "1"], run=False)
+    args = ["--config", path, "--trainer.accelerator", "cpu", "--trainer.devices", "1"]
+    cli = GradcompCLI(args=args, run=False)
+    assert cli.trainer.strategy.sync_every == "auto"
     outer = cli.trainer.strategy.outer_state.outer_optimizer([torch.zeros(3, requires_grad=True)])
     assert isinstance(outer, torch.optim.SGD)
-    assert outer.defaults["lr"] == 0.7
-    assert outer.defaults["momentum"] == 0.9
-    assert outer.defaults["nesterov"] is True
+    assert (outer.defaults["lr"], outer.defaults["momentum"], outer.defaults["nesterov"]) == (0.5, 0.5, True)
+    assert low_outer_lr(outer) is None
+    bare = GradcompCLI(args=[*args, "--trainer.strategy.init_args.outer_optimizer", "torch.optim.SGD"], run=False)
+    outer = bare.trainer.strategy.outer_state.outer_optimizer([torch.zeros(3, requires_grad=True)])
+    assert "the outer optimizer's lr is 0.001" in low_outer_lr(outer)
 
 
 def test_the_lgc_recipe_switches_to_the_all_reduce_variant_as_its_header_says(monkeypatch, tmp_path):

@@ -166,3 +166,37 @@ def test_the_advise_report_has_diloco_rows_computed_by_hand():
     assert "100 Mbit/s (" not in text, "at 100 Mbit/s plain DDP already hides the wire"
     fast = advice(_buckets(), [DENSE, "c"], Link(alpha=0.001, beta=1e12), TIMING)
     assert "Periodic synchronization would not pay here" in fast
+
+
+def test_diloco_utilisation_is_the_overlap_bound_of_each_schedule():
+    """H t over H t + the exposed exchange + the codec: blocking pays it all, streaming what a fragment's exchange
+    takes beyond its overlap, the one-step delay what it takes beyond a whole period."""
+    from lightning_gradcomp.auto.periodic import predict_periodic
+
+    link = Link(alpha=0.01, beta=1e6)  # 1 MB/s
+    cost = Cost(encode=0.2, decode=0.1, nbytes=5e6, rounds=1)  # an exchange of 5.01 s plus 0.3 s of codec
+    step, cu = predict_periodic(0.1, link, cost, 100, 1, 0)
+    assert cu == pytest.approx(10 / (10 + 5.01 + 0.3))
+    assert step == pytest.approx((10 + 5.01 + 0.3) / 100)
+    # 5 fragments of 1 MB (1.01 s each), overlapped by 4 steps (0.4 s): 0.61 s exposed each
+    assert predict_periodic(0.1, link, cost, 100, 5, 4)[1] == pytest.approx(10 / (10 + 5 * 0.61 + 0.3))
+    # a whole period (20 steps, 2 s) hides each fragment: only the codec is left
+    assert predict_periodic(0.1, link, cost, 100, 5, 20)[1] == pytest.approx(10 / 10.3)
+
+
+def test_diloco_recommendation_is_the_least_lossy_setting_that_reaches_the_target():
+    from lightning_gradcomp.auto.periodic import constructor, periodic_plans, recommend
+
+    fp32, eight = Cost(0.0, 0.0, 4e6, 1), Cost(0.1, 0.0, 1e6, 2)
+    plans = periodic_plans(0.1, Link(0.0, 1e6), {"fp32": fp32, "8-bit": eight})
+    assert {(p.sync_every, p.schedule) for p in plans} >= {(10, "blocking"), (500, "one-step delay")}
+    plan, reaches = recommend(plans)
+    assert reaches
+    # H = 10 reaches 95 % with neither payload; H = 30 does with 8 bits overlapped (the shortest round first)
+    assert (plan.sync_every, plan.payload) == (30, "8-bit")
+    assert constructor(plan) == "DiLoCo(sync_every=30, compressor=MinMax(bits=8), fragments=5, overlap_steps=3)"
+    assert all(p.utilisation < 0.95 for p in plans if p.sync_every == 10)
+    slow, reaches = recommend(periodic_plans(0.1, Link(0.0, 1e3), {"fp32": fp32}))
+    assert not reaches
+    assert slow.sync_every == 500, "none reaches it: the fastest"
+    assert slow.schedule != "blocking"

@@ -49,6 +49,8 @@ __all__ = [
     "last_layout",
     "measure_codecs",
     "model_options",
+    "outer_costs",
+    "outer_payloads",
     "probe_link",
     "summarise",
     "timed_buckets",
@@ -270,6 +272,39 @@ def codec_cost(
     nbytes = allreduce_equivalent(moved, ranks)
     rounds = candidate.rounds + (1 if dense_numel else 0)
     return Cost(encode + hook_s, decode, float(nbytes), rounds)
+
+
+#: the elements of the slice ``outer_costs`` times a payload's codec on (the model's own count scales the result)
+OUTER_SLICE = 1 << 20
+
+
+def outer_payloads() -> dict[str, Compressor | None]:
+    """DiLoCo's outer payloads ``advise`` prices, by the names of :data:`~lightning_gradcomp.auto.periodic.PAYLOADS`."""
+    from lightning_gradcomp.compressors import MinMax, SparseLoCo
+
+    return {"fp32": None, "8-bit": MinMax(bits=8), "4-bit": MinMax(bits=4), "SparseLoCo": SparseLoCo()}
+
+
+def outer_costs(numel: int, world_size: int, payloads: Mapping[str, Compressor | None]) -> dict[str, Cost]:
+    """Each of DiLoCo's outer payloads for a model of ``numel`` parameters: its codec time and bytes per exchange.
+
+    ``None`` is the plain fp32 all-reduce (no codec). A compressor is timed through the real hook (:func:`codec_cost`)
+    on a random slice of at most :data:`OUTER_SLICE` elements, laid out as one matrix, and its times and bytes are
+    scaled to ``numel`` (both grow linearly with the elements for the payloads priced: min-max quantization and
+    SparseLoCo's top-k per chunk).
+    """
+    out = {}
+    for name, compressor in payloads.items():
+        if compressor is None:
+            out[name] = Cost(0.0, 0.0, float(4 * numel), 1)
+            continue
+        rows = max(min(numel, OUTER_SLICE) // 1024, 1)
+        flat = torch.randn(rows * 1024, generator=torch.Generator().manual_seed(0))
+        layers = (Layer("model", 0, torch.Size((rows, 1024)), 0),)
+        cost = codec_cost(compressor, CompressionState(compressor), layers, flat, world_size)
+        scale = numel / flat.numel()
+        out[name] = Cost(cost.encode * scale, cost.decode * scale, cost.nbytes * scale, cost.rounds)
+    return out
 
 
 def model_options(device: torch.device, workers: int) -> dict[str, bool]:

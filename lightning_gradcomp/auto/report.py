@@ -4,7 +4,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lightning_gradcomp.auto.timeline import DENSE, Bucket, Link, Plan, Timing, plan_greedy, predict, speedup_curve
+from lightning_gradcomp.auto.periodic import constructor, periodic_plans, periodic_table, recommend
+from lightning_gradcomp.auto.timeline import (
+    DENSE,
+    Bucket,
+    Cost,
+    Link,
+    Plan,
+    Timing,
+    plan_greedy,
+    predict,
+    speedup_curve,
+)
 
 #: the bandwidths the table shows besides the measured one (bytes per second of all-reduce payload)
 BANDWIDTHS = {"100 Mbit/s": 100e6 / 8, "1 Gbit/s": 1e9 / 8, "10 Gbit/s": 10e9 / 8, "100 Gbit/s": 100e9 / 8}
@@ -26,8 +37,13 @@ def advice(
     margin: float = 0.03,
     encode_blocks_backward: bool = True,
     contended: bool = False,
+    outer: Mapping[str, Cost] | None = None,
 ) -> str:
-    """The advise report: the measured link, backward and codec costs; predicted step times; the recommendation."""
+    """The advise report: the measured link, backward and codec costs; predicted step times; the recommendation.
+
+    ``outer``: DiLoCo's outer payloads' costs per exchange (:func:`~lightning_gradcomp.auto.measure.outer_costs`);
+    given, the report ends with DiLoCo's predicted compute utilisation and the setting to paste.
+    """
     lines = [
         f"link (fitted on timed all-reduces): alpha {link.alpha * 1e3:.3f} ms per collective,"
         f" beta {link.beta * 8 / 1e9:.3f} Gbit/s"
@@ -77,7 +93,28 @@ def advice(
     numel = sum(b.numel for b in buckets)
     best = {label: plan.predicted for label, plan in plans.items()}
     lines += ["", *periodic_sync_advice(numel, link.alpha, columns, timing, best, margin)]
+    if outer:
+        lines += ["", *diloco_recommendation(timing, link, outer)]
     return "\n".join(lines)
+
+
+def diloco_recommendation(timing: Timing, link: Link, outer: Mapping[str, Cost]) -> list[str]:
+    """DiLoCo's predicted compute utilisation at the measured link, and the constructor call it recommends."""
+    compute = timing.forward + timing.backward_end + timing.tail + timing.optimizer
+    plans = periodic_plans(compute, link, outer)
+    plan, reaches = recommend(plans)
+    verdict = "the setting of least loss that reaches 95 %" if reaches else "no setting reaches 95 %: the fastest"
+    return [
+        *periodic_table(plans, compute),
+        "",
+        f"DiLoCo at the measured link ({verdict}; predicted {plan.step * 1e3:.1f} ms per step,"
+        f" {100 * plan.utilisation:.0f} % of the compute):",
+        "",
+        f"    trainer = Trainer(..., strategy={constructor(plan)})",
+        "",
+        "Once it runs, DiLoCo's summary line at the end of fit gives the measured ms per step to check against this."
+        " The loss is not in this model (docs/diloco.md, Recommended settings).",
+    ]
 
 
 def diloco_wire_per_step(numel: int, bytes_per_element: int, sync_every: int, link: Link) -> float:

@@ -162,6 +162,7 @@ class ElasticRound(Round):
                 ("sync_every", self.sync_every),
                 ("fragments", self.fragments),
                 ("overlap_steps", self.overlap_steps),
+                ("merge", f"{self.merge} {self.mixing_factor:g}" if self.overlap_steps else "none"),
                 ("compressor", repr(compressor)),
                 ("lightning-gradcomp version", _version()),
             )

@@ -153,6 +153,11 @@ class OuterExchange:
         self.telemetry.world_size = self.world.world_size
 
     @property
+    def workers(self) -> int:
+        """The workers (replicas) whose pseudo-gradients are averaged: 1 before :meth:`attach` or without a group."""
+        return self._comm.world_size if self._comm is not None else 1
+
+    @property
     def comm(self) -> Comm:
         """The collectives over the workers (available after :meth:`attach`)."""
         if self._comm is None:

@@ -8,6 +8,7 @@ sits below the strategy, which adds it when fitting.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -42,7 +43,8 @@ class OuterMonitor(Callback):
 
     At the end of ``fit`` (after the final outer step of a partial last round) the totals go into the callback
     metrics (``gradcomp/total_*``) and rank 0 logs one line with them and what plain DDP's ring all-reduce of the
-    gradients would have moved (sent plus received) in the same steps at this world size.
+    gradients would have moved (sent plus received) in the same steps at this world size, and the wall time per
+    optimizer step of this fit (validation included), to check against what ``lightning-gradcomp advise`` predicted.
 
     Raises:
         MisconfigurationException: In ``setup``, if the strategy is not ``DiLoCo``.
@@ -52,6 +54,7 @@ class OuterMonitor(Callback):
         self._last_step = -1
         self._last_sent = 0
         self._last_received = 0
+        self._started: tuple[float, int] | None = None  # (perf_counter, global_step) as training started
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -64,6 +67,7 @@ class OuterMonitor(Callback):
         outer = self._state(trainer)
         self._last_step = trainer.global_step
         self._last_sent, self._last_received = outer.bytes_sent, outer.bytes_received
+        self._started = (time.perf_counter(), trainer.global_step)
 
     def _state(self, trainer: pl.Trainer) -> Round:
         return check_strategy_state(
@@ -111,14 +115,19 @@ class OuterMonitor(Callback):
         trainer.callback_metrics.update({f"gradcomp/{k}": torch.tensor(float(v)) for k, v in totals.items()})
         dense_per_step = sum(p.numel() * p.element_size() for p in outer.params)
         workers = trainer.world_size * (max(outer.members, 1) if isinstance(outer, ElasticRound) else 1)
-        rank_zero_info(format_outer_summary(trainer.global_step, outer, dense_per_step, workers))
+        step_s = None
+        if self._started is not None and trainer.global_step > self._started[1]:
+            step_s = (time.perf_counter() - self._started[0]) / (trainer.global_step - self._started[1])
+        rank_zero_info(format_outer_summary(trainer.global_step, outer, dense_per_step, workers, step_s))
 
 
-def format_outer_summary(steps: int, outer: Round, dense_per_step: int, world_size: int) -> str:
+def format_outer_summary(
+    steps: int, outer: Round, dense_per_step: int, world_size: int, step_seconds: float | None = None
+) -> str:
     """One line: syncs, skipped rounds, MB moved in all and per step, against plain DDP's ring of the gradients.
 
     Moved is sent plus received; plain DDP's ring all-reduce of ``dense_per_step`` bytes moves ``4 (n - 1) / n``
-    times them per step on each rank.
+    times them per step on each rank. ``step_seconds``: the fit's wall time per optimizer step, when known.
     """
     moved = wire.Wire(outer.bytes_sent, outer.bytes_received)
     per_step = moved.moved / max(steps, 1)
@@ -128,5 +137,6 @@ def format_outer_summary(steps: int, outer: Round, dense_per_step: int, world_si
     return (
         f"gradcomp summary (DiLoCo): {steps} optimizer steps, {outer.syncs} syncs ({outer.skipped} skipped{elastic});"
         f" {outer.bytes_sent / 1e6:,.3f} MB sent, {outer.bytes_received / 1e6:,.3f} MB received"
-        f" ({per_step / 1e6:,.4f} MB moved per step, plain DDP's ring {dense.moved / 1e6:,.4f}: {ratio:,.1f}x less)."
+        f" ({per_step / 1e6:,.4f} MB moved per step, plain DDP's ring {dense.moved / 1e6:,.4f}: {ratio:,.1f}x less)"
+        + (f"; {step_seconds * 1e3:,.1f} ms per optimizer step." if step_seconds is not None else ".")
     )

@@ -4,12 +4,14 @@ DiLoCo (Douillard et al. 2023, arXiv 2311.08105, Algorithm 1): every worker star
 theta_global, takes ``H`` inner optimizer steps on its own data, then the workers average the pseudo-gradient
 ``theta_global - theta_local`` and an outer optimizer steps theta_global with that average as its gradient. Streaming
 DiLoCo (Douillard et al. 2025, arXiv 2501.18512) cuts the model into fragments of consecutive parameters, synced in
-turn every ``H / fragments`` steps, and lets a fragment's exchange run during ``overlap_steps`` inner steps.
+turn every ``H / fragments`` steps, and lets a fragment's exchange run during ``overlap_steps`` inner steps; the
+fragment's local work in those steps is kept by one of :mod:`~lightning_gradcomp.diloco.merge`'s merges.
 
 :class:`Round` owns all of that state and the methods that change it, as torchft's ``_StreamingDiLoCoFragment``
 does; :class:`~lightning_gradcomp.diloco.DiLoCo` only tells it when an inner step was taken, when the round must close
 and when a step is synchronous. Its state is identical on every rank (it changes only from averaged values), except
-the exchange's error-feedback residuals and the contribution in flight, which are each rank's own.
+the exchange's error-feedback residuals, the contribution in flight and the eager merge's estimate of the other
+workers' shares, which are each rank's own.
 """
 
 from __future__ import annotations
@@ -25,18 +27,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.compressors.base import Compressor, Layer
+from lightning_gradcomp.diloco.defaults import default_outer_optimizer
 from lightning_gradcomp.diloco.exchange import InFlight, OuterExchange, all_finite
+from lightning_gradcomp.diloco.merge import eager_estimate, mix_into, others_share, tentative_step
 from lightning_gradcomp.diloco.replicas import ReplicaGroups, dtype_groups
 
 __all__ = ["OuterOptimizerCallable", "Pending", "Round", "default_outer_optimizer", "split_fragments"]
 
 #: what ``DiLoCo(outer_optimizer=...)`` takes: parameters in, an optimizer out (LightningCLI's ``OptimizerCallable``)
 OuterOptimizerCallable = Callable[[Iterable[Tensor]], Optimizer]
-
-
-def default_outer_optimizer(params: Iterable[Tensor]) -> Optimizer:
-    """Nesterov SGD, learning rate 0.7, momentum 0.9: DiLoCo's outer optimizer (arXiv 2311.08105, section 3)."""
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
 def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
@@ -91,6 +90,9 @@ class Round:
         offload: keep theta_global and the outer optimizer's state in CPU memory.
         compressor: average the pseudo-gradient through this compressor (``None``: a plain mean).
         warn: how a skipped outer step is reported (the strategy passes its rank-zero warning).
+        merge: how an overlapped exchange's fragment keeps its local work, ``"mix"`` or ``"eager"``
+            (:mod:`~lightning_gradcomp.diloco.merge`).
+        mixing_factor: the share of the local work ``"mix"`` keeps (0: replaced by theta_global).
 
     Attributes:
         params: theta_global, one tensor per trained parameter.
@@ -99,6 +101,7 @@ class Round:
         phase: inner steps taken since the last fragment's sync.
         dirty: per fragment, whether it trained since its last sync.
         pending: the exchange in flight, if any.
+        others: per fragment, the other workers' shares of its last average (the eager merge's estimate).
         syncs: outer steps taken; skipped: outer steps skipped because the average was not finite.
     """
 
@@ -112,8 +115,11 @@ class Round:
         offload: bool = False,
         compressor: Compressor | None = None,
         warn: Callable[[str], Any] = warnings.warn,
+        merge: str = "mix",
+        mixing_factor: float = 0.0,
     ) -> None:
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
+        self.merge, self.mixing_factor = merge, mixing_factor
         self.outer_optimizer = outer_optimizer
         self.offload = offload
         self.exchange = OuterExchange(compressor)
@@ -128,6 +134,7 @@ class Round:
         self.phase = 0
         self.dirty: list[bool] = [False] * fragments
         self.pending: Pending | None = None
+        self.others: dict[int, list[Tensor]] = {}
         self.syncs = 0
         self.skipped = 0
         self._local: list[Tensor] = []  # the model's trained parameters
@@ -195,6 +202,11 @@ class Round:
             self.pending = self.send(self.phase // self.period - 1, self.overlap_steps)
             if not self.overlap_steps:
                 self.finish(optimizers)
+            elif self.merge == "eager":  # train in flight from the outer step of the estimated average
+                with torch.no_grad():
+                    indices = self.fragment_params[self.pending.fragment]
+                    for i, value in zip(indices, self._eager_step(self.pending)):
+                        self._local[i].copy_(value.to(self._local[i].device))
         if self.phase == self.sync_every:
             self.phase = 0
 
@@ -215,10 +227,9 @@ class Round:
     def finish(self, optimizers: Sequence[Optimizer]) -> None:
         """Step theta_global with the exchange's average and set every worker's fragment to it.
 
-        With ``overlap_steps`` the fragment's local progress since the exchange started is replaced by the new
-        theta_global (Streaming DiLoCo's merge with mixing factor 0). An average that is not finite on some rank
-        skips the outer step: every worker goes back to theta_global, and non-finite inner optimizer state is
-        forgotten.
+        With ``overlap_steps`` the fragment's local progress since the exchange started is merged with the new
+        theta_global as :attr:`merge` says (:meth:`_merge`). An average that is not finite on some rank skips the
+        outer step: every worker goes back to theta_global, and non-finite inner optimizer state is forgotten.
         """
         pending = self.pending
         assert pending is not None
@@ -228,19 +239,57 @@ class Round:
         averaged, finite = pending.exchange.wait()
         buffers = self.exchange.average(_floats(self._local_buffers))
         if finite and all_finite(buffers):
+            before = others = None
+            if pending.contribution is not None and self.merge == "eager":
+                # before the outer step, which may change the averages in place (torch's Nesterov SGD does)
+                before = self._eager_step(pending)
+                others = others_share(averaged, pending.contribution, self.exchange.workers)
             self.outer_step(averaged, indices)
             self.set_buffers(buffers)
             self.syncs += 1
-        else:
-            self.skipped += 1
-            self.restore_buffers()
-            self._forget_nonfinite_state(optimizers)
-            self.warn(
-                "DiLoCo: the averaged pseudo-gradient is not finite (a rank's inner steps diverged): outer step"
-                f" skipped, every worker reset to theta_global ({self.skipped} skipped so far)."
-            )
+            self.dirty[pending.fragment] = self._merge(pending, before, others)
+            return
+        self.skipped += 1
+        self.restore_buffers()
+        self._forget_nonfinite_state(optimizers)
+        self.warn(
+            "DiLoCo: the averaged pseudo-gradient is not finite (a rank's inner steps diverged): outer step"
+            f" skipped, every worker reset to theta_global ({self.skipped} skipped so far)."
+        )
         self.copy_to(indices)
         self.dirty[pending.fragment] = False
+
+    def _eager_step(self, pending: Pending) -> list[Tensor]:
+        """theta_global's fragment after an outer step on the eager estimate of the average (nothing is changed)."""
+        assert self.optimizer is not None
+        assert pending.contribution is not None
+        indices = self.fragment_params[pending.fragment]
+        estimate = eager_estimate(pending.contribution, self.others.get(pending.fragment), self.exchange.workers)
+        return tentative_step(self.optimizer, [self.params[i] for i in indices], self._grads(estimate, indices))
+
+    def _merge(self, pending: Pending, before: list[Tensor] | None, others: list[Tensor] | None) -> bool:
+        """Set the fragment from the new theta_global, keeping local work as :attr:`merge` says; whether it kept any.
+
+        A blocking exchange (no contribution kept), or one completed early with no inner step taken in flight (the
+        end of ``fit``), sets it to theta_global. ``"eager"`` moves it by the new theta_global minus ``before`` (the
+        estimate's outer step it trained from), and keeps ``others`` for the fragment's next estimate; ``"mix"``
+        blends it with theta_global.
+        """
+        indices = self.fragment_params[pending.fragment]
+        if others is not None:
+            self.others[pending.fragment] = others
+        if pending.contribution is None or pending.remaining == self.overlap_steps:
+            self.copy_to(indices)
+            return False
+        if self.merge == "eager":
+            assert before is not None
+            assert others is not None
+            with torch.no_grad():
+                for i, value in zip(indices, before, strict=True):
+                    self._local[i].add_((self.params[i] - value).to(self._local[i].device))
+            return True
+        mix_into([self._local[i] for i in indices], [self.params[i] for i in indices], self.mixing_factor)
+        return self.mixing_factor > 0
 
     def close(self, optimizers: Sequence[Optimizer]) -> None:
         """Apply the exchange in flight, if any, and sync every fragment trained since its last sync."""
@@ -266,8 +315,11 @@ class Round:
         self.exchange.count()
 
     def checks_sigterm_now(self) -> bool:
-        """Whether the coming step is the one after a period's exchange completed (no exchange on the link)."""
-        return self.phase % self.period == self.overlap_steps
+        """Whether the coming step is the one after a period's exchange completed (no exchange on the link).
+
+        With ``overlap_steps`` equal to the period an exchange is always in flight: the step after one starts.
+        """
+        return self.phase % self.period == self.overlap_steps % self.period
 
     # ------------------------------------------------------------------------------------------------------------
     # theta_global and the model
@@ -301,13 +353,20 @@ class Round:
         """
         assert self.optimizer is not None
         chosen = [self.params[i] for i in indices]
-        groups = dtype_groups([self._local[i] for i in indices])
-        for group, flat in zip(groups, averaged, strict=True):
-            for i, piece in zip(group, flat.split([chosen[i].numel() for i in group])):
-                chosen[i].grad = piece.view_as(chosen[i]).to(chosen[i].device)
+        for p, grad in zip(chosen, self._grads(averaged, indices), strict=True):
+            p.grad = grad
         self.optimizer.step()
         for p in chosen:
             p.grad = None
+
+    def _grads(self, flats: list[Tensor], indices: Sequence[int]) -> list[Tensor]:
+        """Flat tensors laid out as :meth:`pseudo_gradients` made them, as one tensor per parameter at ``indices``."""
+        chosen = [self.params[i] for i in indices]
+        grads: list[Tensor] = list(chosen)  # every entry replaced below
+        for group, flat in zip(dtype_groups([self._local[i] for i in indices]), flats, strict=True):
+            for i, piece in zip(group, flat.split([chosen[i].numel() for i in group])):
+                grads[i] = piece.view_as(chosen[i]).to(chosen[i].device)
+        return grads
 
     def copy_to(self, indices: Iterable[int] | None = None) -> None:
         """Set the model's parameters at ``indices`` (default: all) to theta_global."""
@@ -378,6 +437,7 @@ class Round:
         self.exchange.bytes_sent, self.exchange.bytes_received = state["bytes_sent"], state["bytes_received"]
         pending = state["pending"]
         self.pending = None if pending is None else Pending(pending["fragment"], pending["remaining"])
+        self.others = {}  # each rank's own: restored by load_own_state, or empty on a new world size
 
     def own_state(self) -> dict[str, Any]:
         """This rank's own state, on the CPU: its contribution in flight, its exchange's residuals and counter."""
@@ -385,11 +445,13 @@ class Round:
         return {
             "contribution": [t.to("cpu", copy=True) for t in contribution] if contribution is not None else None,
             "exchange": self.exchange.state_dict(),
+            "others": {k: [t.to("cpu", copy=True) for t in v] for k, v in self.others.items()},
         }
 
     def load_own_state(self, own: dict[str, Any], device: torch.device) -> None:
         """Restore :meth:`own_state`, and send the exchange that was in flight again, with the same values."""
         self.exchange.load_state_dict(own["exchange"])
+        self.others = {int(k): [t.to(device) for t in v] for k, v in own.get("others", {}).items()}
         if self.pending is not None:
             contribution = [t.to(device) for t in own["contribution"]]
             self.pending.contribution = [t.clone() for t in contribution]

@@ -25,7 +25,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
-from lightning_gradcomp.diloco.arguments import check_arguments, check_fit, strategy_kwargs
+from lightning_gradcomp.diloco.arguments import (
+    check_arguments,
+    check_fit,
+    check_merge,
+    check_schedule,
+    outer_optimizer_of,
+    strategy_kwargs,
+)
 from lightning_gradcomp.diloco.checkpoint import (
     CHECKPOINT_KEY,
     load_own_state,
@@ -36,11 +43,19 @@ from lightning_gradcomp.diloco.checkpoint import (
     save_diloco_state,
     with_theta_global,
 )
+from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every, default_outer_optimizer
 from lightning_gradcomp.diloco.elastic import ElasticRound
 from lightning_gradcomp.diloco.joining import bind, check_fault_tolerance, joins_at_this_step
 from lightning_gradcomp.diloco.monitor import OuterMonitor
+from lightning_gradcomp.diloco.preflight import (
+    describe_optimizer,
+    few_outer_steps,
+    low_outer_lr,
+    one_worker,
+    stale_weights,
+)
 from lightning_gradcomp.diloco.replicas import average_in_group, replica_groups_for
-from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round, default_outer_optimizer
+from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
 from lightning_gradcomp.engine.collectives import side_group
 from lightning_gradcomp.engine.comm import Comm
 from lightning_gradcomp.ft.config import TorchFT
@@ -83,16 +98,29 @@ class DiLoCo(GradcompStrategy):
     logged and counted. A rank that fails ends every rank, with an error that names it.
 
     Args:
-        sync_every: inner optimizer steps per round (``H``; 500 in the paper, 20-100 for small models).
-        outer_optimizer: builds the outer optimizer from theta_global's tensors (a callable such as
-            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``, the default, or what
-            LightningCLI passes for an ``OptimizerCallable``).
+        sync_every: inner optimizer steps per round (``H``; 500 in the paper). ``"auto"`` (the default, and what
+            ``Trainer(strategy="diloco")`` gives): about 60 outer steps over the run, from the Trainer's
+            ``max_steps`` or epochs, at most 500 (:func:`~lightning_gradcomp.diloco.defaults.auto_sync_every`).
+        outer_optimizer: builds the outer optimizer from theta_global's tensors: a callable such as
+            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` (the paper's), or what
+            LightningCLI passes for an ``OptimizerCallable``. Default: ``SGD(lr=1.0)``, averaging the replicas (chosen
+            by measurement, docs/diloco.md). A bare class (``torch.optim.SGD``) is built with ``lr=1.0``, and a
+            warning says so.
         fragments: Streaming DiLoCo: the model is cut into this many fragments of consecutive parameters, synced in
             turn every ``sync_every / fragments`` steps, so that each is synced once per ``sync_every`` steps and the
             peak traffic is ``1 / fragments`` of the model. Must divide ``sync_every``.
         overlap_steps: Streaming DiLoCo: a fragment's exchange runs in the background during this many inner steps,
-            and its outer step is applied then (the fragment's local progress over those steps is replaced by the
-            new theta_global). Below ``sync_every / fragments``.
+            and its outer step is applied then. At most ``sync_every / fragments`` (equal: the exchange is applied
+            one period late, when the next one starts: the one-outer-step delay of eager updates).
+        merge: how the fragment's local work during the overlap is kept when its outer step is applied (only with
+            ``overlap_steps``). ``"mix"`` (the default; Streaming DiLoCo, arXiv 2501.18512): the fragment becomes
+            ``mixing_factor * local + (1 - mixing_factor) * theta_global``. ``"eager"`` (eager updates, Kale et al.
+            2025, arXiv 2502.12996): while the exchange is in flight the fragment trains from the outer step of its
+            own estimate of the average (its own pseudo-gradient's share plus the others' from its previous
+            exchange), and when the average arrives it is moved by the difference between the true outer step and
+            that estimate's, keeping every inner step.
+        mixing_factor: Streaming DiLoCo's mixing factor with ``merge="mix"``, in ``[0, 1)`` (default 0.5, chosen by
+            measurement; 0 replaces the local work by theta_global, torchft's default).
         offload: keep theta_global and the outer optimizer's state in CPU memory.
         replica_group: two levels: dense data parallelism inside groups of ranks (their gradients averaged at every
             inner step), DiLoCo across the groups. ``"node"``: the ranks of a node; an integer: that many consecutive
@@ -130,10 +158,12 @@ class DiLoCo(GradcompStrategy):
 
     def __init__(
         self,
-        sync_every: int = 500,
-        outer_optimizer: OuterOptimizerCallable | None = None,
+        sync_every: int | str = AUTO,
+        outer_optimizer: OuterOptimizerCallable | type[Optimizer] | None = None,
         fragments: int = 1,
         overlap_steps: int = 0,
+        merge: str | None = None,
+        mixing_factor: float | None = None,
         offload: bool = False,
         replica_group: int | str | None = None,
         monitor: bool = True,
@@ -144,24 +174,31 @@ class DiLoCo(GradcompStrategy):
     ) -> None:
         check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
         check_fault_tolerance(fault_tolerance, replica_group)
+        self.merge, self.mixing_factor = check_merge(overlap_steps, merge, mixing_factor)
         self.sigterm_check = check_choice(sigterm_check, "sigterm_check", SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
         super().__init__(monitor=monitor, **strategy_kwargs(kwargs))
-        self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
+        #: the rounds' length: ``"auto"`` until fitting starts, then the H it resolved to
+        self.sync_every: int | str = sync_every
+        self.fragments, self.overlap_steps = fragments, overlap_steps
         self.replica_group = replica_group
         self.fault_tolerance = fault_tolerance
         elastic: dict[str, Any] = {}
         if fault_tolerance is not None:  # the exchange across replica groups, through torchft
             elastic = {"fault_tolerance": fault_tolerance, "info": rank_zero_info}
+        self._sync_every_arg = sync_every
+        outer, self._outer_note = outer_optimizer_of(outer_optimizer)
         self._round = (Round if fault_tolerance is None else ElasticRound)(
-            sync_every,
+            sync_every if isinstance(sync_every, int) else fragments,  # "auto": set when fitting starts
             fragments,
             overlap_steps,
-            outer_optimizer or default_outer_optimizer,
+            outer or default_outer_optimizer,
             offload=offload,
             compressor=compressor,
             warn=rank_zero_warn,
+            merge=self.merge,
+            mixing_factor=self.mixing_factor,
             **elastic,
         )
         self._attached = False
@@ -171,6 +208,7 @@ class DiLoCo(GradcompStrategy):
         self._local: list[Tensor] | None = None  # this rank's parameters and buffers while validation runs on global
         self._synchronous = False
         self._gated_loop: Any = None  # the training loop whose per-step SIGTERM broadcast this strategy gates
+        self._stale_noted = False  # the note that validation runs on the last sync's weights, once per fit
 
     @classmethod
     @override
@@ -225,6 +263,10 @@ class DiLoCo(GradcompStrategy):
         params = self._params()
         check_fit(len(self.optimizers), len(params), self.fragments)
         round = self._round
+        total = float(trainer.estimated_stepping_batches)
+        auto = auto_sync_every(total, self.fragments, self.overlap_steps)
+        self.sync_every = round.sync_every = auto if self._sync_every_arg == AUTO else int(self._sync_every_arg)
+        check_schedule(round.sync_every, self.fragments, self.overlap_steps)
         distributed = dist.is_available() and dist.is_initialized()
         if not isinstance(round, ElasticRound):
             round.replicas = replica_groups_for(
@@ -244,7 +286,16 @@ class DiLoCo(GradcompStrategy):
         if self._restored is not None:
             self._restore(self._restored)
         self._restored = None
+        self._stale_noted = False
         rank_zero_info(_setup_line(self, self._params()))
+        replicas = round.replicas.count if round.replicas is not None else self.world_size
+        outer_steps = few_outer_steps(total, round.sync_every, None if self._sync_every_arg == AUTO else auto)
+        assert round.optimizer is not None
+        # a fault-tolerant group counts the other groups only at its first quorum
+        alone = None if isinstance(round, ElasticRound) else one_worker(replicas)
+        for line in (self._outer_note, low_outer_lr(round.optimizer), alone, outer_steps):
+            if line is not None:
+                rank_zero_warn(line)
 
     def _gate_sigterm_broadcast(self, trainer: pl.Trainer) -> None:
         """Let Lightning's per-step SIGTERM broadcast run only once a sync period, when no exchange is in flight.
@@ -330,6 +381,10 @@ class DiLoCo(GradcompStrategy):
         """Keep this rank's parameters and buffers aside and evaluate theta_global (the model a checkpoint holds)."""
         super().on_validation_start()
         if self._attached and self._local is None:
+            note = stale_weights(self._round.phase, self._round.pending is not None, checkpoint=False)
+            if note is not None and not self._stale_noted and not self.synchronous:
+                rank_zero_info(note)
+                self._stale_noted = True
             self._local = [t.detach().clone() for t in (*self._params(), *self._buffers())]
             self._round.copy_to()
             self._round.restore_buffers()
@@ -386,6 +441,12 @@ class DiLoCo(GradcompStrategy):
         """Load theta_global (the checkpoint's ``state_dict``); the rest of DiLoCo's state is applied at setup."""
         super().load_model_state_dict(checkpoint, strict=strict)
         section = checkpoint.get(CHECKPOINT_KEY)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if section is not None and trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            outer = section["outer"]
+            note = stale_weights(outer["phase"], outer["pending"] is not None, checkpoint=True)
+            if note is not None:
+                rank_zero_info(note)
         if section is None and "loops" in checkpoint:
             rank_zero_info(
                 "DiLoCo: the checkpoint was not written by DiLoCo (no 'diloco' state): its weights become"
@@ -451,7 +512,14 @@ def _setup_line(strategy: DiLoCo, params: list[Tensor]) -> str:
         )
     elif groups is not None:
         processes += f": {groups.count} replicas of {groups.size} ranks, dense data parallelism inside each"
+    auto = " ('auto')" if strategy._sync_every_arg == AUTO else ""
+    overlap = ""
+    if strategy.overlap_steps:
+        merge = "eager" if strategy.merge == "eager" else f"mixing factor {strategy.mixing_factor:g}"
+        overlap = f", each exchange overlapped with {strategy.overlap_steps} inner steps ({merge})"
+    optimizer = strategy.outer_state.optimizer
+    outer = describe_optimizer(optimizer) if optimizer is not None else "none"
     return (
-        f"DiLoCo: {sum(p.numel() for p in params):,} parameters synced{streaming} every {strategy.sync_every} optimizer"
-        f" steps (outer optimizer {type(strategy.outer_state.optimizer).__name__}); {processes}."
+        f"DiLoCo: {sum(p.numel() for p in params):,} parameters synced{streaming} every {strategy.sync_every}{auto}"
+        f" optimizer steps{overlap} (outer optimizer {outer}); {processes}."
     )

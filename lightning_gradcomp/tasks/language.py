@@ -18,7 +18,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp.models.gpt import GPT
-from lightning_gradcomp.optim import FusedAdaLomo, FusedSGD, NovoGrad
+from lightning_gradcomp.optim import FusedAdaLomo, FusedSGD, MuonAdamW, NovoGrad, muon_param_groups
 from lightning_gradcomp.tasks.classification import check_milestones
 from lightning_gradcomp.validation import check_bool, check_choice, check_int, check_number, check_positive_int
 
@@ -255,6 +255,10 @@ class GPTLanguageModel(_NextTokenModel):
         weight_decay: AdamW's weight decay, on matrices and embeddings only (not on biases and norms, as nanoGPT).
         warmup_steps: optimizer steps of linear warm-up from 0 to ``lr``.
         min_lr_ratio: the cosine decay ends at ``min_lr_ratio * lr`` at the trainer's last step.
+        optimizer: ``"adamw"``, or ``"muon"``: :class:`~lightning_gradcomp.optim.MuonAdamW`, Muon with
+            ``muon_lr`` on the blocks' matrices and AdamW with ``lr`` on the embeddings, biases and norms (one
+            optimizer; MuLoCo's inner optimizer, arXiv 2505.23725). The same schedule scales both.
+        muon_lr: Muon's peak learning rate (0.02: MuLoCo's).
 
     Raises:
         MisconfigurationException: If an argument is out of range, or ``n_head`` does not divide ``n_embd``.
@@ -272,6 +276,8 @@ class GPTLanguageModel(_NextTokenModel):
         weight_decay: float = 0.1,
         warmup_steps: int = 100,
         min_lr_ratio: float = 0.1,
+        optimizer: str = "adamw",
+        muon_lr: float = 0.02,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -289,6 +295,8 @@ class GPTLanguageModel(_NextTokenModel):
         check_number(weight_decay, "weight_decay", low=0, error=MisconfigurationException)
         check_int(warmup_steps, "warmup_steps", low=0, error=MisconfigurationException)
         check_number(min_lr_ratio, "min_lr_ratio", low=0, high=1, error=MisconfigurationException)
+        check_choice(optimizer, "optimizer", ("adamw", "muon"), error=MisconfigurationException)
+        check_number(muon_lr, "muon_lr", low=0, low_open=True, error=MisconfigurationException)
         self.save_hyperparameters()
         self.model = GPT(vocab_size, block_size, n_layer, n_head, n_embd, dropout)
 
@@ -297,14 +305,19 @@ class GPTLanguageModel(_NextTokenModel):
         return self.model(x)
 
     def configure_optimizers(self) -> Any:
-        """AdamW (betas 0.9, 0.95; decay on matrices only), linear warm-up then cosine decay, stepped per step."""
+        """AdamW (betas 0.9, 0.95; decay on matrices only) or Muon with AdamW, linear warm-up then cosine decay."""
         hp = self.hparams
-        params = [p for p in self.parameters() if p.requires_grad]
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp["weight_decay"]},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
-        optimizer = torch.optim.AdamW(groups, lr=hp["lr"], betas=(0.9, 0.95))
+        optimizer: torch.optim.Optimizer
+        if hp.get("optimizer", "adamw") == "muon":
+            groups = muon_param_groups(self, weight_decay=hp["weight_decay"])
+            optimizer = MuonAdamW(groups, lr=hp["muon_lr"], adamw_lr=hp["lr"], adamw_betas=(0.9, 0.95))
+        else:
+            params = [p for p in self.parameters() if p.requires_grad]
+            groups = [
+                {"params": [p for p in params if p.dim() >= 2], "weight_decay": hp["weight_decay"]},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+            ]
+            optimizer = torch.optim.AdamW(groups, lr=hp["lr"], betas=(0.9, 0.95))
         total = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1
         schedule = torch.optim.lr_scheduler.LambdaLR(
             optimizer, partial(_warmup_cosine, warmup=hp["warmup_steps"], total=total, floor=hp["min_lr_ratio"])
