@@ -16,9 +16,9 @@ one CPU thread per worker. Configurations, in one run:
 * ``h100-minmax8-streaming``: the same with ``fragments`` and ``overlap_steps`` (Streaming DiLoCo: each fragment's
   exchange runs in the background during the following inner steps).
 
-Bytes per step are what the package's telemetry counts: ``DiLoCo.outer_state.bytes_sent`` for DiLoCo (what its collectives
-send), ``CompressedDDP``'s telemetry for PowerSGD, and the gradients' bytes for plain DDP (what the telemetry counts
-for an all-reduce: the buffer sent).
+Bytes per step are what the package's telemetry counts: ``DiLoCo.outer_state.bytes_sent`` for DiLoCo (what its
+collectives send), ``CompressedDDP``'s telemetry for PowerSGD, and the gradients' bytes for plain DDP (what the
+telemetry counts for an all-reduce: the buffer sent).
 
 ``convergence``: the language task (``TextDataModule`` on Python's standard library, bytes), ``--workers`` worker
 processes (2 by default), plain DDP against ``DiLoCo`` at equal steps, its outer exchange in fp32 or through
