@@ -15,6 +15,8 @@ a copy edited by :func:`_edited`), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIE
 ``+EARLIER@FILE`` resumes from ``EARLIER``'s checkpoint ``FILE.ckpt`` instead of its ``last.ckpt`` (``@epoch=0``: the
 one a variant that keeps every epoch's checkpoint wrote after the first epoch).
 ``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model is wrapped.
+A variant that tunes (``lr-find``, ``lr-find-callback``) first runs Lightning's learning-rate finder, then fits; every
+rank saves what the finder found to ``DIRPATH/RUN/tuned{rank}.pt``, which :func:`run_fits` adds to its record.
 """
 
 import os
@@ -28,9 +30,10 @@ import lightning.pytorch as pl
 import torch
 import torch._dynamo
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateFinder, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
@@ -231,6 +234,10 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "frozen": (FrozenNet, {}, {}, False),
     "unused": (UnusedNet, {}, {"find_unused_parameters": True}, False),
     "checkpointed": (CheckpointedNet, {}, {}, False),
+    # the learning-rate finder (20 steps, its model and optimizer restored after them), then 4 steps of fit: through
+    # Tuner.lr_find before fit, or as LearningRateFinder's callback inside fit; neither updates the learning rate
+    "lr-find": (TinyNet, {"tune": "tuner"}, {}, False),
+    "lr-find-callback": (TinyNet, {"tune": "callback"}, {}, False),
     "steps6": (TinyNet, {"max_steps": 6}, {}, False),
     "steps8": (TinyNet, {"max_steps": 8}, {}, False),
     "nan": (NaNNet, {"max_steps": 12}, {}, False),
@@ -291,6 +298,9 @@ def train(run: str, root: str, devices: int) -> None:
     monitor += [OuterMonitor()] if isinstance(strategy, DiLoCo) else []
     monitor += [DenseWarmup(steps=WARMUP_STEPS[name])] if name in WARMUP_STEPS else []
     trainer_kwargs = dict(trainer_kwargs)
+    tune = trainer_kwargs.pop("tune", None)
+    finder = LearningRateFinder(num_training_steps=_LR_FIND_STEPS, update_attr=False)
+    monitor += [finder] if tune == "callback" else []
     checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
     if trainer_kwargs.pop("log_lr", False):
         logging = {"logger": CSVLogger(dirpath, name="", version=""), "log_every_n_steps": 1}
@@ -314,7 +324,21 @@ def train(run: str, root: str, devices: int) -> None:
         }
     )
     model = make_model()
+    if tune == "tuner":
+        found = Tuner(trainer).lr_find(model, num_training=_LR_FIND_STEPS, update_attr=False)
+        _save_tuned(found, dirpath, trainer.global_rank)
     trainer.fit(torch.compile(model) if compiled else model, ckpt_path=ckpt_path)
+    if tune == "callback":
+        _save_tuned(finder.optimal_lr, dirpath, trainer.global_rank)
+
+
+_LR_FIND_STEPS = 20
+
+
+def _save_tuned(found: Any, dirpath: str, rank: int) -> None:
+    """What the learning-rate finder found on this rank (it returned here): its suggestion and its curve."""
+    record = {"suggestion": found.suggestion(), "lr": found.results["lr"], "loss": found.results["loss"]}
+    torch.save(record, os.path.join(dirpath, f"tuned{rank}.pt"))
 
 
 def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
@@ -373,6 +397,10 @@ def run_fits(dirpath: Any, devices: int, runs: list[str], optimize_ddp: str | No
     for run in runs:
         folder = os.path.join(dirpath, run_name(run))
         records[run] = [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(devices)]
+        for rank, record in enumerate(records[run]):
+            tuned = os.path.join(folder, f"tuned{rank}.pt")
+            if os.path.exists(tuned):
+                record["tuned"] = torch.load(tuned, weights_only=False)
     return 0, output, records
 
 

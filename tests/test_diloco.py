@@ -31,6 +31,8 @@ RESUMED_IN_FLIGHT = "diloco-h4f2t1:epochs4+diloco-h4f2t1:epochs2"
 # a checkpoint with compressor residuals, saved on 2, 3 and 4 processes: rank 0's file must not grow
 SIZED = "diloco-h4-sparseloco:epochs2"
 LAUNCH = [
+    # first: only the first fit of a launch has the launcher that starts (and may stop) the other ranks
+    "diloco-h2:lr-find",
     "ddp:eager",
     "diloco-h1:eager",
     "diloco-h4:steps8",
@@ -38,6 +40,7 @@ LAUNCH = [
     "diloco-h2:eager",
     "diloco-h2:manual",
     "diloco-h2:accumulate2",
+    "diloco-h2:lr-find-callback",
     "diloco-h4-offload:steps8",
     "diloco-h4f2:steps8",
     "diloco-h4t1:steps8",
@@ -169,6 +172,20 @@ def test_sync_every_1_with_outer_sgd_lr_1_is_plain_ddp(launch):
     torch.testing.assert_close(ours[0]["params"], ddp[0]["params"], rtol=1e-5, atol=1e-6)
     assert torch.equal(ours[0]["params"], ours[1]["params"])
     assert not torch.equal(ours[0]["params"], _flat(TinyNet().parameters()).detach()), "it trained"
+
+
+def test_the_learning_rate_finder_returns_on_every_rank_and_leaves_no_trace(launch):
+    """``Tuner.lr_find`` returns on every rank with one suggestion, and the fit after it trains exactly as one without
+    the search; so does the fit of ``LearningRateFinder``, whose search and restore happen inside ``fit``, after
+    setup: the restore puts back the round (theta_global, the outer optimizer, the phase) with the weights."""
+    _, _, records = launch
+    for run in ("diloco-h2:lr-find", "diloco-h2:lr-find-callback"):
+        tuned = [rank.get("tuned") for rank in records[run]]
+        assert all(t is not None for t in tuned), f"{run}: a rank did not return from the finder"
+        assert tuned[0]["suggestion"] == tuned[1]["suggestion"] and tuned[0]["suggestion"] is not None, run
+        assert len(tuned[0]["loss"]) == 20, run
+        assert_same_weights(records["diloco-h2:eager"], records[run], run)
+        assert records[run][0]["syncs"] == records["diloco-h2:eager"][0]["syncs"] == 2
 
 
 def test_manual_optimization_syncs_as_automatic_does(launch):

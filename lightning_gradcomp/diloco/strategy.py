@@ -359,7 +359,11 @@ class DiLoCo(GradcompStrategy):
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load theta_global (the checkpoint's ``state_dict``); the rest of DiLoCo's state is applied at setup."""
+        """Load theta_global (the checkpoint's ``state_dict``); the rest of DiLoCo's state is applied at setup.
+
+        A checkpoint restored in the middle of ``fit``, after setup (the learning-rate finder restores the one it
+        saved before its search), has the rest applied at once: the round, theta_global and this rank's own state.
+        """
         super().load_model_state_dict(checkpoint, strict=strict)
         section = checkpoint.get(CHECKPOINT_KEY)
         if section is None and "loops" in checkpoint:
@@ -369,6 +373,9 @@ class DiLoCo(GradcompStrategy):
                 " and the outer optimizer starts afresh."
             )
         self._restored = section
+        if self._attached and section is not None:
+            self._restore(section)
+            self._restored = None
 
     def _restore(self, section: Mapping[str, Any]) -> None:
         same_schedule = section["sync_every"] == self.sync_every and section["fragments"] == self.fragments
