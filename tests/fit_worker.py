@@ -55,6 +55,7 @@ from lightning_gradcomp.compressors import (
     TopK,
 )
 from lightning_gradcomp.optim.fused import FusedSGD
+from lightning_gradcomp.runtime.rank_state import checkpoint_file
 from tests.distributed import child_env, free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
 
@@ -263,6 +264,17 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
         _BUCKETS,
         False,
     ),
+    # a checkpoint every 3 steps, the older removed (save_top_k=1), last.ckpt a copy of the newest
+    "every3": (
+        _small_data,
+        {
+            **_EPOCHS,
+            "max_epochs": 2,
+            "checkpointing": {"filename": "{step}", "every_n_train_steps": 3, "save_top_k": 1, "save_last": True},
+        },
+        _BUCKETS,
+        False,
+    ),
     # a checkpoint per epoch, the older removed (save_top_k=1), last.ckpt a link to the newest
     "rotate": (
         _small_data,
@@ -293,6 +305,8 @@ def train(run: str, root: str, devices: int) -> None:
         if edit:
             ckpt_path = _edited(ckpt_path, edit[0], dirpath)
     strategy = STRATEGIES[name](**strategy_kwargs)
+    if ckpt_path is not None and type(strategy) is DDPStrategy:
+        ckpt_path = checkpoint_file(ckpt_path)  # plain DDPStrategy reads one file: the one in a checkpoint directory
     # DiLoCo's monitor given before the recorder, whose on_fit_end then sees the monitor's totals
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
     monitor += [OuterMonitor()] if isinstance(strategy, DiLoCo) else []
@@ -306,8 +320,7 @@ def train(run: str, root: str, devices: int) -> None:
         logging = {"logger": CSVLogger(dirpath, name="", version=""), "log_every_n_steps": 1}
         trainer_kwargs.update(logging, callbacks=[LearningRateMonitor()])
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
-    if isinstance(strategy, DiLoCo):
-        strategy.checkpoint_io = RecordingCheckpointIO()
+    strategy.checkpoint_io = RecordingCheckpointIO(dirpath)
     saving = [ModelCheckpoint(dirpath=dirpath, **checkpointing)] if trainer_kwargs.get("enable_checkpointing") else []
     trainer = pl.Trainer(
         **{
@@ -344,10 +357,10 @@ def _save_tuned(found: Any, dirpath: str, rank: int) -> None:
 def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
     """A copy of the checkpoint at ``ckpt_path`` edited as ``edit`` says, in ``dirpath``; its path.
 
-    ``stateless``: without the compressor state (as a checkpoint of plain ``DDPStrategy``). Each rank edits a copy of
-    its own: no rank reads a file that another is writing.
+    ``stateless``: without the compressor state (as a checkpoint of plain ``DDPStrategy``: one file, also of a
+    checkpoint directory). Each rank edits a copy of its own: no rank reads a file that another is writing.
     """
-    saved = torch.load(ckpt_path, weights_only=False)
+    saved = torch.load(checkpoint_file(ckpt_path), weights_only=False)  # the file, or the one in its directory
     if edit == "stateless":
         saved.pop("gradcomp", None)  # CompressedDDP's state
         saved.pop("diloco", None)  # DiLoCo's
@@ -359,14 +372,16 @@ def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
 
 
 class RecordingCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer, which remembers the files this rank wrote (:class:`RecordRounds` saves them)."""
+    """Lightning's checkpoint writer, which remembers the files this rank wrote, by their path relative to ``dirpath``
+    (:class:`~tests.models.RecordRanks` and :class:`~tests.models.RecordRounds` save them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dirpath: str) -> None:
         super().__init__()
+        self.dirpath = dirpath
         self.written: list[str] = []
 
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
-        self.written.append(os.path.basename(str(path)))
+        self.written.append(os.path.relpath(str(path), self.dirpath))
         super().save_checkpoint(checkpoint, path, storage_options=storage_options)
 
 

@@ -238,7 +238,8 @@ def test_the_learning_rate_finder_returns_on_every_rank_with_plain_ddp_s_suggest
     plain DDP's. The fit that follows (here or after ``LearningRateFinder``'s search inside ``fit``) trains exactly as
     one without the search: the finder's restore of its checkpoint leaves no trace of its 20 steps."""
     dense = [rank["tuned"] for rank in fits["ddp:lr-find"]]
-    assert dense[0]["suggestion"] is not None and len(dense[0]["loss"]) == 20
+    assert dense[0]["suggestion"] is not None
+    assert len(dense[0]["loss"]) == 20
     for run in ("identity:lr-find", "identity:lr-find-callback", "powersgd-r2:lr-find"):
         tuned = [rank.get("tuned") for rank in fits[run]]
         assert all(t is not None for t in tuned), f"{run}: a rank did not return from the finder"
