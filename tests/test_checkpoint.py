@@ -209,8 +209,8 @@ def _trainer(root, max_steps, checkpointing):
 
 def test_lightning_finds_resumes_validates_and_loads_a_checkpoint_directory(tmp_path, in_process_ddp):
     """One process (no launch): TopK's residuals make each checkpoint a directory. ``ckpt_path="last"`` finds it and
-    resumes the step count and the residuals, ``validate(ckpt_path=...)`` reads it, and ``load_from_checkpoint`` and
-    plain ``DDPStrategy`` read the file inside it."""
+    resumes the step count and the residuals, ``validate(ckpt_path=...)`` and ``load_from_checkpoint`` read it, and
+    plain ``DDPStrategy`` reads the file inside it."""
     folder = tmp_path / "ckpt"
     every2 = {"dirpath": folder, "filename": "{step}", "every_n_train_steps": 2, "save_top_k": -1, "save_last": True}
     first = _trainer(tmp_path, 4, ModelCheckpoint(**every2))
@@ -235,8 +235,9 @@ def test_lightning_finds_resumes_validates_and_loads_a_checkpoint_directory(tmp_
     assert metrics
     assert math.isfinite(metrics[0]["val_loss"])
     inside = folder / "step=4.ckpt" / CHECKPOINT_FILE
-    restored = TinyNet.load_from_checkpoint(inside, n=64)
-    assert all(torch.equal(v, restored.state_dict()[k]) for k, v in saved.items())
+    for path in (folder / "step=4.ckpt", str(folder / "step=4.ckpt"), inside):  # the directory, or the file inside
+        restored = TinyNet.load_from_checkpoint(path, n=64)
+        assert all(torch.equal(v, restored.state_dict()[k]) for k, v in saved.items()), path
     plain = DDPStrategy().load_checkpoint(inside)
     assert all(torch.equal(v, plain["state_dict"][k]) for k, v in saved.items())
 

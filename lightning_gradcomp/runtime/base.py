@@ -5,8 +5,8 @@ around their own work: add their monitor callback when fitting starts, swap Ligh
 that stops every rank when one fails and names it (:mod:`lightning_gradcomp.runtime.faults`), note a rank's own
 failure for that report, release the extra process groups and hand the collectives' threads the GIL before the
 interpreter exits (:mod:`lightning_gradcomp.engine.collectives`), and write, find and remove a checkpoint that may be
-a directory of per-rank files (:mod:`lightning_gradcomp.runtime.rank_state`). :class:`GradcompStrategy` does these
-once.
+a directory of per-rank files (:mod:`lightning_gradcomp.runtime.rank_state`; ``load_from_checkpoint`` reads one
+through :mod:`lightning_gradcomp.runtime.module_loading`). :class:`GradcompStrategy` does these once.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_gradcomp.engine.collectives import hand_off_gil, release_round_groups
 from lightning_gradcomp.runtime.faults import ScriptLauncher, is_collective_failure, record_failure
+from lightning_gradcomp.runtime.module_loading import install_directory_loading
 from lightning_gradcomp.runtime.rank_state import (
     CHECKPOINT_FILE,
     checkpoint_file,
@@ -34,6 +35,9 @@ from lightning_gradcomp.runtime.rank_state import (
 )
 
 __all__ = ["GradcompStrategy"]
+
+# a checkpoint of these strategies may be a directory, which Lightning's load_from_checkpoint must then read too
+install_directory_loading()
 
 
 class GradcompStrategy(DDPStrategy):
