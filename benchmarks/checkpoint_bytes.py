@@ -1,7 +1,7 @@
 """Checkpoint bytes on rank 0 and on every other rank, and the save's time, against the number of ranks.
 
 ``CompressedDDP`` keeps state that differs between ranks (error-feedback residuals, a stateful compressor's memory).
-Each rank writes its own in a file beside Lightning's checkpoint (:mod:`lightning_gradcomp.runtime.rank_state`), so rank
+Each rank writes its own in a file of the checkpoint directory (:mod:`lightning_gradcomp.runtime.rank_state`), so rank
 0 writes the checkpoint plain ``DDPStrategy`` writes plus a header of a few bytes, at any number of ranks. This
 benchmark shows it for ``DDPStrategy``, ``CompressedDDP(PowerSGD(rank=4))`` and ``CompressedDDP(TopK(ratio=0.01))``
 (error feedback), on an MLP of ``--layers`` square layers of ``--width`` trained a few steps with SGD and momentum:
@@ -11,8 +11,7 @@ benchmark shows it for ``DDPStrategy``, ``CompressedDDP(PowerSGD(rank=4))`` and 
 - ``--simulate`` (8 to 64): no processes. Every rank's compressor state comes from the real communication hook on
   simulated ranks (:class:`~lightning_gradcomp.ddp.simulation.SimulatedHook`) after the same steps, serialized as the
   rank would write it; rank 0's checkpoint is the 2-rank run's with its header for that many ranks. The column "gathered
-  into rank 0" is what rank 0 would write if every rank's state were gathered into the checkpoint (the layout
-  before per-rank files, which older checkpoints still have)::
+  into rank 0" is what rank 0 would write if every rank's state were gathered into its one file::
 
     python benchmarks/checkpoint_bytes.py --width 256 --layers 4 --ranks 2 4 --simulate 8 16 32 64
 """
@@ -40,6 +39,7 @@ from lightning_gradcomp.compressors import PowerSGD, TopK
 from lightning_gradcomp.compressors.base import layers_from_shapes
 from lightning_gradcomp.ddp.hook import CompressionState
 from lightning_gradcomp.ddp.simulation import SimulatedHook
+from lightning_gradcomp.runtime.rank_state import checkpoint_file, rank_state_path
 
 STEPS = 3
 MIN_COMPRESS_NUMEL = 1024
@@ -84,10 +84,10 @@ class _SaveAndMeasure(Callback):
         trainer.save_checkpoint(self.path)
         seconds = time.perf_counter() - start
         rank = trainer.global_rank
-        own = os.path.join(f"{self.path}.ranks", f"gradcomp.rank{rank}.pt")
+        own = rank_state_path(self.path, "gradcomp", rank)
         record = {
             "seconds": seconds,
-            "checkpoint": os.path.getsize(self.path) if rank == 0 else 0,
+            "checkpoint": os.path.getsize(checkpoint_file(self.path)) if rank == 0 else 0,
             "own": os.path.getsize(own) if os.path.exists(own) else 0,
         }
         with open(os.path.join(self.out, f"rank{rank}.json"), "w") as f:

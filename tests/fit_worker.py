@@ -15,6 +15,8 @@ a copy edited by :func:`_edited`), recorded in ``DIRPATH/STRATEGY-VARIANT+EARLIE
 ``+EARLIER@FILE`` resumes from ``EARLIER``'s checkpoint ``FILE.ckpt`` instead of its ``last.ckpt`` (``@epoch=0``: the
 one a variant that keeps every epoch's checkpoint wrote after the first epoch).
 ``--optimize-ddp``, if given, is set as ``torch._dynamo.config.optimize_ddp`` before any model is wrapped.
+A variant that tunes (``lr-find``, ``lr-find-callback``) first runs Lightning's learning-rate finder, then fits; every
+rank saves what the finder found to ``DIRPATH/RUN/tuned{rank}.pt``, which :func:`run_fits` adds to its record.
 """
 
 import os
@@ -28,9 +30,10 @@ import lightning.pytorch as pl
 import torch
 import torch._dynamo
 from lightning.fabric.plugins import TorchCheckpointIO
-from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+from lightning.pytorch.callbacks import LearningRateFinder, LearningRateMonitor, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
@@ -53,6 +56,7 @@ from lightning_gradcomp.compressors import (
 )
 from lightning_gradcomp.optim import MuonAdamW, muon_param_groups
 from lightning_gradcomp.optim.fused import FusedSGD
+from lightning_gradcomp.runtime.rank_state import checkpoint_file
 from tests.distributed import child_env, free_port
 from tests.models import RecordRanks, RecordRounds, SparseEmbeddingNet, TinyNet, synthetic_classification
 
@@ -257,6 +261,10 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "frozen": (FrozenNet, {}, {}, False),
     "unused": (UnusedNet, {}, {"find_unused_parameters": True}, False),
     "checkpointed": (CheckpointedNet, {}, {}, False),
+    # the learning-rate finder (20 steps, its model and optimizer restored after them), then 4 steps of fit: through
+    # Tuner.lr_find before fit, or as LearningRateFinder's callback inside fit; neither updates the learning rate
+    "lr-find": (TinyNet, {"tune": "tuner"}, {}, False),
+    "lr-find-callback": (TinyNet, {"tune": "callback"}, {}, False),
     "steps6": (TinyNet, {"max_steps": 6}, {}, False),
     "steps8": (TinyNet, {"max_steps": 8}, {}, False),
     "nan": (NaNNet, {"max_steps": 12}, {}, False),
@@ -281,6 +289,17 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "epochs3-all": (
         _small_data,
         {**_EPOCHS, "max_epochs": 3, "checkpointing": {"filename": "{epoch}", "save_top_k": -1}},
+        _BUCKETS,
+        False,
+    ),
+    # a checkpoint every 3 steps, the older removed (save_top_k=1), last.ckpt a copy of the newest
+    "every3": (
+        _small_data,
+        {
+            **_EPOCHS,
+            "max_epochs": 2,
+            "checkpointing": {"filename": "{step}", "every_n_train_steps": 3, "save_top_k": 1, "save_last": True},
+        },
         _BUCKETS,
         False,
     ),
@@ -314,18 +333,22 @@ def train(run: str, root: str, devices: int) -> None:
         if edit:
             ckpt_path = _edited(ckpt_path, edit[0], dirpath)
     strategy = STRATEGIES[name](**strategy_kwargs)
+    if ckpt_path is not None and type(strategy) is DDPStrategy:
+        ckpt_path = checkpoint_file(ckpt_path)  # plain DDPStrategy reads one file: the one in a checkpoint directory
     # DiLoCo's monitor given before the recorder, whose on_fit_end then sees the monitor's totals
     monitor = [CompressionMonitor()] if isinstance(strategy, CompressedDDP) else []
     monitor += [OuterMonitor()] if isinstance(strategy, DiLoCo) else []
     monitor += [DenseWarmup(steps=WARMUP_STEPS[name])] if name in WARMUP_STEPS else []
     trainer_kwargs = dict(trainer_kwargs)
+    tune = trainer_kwargs.pop("tune", None)
+    finder = LearningRateFinder(num_training_steps=_LR_FIND_STEPS, update_attr=False)
+    monitor += [finder] if tune == "callback" else []
     checkpointing = {"filename": "last", **trainer_kwargs.pop("checkpointing", {})}
     if trainer_kwargs.pop("log_lr", False):
         logging = {"logger": CSVLogger(dirpath, name="", version=""), "log_every_n_steps": 1}
         trainer_kwargs.update(logging, callbacks=[LearningRateMonitor()])
     record = RecordRounds(dirpath) if isinstance(strategy, DiLoCo) else RecordRanks(dirpath)
-    if isinstance(strategy, DiLoCo):
-        strategy.checkpoint_io = RecordingCheckpointIO()
+    strategy.checkpoint_io = RecordingCheckpointIO(dirpath)
     saving = [ModelCheckpoint(dirpath=dirpath, **checkpointing)] if trainer_kwargs.get("enable_checkpointing") else []
     trainer = pl.Trainer(
         **{
@@ -342,16 +365,30 @@ def train(run: str, root: str, devices: int) -> None:
         }
     )
     model = make_model()
+    if tune == "tuner":
+        found = Tuner(trainer).lr_find(model, num_training=_LR_FIND_STEPS, update_attr=False)
+        _save_tuned(found, dirpath, trainer.global_rank)
     trainer.fit(torch.compile(model) if compiled else model, ckpt_path=ckpt_path)
+    if tune == "callback":
+        _save_tuned(finder.optimal_lr, dirpath, trainer.global_rank)
+
+
+_LR_FIND_STEPS = 20
+
+
+def _save_tuned(found: Any, dirpath: str, rank: int) -> None:
+    """What the learning-rate finder found on this rank (it returned here): its suggestion and its curve."""
+    record = {"suggestion": found.suggestion(), "lr": found.results["lr"], "loss": found.results["loss"]}
+    torch.save(record, os.path.join(dirpath, f"tuned{rank}.pt"))
 
 
 def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
     """A copy of the checkpoint at ``ckpt_path`` edited as ``edit`` says, in ``dirpath``; its path.
 
-    ``stateless``: without the compressor state (as a checkpoint of plain ``DDPStrategy``). Each rank edits a copy of
-    its own: no rank reads a file that another is writing.
+    ``stateless``: without the compressor state (as a checkpoint of plain ``DDPStrategy``: one file, also of a
+    checkpoint directory). Each rank edits a copy of its own: no rank reads a file that another is writing.
     """
-    saved = torch.load(ckpt_path, weights_only=False)
+    saved = torch.load(checkpoint_file(ckpt_path), weights_only=False)  # the file, or the one in its directory
     if edit == "stateless":
         saved.pop("gradcomp", None)  # CompressedDDP's state
         saved.pop("diloco", None)  # DiLoCo's
@@ -363,14 +400,16 @@ def _edited(ckpt_path: str, edit: str, dirpath: str) -> str:
 
 
 class RecordingCheckpointIO(TorchCheckpointIO):
-    """Lightning's checkpoint writer, which remembers the files this rank wrote (:class:`RecordRounds` saves them)."""
+    """Lightning's checkpoint writer, which remembers the files this rank wrote, by their path relative to ``dirpath``
+    (:class:`~tests.models.RecordRanks` and :class:`~tests.models.RecordRounds` save them)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dirpath: str) -> None:
         super().__init__()
+        self.dirpath = dirpath
         self.written: list[str] = []
 
     def save_checkpoint(self, checkpoint: dict, path: Any, storage_options: Any = None) -> None:
-        self.written.append(os.path.basename(str(path)))
+        self.written.append(os.path.relpath(str(path), self.dirpath))
         super().save_checkpoint(checkpoint, path, storage_options=storage_options)
 
 
@@ -401,6 +440,10 @@ def run_fits(dirpath: Any, devices: int, runs: list[str], optimize_ddp: str | No
     for run in runs:
         folder = os.path.join(dirpath, run_name(run))
         records[run] = [torch.load(os.path.join(folder, f"rank{r}.pt"), weights_only=False) for r in range(devices)]
+        for rank, record in enumerate(records[run]):
+            tuned = os.path.join(folder, f"tuned{rank}.pt")
+            if os.path.exists(tuned):
+                record["tuned"] = torch.load(tuned, weights_only=False)
     return 0, output, records
 
 

@@ -128,6 +128,7 @@ class RecordRanks(Callback):
                 "touched_rows": getattr(pl_module, "touched_rows", None),
                 # what the callbacks logged (the monitor's last step and totals: it ends training before this one)
                 "callback_metrics": {k: v.detach().clone() for k, v in trainer.callback_metrics.items()},
+                "checkpoints_written": list(getattr(trainer.strategy.checkpoint_io, "written", [])),
             },
             os.path.join(self.dirpath, f"rank{trainer.global_rank}.pt"),
         )

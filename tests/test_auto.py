@@ -11,6 +11,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning_gradcomp import CompressedDDP
 from lightning_gradcomp.auto.timeline import Link
 from lightning_gradcomp.callbacks import AutoCompression, DenseWarmup
+from lightning_gradcomp.runtime.rank_state import checkpoint_file
 from tests.models import TinyNet, fit
 
 SLOW = (1e-3, 1e5)  # 1 ms, 100 kB/s: compression pays on every bucket (the model's input, not a real link)
@@ -157,7 +158,7 @@ def _first_run_with_a_checkpoint(tmp_path):
 def test_a_resumed_run_keeps_its_plan_and_measurements(tmp_path):
     before, ckpt = _first_run_with_a_checkpoint(tmp_path)
     assert before[0]["assignment"], "the first run compresses"
-    saved = torch.load(os.path.join(ckpt, "last.ckpt"), weights_only=False)
+    saved = torch.load(checkpoint_file(os.path.join(ckpt, "last.ckpt")), weights_only=False)
     assert any(v.get("assignment") == before[0]["assignment"] for v in saved["callbacks"].values())
     # resumed with a callback that would measure the (fast) real link if it calibrated again
     after = _run(tmp_path / "resumed", AutoCompression(**FAST), max_steps=20, ckpt_path=os.path.join(ckpt, "last.ckpt"))

@@ -23,7 +23,7 @@ from lightning_gradcomp.compressors import Identity
 from lightning_gradcomp.diloco.defaults import auto_sync_every
 from lightning_gradcomp.diloco.replicas import group_size
 from lightning_gradcomp.diloco.round import split_fragments
-from lightning_gradcomp.runtime.rank_state import load_rank_state, rank_state_dir
+from lightning_gradcomp.runtime.rank_state import CHECKPOINT_FILE, checkpoint_file, load_rank_state
 from tests.fit_worker import assert_same_weights, run_fits, run_name, train
 from tests.models import TinyNet, synthetic_classification
 
@@ -38,6 +38,8 @@ RESUMED_MUON = "diloco-h3:muon-epochs4+diloco-h3:muon-epochs2"
 # a checkpoint with compressor residuals, saved on 2, 3 and 4 processes: rank 0's file must not grow
 SIZED = "diloco-h4-sparseloco:epochs2"
 LAUNCH = [
+    # first: only the first fit of a launch has the launcher that starts (and may stop) the other ranks
+    "diloco-h2:lr-find",
     "ddp:eager",
     "diloco-h1:eager",
     "diloco-h4:steps8",
@@ -45,6 +47,7 @@ LAUNCH = [
     "diloco-h2:eager",
     "diloco-h2:manual",
     "diloco-h2:accumulate2",
+    "diloco-h2:lr-find-callback",
     "diloco-h4-offload:steps8",
     "diloco-h4f2:steps8",
     "diloco-h4t1:steps8",
@@ -243,6 +246,21 @@ def test_sync_every_1_with_outer_sgd_lr_1_is_plain_ddp(launch):
     torch.testing.assert_close(ours[0]["params"], ddp[0]["params"], rtol=1e-5, atol=1e-6)
     assert torch.equal(ours[0]["params"], ours[1]["params"])
     assert not torch.equal(ours[0]["params"], _flat(TinyNet().parameters()).detach()), "it trained"
+
+
+def test_the_learning_rate_finder_returns_on_every_rank_and_leaves_no_trace(launch):
+    """``Tuner.lr_find`` returns on every rank with one suggestion, and the fit after it trains exactly as one without
+    the search; so does the fit of ``LearningRateFinder``, whose search and restore happen inside ``fit``, after
+    setup: the restore puts back the round (theta_global, the outer optimizer, the phase) with the weights."""
+    _, _, records = launch
+    for run in ("diloco-h2:lr-find", "diloco-h2:lr-find-callback"):
+        tuned = [rank.get("tuned") for rank in records[run]]
+        assert all(t is not None for t in tuned), f"{run}: a rank did not return from the finder"
+        assert tuned[0]["suggestion"] is not None, run
+        assert tuned[0]["suggestion"] == tuned[1]["suggestion"], run
+        assert len(tuned[0]["loss"]) == 20, run
+        assert_same_weights(records["diloco-h2:eager"], records[run], run)
+        assert records[run][0]["syncs"] == records["diloco-h2:eager"][0]["syncs"] == 2
 
 
 def test_manual_optimization_syncs_as_automatic_does(launch):
@@ -501,11 +519,12 @@ def test_validation_runs_on_theta_global_and_leaves_the_local_training_alone(lau
 
 
 def _saved(root, run):
-    return torch.load(os.path.join(root, run_name(run), "last.ckpt"), weights_only=False)
+    """Lightning's checkpoint of the run's ``last.ckpt`` (the file, or the one in its directory)."""
+    return torch.load(checkpoint_file(os.path.join(root, run_name(run), "last.ckpt")), weights_only=False)
 
 
 def _saved_ranks(root, run, world_size=2):
-    """What each rank saved beside the run's last checkpoint (its own DiLoCo state)."""
+    """What each rank saved in the run's last checkpoint (its own DiLoCo state)."""
     path = os.path.join(root, run_name(run), "last.ckpt")
     return [load_rank_state(path, "diloco", rank).state for rank in range(world_size)]
 
@@ -537,10 +556,11 @@ def test_resume_in_the_middle_of_a_round_is_bitwise(launch):
 def test_only_rank_zero_writes_the_checkpoint_each_rank_writes_its_own_file(launch):
     root, _, records = launch
     ranks = records["diloco-h3:epochs2"]
-    assert ranks[0]["checkpoints_written"] == ["last.ckpt", "last.ckpt"], "rank 0: one per epoch"
-    assert ranks[1]["checkpoints_written"] == [], "no other rank writes Lightning's checkpoint"
-    folder = rank_state_dir(os.path.join(root, run_name("diloco-h3:epochs2"), "last.ckpt"))
-    assert sorted(os.listdir(folder)) == ["diloco.rank0.pt", "diloco.rank1.pt"]
+    own, main = "last.ckpt/diloco.rank0.pt", f"last.ckpt/{CHECKPOINT_FILE}"
+    assert ranks[0]["checkpoints_written"] == [own, main, own, main], "rank 0: its own and Lightning's, every epoch"
+    assert ranks[1]["checkpoints_written"] == ["last.ckpt/diloco.rank1.pt"] * 2, "rank 1: its own file only"
+    folder = os.path.join(root, run_name("diloco-h3:epochs2"), "last.ckpt")
+    assert sorted(os.listdir(folder)) == [CHECKPOINT_FILE, "diloco.rank0.pt", "diloco.rank1.pt"]
 
 
 def test_checkpoints_pass_between_plain_ddp_and_diloco(launch):
@@ -668,13 +688,13 @@ def test_rank_zeros_checkpoint_does_not_grow_with_the_ranks(launch, launch3, lau
     sizes, rank_files = [], []
     for world_size, (root, _, records) in zip((2, 3, 4), (launch, launch3, launch4)):
         path = os.path.join(root, run_name(SIZED), "last.ckpt")
-        sizes.append(os.path.getsize(path))
-        rank_files.append(sorted(os.listdir(rank_state_dir(path))))
-        assert rank_files[-1] == [f"diloco.rank{r}.pt" for r in range(world_size)]
-        assert all(rank["checkpoints_written"] == [] for rank in records[SIZED][1:])
+        sizes.append(os.path.getsize(os.path.join(path, CHECKPOINT_FILE)))
+        rank_files.append(sorted(os.listdir(path)))
+        assert rank_files[-1] == [CHECKPOINT_FILE, *(f"diloco.rank{r}.pt" for r in range(world_size))]
+        assert not any(CHECKPOINT_FILE in f for rank in records[SIZED][1:] for f in rank["checkpoints_written"])
         own = load_rank_state(path, "diloco", world_size - 1).state
         assert own["exchange"]["residuals"], "the residuals are in the rank's file"
-    one_rank = os.path.getsize(os.path.join(rank_state_dir(path), "diloco.rank0.pt"))
+    one_rank = os.path.getsize(os.path.join(path, "diloco.rank0.pt"))
     assert max(sizes) - min(sizes) < one_rank / 100, f"rank 0's checkpoint: {sizes} bytes on 2, 3, 4 processes"
 
 

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from lightning_gradcomp.runtime.rank_state import load_rank_state
+from lightning_gradcomp.runtime.rank_state import checkpoint_file, load_rank_state
 from tests.distributed import child_env
 from tests.fault_worker import MAX_STEPS
 
@@ -103,7 +103,7 @@ def test_a_rank_that_raises_ends_every_rank_naming_it_and_the_last_checkpoint_re
     assert latency < TIMEOUT_S, f"{latency:.1f} s from the failure to the end"
 
     last = tmp_path / "failed" / "ckpt" / "last.ckpt"
-    checkpoint = torch.load(last, weights_only=False)
+    checkpoint = torch.load(checkpoint_file(last), weights_only=False)
     assert checkpoint["global_step"] == STEP  # written after the last step that every rank finished
     assert checkpoint["gradcomp"]["world_size"] == 2
     assert [load_rank_state(last, "gradcomp", rank).state["global_step"] for rank in range(2)] == [STEP, STEP]

@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from lightning_gradcomp import CompressedDDP, CompressionState, compression_hook
 from lightning_gradcomp.compressors import Identity, PowerSGD
 from lightning_gradcomp.optim.fused import FusedAdaLomo, FusedSGD, bind_fused_optimizer
+from lightning_gradcomp.runtime.rank_state import checkpoint_file
 from tests.distributed import run_distributed
 from tests.fit_worker import run_fits, run_name
 from tests.models import TinyNet
@@ -321,6 +322,6 @@ def test_lightning_fused_sgd_equals_torch_sgd_and_resumes_exactly(tmp_path):
     for rank in range(2):
         assert torch.equal(resumed[rank]["params"], fused[rank]["params"]), f"rank {rank}"
     path = tmp_path / run_name(RUNS[1]) / "epoch=1.ckpt"  # written by the run above after 2 of its 4 epochs
-    saved = torch.load(path, weights_only=False)["optimizer_states"][0]
+    saved = torch.load(checkpoint_file(path), weights_only=False)["optimizer_states"][0]
     assert saved["fused"]["step"] == 8
     assert all("momentum_buffer" in s for s in saved["state"].values())

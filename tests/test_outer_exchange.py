@@ -13,6 +13,7 @@ from lightning_gradcomp import DiLoCo
 from lightning_gradcomp.compressors import EFSignSGD, MinMax, PowerSGD, SparseLoCo, TopK
 from lightning_gradcomp.compressors.base import layers_from_shapes
 from lightning_gradcomp.diloco.exchange import OuterExchange
+from lightning_gradcomp.runtime.rank_state import checkpoint_file
 from lightning_gradcomp.testing import SimulatedWorld
 from tests.fit_worker import assert_same_weights, run_fits
 from tests.models import TinyNet
@@ -229,5 +230,6 @@ def test_resume_with_a_compressed_exchange_in_flight_is_bitwise(launch):
     assert_same_weights(records["diloco-h4f2t1-randomk:epochs4"], records[RESUMED_IN_FLIGHT], "resumed in flight")
     for a, b in zip(records["diloco-h4f2t1-randomk:epochs4"], records[RESUMED_IN_FLIGHT]):
         assert _same_nested(a["exchange"], b["exchange"])
-    section = torch.load(root / "diloco-h4f2t1-randomk-epochs2" / "last.ckpt", weights_only=False)["diloco"]
+    last = root / "diloco-h4f2t1-randomk-epochs2" / "last.ckpt"
+    section = torch.load(checkpoint_file(last), weights_only=False)["diloco"]
     assert section["outer"]["pending"] == {"fragment": 1, "remaining": 1}, "saved with an exchange in flight"

@@ -14,6 +14,7 @@ from lightning_gradcomp import CompressedDDP, PacTrain
 from lightning_gradcomp.compressors import Identity, MaskedCompressor, Masks, TopK
 from lightning_gradcomp.compressors.base import Layer, layers_from_shapes
 from lightning_gradcomp.engine.telemetry import Telemetry
+from lightning_gradcomp.runtime.rank_state import checkpoint_file
 from lightning_gradcomp.testing import simulate_reduce
 from lightning_gradcomp.transforms.pactrain import magnitude_masks, prunable_parameters, sparsity_at
 from tests.distributed import run_distributed
@@ -331,7 +332,7 @@ def test_pruned_training_on_two_processes_then_resume(tmp_path, case):
         assert straight[0]["steps"][-1]["stats"].bytes_sent < 0.12 * straight[0]["steps"][-1]["stats"].bytes_dense
 
     path = os.path.join(ckpt_dir, "epoch=0.ckpt")  # 23 steps: in the middle of the pruning schedule
-    saved = torch.load(path, weights_only=True)
+    saved = torch.load(checkpoint_file(path), weights_only=True)
     state = next(v for k, v in saved["callbacks"].items() if k.startswith("PacTrain"))
     assert state["last_update"] == 15
     assert state["masks"]["masks"]

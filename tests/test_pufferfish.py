@@ -12,6 +12,7 @@ from torch import nn
 
 from lightning_gradcomp import CompressedDDP, Pufferfish
 from lightning_gradcomp.models import VGG19BN, CifarResNet18
+from lightning_gradcomp.runtime.rank_state import checkpoint_file
 from lightning_gradcomp.transforms import count_macs, count_parameters, factorize, svd_factors
 from lightning_gradcomp.transforms.lowrank import FactorizedConv, FactorizedLinear
 from lightning_gradcomp.transforms.pufferfish import apply_factorization, candidates, plan
@@ -355,7 +356,7 @@ def test_factorization_mid_training_with_two_processes_then_resume(tmp_path):
     assert extra[0]["metrics"]["pufferfish/params"] == report["params"]
 
     path = os.path.join(ckpt_dir, "epoch=1.ckpt")
-    saved = torch.load(path, weights_only=True)
+    saved = torch.load(checkpoint_file(path), weights_only=True)
     assert saved["gradcomp_transforms"]["Pufferfish"]["layers"] == ["conv2", "fc1"]
     assert "conv2.u.weight" in saved["state_dict"]
     _, resumed, resumed_extra = _fit(tmp_path, "resumed", 4, [Pufferfish(warmup_epochs=1)], ckpt_path=path)

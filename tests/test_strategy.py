@@ -4,12 +4,13 @@ import math
 
 import pytest
 import torch
-from lightning.pytorch import Callback
+from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.tuner import Tuner
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from lightning_gradcomp import CompressedDDP, compression_hook
+from lightning_gradcomp import CompressedDDP, DiLoCo, compression_hook
 from lightning_gradcomp.compressors import BF16, FP16, QSGD, Identity, PowerSGD, RandomK, TopK
 from lightning_gradcomp.compressors.base import Layer, keep_count
 from tests.fit_worker import assert_same_weights, run_fits
@@ -24,6 +25,9 @@ SPAWN = {"start_method": "spawn"}
 FEATURES = ["clip", "fp64", "bf16-mixed", "manual", "frozen", "unused", "checkpointed"]
 PRECISIONS = ["bf16-true", "16-true"]
 LAUNCH = [
+    # Lightning's learning-rate finder, then a fit (tests/fit_worker.py's lr-find variants). First: only the first fit
+    # of a launch has the launcher that starts (and may stop) the other ranks; the later ones find them running
+    *("identity:lr-find", "ddp:lr-find", "identity:lr-find-callback", "powersgd-r2:lr-find", "powersgd-r2:eager"),
     *(f"{strategy}:{variant}" for variant in FEATURES + PRECISIONS for strategy in ("ddp", "identity", "topk")),
     *(f"{strategy}:{variant}" for variant in ("eager", "accumulate2") for strategy in ("ddp", "identity")),
     *("ddp:static", "identity:static", "powersgd-r2:static"),
@@ -226,6 +230,37 @@ def test_trainer_features_train_compressed_as_they_train_under_plain_ddp(fits):
     frozen = "net.0.weight"
     initial = TinyNet().state_dict()[frozen]
     assert all(torch.equal(fits[f"{s}:frozen"][0]["state_dict"][frozen], initial) for s in ("ddp", "topk"))
+
+
+def test_the_learning_rate_finder_returns_on_every_rank_with_plain_ddp_s_suggestion(fits):
+    """``Tuner.lr_find`` under CompressedDDP returns on every rank (Lightning's tuner ends its ``fit`` with an exception
+    the launcher must let through, not take for a failure); with Identity its curve and suggestion are bitwise
+    plain DDP's. The fit that follows (here or after ``LearningRateFinder``'s search inside ``fit``) trains exactly as
+    one without the search: the finder's restore of its checkpoint leaves no trace of its 20 steps."""
+    dense = [rank["tuned"] for rank in fits["ddp:lr-find"]]
+    assert dense[0]["suggestion"] is not None
+    assert len(dense[0]["loss"]) == 20
+    for run in ("identity:lr-find", "identity:lr-find-callback", "powersgd-r2:lr-find"):
+        tuned = [rank.get("tuned") for rank in fits[run]]
+        assert all(t is not None for t in tuned), f"{run}: a rank did not return from the finder"
+        assert tuned[0]["suggestion"] == tuned[1]["suggestion"], run
+        if run.startswith("identity"):
+            assert tuned[0]["loss"] == dense[0]["loss"], f"{run}: the finder's curve is not plain DDP's"
+            assert tuned[0]["suggestion"] == dense[0]["suggestion"], run
+    assert_same_weights(fits["ddp:eager"], fits["ddp:lr-find"], "DDPStrategy after the finder")
+    assert_same_weights(fits["identity:eager"], fits["identity:lr-find"], "Identity after the finder")
+    assert_same_weights(fits["identity:eager"], fits["identity:lr-find-callback"], "Identity after the callback")
+    assert_same_weights(fits["powersgd-r2:eager"], fits["powersgd-r2:lr-find"], "PowerSGD after the finder")
+    assert not torch.equal(fits["powersgd-r2:eager"][0]["params"], fits["ddp:eager"][0]["params"]), "it compressed"
+
+
+def test_the_batch_size_finder_refuses_every_distributed_strategy_as_it_refuses_ddp(tmp_path):
+    """Lightning's batch-size finder does not run under a distributed strategy (each rank would try sizes of its own);
+    CompressedDDP and DiLoCo get DDPStrategy's error, raised before anything runs."""
+    for strategy in (DDPStrategy(), CompressedDDP(PowerSGD(rank=2)), DiLoCo()):
+        trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, default_root_dir=tmp_path, logger=False)
+        with pytest.raises(ValueError, match="not supported with distributed strategies"):
+            Tuner(trainer).scale_batch_size(TinyNet())
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ from typing_extensions import override
 from lightning_gradcomp.compressors.base import Compressor, Layer
 from lightning_gradcomp.compressors.identity import Identity
 from lightning_gradcomp.ddp.arguments import AUTO, check_backend, check_compressor, check_kwargs, check_refused
-from lightning_gradcomp.ddp.checkpoint import restore_compression_state, save_compression_state
+from lightning_gradcomp.ddp.checkpoint import CHECKPOINT_KEY, restore_compression_state, save_compression_state
 from lightning_gradcomp.ddp.checks import (
     error_feedback_growth_warning,
     optimizer_momentum_warning,
@@ -132,6 +132,7 @@ class CompressedDDP(GradcompStrategy):
     strategy_name = "compressed_ddp"
     monitor_callback = CompressionMonitor
     label = "CompressedDDP"
+    checkpoint_key = CHECKPOINT_KEY
     #: the callback ``compressor="auto"`` adds (``AutoCompression``); the package's root sets it, since the callbacks
     #: sit above the strategy, which never imports them
     auto_callback: ClassVar[type[Callback] | None] = None
@@ -429,26 +430,32 @@ class CompressedDDP(GradcompStrategy):
         self._failed = True
 
     # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints: each rank's compressor state in a file of its own beside the checkpoint
+    # Checkpoints: the compressor state inside the checkpoint, or each rank's in its own file of a checkpoint directory
     # ------------------------------------------------------------------------------------------------------------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Save like DDPStrategy; every rank writes its own compressor state beside ``filepath``, not through rank 0.
+        """Save like DDPStrategy, with the compressor state; a directory if ranks hold state of their own.
 
-        See :mod:`lightning_gradcomp.ddp.checkpoint` and :mod:`lightning_gradcomp.runtime.rank_state`.
+        Without per-rank state (error-feedback residuals, say) the checkpoint is the one file DDPStrategy writes, the
+        compressor state inside it; with it, a directory at ``filepath``, in which every rank writes its own and rank
+        0 Lightning's checkpoint (see :mod:`lightning_gradcomp.ddp.checkpoint`,
+        :mod:`lightning_gradcomp.runtime.rank_state`). Call on every rank, as Lightning does.
         """
         structures = {cb.state_key: cb.structure_state() for cb in self._transforms()}
         if any(state is not None for state in structures.values()):
             checkpoint[_TRANSFORMS_KEY] = structures  # also in weights-only checkpoints: they need the structure too
+        per_rank = False
         if "loops" in checkpoint:  # a weights-only checkpoint (no "loops") carries no training state
-            save_compression_state(self._state, checkpoint, filepath, self.global_rank, self.world_size, self.barrier)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            where = (self.checkpoint_io, self.global_rank, self.world_size, self.barrier, self.root_device)
+            per_rank = save_compression_state(self._state, checkpoint, filepath, *where, storage_options)
+        self.write_checkpoint(checkpoint, filepath, per_rank, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load like DDPStrategy, and restore this rank's compressor state saved with the checkpoint."""
+        """Load like DDPStrategy (a file, or a checkpoint directory), and restore this rank's compressor state."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        restore_compression_state(self._state, checkpoint, checkpoint_path, self.global_rank, self.world_size)
+        where = (self.checkpoint_io, self.global_rank, self.world_size)
+        restore_compression_state(self._state, checkpoint, checkpoint_path, *where)
         return checkpoint
 
     # ------------------------------------------------------------------------------------------------------------

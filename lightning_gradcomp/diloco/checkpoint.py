@@ -1,12 +1,13 @@
-"""DiLoCo's training state in checkpoints: the shared state in the checkpoint, each rank's own in a file beside it.
+"""DiLoCo's training state in checkpoints: the shared state in the checkpoint, each rank's own in a file of its own.
 
 DiLoCo's state has two parts (Douillard et al. 2023, arXiv 2311.08105, Algorithm 1). theta_global, the outer
 optimizer's state and the phase in the round are the same on every rank: they go into the checkpoint rank 0 writes
 (``checkpoint["diloco"]``; its ``state_dict`` holds theta_global too, for inference). Every rank's local parameters
 and buffers, its inner optimizer state, its pseudo-gradient in flight and its compressor's error-feedback residuals
-differ between ranks: each rank writes them into a file of its own beside the checkpoint
+differ between ranks: the checkpoint is a directory, into which each rank writes them in a file of its own
 (:mod:`lightning_gradcomp.runtime.rank_state`), so rank 0's checkpoint is as large with 64 ranks as with 2, and no
-rank's state passes through rank 0's memory.
+rank's state passes through rank 0's memory. In the rare run where they are the same on every rank (a stateless inner
+optimizer, saved right after a sync), they go into the one file instead.
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_gradcomp.diloco.round import Round
-from lightning_gradcomp.runtime.rank_state import load_rank_state, rank_state_dir, save_rank_state
+from lightning_gradcomp.runtime.rank_state import entry_folder, load_rank_state, save_entry
 
 __all__ = [
     "CHECKPOINT_KEY",
@@ -42,33 +44,51 @@ def save_diloco_state(
     filepath: _PATH,
     shared: dict[str, Any],
     own: dict[str, Any],
+    checkpoint_io: CheckpointIO,
     rank: int,
     world_size: int,
     barrier: Callable[[str], None],
-) -> None:
-    """Write this rank's ``own`` state beside ``filepath`` and put the ``shared`` state into ``checkpoint``.
+    device: torch.device,
+    storage_options: Any | None = None,
+) -> bool:
+    """Put the ``shared`` state into ``checkpoint``, and this rank's ``own`` into its file of the checkpoint directory.
 
-    Call it on every rank. ``barrier`` (the strategy's) holds every rank until all have written: rank 0 writes the
-    checkpoint after it, so a rank that failed before writing leaves the previous checkpoint in place, never one whose
-    rank files are missing or stale.
+    Call it on every rank. Returns whether the checkpoint is a directory of per-rank files (the same on every rank):
+    ``own`` is compared between ranks unless it surely differs (inner optimizer state, an exchange in flight or
+    residuals); where it is the same everywhere it goes into ``checkpoint`` instead.
     """
     step = int(checkpoint.get("global_step", 0))
-    save_rank_state(filepath, CHECKPOINT_KEY, {**own, "global_step": step}, rank, world_size)
-    barrier("DiLoCo.save_checkpoint")
+    own = {**own, "global_step": step}
+    surely_own = _surely_own(own)
+    args = (checkpoint_io, filepath, CHECKPOINT_KEY, own, surely_own, rank, world_size, barrier, device)
+    plan = save_entry(*args, storage_options=storage_options)
     checkpoint[CHECKPOINT_KEY] = {"world_size": world_size, "step": step, **shared}
+    if not plan.per_rank:
+        checkpoint[CHECKPOINT_KEY]["own"] = own
+    return plan.per_rank
+
+
+def _surely_own(own: Mapping[str, Any]) -> bool:
+    """Whether ``own`` holds what a rank always has of its own, without comparing its parameters between ranks."""
+    optimizer_state = any(state.get("state") for state in own["optimizer_states"])
+    exchange = own["exchange"]
+    return optimizer_state or own["contribution"] is not None or bool(exchange["residuals"])
 
 
 def load_own_state(
-    checkpoint: Mapping[str, Any], checkpoint_path: _PATH, rank: int, world_size: int
+    checkpoint: Mapping[str, Any], checkpoint_path: _PATH, checkpoint_io: CheckpointIO, rank: int, world_size: int
 ) -> dict[str, Any] | None:
     """This rank's own state saved with ``checkpoint`` (loaded from ``checkpoint_path``), or ``None``.
 
-    ``None`` when the checkpoint holds no DiLoCo state, was saved by another number of ranks, or this rank's file is
-    missing or belongs to another checkpoint; the last two with a warning: every rank then starts from theta_global.
+    The state every rank shared (inside the checkpoint) on any number of ranks. ``None`` when the checkpoint holds no
+    DiLoCo state, its per-rank files were saved by another number of ranks, or this rank's file is missing or belongs
+    to another checkpoint; the last two with a warning: every rank then starts from theta_global.
     """
     section = checkpoint.get(CHECKPOINT_KEY)
     if section is None:
         return None
+    if "own" in section:
+        return section["own"]
     saved_world_size = int(section["world_size"])
     if saved_world_size != world_size:
         rank_zero_warn(
@@ -78,18 +98,20 @@ def load_own_state(
             " with rank 0's inner optimizer state."
         )
         return None
-    own = load_rank_state(checkpoint_path, CHECKPOINT_KEY, rank)
+    own = load_rank_state(checkpoint_path, CHECKPOINT_KEY, rank, checkpoint_io)
     if own is None or own.state.get("global_step") != section["step"]:
         rank_zero_warn(
-            f"DiLoCo: the per-rank state of {checkpoint_path} is missing or older than the checkpoint (it belongs in"
-            f" {rank_state_dir(checkpoint_path)}): every rank's own parameters are reset to theta_global, with rank 0's"
-            " inner optimizer state."
+            f"DiLoCo: the per-rank state of {checkpoint_path} is missing or older than the checkpoint (each rank's file"
+            f" belongs in {entry_folder(checkpoint_path)}): every rank's own parameters are reset to theta_global, with"
+            " rank 0's inner optimizer state."
         )
         return None
     return own.state
 
 
-def load_shared_exchange_state(checkpoint: Mapping[str, Any], checkpoint_path: _PATH) -> dict[str, Any] | None:
+def load_shared_exchange_state(
+    checkpoint: Mapping[str, Any], checkpoint_path: _PATH, checkpoint_io: CheckpointIO
+) -> dict[str, Any] | None:
     """Rank 0's compressor state and exchange counter, without its residuals (for a run on another number of ranks).
 
     ``None`` if the checkpoint has no compressor state or rank 0's file cannot be read from here.
@@ -97,7 +119,7 @@ def load_shared_exchange_state(checkpoint: Mapping[str, Any], checkpoint_path: _
     section = checkpoint.get(CHECKPOINT_KEY)
     if section is None:
         return None
-    saved = load_rank_state(checkpoint_path, CHECKPOINT_KEY, 0)
+    saved = load_rank_state(checkpoint_path, CHECKPOINT_KEY, 0, checkpoint_io)
     exchange = saved.state.get("exchange") if saved is not None else None
     return {**exchange, "residuals": {}} if exchange is not None else None
 

@@ -92,9 +92,9 @@ class DiLoCo(GradcompStrategy):
 
     After ``fit`` every rank holds theta_global (a partial last round ends with an outer step). Validation during
     ``fit`` runs on theta_global, and a checkpoint's ``state_dict`` holds it; the outer state goes into
-    ``checkpoint["diloco"]`` and each rank's own state into a file of its own beside the checkpoint, so a run resumes
-    bit for bit, also in the middle of a round. A pseudo-gradient that is not finite on some rank skips that outer
-    step: every worker goes back to theta_global, non-finite inner optimizer state is forgotten, and the skip is
+    ``checkpoint["diloco"]`` and each rank's own state into a file of its own in the checkpoint directory, so a run
+    resumes bit for bit, also in the middle of a round. A pseudo-gradient that is not finite on some rank skips that
+    outer step: every worker goes back to theta_global, non-finite inner optimizer state is forgotten, and the skip is
     logged and counted. A rank that fails ends every rank, with an error that names it.
 
     Args:
@@ -155,6 +155,7 @@ class DiLoCo(GradcompStrategy):
     strategy_name = "diloco"
     monitor_callback = OuterMonitor
     label = "DiLoCo"
+    checkpoint_key = CHECKPOINT_KEY
 
     def __init__(
         self,
@@ -414,31 +415,39 @@ class DiLoCo(GradcompStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Save like DDPStrategy, with the outer state in ``checkpoint["diloco"]`` and each rank's own in its file.
 
-        Lightning calls this on every rank and writes the checkpoint on rank 0 only; every rank writes its local
-        parameters, inner optimizer state and residuals beside it (:mod:`lightning_gradcomp.diloco.checkpoint`). A
-        weights-only checkpoint, with no ``"loops"``, carries no training state.
+        Lightning calls this on every rank and writes the checkpoint on rank 0 only; the checkpoint is a directory,
+        in which every rank writes its local parameters, inner optimizer state and residuals
+        (:mod:`lightning_gradcomp.diloco.checkpoint`). A weights-only checkpoint, with no ``"loops"``, carries no
+        training state: one file, as DDPStrategy's.
         """
+        per_rank = False
         if self._attached and "loops" in checkpoint:
             shared = {"sync_every": self.sync_every, "fragments": self.fragments, "outer": self._round.state_dict()}
             own = own_state(self._round, self._local or [*self._params(), *self._buffers()], self.optimizers)
-            save_diloco_state(checkpoint, filepath, shared, own, self.global_rank, self.world_size, self.barrier)
-        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            where = (self.checkpoint_io, self.global_rank, self.world_size, self.barrier, self.root_device)
+            per_rank = save_diloco_state(checkpoint, filepath, shared, own, *where, storage_options)
+        self.write_checkpoint(checkpoint, filepath, per_rank, storage_options)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load like DDPStrategy, and read this rank's own state saved beside the checkpoint (when fitting)."""
+        """Load like DDPStrategy, and read this rank's own state saved with the checkpoint (when fitting)."""
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         self._own = self._shared_exchange = None
         trainer = getattr(self.lightning_module, "_trainer", None)
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
-            self._own = load_own_state(checkpoint, checkpoint_path, self.global_rank, self.world_size)
+            where = (self.checkpoint_io, self.global_rank, self.world_size)
+            self._own = load_own_state(checkpoint, checkpoint_path, *where)
             if self._own is None and self._round.exchange.compressor is not None:
-                self._shared_exchange = load_shared_exchange_state(checkpoint, checkpoint_path)
+                self._shared_exchange = load_shared_exchange_state(checkpoint, checkpoint_path, self.checkpoint_io)
         return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load theta_global (the checkpoint's ``state_dict``); the rest of DiLoCo's state is applied at setup."""
+        """Load theta_global (the checkpoint's ``state_dict``); the rest of DiLoCo's state is applied at setup.
+
+        A checkpoint restored in the middle of ``fit``, after setup (the learning-rate finder restores the one it
+        saved before its search), has the rest applied at once: the round, theta_global and this rank's own state.
+        """
         super().load_model_state_dict(checkpoint, strict=strict)
         section = checkpoint.get(CHECKPOINT_KEY)
         trainer = getattr(self.lightning_module, "_trainer", None)
@@ -454,6 +463,9 @@ class DiLoCo(GradcompStrategy):
                 " and the outer optimizer starts afresh."
             )
         self._restored = section
+        if self._attached and section is not None:
+            self._restore(section)
+            self._restored = None
 
     def _restore(self, section: Mapping[str, Any]) -> None:
         same_schedule = section["sync_every"] == self.sync_every and section["fragments"] == self.fragments

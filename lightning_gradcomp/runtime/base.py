@@ -4,8 +4,9 @@
 around their own work: add their monitor callback when fitting starts, swap Lightning's ``popen`` launcher for one
 that stops every rank when one fails and names it (:mod:`lightning_gradcomp.runtime.faults`), note a rank's own
 failure for that report, release the extra process groups and hand the collectives' threads the GIL before the
-interpreter exits (:mod:`lightning_gradcomp.engine.collectives`), and remove each rank's own state files with a
-checkpoint (:mod:`lightning_gradcomp.runtime.rank_state`). :class:`GradcompStrategy` does these once.
+interpreter exits (:mod:`lightning_gradcomp.engine.collectives`), and write, find and remove a checkpoint that may be
+a directory of per-rank files (:mod:`lightning_gradcomp.runtime.rank_state`; ``load_from_checkpoint`` reads one
+through :mod:`lightning_gradcomp.runtime.module_loading`). :class:`GradcompStrategy` does these once.
 """
 
 from __future__ import annotations
@@ -24,16 +25,27 @@ from typing_extensions import override
 
 from lightning_gradcomp.engine.collectives import hand_off_gil, release_round_groups
 from lightning_gradcomp.runtime.faults import ScriptLauncher, is_collective_failure, record_failure
-from lightning_gradcomp.runtime.rank_state import remove_rank_states
+from lightning_gradcomp.runtime.module_loading import install_directory_loading
+from lightning_gradcomp.runtime.rank_state import (
+    CHECKPOINT_FILE,
+    checkpoint_file,
+    holds_rank_files,
+    make_room_for_file,
+    remove_entry,
+)
 
 __all__ = ["GradcompStrategy"]
+
+# a checkpoint of these strategies may be a directory, which Lightning's load_from_checkpoint must then read too
+install_directory_loading()
 
 
 class GradcompStrategy(DDPStrategy):
     """Lightning's ``DDPStrategy`` with what both of this package's strategies do on Lightning's side.
 
-    A subclass names its :attr:`monitor_callback` and its :attr:`label`, and says which process groups carry extra
-    round groups (:meth:`round_group_bases`) and what it lets go of at teardown (:meth:`release_state`).
+    A subclass names its :attr:`monitor_callback`, its :attr:`label` and its :attr:`checkpoint_key`, says which process
+    groups carry extra round groups (:meth:`round_group_bases`) and what it lets go of at teardown
+    (:meth:`release_state`), and has its ``save_checkpoint`` end with :meth:`write_checkpoint`.
 
     Args:
         monitor: add a :attr:`monitor_callback` when fitting starts, unless the trainer has one.
@@ -44,6 +56,8 @@ class GradcompStrategy(DDPStrategy):
     monitor_callback: ClassVar[type[Callback]]
     #: the strategy's name, which starts its launcher's messages and its errors
     label: ClassVar[str]
+    #: the key of the strategy's state in its checkpoints, and the name of each rank's file in a checkpoint directory
+    checkpoint_key: ClassVar[str]
 
     def __init__(self, monitor: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -105,8 +119,28 @@ class GradcompStrategy(DDPStrategy):
                 release_round_groups(group)
             hand_off_gil()  # the collectives' threads finish with their Python objects now, not at exit
 
+    def write_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: _PATH, per_rank: bool, storage_options: Any | None = None
+    ) -> None:
+        """Rank 0 writes Lightning's checkpoint: the file at ``filepath``, or the one in its directory if ``per_rank``.
+
+        Call it on every rank, after the ranks' own files are written (:func:`~lightning_gradcomp.runtime.rank_state.
+        save_entry`). Through ``DDPStrategy.save_checkpoint``: the strategy's ``CheckpointIO`` writes it.
+        """
+        target = f"{str(filepath).rstrip('/')}/{CHECKPOINT_FILE}" if per_rank else filepath
+        if not per_rank and self.is_global_zero:
+            make_room_for_file(self.checkpoint_io, filepath)
+        super().save_checkpoint(checkpoint, target, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load Lightning's checkpoint of the entry at ``checkpoint_path``, a file or a directory of per-rank files."""
+        return super().load_checkpoint(checkpoint_file(checkpoint_path), *args, **kwargs)
+
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """Remove the checkpoint (rank 0) and, on every rank, the state that rank saved beside it."""
-        super().remove_checkpoint(filepath)
-        remove_rank_states(filepath, self.global_rank)
+        """Remove the checkpoint: a file as ``DDPStrategy`` does (rank 0), a directory on every rank, each its files."""
+        if holds_rank_files(filepath):
+            remove_entry(self.checkpoint_io, filepath, self.checkpoint_key, self.global_rank)
+        else:
+            super().remove_checkpoint(filepath)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
 from lightning.fabric.utilities.distributed import _set_num_threads_if_needed
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.utilities.exceptions import _TunerExitException
 from typing_extensions import override
 
 log = logging.getLogger(__name__)
@@ -157,6 +158,8 @@ class ScriptLauncher(_SubprocessScriptLauncher):
     When the main process fails it stops its children: at once if the fault is its own, after up to
     :data:`CHILD_GRACE_S` for children that are ending by themselves if its collective failed (another rank's fault);
     then it raises an error that names the failed rank(s). Nothing is left running when ``fit`` returns or raises.
+    Lightning's tuner ending ``fit`` (its ``_TunerExitException``, raised on every rank) is no failure: it passes
+    through, and the children end their ``fit`` by themselves.
 
     Args:
         *args: Lightning's ``_SubprocessScriptLauncher``'s (the cluster environment, processes, nodes).
@@ -181,6 +184,10 @@ class ScriptLauncher(_SubprocessScriptLauncher):
         _set_num_threads_if_needed(num_processes=self.num_processes)
         try:
             return function(*args, **kwargs)
+        except _TunerExitException:
+            # not a failure: Lightning's tuner (LearningRateFinder, BatchSizeFinder) ends `fit` with it on every rank
+            # once it is done, and the trainer finishes normally; the other ranks are still finishing theirs
+            raise
         except BaseException as error:
             watcher.standing_down.set()
             report = self._stop_children(error, first_rank)
