@@ -83,6 +83,7 @@ class Record(Callback):
                 time.sleep(0.05)
 
     def _may_go_on(self) -> bool:
+        """Whether a pause at ``--pause-at`` is over: enough groups ask the lighthouse, or the file exists."""
         if self.args.until_asking is not None:
             return _asking(self.args.lighthouse) >= self.args.until_asking
         return os.path.exists(self.args.until)
