@@ -11,8 +11,10 @@ Fault injection (the process kills itself, so where it dies is exact, not timed)
 - ``--kill-in-exchange K``: SIGKILL at the ``K``-th outer exchange (1-based), after its quorum formed, as it issues
   its all-reduce: the others' collective fails mid-exchange;
 - ``--pause-at STEP --until FILE``: wait (at most ``PAUSE_S``) before global step ``STEP`` until ``FILE`` exists, so
-  that a group restarted by the test joins before this one finishes;
-- ``--touch FILE``: create ``FILE`` once the fit started; ``--wait-for FILE``: before it, wait until ``FILE`` exists.
+  that a group restarted by the test joins before this one finishes; ``--pause-at STEP --until-asking N``: until ``N``
+  groups ask the lighthouse for a quorum (its status page), so that a group that started late is in the next sync;
+- ``--touch FILE``: create ``FILE`` once the fit started (``--touch-at STEP``: at the end of global step ``STEP``);
+  ``--wait-for FILE``: before the fit, wait until ``FILE`` exists (the group is unknown to the lighthouse until then).
 
 Each finished fit saves ``OUTDIR/NAME-ATTEMPT.pt``: per optimizer step its global step, phase, theta_global, local
 parameters, torchft's step and the round's counters, and the output's ``gradcomp/*`` metrics.
@@ -20,10 +22,12 @@ parameters, torchft's step and the round's counters, and the output's ``gradcomp
 
 import argparse
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from typing import Any
 
 import lightning.pytorch as pl
@@ -67,10 +71,7 @@ class Record(Callback):
         self.steps: list[dict[str, Any]] = []
 
     def on_fit_start(self, trainer, pl_module) -> None:
-        deadline = time.monotonic() + PAUSE_S
-        while self.args.wait_for and not os.path.exists(self.args.wait_for) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if self.args.touch and trainer.global_rank == 0:
+        if self.args.touch and self.args.touch_at is None and trainer.global_rank == 0:
             open(self.args.touch, "w").close()
         if self.args.kill_in_exchange:
             _kill_in_exchange(self.args.kill_in_exchange)
@@ -78,8 +79,14 @@ class Record(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.args.pause_at is not None and trainer.global_step == self.args.pause_at:
             deadline = time.monotonic() + PAUSE_S
-            while not os.path.exists(self.args.until) and time.monotonic() < deadline:
+            while not self._may_go_on() and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+    def _may_go_on(self) -> bool:
+        """Whether a pause at ``--pause-at`` is over: enough groups ask the lighthouse, or the file exists."""
+        if self.args.until_asking is not None:
+            return _asking(self.args.lighthouse) >= self.args.until_asking
+        return os.path.exists(self.args.until)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         outer = trainer.strategy.outer_state
@@ -99,6 +106,8 @@ class Record(Callback):
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
             }
         )
+        if self.args.touch and self.args.touch_at == trainer.global_step and trainer.global_rank == 0:
+            open(self.args.touch, "w").close()
         if self.args.kill_at is not None and trainer.global_step == self.args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -108,6 +117,17 @@ class Record(Callback):
         if trainer.world_size > 1 or not self.args.lighthouse:  # one file per rank of a job of several
             name += f"-rank{trainer.global_rank}"
         torch.save({"steps": self.steps, "logged": logged}, os.path.join(self.args.outdir, f"{name}.pt"))
+
+
+def _asking(lighthouse: str) -> int:
+    """How many live groups ask the lighthouse for the next quorum now (its status page's ``[A/B participants
+    healthy]``); 0 if the page cannot be read."""
+    try:
+        with urllib.request.urlopen(f"{lighthouse}/status", timeout=5) as page:
+            found = re.search(r"\[(\d+)/\d+ participants healthy\]", page.read().decode())
+    except OSError:
+        return 0
+    return int(found.group(1)) if found else 0
 
 
 def _kill_in_exchange(k: int) -> None:
@@ -172,12 +192,19 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--kill-in-exchange", type=int)
     parser.add_argument("--pause-at", type=int)
     parser.add_argument("--until")
+    parser.add_argument("--until-asking", type=int)
     parser.add_argument("--touch")
+    parser.add_argument("--touch-at", type=int)
     parser.add_argument("--wait-for")
     parser.add_argument("--save-at", type=int, help="save OUTDIR/ckpt-NAME/last.ckpt at this global step")
     parser.add_argument("--resume", action="store_true", help="resume from OUTDIR/ckpt-NAME/last.ckpt")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    # before the fit: a group whose manager heartbeats without asking would hold the others' first quorum, a valid
+    # one, for the lighthouse's join timeout
+    deadline = time.monotonic() + PAUSE_S
+    while args.wait_for and not os.path.exists(args.wait_for) and time.monotonic() < deadline:
+        time.sleep(0.05)
     shard = int(args.name) if args.lighthouse else None
     ckpt_dir = os.path.join(args.outdir, f"ckpt-{args.name}")
     saving = []

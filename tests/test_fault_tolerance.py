@@ -246,14 +246,16 @@ def test_three_overlapped_groups_are_plain_diloco_bitwise_and_a_death_in_an_exch
 
 @pytest.fixture(scope="module")
 def refused(tmp_path_factory):
-    """2 groups train; a third built with another ``sync_every`` joins at step 12 (the others wait for it before
-    step 10); once they finished, a fresh group alone asks the same lighthouse to start a new model."""
+    """2 groups train; a third built with another ``sync_every`` starts once they are past the sync of step 8 (at
+    step 9) and joins at step 12 (the others wait after step 10 until it asks the lighthouse for a quorum); once they
+    finished, a fresh group alone asks the same lighthouse to start a new model."""
     outdir = tmp_path_factory.mktemp("ft")
-    started, up = str(outdir / "started"), str(outdir / "odd-up")
+    started = str(outdir / "started")
     with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
         common = ["--lighthouse", lighthouse.address, "--steps", "16"]
-        good = [*common, "--start-replicas", "2", "--pause-at", "10", "--until", up, "--touch", started]
-        odd = [*common, "--shards", "3", "--sync-every", "5", "--wait-for", started, "--touch", up]
+        good = [*common, "--start-replicas", "2", "--pause-at", "10", "--until-asking", "1"]
+        good += ["--touch", started, "--touch-at", "9"]
+        odd = [*common, "--shards", "3", "--sync-every", "5", "--wait-for", started]
         codes = _run(outdir, {"0": good, "1": good, "2": odd})
         codes["3"] = _run(outdir, {"3": [*common, "--shards", "4"]})["3"]
     return outdir, codes

@@ -214,9 +214,11 @@ class ElasticRound(Round):
             if sync.quorum.peer_state is not None:
                 self._heal(sync.quorum, sync.quorum.peer_state["round"]["phase"])
                 break
-            if sync.top_step > 0 or (sync.members >= self.config.starting_replicas and not sync.failed):
+            if sync.members >= self.config.starting_replicas and not sync.failed:
                 break
-            # a new run starts only with enough groups in its first quorum, and not with one that was refused
+            # a run starts, or every group resumes from its checkpoint, only with enough groups in its first quorum
+            # and not with one that was refused: a resumed group that went on alone would average only its own
+            # pseudo-gradients while the others, once up, did the same
             self._wait_for_more(sync, deadline)
         if sync.top_step == 0 and sync.new_in_a_used_lighthouse:
             raise MembershipError(
@@ -239,8 +241,9 @@ class ElasticRound(Round):
         wanted = self.config.starting_replicas
         if time.monotonic() > deadline:
             raise NoQuorumError(
-                f"TorchFT: replica group '{self.config.name}' found {sync.members} of the {wanted} groups a new run"
-                f" starts with (`start_replicas`) within {self.config.quorum_timeout:g} s at {self.config.lighthouse}."
+                f"TorchFT: replica group '{self.config.name}' found {sync.members} of the {wanted} groups a run starts"
+                f" or resumes with (`start_replicas`) within {self.config.quorum_timeout:g} s at"
+                f" {self.config.lighthouse}."
             )
         if not self._waiting_logged:
             self.info(f"DiLoCo: replica group '{self.config.name}' waits for {wanted} groups to start the run.")

@@ -59,9 +59,9 @@ class TorchFT:
         replica_group_id: this group's name, unique among the groups (``None``: the ``REPLICA_GROUP_ID`` variable).
             Groups are ranked by it, as strings, in the exchange.
         min_replicas: the fewest replica groups a round may commit with (torchft's ``min_replica_size``).
-        start_replicas: the groups a new run waits for in its first quorum (``None``: ``min_replicas``), so that
-            identical seeds give the paper's first round over all of them; a group that comes later heals from
-            them at their first sync.
+        start_replicas: the groups a new run, or a whole-job restart from checkpoints, waits for in its first
+            quorum (``None``: ``min_replicas``), so that identical seeds give the paper's first round over all of
+            them and resumed groups go on together; a group that comes later heals from them at their first sync.
         timeout: seconds for a collective, a commit vote or a heal's transfer before it counts as failed.
         quorum_timeout: seconds a group waits at a sync for the others (a joining group waits up to one round).
         connect_timeout: seconds to reach the lighthouse and the other groups' managers.
