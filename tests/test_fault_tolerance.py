@@ -15,9 +15,10 @@ import time
 
 import pytest
 import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed import TCPStore
 
-from lightning_gradcomp import TorchFT
+from lightning_gradcomp import DiLoCo, TorchFT
 from lightning_gradcomp.demo.ports import free_port
 from lightning_gradcomp.ft.lighthouse import Lighthouse
 from tests.distributed import child_env
@@ -154,6 +155,21 @@ def test_bad_settings_are_refused_in_one_line(kwargs, message):
     settings = {"lighthouse": "http://127.0.0.1:29510", "replica_group_id": "0", **kwargs}
     with pytest.raises(ValueError, match="Expected") as error:
         TorchFT(**settings)
+    assert message in str(error.value)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"replica_group": 2}, "Expected `replica_group=None` with `fault_tolerance`"),
+        ({"overlap_steps": 1, "merge": "eager"}, "Expected `merge=None` or 'mix' with `fault_tolerance`"),
+    ],
+)
+def test_what_the_fault_tolerant_path_cannot_serve_is_refused_at_construction(kwargs, message):
+    fault_tolerance = TorchFT(lighthouse="http://127.0.0.1:29510", replica_group_id="0")
+    with pytest.raises(MisconfigurationException, match="Expected") as error:
+        DiLoCo(sync_every=4, fault_tolerance=fault_tolerance, **kwargs)
     assert message in str(error.value)
     assert "\n" not in str(error.value)
 

@@ -326,6 +326,9 @@ class ElasticRound(Round):
             self.outer_step(averaged, indices)
             self.set_buffers(kept["buffers"])
             self.syncs += 1
+            if sync.contributes:  # the local work done during an overlapped exchange, merged as plain DiLoCo does
+                self.dirty[pending.fragment] = self._merge(pending, None, None)
+                return
         elif not kept["finite"] and not sync.failed and not self.session_of().errored():
             self.skipped += 1  # the group's own divergence, as plain DiLoCo reports it
             self.restore_buffers()

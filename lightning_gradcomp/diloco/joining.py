@@ -24,8 +24,12 @@ from lightning_gradcomp.ft.loops import load_training_state, training_state
 __all__ = ["bind", "check_fault_tolerance", "joins_at_this_step"]
 
 
-def check_fault_tolerance(fault_tolerance: Any, replica_group: Any) -> None:
-    """Refuse, in one line, a ``fault_tolerance`` that is not a ``TorchFT``, or one with ``replica_group``."""
+def check_fault_tolerance(fault_tolerance: Any, replica_group: Any, merge: Any = None) -> None:
+    """Refuse, in one line, a ``fault_tolerance`` that is not a ``TorchFT``, or one with what it cannot serve.
+
+    ``replica_group`` (the job is the replica group) and the eager merge (its estimate of the others' share assumes
+    the same workers in every round) are refused.
+    """
     if fault_tolerance is None:
         return
     if not isinstance(fault_tolerance, TorchFT):
@@ -37,6 +41,11 @@ def check_fault_tolerance(fault_tolerance: Any, replica_group: Any) -> None:
         raise MisconfigurationException(
             f"Expected `replica_group=None` with `fault_tolerance`: each Lightning job is one replica group (its"
             f" processes train with dense data parallelism inside it), got replica_group={replica_group!r}."
+        )
+    if merge == "eager":
+        raise MisconfigurationException(
+            "Expected `merge=None` or 'mix' with `fault_tolerance`: the eager merge estimates the other groups' share"
+            " from the last round, whose groups may have changed; got merge='eager'."
         )
 
 

@@ -174,7 +174,7 @@ class DiLoCo(GradcompStrategy):
         **kwargs: Any,
     ) -> None:
         check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
-        check_fault_tolerance(fault_tolerance, replica_group)
+        check_fault_tolerance(fault_tolerance, replica_group, merge)
         self.merge, self.mixing_factor = check_merge(overlap_steps, merge, mixing_factor)
         self.sigterm_check = check_choice(sigterm_check, "sigterm_check", SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
