@@ -103,9 +103,9 @@ class DiLoCo(GradcompStrategy):
             ``max_steps`` or epochs, at most 500 (:func:`~lightning_gradcomp.diloco.defaults.auto_sync_every`).
         outer_optimizer: builds the outer optimizer from theta_global's tensors: a callable such as
             ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` (the paper's), or what
-            LightningCLI passes for an ``OptimizerCallable``. Default: ``SGD(lr=1.0)``, averaging the replicas (chosen
-            by measurement, docs/diloco.md). A bare class (``torch.optim.SGD``) is built with ``lr=1.0``, and a
-            warning says so.
+            LightningCLI passes for an ``OptimizerCallable``. Default: Nesterov ``SGD(lr=0.5, momentum=0.5)`` (chosen
+            by measurement, docs/diloco.md; the paper's is lr 0.7, momentum 0.9). The bare class ``torch.optim.SGD``
+            is built with those settings, and a line says so; another bare class is refused.
         fragments: Streaming DiLoCo: the model is cut into this many fragments of consecutive parameters, synced in
             turn every ``sync_every / fragments`` steps, so that each is synced once per ``sync_every`` steps and the
             peak traffic is ``1 / fragments`` of the model. Must divide ``sync_every``.
