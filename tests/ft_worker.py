@@ -36,6 +36,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_gradcomp import DiLoCo, TorchFT
+from lightning_gradcomp.callbacks import DenseWarmup
 from lightning_gradcomp.compressors import PowerSGD, RandomK
 from tests.distributed import child_env, free_port
 from tests.models import TinyNet, synthetic_classification
@@ -198,6 +199,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--wait-for")
     parser.add_argument("--save-at", type=int, help="save OUTDIR/ckpt-NAME/last.ckpt at this global step")
     parser.add_argument("--resume", action="store_true", help="resume from OUTDIR/ckpt-NAME/last.ckpt")
+    parser.add_argument("--warmup-steps", type=int, help="DenseWarmup(steps=N): dense steps before the rounds")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     # before the fit: a group whose manager heartbeats without asking would hold the others' first quorum, a valid
@@ -220,7 +222,7 @@ def main(argv: list[str]) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         use_distributed_sampler=False,
-        callbacks=[Record(args), *saving],
+        callbacks=[Record(args), *saving, *([DenseWarmup(steps=args.warmup_steps)] if args.warmup_steps else [])],
     )
     trainer.fit(ShardNet(shard, args.shards), ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if args.resume else None)
 

@@ -359,3 +359,83 @@ def test_groups_of_two_processes_are_plain_two_level_diloco_bitwise(two_process_
             for step, (a, b) in enumerate(zip(mine, theirs, strict=True)):
                 assert torch.equal(a["global"], b["global"]), f"group {group} rank {rank}, step {step + 1}"
                 assert torch.equal(a["params"], b["params"]), f"group {group} rank {rank}, step {step + 1}"
+
+
+@pytest.fixture(scope="module")
+def killed_in_a_dense_warmup(tmp_path_factory):
+    """2 groups with ``DenseWarmup(steps=4)`` (steps 1-4 dense, then rounds of 4): group 1 dies inside the
+    all-reduce of dense step 3 and is restarted; group 0 waits before step 4 for it, so that it joins at that dense
+    step. Beside it, plain DiLoCo with the same warm-up on 2 processes."""
+    outdir = tmp_path_factory.mktemp("ft")
+    joined = str(outdir / "restarted")
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--steps", "16", "--start-replicas", "2", "--warmup-steps", "4"]
+        codes = _run(
+            outdir,
+            {"0": [*common, "--pause-at", "3", "--until", joined], "1": [*common, "--kill-in-exchange", "3"]},
+            restart={"1": [*common, "--attempt", "1", "--touch", joined]},
+            plain=2,
+            plain_options=["--steps", "16", "--warmup-steps", "4"],
+        )
+    return outdir, codes
+
+
+def test_a_dense_warmup_is_plain_diloco_bitwise_a_death_in_it_costs_one_step_and_the_restarted_group_heals_in_it(
+    killed_in_a_dense_warmup,
+):
+    outdir, codes = killed_in_a_dense_warmup
+    assert codes == {"1-killed": -signal.SIGKILL, "plain": 0, "0": 0, "1": 0}, _output(outdir, "0")[-3000:]
+    survivor, plain = load(outdir, "0-0")["steps"], load(outdir, "plain-rank0")["steps"]
+    assert [s["global_step"] for s in survivor] == list(range(1, 17))
+    for i in range(2):  # two groups at each dense step: plain data parallelism, as plain DiLoCo's warm-up
+        assert torch.equal(survivor[i]["params"], plain[i]["params"]), f"step {i + 1}: the parameters"
+        assert torch.equal(survivor[i]["global"], survivor[i]["params"]), "theta_global follows a dense step"
+        assert survivor[i]["participants"] == 2
+    assert survivor[2]["discarded"] == 1, "group 1 died in the all-reduce of step 3: the step is discarded"
+    assert torch.equal(survivor[2]["params"], survivor[1]["params"]), "no inner step on a failed exchange"
+    assert torch.isfinite(survivor[-1]["global"]).all()
+    assert survivor[-1]["discarded"] == 1
+    assert survivor[-1]["syncs"] == 3, "the rounds of steps 5-16 after the warm-up"
+    restarted = load(outdir, "1-1")
+    mine, theirs = restarted["steps"], {s["global_step"]: s for s in survivor}
+    first = mine[0]
+    assert first["global_step"] == 4, "it joined the dense step 4: Lightning's counters are the survivor's"
+    assert first["heals"] == 1
+    assert torch.equal(first["params"], theirs[4]["params"]), "the survivor's step from the survivor's weights"
+    assert first["lr"] == theirs[4]["lr"], "the learning-rate schedule carried over"
+    assert theirs[4]["participants"] == 1, "the healed group took part without contributing"
+    assert [s["global_step"] for s in mine] == list(range(4, 17))
+    for step in mine:
+        assert torch.equal(step["global"], theirs[step["global_step"]]["global"]), f"step {step['global_step']}"
+    assert theirs[8]["participants"] == 2, "both groups in the first round after the warm-up"
+    assert "healed from a live peer at step" in _output(outdir, "1")
+
+
+@pytest.fixture(scope="module")
+def two_process_groups_warmed_up(tmp_path_factory):
+    """As ``two_process_groups``, with ``DenseWarmup(steps=4)`` on both sides."""
+    outdir = tmp_path_factory.mktemp("ft")
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        group = ["--lighthouse", lighthouse.address, "--devices", "2", "--shards", "4", "--steps", "8"]
+        group += ["--start-replicas", "2", "--warmup-steps", "4"]
+        plain = {"plain_options": ["--shards", "4", "--steps", "8", "--replica-group", "2", "--warmup-steps", "4"]}
+        codes = _run(outdir, {"0": group, "1": group}, plain=4, **plain)
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_a_dense_warmup_on_groups_of_two_processes_is_plain_two_level_diloco_to_rounding(two_process_groups_warmed_up):
+    outdir, codes = two_process_groups_warmed_up
+    assert codes == {"plain": 0, "0": 0, "1": 0}, _output(outdir, "0")[-3000:]
+    reference = load(outdir, "0-0-rank0")["steps"]
+    for group in (0, 1):
+        for rank in (0, 1):
+            mine = load(outdir, f"{group}-0-rank{rank}")["steps"]
+            theirs = load(outdir, f"plain-rank{2 * group + rank}")["steps"]
+            assert len(mine) == len(theirs) == 8
+            for step, (a, b, first) in enumerate(zip(mine, theirs, reference, strict=True)):
+                # the mean inside the group, then across the groups: the plain run's mean over 4 ranks, reordered
+                torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=1e-6, msg=f"step {step + 1}")
+                assert torch.equal(a["global"], first["global"]), f"group {group} rank {rank}, step {step + 1}"
+                if step < 4:  # a dense step leaves every rank of every group with the same weights
+                    assert torch.equal(a["params"], first["params"]), f"group {group} rank {rank}, step {step + 1}"

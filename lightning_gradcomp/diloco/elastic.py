@@ -16,7 +16,9 @@ plain DiLoCo (Douillard et al. 2023, arXiv 2311.08105):
 - when the members change, each compares its settings with the others' (:mod:`lightning_gradcomp.ft.membership`)
   and one that does not belong is refused before it averages anything; a group that would start a new model where
   the lighthouse already formed quorums (everything trained is gone from the live groups) is refused too, instead of
-  resetting the run (the small-quorum trap of frontier-2026's chaos study).
+  resetting the run (the small-quorum trap of frontier-2026's chaos study);
+- a dense step (``DenseWarmup``'s) is torchft's fault-tolerant data parallelism: a quorum, the mean gradient over
+  the groups in it and a vote, a group behind the others healed first.
 """
 
 from __future__ import annotations
@@ -34,10 +36,10 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
 from lightning_gradcomp.diloco.exchange import InFlight, all_finite
-from lightning_gradcomp.diloco.replicas import ReplicaGroups
+from lightning_gradcomp.diloco.replicas import ReplicaGroups, dtype_groups
 from lightning_gradcomp.diloco.round import Pending, Round, _floats
 from lightning_gradcomp.ft.config import TorchFT
-from lightning_gradcomp.ft.membership import STARTING, Fingerprint, Member
+from lightning_gradcomp.ft.membership import DENSE, STARTING, Fingerprint, Member
 
 if TYPE_CHECKING:
     from lightning_gradcomp.ft.session import Quorum, Session
@@ -208,6 +210,9 @@ class ElasticRound(Round):
         deadline = time.monotonic() + self.config.quorum_timeout
         while True:
             sync = self._enter(STARTING)
+            if sync.fragment == DENSE:  # the others are at a dense step: this one takes part in it, healed first
+                self._open = sync
+                return False
             if sync.fragment is not None:
                 self._open = sync
                 return True
@@ -276,10 +281,10 @@ class ElasticRound(Round):
                 self._heal(sync.quorum, peer["round"]["phase"])
         self._inflight = sync
         target = sync.fragment  # the others' (this group's own unless it joined them)
-        if target is None:  # nobody at the highest step is at a sync: no exchange to take part in
+        if target is None or target == DENSE:  # nobody at the highest step is at a sync: no exchange to take part in
             sync.failed = sync.failed or f"the groups at the highest step are not at the sync of fragment {fragment}"
             sync.skip = True
-        if sync.skip or target is None:
+        if sync.skip or target is None or target == DENSE:
             return Pending(fragment, remaining, InFlight([], [], lambda kept: None))
         fragment = target
         flats, layouts = self.pseudo_gradients(fragment)
@@ -349,6 +354,69 @@ class ElasticRound(Round):
         self.copy_to(indices)
         self.dirty[pending.fragment] = False
 
+    # ------------------------------------------------------------------------------------------------------------
+    # A dense step (DenseWarmup's): plain data parallelism across the groups, with a quorum and a vote
+    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def at_dense_step(self) -> bool:
+        """Whether this group joined the others at a dense step (its first step must take part in it)."""
+        return self._open is not None and self._open.fragment == DENSE
+
+    def dense_step(self, params: Sequence[Tensor], buffers: Sequence[Tensor], finite_only: bool = True) -> bool:
+        """Average the gradients and floating-point buffers over the groups in this step's quorum; whether to step.
+
+        torchft's fault-tolerant data parallelism (its ``Manager.allreduce`` and ``should_commit`` at every step): a
+        group behind the others heals first (their weights, optimizer state and counters, taken before their step)
+        and contributes zeros; the mean is over the contributors. A failed exchange, or with ``finite_only`` an
+        average that is not finite, votes to discard: no group steps, the gradients and buffers are left as they
+        were, and training goes on. (``finite_only=False`` under a gradient scaler, which skips such a step itself
+        and must see it to lower its scale.)
+        """
+        sync, self._open = self._open, None
+        if sync is None:
+            sync = self._enter(DENSE)
+        if sync.quorum.peer_state is not None:
+            self._heal(sync.quorum, sync.quorum.peer_state["round"]["phase"])
+        if sync.fragment != DENSE:  # the groups at the highest step are at a sync of DiLoCo's rounds
+            sync.failed = sync.failed or "the groups at the highest step are not at a dense step"
+            sync.skip = True
+        grads = []
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        tensors = [*grads, *_floats(buffers)]
+        groups = dtype_groups(tensors)
+        with torch.no_grad():
+            flats = [torch.cat([tensors[i].flatten() for i in indices]) for indices in groups]
+            comm = self.exchange.world
+            if not sync.skip and comm is not None:
+                for flat in flats:
+                    if not sync.contributes:
+                        flat.zero_()
+                    comm.telemetry.add_bucket(flat.numel() * flat.element_size())
+                    comm.all_reduce((flat.div_(sync.members),)).wait()
+            finite = all_finite(flats) if finite_only else True
+            reason = sync.failed or ("" if finite else "the averaged gradient is not finite")
+            if not reason and sync.contributors == 0:
+                reason = "no group contributed"
+            self.contributors, self.members = sync.contributors, sync.members
+            if not self.session_of().should_commit(not reason, reason):
+                self.discarded += 1
+                self.info(
+                    f"DiLoCo: dense step {self.session_of().step} discarded on replica group '{self.config.name}' ("
+                    f"{reason or 'a collective failed or another group voted so'}): no step, {self.discarded}"
+                    " discarded so far."
+                )
+                return False
+            scale = sync.members / sync.contributors
+            for indices, flat in zip(groups, flats, strict=True):
+                if scale != 1:
+                    flat.mul_(scale)
+                for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices]), strict=True):
+                    tensors[i].copy_(piece.view_as(tensors[i]))
+        return True
+
     def _enter(self, mode: int) -> _Sync:
         """Ask for the quorum; when its members changed, compare settings and places with every member.
 
@@ -396,7 +464,9 @@ class ElasticRound(Round):
         if sync.fragment is None:
             sync.contributes = False
         place = "all starting" if sync.fragment is None else "at a sync"
-        if sync.fragment is not None and self.fragments > 1:
+        if sync.fragment == DENSE:
+            place = "at a dense step"
+        elif sync.fragment is not None and self.fragments > 1:
             place = f"at the sync of fragment {sync.fragment}"
         line = (
             f"DiLoCo: replica group '{self.config.name}' in a quorum of {quorum.members} groups at step {top}, {place}"

@@ -231,11 +231,6 @@ class DiLoCo(GradcompStrategy):
 
     @synchronous.setter
     def synchronous(self, value: bool) -> None:
-        if value and self.fault_tolerance is not None:
-            raise MisconfigurationException(
-                "DiLoCo(fault_tolerance=...) runs no synchronous (dense) steps across replica groups: drop DenseWarmup,"
-                " or warm up without fault tolerance and resume from its checkpoint with it."
-            )
         self._synchronous = check_bool(value, "synchronous", error=_MiscError)
 
     @property
@@ -355,6 +350,8 @@ class DiLoCo(GradcompStrategy):
             return None  # this group joined the others at their sync (healed there): no step of its own
         exchange = self._round.exchange
         comm = exchange.in_group
+        if fitting and isinstance(round, ElasticRound) and (self.synchronous or round.at_dense_step):
+            return self._dense_step_across_groups(round, optimizer, closure, model, **kwargs)
         if fitting and self.synchronous:  # plain data parallelism (a dense warm-up): every rank's gradients averaged
             self._round.close(self.optimizers)
             comm = exchange.world if self.world_size > 1 else None
@@ -365,6 +362,26 @@ class DiLoCo(GradcompStrategy):
             self._round.follow()
         elif fitting:
             self._round.after_inner_step(self.optimizers)
+        return output
+
+    def _dense_step_across_groups(
+        self, round: ElasticRound, optimizer: Optimizer, closure: Any, model: Any, **kwargs: Any
+    ) -> Any:
+        """A dense step with fault tolerance: the inner step on the mean gradient over the groups, if they commit.
+
+        The forward and backward (averaged inside the group first), then the mean over the groups in this step's
+        quorum and their vote (:meth:`ElasticRound.dense_step`); a discarded step leaves the weights as they were.
+        """
+        round.close(self.optimizers)
+        if round.exchange.in_group is not None:
+            closure = _averaging_in(closure, self._params(), self._buffers(), round.exchange.in_group)
+        output = closure()
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None  # fp16's scaler skips a non-finite step
+        if not round.dense_step(self._params(), self._buffers(), finite_only=not scaled):
+            optimizer.zero_grad(set_to_none=True)
+            return None
+        output = super().optimizer_step(optimizer, lambda: output, model, **kwargs)
+        round.follow()
         return output
 
     @override
