@@ -8,11 +8,11 @@ The data of a worker is the same either way (an explicit ``DistributedSampler`` 
 Fault injection (the process kills itself, so where it dies is exact, not timed):
 
 - ``--kill-at STEP``: SIGKILL at the end of global step ``STEP`` (between syncs unless ``STEP`` is one);
-- ``--kill-in-exchange K``: SIGKILL at the ``K``-th outer exchange (1-based), after its quorum formed, as it issues
-  its all-reduce: the others' collective fails mid-exchange;
-- ``--pause-at STEP --until FILE``: wait (at most ``PAUSE_S``) before global step ``STEP`` until ``FILE`` exists, so
-  that a group restarted by the test joins before this one finishes; ``--pause-at STEP --until-asking N``: until ``N``
-  groups ask the lighthouse for a quorum (its status page), so that a group that started late is in the next sync;
+- ``--kill-in-exchange K``: SIGKILL at the ``K``-th all-reduce of a pseudo-gradient or a dense step's gradient
+  (1-based), after its quorum formed, as it issues it: the others' collective fails mid-exchange;
+- ``--pause-at STEP --until-asking N``: wait (at most ``PAUSE_S``) before global step ``STEP`` until ``N`` groups ask
+  the lighthouse for a quorum (its status page), so that a group that (re)started late is in the next sync (the
+  lighthouse forms a quorum of the last one's groups at once, without waiting for a newcomer that has not asked);
 - ``--touch FILE``: create ``FILE`` once the fit started (``--touch-at STEP``: at the end of global step ``STEP``);
   ``--wait-for FILE``: before the fit, wait until ``FILE`` exists (the group is unknown to the lighthouse until then).
 
@@ -84,10 +84,8 @@ class Record(Callback):
                 time.sleep(0.05)
 
     def _may_go_on(self) -> bool:
-        """Whether a pause at ``--pause-at`` is over: enough groups ask the lighthouse, or the file exists."""
-        if self.args.until_asking is not None:
-            return _asking(self.args.lighthouse) >= self.args.until_asking
-        return os.path.exists(self.args.until)
+        """Whether a pause at ``--pause-at`` is over: enough groups ask the lighthouse for a quorum."""
+        return _asking(self.args.lighthouse) >= self.args.until_asking
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         outer = trainer.strategy.outer_state
@@ -192,7 +190,6 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--kill-in-exchange", type=int)
     parser.add_argument("--pause-at", type=int)
-    parser.add_argument("--until")
     parser.add_argument("--until-asking", type=int)
     parser.add_argument("--touch")
     parser.add_argument("--touch-at", type=int)

@@ -60,22 +60,23 @@ def _cli_lighthouse(outdir, port: int) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def killed_between_syncs(tmp_path_factory):
-    """2 groups, rounds of 4 steps: group 1 dies at step 10 (inside round 3) and is restarted; group 0 waits for the
-    restarted one before step 14, so that it joins at the sync of step 16. Beside it, plain DiLoCo on 2 processes.
-    The lighthouse is the command's, stopped with SIGTERM at the end."""
+    """2 groups, rounds of 4 steps: group 1 dies at step 10 (inside round 3) and is restarted; group 0 waits before
+    step 14 until the restarted one asks the lighthouse for a quorum, so that it joins at the sync of step 16 (the
+    lighthouse would form that sync's quorum at once with the groups of the last one). Beside it, plain DiLoCo on 2
+    processes. The lighthouse is the command's, stopped with SIGTERM at the end."""
     outdir = tmp_path_factory.mktemp("ft")
-    joined, port = str(outdir / "restarted"), free_port()
+    port = free_port()
     common = ["--lighthouse", f"http://127.0.0.1:{port}", "--steps", str(STEPS), "--sync-every", str(H)]
     common += ["--start-replicas", "2"]
     started = [launch(outdir, "plain", "--devices", "2", "--steps", "12", "--sync-every", str(H))]
     try:
         lighthouse = _cli_lighthouse(outdir, port)
         started.append(lighthouse)
-        survivor = launch(outdir, "0", *common, "--pause-at", "14", "--until", joined)
+        survivor = launch(outdir, "0", *common, "--pause-at", "14", "--until-asking", "1")
         victim = launch(outdir, "1", *common, "--kill-at", "10")
         started += [survivor, victim]
         killed = _wait(victim, outdir, "1")
-        restarted = launch(outdir, "1", *common, "--attempt", "1", "--touch", joined)
+        restarted = launch(outdir, "1", *common, "--attempt", "1")
         started.append(restarted)
         codes = {name: _wait(p, outdir, name) for name, p in [("0", survivor), ("1", restarted), ("plain", started[0])]}
         lighthouse.send_signal(signal.SIGTERM)
@@ -213,17 +214,16 @@ def _run(outdir, plans: dict[str, list[str]], restart: dict[str, list[str]] | No
 def killed_in_an_exchange(tmp_path_factory):
     """3 groups, each exchange overlapped with the next inner step (Streaming DiLoCo's ``overlap_steps=1``): group 2
     dies inside the exchange started at step 8 (after its quorum, as it sends) and is restarted; the others wait
-    before step 14 for it. Beside it, plain DiLoCo on 3 processes."""
+    before step 14 until it asks the lighthouse for a quorum. Beside it, plain DiLoCo on 3 processes."""
     outdir = tmp_path_factory.mktemp("ft")
-    joined = str(outdir / "restarted")
     with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
         common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), "--shards", "3", "--start-replicas", "3"]
         common += ["--overlap", "1"]
-        survivor = [*common, "--pause-at", "14", "--until", joined]
+        survivor = [*common, "--pause-at", "14", "--until-asking", "1"]
         codes = _run(
             outdir,
             {"0": survivor, "1": survivor, "2": [*common, "--kill-in-exchange", "2"]},
-            restart={"2": [*common, "--attempt", "1", "--touch", joined]},
+            restart={"2": [*common, "--attempt", "1"]},
             plain=3,
             plain_options=["--shards", "3", "--steps", "8", "--overlap", "1"],
         )
@@ -335,17 +335,21 @@ def test_streaming_and_a_two_round_compressor_are_plain_diloco_bitwise_and_resum
             assert torch.equal(mine["params"], theirs["params"])
 
 
-@pytest.fixture(scope="module")
-def two_process_groups(tmp_path_factory):
+def _two_process_groups(tmp_path_factory, *options: str):
     """2 groups of 2 processes each (dense data parallelism inside a group), beside plain DiLoCo's two levels on 4
-    processes (``replica_group=2``)."""
+    processes (``replica_group=2``), both with ``options``."""
     outdir = tmp_path_factory.mktemp("ft")
     with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
-        group = ["--lighthouse", lighthouse.address, "--devices", "2", "--shards", "4", "--steps", "8"]
+        group = ["--lighthouse", lighthouse.address, "--devices", "2", "--shards", "4", "--steps", "8", *options]
         group += ["--start-replicas", "2"]
-        plain = {"plain_options": ["--shards", "4", "--steps", "8", "--replica-group", "2"]}
+        plain = {"plain_options": ["--shards", "4", "--steps", "8", "--replica-group", "2", *options]}
         codes = _run(outdir, {"0": group, "1": group}, plain=4, **plain)
     return outdir, codes
+
+
+@pytest.fixture(scope="module")
+def two_process_groups(tmp_path_factory):
+    return _two_process_groups(tmp_path_factory)
 
 
 @pytest.mark.slow
@@ -364,16 +368,15 @@ def test_groups_of_two_processes_are_plain_two_level_diloco_bitwise(two_process_
 @pytest.fixture(scope="module")
 def killed_in_a_dense_warmup(tmp_path_factory):
     """2 groups with ``DenseWarmup(steps=4)`` (steps 1-4 dense, then rounds of 4): group 1 dies inside the
-    all-reduce of dense step 3 and is restarted; group 0 waits before step 4 for it, so that it joins at that dense
-    step. Beside it, plain DiLoCo with the same warm-up on 2 processes."""
+    all-reduce of dense step 3 and is restarted; group 0 waits before step 4 until it asks the lighthouse for a
+    quorum, so that it joins at that dense step. Beside it, plain DiLoCo with the same warm-up on 2 processes."""
     outdir = tmp_path_factory.mktemp("ft")
-    joined = str(outdir / "restarted")
     with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
         common = ["--lighthouse", lighthouse.address, "--steps", "16", "--start-replicas", "2", "--warmup-steps", "4"]
         codes = _run(
             outdir,
-            {"0": [*common, "--pause-at", "3", "--until", joined], "1": [*common, "--kill-in-exchange", "3"]},
-            restart={"1": [*common, "--attempt", "1", "--touch", joined]},
+            {"0": [*common, "--pause-at", "3", "--until-asking", "1"], "1": [*common, "--kill-in-exchange", "3"]},
+            restart={"1": [*common, "--attempt", "1"]},
             plain=2,
             plain_options=["--steps", "16", "--warmup-steps", "4"],
         )
@@ -413,14 +416,7 @@ def test_a_dense_warmup_is_plain_diloco_bitwise_a_death_in_it_costs_one_step_and
 
 @pytest.fixture(scope="module")
 def two_process_groups_warmed_up(tmp_path_factory):
-    """As ``two_process_groups``, with ``DenseWarmup(steps=4)`` on both sides."""
-    outdir = tmp_path_factory.mktemp("ft")
-    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
-        group = ["--lighthouse", lighthouse.address, "--devices", "2", "--shards", "4", "--steps", "8"]
-        group += ["--start-replicas", "2", "--warmup-steps", "4"]
-        plain = {"plain_options": ["--shards", "4", "--steps", "8", "--replica-group", "2", "--warmup-steps", "4"]}
-        codes = _run(outdir, {"0": group, "1": group}, plain=4, **plain)
-    return outdir, codes
+    return _two_process_groups(tmp_path_factory, "--warmup-steps", "4")
 
 
 @pytest.mark.slow
