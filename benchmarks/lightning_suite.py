@@ -67,13 +67,17 @@ def _env(swap: str, scratch: Path, standalone: bool) -> dict[str, str]:
     return env
 
 
-def _pytest(tests: Path, targets: list[str], env: dict[str, str], timeout_s: float, *extra: str) -> str:
-    """Run pytest on ``targets`` in ``tests`` with the stand-in plugin; the tail of its output."""
+def _pytest(
+    tests: Path, targets: list[str], env: dict[str, str], timeout_s: float, *extra: str, full: bool = False
+) -> str:
+    """Run pytest on ``targets`` in ``tests`` with the stand-in plugin; the tail of its output (``full``: all of it)."""
     command = [sys.executable, "-m", "pytest", *targets, "-p", "_lightning_swap", "-p", "no:cacheprovider", *extra]
     try:
         done = subprocess.run(command, cwd=tests, env=env, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
         return f"(pytest ran past {timeout_s:.0f} s and was stopped)"
+    if full:
+        return done.stdout + done.stderr
     return done.stdout[-3000:] + done.stderr[-3000:]
 
 
@@ -89,7 +93,7 @@ def run(args: argparse.Namespace) -> None:
     with tempfile.TemporaryDirectory() as folder:
         scratch = Path(folder)
         # Lightning's conftest keeps only the standalone tests when PL_RUN_STANDALONE_TESTS=1
-        listing = _pytest(tests, args.folders, _env(args.swap, scratch, True), 600, "--collect-only", "-q")
+        listing = _pytest(tests, args.folders, _env(args.swap, scratch, True), 600, "--collect-only", "-q", full=True)
         standalone = [line for line in listing.splitlines() if "::" in line and not line.startswith(" ")]
         if only is not None:
             standalone = [t for t in standalone if t in only]
