@@ -103,6 +103,11 @@ class SwappedDDPStrategy(CompressedDDP):
         )
 
 
+# the name Lightning's tests see (their parametrized ids hold it: `test_x[...-DDPStrategy-...]`); pickling for the
+# spawn launcher goes by ``__qualname__``, which stays this module's
+SwappedDDPStrategy.__name__ = "DDPStrategy"
+
+
 def _spy_on_ddp(test_file: str) -> None:
     """Record the tests that build Lightning's own ``DDPStrategy`` (the baseline: nothing else changes)."""
     original = DDPStrategy.__init__
