@@ -149,6 +149,8 @@ def _kill_in_exchange(k: int) -> None:
 def strategy(args: argparse.Namespace) -> DiLoCo:
     kwargs: dict[str, Any] = {"sync_every": args.sync_every, "fragments": args.fragments}
     kwargs["overlap_steps"] = args.overlap
+    if args.merge:
+        kwargs["merge"] = args.merge
     if args.replica_group and not args.lighthouse:
         kwargs["replica_group"] = args.replica_group
     if args.compressor == "randomk":
@@ -180,6 +182,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--fragments", type=int, default=1)
     parser.add_argument("--overlap", type=int, default=0)
+    parser.add_argument("--merge", choices=("mix", "eager"), help="DiLoCo(merge=...) with --overlap")
     parser.add_argument("--compressor")
     parser.add_argument("--replica-group", type=int, help="plain DiLoCo's two levels (ranks per replica)")
     parser.add_argument("--min-replicas", type=int, default=1)

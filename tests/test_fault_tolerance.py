@@ -164,7 +164,6 @@ def test_bad_settings_are_refused_in_one_line(kwargs, message):
     ("kwargs", "message"),
     [
         ({"replica_group": 2}, "Expected `replica_group=None` with `fault_tolerance`"),
-        ({"overlap_steps": 1, "merge": "eager"}, "Expected `merge=None` or 'mix' with `fault_tolerance`"),
     ],
 )
 def test_what_the_fault_tolerant_path_cannot_serve_is_refused_at_construction(kwargs, message):
@@ -210,22 +209,24 @@ def _run(outdir, plans: dict[str, list[str]], restart: dict[str, list[str]] | No
     return codes
 
 
-@pytest.fixture(scope="module")
-def killed_in_an_exchange(tmp_path_factory):
-    """3 groups, each exchange overlapped with the next inner step (Streaming DiLoCo's ``overlap_steps=1``): group 2
-    dies inside the exchange started at step 8 (after its quorum, as it sends) and is restarted; the others wait
-    before step 14 until it asks the lighthouse for a quorum. Beside it, plain DiLoCo on 3 processes."""
+@pytest.fixture(scope="module", params=["mix", "eager"])
+def killed_in_an_exchange(tmp_path_factory, request):
+    """3 groups, each exchange overlapped with the next inner step (Streaming DiLoCo's ``overlap_steps=1``, with the
+    mixing factor's merge and with eager updates): group 2 dies inside the exchange started at step 8 (after its
+    quorum, as it sends) and is restarted; the others wait before step 14 until it asks the lighthouse for a quorum.
+    Beside it, plain DiLoCo on 3 processes."""
     outdir = tmp_path_factory.mktemp("ft")
+    overlap = ["--overlap", "1", "--merge", request.param]
     with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
         common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), "--shards", "3", "--start-replicas", "3"]
-        common += ["--overlap", "1"]
+        common += overlap
         survivor = [*common, "--pause-at", "14", "--until-asking", "1"]
         codes = _run(
             outdir,
             {"0": survivor, "1": survivor, "2": [*common, "--kill-in-exchange", "2"]},
             restart={"2": [*common, "--attempt", "1"]},
             plain=3,
-            plain_options=["--shards", "3", "--steps", "8", "--overlap", "1"],
+            plain_options=["--shards", "3", "--steps", "8", *overlap],
         )
     return outdir, codes
 

@@ -152,6 +152,23 @@ def test_the_engine_and_the_compressors_import_no_lightning(folder):
     assert not lightning_imports(ROOT, folder), f"{folder}/ imports Lightning"
 
 
+def private_imports(root: Path) -> list[str]:
+    """``module: name`` for every private name (``_name``) a module imports from another of the package."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(PACKAGE)):
+                found += [f"{path.relative_to(root)}: {a.name}" for a in node.names if a.name.startswith("_")]
+    return found
+
+
+def test_no_module_imports_another_module_s_private_name(tmp_path):
+    """A private name is its module's own; one another module needs is part of that module's interface."""
+    assert not private_imports(ROOT), "private names imported across modules"
+    (tmp_path / "a.py").write_text("from lightning_gradcomp.diloco.round import Round, _hidden\n")
+    assert private_imports(tmp_path) == ["a.py: _hidden"], "the check itself sees one"
+
+
 def test_the_layer_rules_see_an_upward_import(tmp_path):
     """The check itself: an engine module importing a compressor, or Lightning, is reported."""
     package = tmp_path / PACKAGE

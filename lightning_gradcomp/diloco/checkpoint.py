@@ -31,6 +31,7 @@ __all__ = [
     "load_shared_exchange_state",
     "own_state",
     "restart_from_global",
+    "restore",
     "restore_own_state",
     "save_diloco_state",
     "with_theta_global",
@@ -167,6 +168,32 @@ def restart_from_global(
         round.exchange.load_state_dict(shared_exchange)
     round.copy_to()
     round.restore_buffers()
+
+
+def restore(
+    round: Round,
+    section: Mapping[str, Any],
+    own: dict[str, Any] | None,
+    tensors: Sequence[Tensor],
+    device: torch.device,
+    shared_exchange: dict[str, Any] | None,
+) -> None:
+    """Resume from a checkpoint's ``"diloco"`` section: exactly with this rank's ``own`` state, else from theta_global.
+
+    A checkpoint of another schedule (``sync_every``, ``fragments``) starts a new round from its theta_global, with a
+    warning; one without this rank's own state (another world size) goes on at its phase from theta_global.
+    """
+    same_schedule = section["sync_every"] == round.sync_every and section["fragments"] == round.fragments
+    if same_schedule and own is not None:
+        restore_own_state(round, section["outer"], own, tensors, device)
+        return
+    if not same_schedule:
+        rank_zero_warn(
+            f"DiLoCo: the checkpoint synced every {section['sync_every']} steps in {section['fragments']}"
+            f" fragments, this run every {round.sync_every} in {round.fragments}: a new round starts from"
+            " its theta_global."
+        )
+    restart_from_global(round, section["outer"], not same_schedule, shared_exchange)
 
 
 def with_theta_global(

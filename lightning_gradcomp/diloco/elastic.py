@@ -13,7 +13,7 @@ plain DiLoCo (Douillard et al. 2023, arXiv 2311.08105):
   step: theta_global, the outer optimizer, the phase, the exchange's shared state (its own residuals start empty),
   and Lightning's counters, inner optimizers and schedulers (:mod:`lightning_gradcomp.ft.loops`), then takes part in
   the sync the others are at without contributing to it, and applies the same outer step;
-- when the members change, each compares its settings with the others' (:mod:`lightning_gradcomp.ft.membership`)
+- when the members change, each compares its settings with the others' (:mod:`lightning_gradcomp.ft.quorums`)
   and one that does not belong is refused before it averages anything; a group that would start a new model where
   the lighthouse already formed quorums (everything trained is gone from the live groups) is refused too, instead of
   resetting the run (the small-quorum trap of frontier-2026's chaos study);
@@ -36,10 +36,12 @@ from torch.optim import Optimizer
 from torch.utils._pytree import tree_map
 
 from lightning_gradcomp.diloco.exchange import InFlight, all_finite
-from lightning_gradcomp.diloco.replicas import ReplicaGroups, dtype_groups
-from lightning_gradcomp.diloco.round import Pending, Round, _floats
+from lightning_gradcomp.diloco.merge import others_share
+from lightning_gradcomp.diloco.replicas import ReplicaGroups, dense_tensors, flatten_by_dtype, unflatten_into
+from lightning_gradcomp.diloco.round import Pending, Round, floating_point
 from lightning_gradcomp.ft.config import TorchFT
-from lightning_gradcomp.ft.membership import DENSE, STARTING, Fingerprint, Member
+from lightning_gradcomp.ft.membership import DENSE, STARTING, Fingerprint
+from lightning_gradcomp.ft.quorums import MembershipError, Quorums, Sync
 
 if TYPE_CHECKING:
     from lightning_gradcomp.ft.session import Quorum, Session
@@ -47,13 +49,6 @@ if TYPE_CHECKING:
 __all__ = ["ElasticRound", "Job", "MembershipError"]
 
 log = logging.getLogger(__name__)
-
-_START_POLL_S = 0.2  # how often a group asks again for a first quorum with more groups in it
-
-
-class MembershipError(RuntimeError):
-    """This replica group does not belong in the run it joined (its settings differ), or would reset it."""
-
 
 @dataclass(frozen=True)
 class Job:
@@ -71,32 +66,6 @@ class Job:
     group: Any = None
 
 
-@dataclass
-class _Sync:
-    """The quorum of one sync, as this group acts on it.
-
-    Attributes:
-        quorum: torchft's answer.
-        fragment: the fragment exchanged (``None``: no exchange in this quorum: everyone is starting).
-        contributes: whether this group's pseudo-gradient counts in the average.
-        contributors: how many count (the mean's divisor); members: the quorum's groups (the collectives' size).
-        top_step: the highest torchft step in the quorum.
-        new_in_a_used_lighthouse: the lighthouse formed quorums before this one, and no member was in them.
-        failed: why this sync cannot commit here (``""``: it can).
-        skip: no member runs the exchange (every member saw the same reason not to): nothing waits for a peer.
-    """
-
-    quorum: Quorum
-    fragment: int | None
-    contributes: bool
-    contributors: int
-    members: int
-    top_step: int = 0
-    new_in_a_used_lighthouse: bool = False
-    failed: str = ""
-    skip: bool = False
-
-
 class ElasticRound(Round):
     """DiLoCo's round on torchft: the same state and schedule as :class:`Round`, the exchange across replica groups.
 
@@ -110,9 +79,11 @@ class ElasticRound(Round):
         job: this rank's replica group (set before :meth:`attach`).
         training_state, load_training_state: Lightning's training state of the group, taken for a peer that heals
             and loaded when this group heals (the strategy sets them).
+        quorums: the quorums this group asks for (:class:`~lightning_gradcomp.ft.quorums.Quorums`).
         discarded: syncs this group discarded (a failure during them); heals: times it healed; heal_seconds: how
             long the last heal took; contributors, members: the groups that counted in, and took part in, the last
             sync.
+        others_workers: per fragment, the contributors over which :attr:`others` was taken (the eager merge).
     """
 
     def __init__(
@@ -122,8 +93,7 @@ class ElasticRound(Round):
         self.config = fault_tolerance
         self.info = info
         self.job = Job(0, 1, ("127.0.0.1", 0))
-        self.session: Session | None = None
-        self.fingerprint = Fingerprint(())
+        self.quorums = Quorums(fault_tolerance, self.fragments, info)
         self.training_state: Callable[[], dict[str, Any]] = dict
         self.load_training_state: Callable[[dict[str, Any]], None] = lambda state: None
         self.joined = False
@@ -132,12 +102,10 @@ class ElasticRound(Round):
         self.heal_seconds = 0.0
         self.contributors = 0
         self.members = 0
-        self._open: _Sync | None = None  # a quorum opened for the sync to come (the join's)
-        self._inflight: _Sync | None = None  # the quorum of the exchange in flight
+        self.others_workers: dict[int, int] = {}  # per fragment: the contributors its others' shares were taken over
+        self._open: Sync | None = None  # a quorum opened for the sync to come (the join's)
+        self._inflight: Sync | None = None  # the quorum of the exchange in flight
         self._restored_step: dict[str, int] | None = None
-        self._first_quorum: int | None = None  # the id of the first quorum this group was in
-        self._waiting_logged = False
-        self._last_line = ""
 
     # ------------------------------------------------------------------------------------------------------------
     # Setup
@@ -158,19 +126,9 @@ class ElasticRound(Round):
 
         super().attach(params, buffers, names, distributed=False)
         compressor = self.exchange.compressor
-        self.fingerprint = Fingerprint(
-            (
-                ("model (parameter names, shapes and dtypes)", repr(_layout(self.names, params))),
-                ("sync_every", self.sync_every),
-                ("fragments", self.fragments),
-                ("overlap_steps", self.overlap_steps),
-                ("merge", f"{self.merge} {self.mixing_factor:g}" if self.overlap_steps else "none"),
-                ("compressor", repr(compressor)),
-                ("lightning-gradcomp version", _version()),
-            )
-        )
+        self.quorums.fingerprint = _fingerprint(self, params)
         job = self.job
-        self.session = Session(
+        self.quorums.session = session = Session(
             self.config,
             rank=job.rank,
             world_size=job.world_size,
@@ -182,15 +140,15 @@ class ElasticRound(Round):
         replicas = None
         if job.world_size > 1:  # two levels: shard j of every group's exchange with rank j of the other groups
             replicas = ReplicaGroups(size=job.world_size, count=1, index=job.rank, group=job.group, peers=None)
-        self.exchange.attach(device, replicas=replicas, backend=self.session.collectives)
+        self.exchange.attach(device, replicas=replicas, backend=session.collectives)
         if self._restored_step is not None:
-            self.session.load_step(self._restored_step)
+            session.load_step(self._restored_step)
 
     def close_session(self) -> None:
         """Leave the run: the manager stops (its heartbeats end, so the others' next quorum goes on without it)."""
-        if self.session is not None:
-            self.session.close()
-            self.session = None
+        if self.quorums.session is not None:
+            self.quorums.session.close()
+            self.quorums.session = None
 
     # ------------------------------------------------------------------------------------------------------------
     # The join: this group's first optimizer step
@@ -209,7 +167,7 @@ class ElasticRound(Round):
         self.joined = True
         deadline = time.monotonic() + self.config.quorum_timeout
         while True:
-            sync = self._enter(STARTING)
+            sync = self.quorums.enter(STARTING)
             if sync.fragment == DENSE:  # the others are at a dense step: this one takes part in it, healed first
                 self._open = sync
                 return False
@@ -224,7 +182,7 @@ class ElasticRound(Round):
             # a run starts, or every group resumes from its checkpoint, only with enough groups in its first quorum
             # and not with one that was refused: a resumed group that went on alone would average only its own
             # pseudo-gradients while the others, once up, did the same
-            self._wait_for_more(sync, deadline)
+            self.quorums.wait_for_more(sync, deadline)
         if sync.top_step == 0 and sync.new_in_a_used_lighthouse:
             raise MembershipError(
                 f"TorchFT: replica group '{self.config.name}' would start a new model, but the lighthouse at"
@@ -234,26 +192,6 @@ class ElasticRound(Round):
             )
         self.session_of().should_commit(not sync.failed, sync.failed)
         return False
-
-    def _wait_for_more(self, sync: _Sync, deadline: float) -> None:
-        """Before asking again for a first quorum with more groups: at most ``quorum_timeout`` in all.
-
-        Raises:
-            NoQuorumError: If the deadline passed.
-        """
-        from lightning_gradcomp.ft.session import NoQuorumError
-
-        wanted = self.config.starting_replicas
-        if time.monotonic() > deadline:
-            raise NoQuorumError(
-                f"TorchFT: replica group '{self.config.name}' found {sync.members} of the {wanted} groups a run starts"
-                f" or resumes with (`start_replicas`) within {self.config.quorum_timeout:g} s at"
-                f" {self.config.lighthouse}."
-            )
-        if not self._waiting_logged:
-            self.info(f"DiLoCo: replica group '{self.config.name}' waits for {wanted} groups to start the run.")
-            self._waiting_logged = True
-        time.sleep(_START_POLL_S)
 
     def finish_join(self, optimizers: Sequence[Optimizer]) -> None:
         """Take part in the others' sync as the step they are in: healed first, this group's own step void."""
@@ -275,7 +213,7 @@ class ElasticRound(Round):
         """The quorum (the join's, or a new one), then the exchange of this fragment over the groups in it."""
         sync, self._open = self._open, None
         if sync is None:
-            sync = self._enter(fragment)
+            sync = self.quorums.enter(fragment)
             peer = sync.quorum.peer_state
             if peer is not None and sync.fragment is not None:  # behind the others: their state, then their sync
                 self._heal(sync.quorum, peer["round"]["phase"])
@@ -309,7 +247,7 @@ class ElasticRound(Round):
         assert sync is not None
         self.pending, self._inflight = None, None
         indices = self.fragment_params[pending.fragment]
-        floats = _floats(self._local_buffers)
+        floats = floating_point(self._local_buffers)
         kept: dict[str, Any] = {}
 
         def decide(finite: bool) -> bool:
@@ -328,11 +266,16 @@ class ElasticRound(Round):
             for tensor in (*averaged, *kept["buffers"]):
                 if scale != 1:
                     tensor.mul_(scale)
+            before = others = None
+            if sync.contributes and pending.contribution is not None and self.merge == "eager":
+                before = self._eager_step(pending, sync.contributors)  # before the outer step changes the average
+                others = others_share(averaged, pending.contribution, sync.contributors)
+                self.others_workers[pending.fragment] = sync.contributors
             self.outer_step(averaged, indices)
             self.set_buffers(kept["buffers"])
             self.syncs += 1
             if sync.contributes:  # the local work done during an overlapped exchange, merged as plain DiLoCo does
-                self.dirty[pending.fragment] = self._merge(pending, None, None)
+                self.dirty[pending.fragment] = self._merge(pending, before, others)
                 return
         elif not kept["finite"] and not sync.failed and not self.session_of().errored():
             self.skipped += 1  # the group's own divergence, as plain DiLoCo reports it
@@ -354,6 +297,17 @@ class ElasticRound(Round):
         self.copy_to(indices)
         self.dirty[pending.fragment] = False
 
+    def in_flight_workers(self) -> int:
+        """The groups that contribute to the exchange in flight (the eager estimate's divisor; at least 1)."""
+        return max(self._inflight.contributors, 1) if self._inflight is not None else self.exchange.workers
+
+    def others_for(self, fragment: int, workers: int) -> list[Tensor] | None:
+        """The others' shares of the fragment's last average if it was taken over ``workers`` contributors.
+
+        When the members changed, none: the eager estimate is this group's own share, as at a fragment's first exchange.
+        """
+        return self.others.get(fragment) if self.others_workers.get(fragment) == workers else None
+
     # ------------------------------------------------------------------------------------------------------------
     # A dense step (DenseWarmup's): plain data parallelism across the groups, with a quorum and a vote
     # ------------------------------------------------------------------------------------------------------------
@@ -374,29 +328,23 @@ class ElasticRound(Round):
         """
         sync, self._open = self._open, None
         if sync is None:
-            sync = self._enter(DENSE)
+            sync = self.quorums.enter(DENSE)
         if sync.quorum.peer_state is not None:
             self._heal(sync.quorum, sync.quorum.peer_state["round"]["phase"])
         if sync.fragment != DENSE:  # the groups at the highest step are at a sync of DiLoCo's rounds
             sync.failed = sync.failed or "the groups at the highest step are not at a dense step"
             sync.skip = True
-        grads = []
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
-        tensors = [*grads, *_floats(buffers)]
-        groups = dtype_groups(tensors)
+        tensors = dense_tensors(params, buffers)
         with torch.no_grad():
-            flats = [torch.cat([tensors[i].flatten() for i in indices]) for indices in groups]
+            flats = flatten_by_dtype(tensors)
             comm = self.exchange.world
             if not sync.skip and comm is not None:
-                for flat in flats:
+                for _, flat in flats:
                     if not sync.contributes:
                         flat.zero_()
                     comm.telemetry.add_bucket(flat.numel() * flat.element_size())
                     comm.all_reduce((flat.div_(sync.members),)).wait()
-            finite = all_finite(flats) if finite_only else True
+            finite = all_finite([flat for _, flat in flats]) if finite_only else True
             reason = sync.failed or ("" if finite else "the averaged gradient is not finite")
             if not reason and sync.contributors == 0:
                 reason = "no group contributed"
@@ -410,72 +358,11 @@ class ElasticRound(Round):
                 )
                 return False
             scale = sync.members / sync.contributors
-            for indices, flat in zip(groups, flats, strict=True):
-                if scale != 1:
+            if scale != 1:  # the mean over the contributors, not over the members
+                for _, flat in flats:
                     flat.mul_(scale)
-                for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices]), strict=True):
-                    tensors[i].copy_(piece.view_as(tensors[i]))
+            unflatten_into(tensors, flats)
         return True
-
-    def _enter(self, mode: int) -> _Sync:
-        """Ask for the quorum; when its members changed, compare settings and places with every member.
-
-        Raises:
-            MembershipError: If this group's settings differ from those of the members at the highest step.
-        """
-        session = self.session_of()
-        before = session.step
-        quorum = session.quorum()
-        quorum_id = session.groups.quorum_id or 0
-        if self._first_quorum is None:
-            self._first_quorum = quorum_id
-        healed = quorum.peer_state is not None
-        contributes = mode != STARTING and not healed and not quorum.errored
-        sync = _Sync(quorum, None if mode == STARTING else mode, contributes, quorum.members, quorum.members)
-        sync.top_step = quorum.step
-        if quorum.errored:
-            sync.failed = "the quorum's process group or heal failed here"
-        if not quorum.reconfigured:
-            return sync  # the same members as at the last sync: all at this place, none healing
-        veteran = self._first_quorum < quorum_id
-        rows = session.all_gather(Member(mode, contributes, before, veteran).row(self.fingerprint))
-        if rows is None:
-            sync.failed, sync.skip = "the members' check failed (a group left during it)", True
-            return sync
-        members = [Member.of(row) for row in rows]
-        top = sync.top_step = max(member.step for member, _ in members)
-        sync.new_in_a_used_lighthouse = quorum_id > 1 and not any(member.veteran for member, _ in members)
-        leaders = [(member, codes) for member, codes in members if member.step == top]
-        reference = leaders[0][1]  # the first group at the highest step (by name): the run's settings
-        difference = self.fingerprint.difference(reference)
-        if difference is not None:
-            raise MembershipError(
-                f"TorchFT: replica group '{self.config.name}' does not belong in the run at {self.config.lighthouse}:"
-                f" {difference}. It is refused before averaging into theta_global."
-            )
-        if any(codes != reference for _, codes in members):
-            sync.failed, sync.skip = "a group that does not belong was refused", True
-        places = {member.mode for member, _ in leaders if member.mode != STARTING}
-        if len(places) > 1:
-            sync.failed = sync.failed or f"the groups at the highest step are at different syncs {sorted(places)}"
-            sync.skip = True
-        sync.fragment = min(places) if places else None
-        sync.contributors = sum(member.contributes for member, _ in members)
-        if sync.fragment is None:
-            sync.contributes = False
-        place = "all starting" if sync.fragment is None else "at a sync"
-        if sync.fragment == DENSE:
-            place = "at a dense step"
-        elif sync.fragment is not None and self.fragments > 1:
-            place = f"at the sync of fragment {sync.fragment}"
-        line = (
-            f"DiLoCo: replica group '{self.config.name}' in a quorum of {quorum.members} groups at step {top}, {place}"
-            f" ({sync.contributors} contributing{'; this one healed' if healed else ''})."
-        )
-        if line != self._last_line:  # a new run's first quorums repeat while it waits for its groups
-            self.info(line)
-            self._last_line = line
-        return sync
 
     def _heal(self, quorum: Quorum, phase: int) -> None:
         """Take a live peer's state (this group is behind), and go on at ``phase`` of the round.
@@ -519,11 +406,14 @@ class ElasticRound(Round):
         state["round"]["pending"] = None
         return tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, state)
 
+    @property
+    def session(self) -> Session | None:
+        """The torchft manager of this rank (after :meth:`attach`, until :meth:`close_session`)."""
+        return self.quorums.session
+
     def session_of(self) -> Session:
         """The session (after :meth:`attach`)."""
-        if self.session is None:
-            raise RuntimeError("ElasticRound.attach must be called before the first sync.")
-        return self.session
+        return self.quorums.session_of()
 
     # ------------------------------------------------------------------------------------------------------------
     # State
@@ -543,11 +433,16 @@ class ElasticRound(Round):
             if self.session is not None:
                 self.session.load_step(self._restored_step)
 
+    def own_state(self) -> dict[str, Any]:
+        """:meth:`Round.own_state`, and the contributors the eager merge's shares of the others were taken over."""
+        return {**super().own_state(), "others_workers": dict(self.others_workers)}
+
     def load_own_state(self, own: dict[str, Any], device: torch.device) -> None:
         """Restore this rank's own state; an exchange that was in flight is discarded (its quorum is gone)."""
         pending = self.pending
         self.pending = None
         super().load_own_state(own, device)
+        self.others_workers = {int(k): int(v) for k, v in own.get("others_workers", {}).items()}
         if pending is not None:
             self.copy_to(self.fragment_params[pending.fragment])
             self.dirty[pending.fragment] = False
@@ -568,6 +463,21 @@ def _version() -> str:
         return importlib.metadata.version("lightning-gradcomp")
     except importlib.metadata.PackageNotFoundError:
         return "unknown"
+
+
+def _fingerprint(round: Round, params: Sequence[Tensor]) -> Fingerprint:
+    """What every group of the run must share: the model, the schedule, the merge, the compressor, the version."""
+    return Fingerprint(
+        (
+            ("model (parameter names, shapes and dtypes)", repr(_layout(round.names, params))),
+            ("sync_every", round.sync_every),
+            ("fragments", round.fragments),
+            ("overlap_steps", round.overlap_steps),
+            ("merge", f"{round.merge} {round.mixing_factor:g}" if round.overlap_steps else "none"),
+            ("compressor", repr(round.exchange.compressor)),
+            ("lightning-gradcomp version", _version()),
+        )
+    )
 
 
 def _layout(names: Sequence[str], params: Sequence[Tensor]) -> list[tuple[str, tuple[int, ...], str]]:

@@ -15,20 +15,21 @@ from typing import Any
 import lightning.pytorch as pl
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_gradcomp.diloco.elastic import ElasticRound, Job
+from lightning_gradcomp.diloco.replicas import averaging_in
 from lightning_gradcomp.ft.config import TorchFT
 from lightning_gradcomp.ft.loops import load_training_state, training_state
 
-__all__ = ["bind", "check_fault_tolerance", "joins_at_this_step"]
+__all__ = ["bind", "check_fault_tolerance", "dense_step_across_groups", "joins_at_this_step"]
 
 
-def check_fault_tolerance(fault_tolerance: Any, replica_group: Any, merge: Any = None) -> None:
-    """Refuse, in one line, a ``fault_tolerance`` that is not a ``TorchFT``, or one with what it cannot serve.
+def check_fault_tolerance(fault_tolerance: Any, replica_group: Any) -> None:
+    """Refuse, in one line, a ``fault_tolerance`` that is not a ``TorchFT``, or one beside ``replica_group``.
 
-    ``replica_group`` (the job is the replica group) and the eager merge (its estimate of the others' share assumes
-    the same workers in every round) are refused.
+    With fault tolerance, the Lightning job is the replica group.
     """
     if fault_tolerance is None:
         return
@@ -41,11 +42,6 @@ def check_fault_tolerance(fault_tolerance: Any, replica_group: Any, merge: Any =
         raise MisconfigurationException(
             f"Expected `replica_group=None` with `fault_tolerance`: each Lightning job is one replica group (its"
             f" processes train with dense data parallelism inside it), got replica_group={replica_group!r}."
-        )
-    if merge == "eager":
-        raise MisconfigurationException(
-            "Expected `merge=None` or 'mix' with `fault_tolerance`: the eager merge estimates the other groups' share"
-            " from the last round, whose groups may have changed; got merge='eager'."
         )
 
 
@@ -85,3 +81,39 @@ def joins_at_this_step(
         optimizer.zero_grad(set_to_none=True)
     round.finish_join(optimizers)
     return True
+
+
+def dense_step_across_groups(
+    round: ElasticRound,
+    optimizers: Sequence[Optimizer],
+    optimizer: Optimizer,
+    closure: Callable[[], Any],
+    tensors: tuple[Sequence[Tensor], Sequence[Tensor]],
+    scaled: bool,
+    step: Callable[..., Any],
+) -> Any:
+    """A dense step with fault tolerance: the inner step on the mean gradient over the groups, if they commit.
+
+    The forward and backward (averaged inside the group first), then the mean over the groups in this step's quorum
+    and their vote (:meth:`ElasticRound.dense_step`); a discarded step leaves the weights as they were.
+
+    Args:
+        round: the group's round (an exchange in flight is applied first).
+        optimizers: the inner optimizers.
+        optimizer: the one stepping.
+        closure: Lightning's closure (the forward and backward).
+        tensors: the model's trained parameters and its buffers.
+        scaled: a gradient scaler is in use (it skips a non-finite step itself, and must see it).
+        step: the strategy's own optimizer step, given the closure.
+    """
+    params, buffers = tensors
+    round.close(optimizers)
+    if round.exchange.in_group is not None:
+        closure = averaging_in(closure, params, buffers, round.exchange.in_group)
+    output = closure()
+    if not round.dense_step(params, buffers, finite_only=not scaled):
+        optimizer.zero_grad(set_to_none=True)
+        return None
+    output = step(lambda: output)
+    round.follow()
+    return output

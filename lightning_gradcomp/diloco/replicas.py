@@ -14,7 +14,7 @@ shards over the fast link.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,20 +114,52 @@ def dtype_groups(tensors: Sequence[Tensor]) -> list[list[int]]:
 def average_in_group(params: Sequence[Tensor], buffers: Sequence[Tensor], comm: Comm) -> None:
     """Dense data parallelism inside the group ``comm`` spans: the mean of the gradients and floating-point buffers.
 
-    One all-reduce per dtype and device. A parameter without a gradient on this rank contributes zeros (and gets the
-    group's mean), so that every rank of the group sends the same layout and ends with the same gradients; averaging
-    the buffers (BatchNorm's running statistics) keeps the group's replicas identical at every step.
+    One all-reduce per dtype and device (:func:`dense_tensors`); averaging the buffers (BatchNorm's running
+    statistics) keeps the group's replicas identical at every step.
+    """
+    tensors = dense_tensors(params, buffers)
+    with torch.no_grad():
+        flats = flatten_by_dtype(tensors)
+        for _, flat in flats:
+            comm.telemetry.add_bucket(flat.numel() * flat.element_size())
+            comm.all_reduce((flat.div_(comm.world_size),)).wait()
+        unflatten_into(tensors, flats)
+
+
+def dense_tensors(params: Sequence[Tensor], buffers: Sequence[Tensor]) -> list[Tensor]:
+    """What dense data parallelism averages: the parameters' gradients, then the floating-point buffers.
+
+    A parameter without a gradient on this rank gets zeros (and then the mean), so that every rank sends the same
+    layout and ends with the same gradients.
     """
     grads = []
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(p.grad)
-    tensors = [*grads, *(b for b in buffers if b.is_floating_point())]
-    with torch.no_grad():
-        for indices in dtype_groups(tensors):
-            flat = torch.cat([tensors[i].flatten() for i in indices])
-            comm.telemetry.add_bucket(flat.numel() * flat.element_size())
-            comm.all_reduce((flat.div_(comm.world_size),)).wait()
-            for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices])):
-                tensors[i].copy_(piece.view_as(tensors[i]))
+    return [*grads, *(b for b in buffers if b.is_floating_point())]
+
+
+def flatten_by_dtype(tensors: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
+    """``tensors`` as one flat copy per dtype and device (:func:`dtype_groups`), each with the indices it holds."""
+    return [(indices, torch.cat([tensors[i].flatten() for i in indices])) for indices in dtype_groups(tensors)]
+
+
+def unflatten_into(tensors: Sequence[Tensor], flats: Sequence[tuple[list[int], Tensor]]) -> None:
+    """Copy each flat of :func:`flatten_by_dtype` back into the tensors it was made from."""
+    for indices, flat in flats:
+        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices]), strict=True):
+            tensors[i].copy_(piece.view_as(tensors[i]))
+
+
+def averaging_in(
+    closure: Callable[[], Any], params: Sequence[Tensor], buffers: Sequence[Tensor], comm: Comm
+) -> Callable[[], Any]:
+    """``closure`` (the forward and backward), then :func:`average_in_group` over ``comm``'s ranks."""
+
+    def run() -> Any:
+        output = closure()
+        average_in_group(params, buffers, comm)
+        return output
+
+    return run

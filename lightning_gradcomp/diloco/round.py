@@ -32,7 +32,7 @@ from lightning_gradcomp.diloco.exchange import InFlight, OuterExchange, all_fini
 from lightning_gradcomp.diloco.merge import eager_estimate, mix_into, others_share, tentative_step
 from lightning_gradcomp.diloco.replicas import ReplicaGroups, dtype_groups
 
-__all__ = ["OuterOptimizerCallable", "Pending", "Round", "default_outer_optimizer", "split_fragments"]
+__all__ = ["OuterOptimizerCallable", "Pending", "Round", "default_outer_optimizer", "floating_point", "split_fragments"]
 
 #: what ``DiLoCo(outer_optimizer=...)`` takes: parameters in, an optimizer out (LightningCLI's ``OptimizerCallable``)
 OuterOptimizerCallable = Callable[[Iterable[Tensor]], Optimizer]
@@ -56,7 +56,8 @@ def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
     return out
 
 
-def _floats(buffers: Sequence[Tensor]) -> list[Tensor]:
+def floating_point(buffers: Sequence[Tensor]) -> list[Tensor]:
+    """The floating-point ones of ``buffers`` (the ones averaged: BatchNorm's statistics, not its step counter)."""
     return [b for b in buffers if b.is_floating_point()]
 
 
@@ -180,7 +181,7 @@ class Round:
             self.exchange.attach(params[0].device, self.process_group, self.replicas)
         device = torch.device("cpu") if self.offload else None
         self.params = [p.detach().clone().to(device or p.device) for p in params]
-        self.buffers = [b.detach().clone() for b in _floats(buffers)]
+        self.buffers = [b.detach().clone() for b in floating_point(buffers)]
         self.optimizer = self.outer_optimizer(self.params)
         if not isinstance(self.optimizer, Optimizer):
             raise TypeError(
@@ -202,10 +203,11 @@ class Round:
             self.pending = self.send(self.phase // self.period - 1, self.overlap_steps)
             if not self.overlap_steps:
                 self.finish(optimizers)
-            elif self.merge == "eager":  # train in flight from the outer step of the estimated average
+            elif self.merge == "eager" and self.pending.contribution is not None:
+                # train in flight from the outer step of the estimated average
                 with torch.no_grad():
                     indices = self.fragment_params[self.pending.fragment]
-                    for i, value in zip(indices, self._eager_step(self.pending)):
+                    for i, value in zip(indices, self._eager_step(self.pending, self.in_flight_workers())):
                         self._local[i].copy_(value.to(self._local[i].device))
         if self.phase == self.sync_every:
             self.phase = 0
@@ -237,12 +239,12 @@ class Round:
         self.pending = None
         indices = self.fragment_params[pending.fragment]
         averaged, finite = pending.exchange.wait()
-        buffers = self.exchange.average(_floats(self._local_buffers))
+        buffers = self.exchange.average(floating_point(self._local_buffers))
         if finite and all_finite(buffers):
             before = others = None
             if pending.contribution is not None and self.merge == "eager":
                 # before the outer step, which may change the averages in place (torch's Nesterov SGD does)
-                before = self._eager_step(pending)
+                before = self._eager_step(pending, self.exchange.workers)
                 others = others_share(averaged, pending.contribution, self.exchange.workers)
             self.outer_step(averaged, indices)
             self.set_buffers(buffers)
@@ -259,12 +261,23 @@ class Round:
         self.copy_to(indices)
         self.dirty[pending.fragment] = False
 
-    def _eager_step(self, pending: Pending) -> list[Tensor]:
-        """theta_global's fragment after an outer step on the eager estimate of the average (nothing is changed)."""
+    def in_flight_workers(self) -> int:
+        """How many workers' pseudo-gradients the exchange in flight averages (all of them in plain DiLoCo)."""
+        return self.exchange.workers
+
+    def others_for(self, fragment: int, workers: int) -> list[Tensor] | None:
+        """The other workers' shares of ``fragment``'s last average, for an estimate of a mean over ``workers``."""
+        return self.others.get(fragment)
+
+    def _eager_step(self, pending: Pending, workers: int) -> list[Tensor]:
+        """theta_global's fragment after an outer step on the eager estimate of the average over ``workers``.
+
+        Nothing is changed: the outer optimizer's step is taken on copies (:func:`tentative_step`).
+        """
         assert self.optimizer is not None
         assert pending.contribution is not None
         indices = self.fragment_params[pending.fragment]
-        estimate = eager_estimate(pending.contribution, self.others.get(pending.fragment), self.exchange.workers)
+        estimate = eager_estimate(pending.contribution, self.others_for(pending.fragment, workers), workers)
         return tentative_step(self.optimizer, [self.params[i] for i in indices], self._grads(estimate, indices))
 
     def _merge(self, pending: Pending, before: list[Tensor] | None, others: list[Tensor] | None) -> bool:
@@ -308,7 +321,7 @@ class Round:
         with torch.no_grad():
             for mine, p in zip(self.params, self._local, strict=True):
                 mine.copy_(p)
-            for mine, b in zip(self.buffers, _floats(self._local_buffers), strict=True):
+            for mine, b in zip(self.buffers, floating_point(self._local_buffers), strict=True):
                 mine.copy_(b)
         if self.optimizer is not None and self.optimizer.state:
             self.optimizer.state.clear()
@@ -377,14 +390,14 @@ class Round:
     def set_buffers(self, values: Sequence[Tensor]) -> None:
         """Set the model's floating-point buffers, and the ones kept here, to ``values``."""
         with torch.no_grad():
-            for mine, theirs, value in zip(self.buffers, _floats(self._local_buffers), values, strict=True):
+            for mine, theirs, value in zip(self.buffers, floating_point(self._local_buffers), values, strict=True):
                 mine.copy_(value)
                 theirs.copy_(value)
 
     def restore_buffers(self) -> None:
         """Set the model's floating-point buffers to the ones of the last sync."""
         with torch.no_grad():
-            for mine, theirs in zip(self.buffers, _floats(self._local_buffers), strict=True):
+            for mine, theirs in zip(self.buffers, floating_point(self._local_buffers), strict=True):
                 theirs.copy_(mine)
 
     def _forget_nonfinite_state(self, optimizers: Sequence[Optimizer]) -> None:

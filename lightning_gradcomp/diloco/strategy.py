@@ -8,8 +8,9 @@ pseudo-gradient ``theta_global - theta_local`` and an outer optimizer steps the 
 
 from __future__ import annotations
 
+import functools
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -38,14 +39,18 @@ from lightning_gradcomp.diloco.checkpoint import (
     load_own_state,
     load_shared_exchange_state,
     own_state,
-    restart_from_global,
-    restore_own_state,
+    restore,
     save_diloco_state,
     with_theta_global,
 )
 from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every, default_outer_optimizer
 from lightning_gradcomp.diloco.elastic import ElasticRound
-from lightning_gradcomp.diloco.joining import bind, check_fault_tolerance, joins_at_this_step
+from lightning_gradcomp.diloco.joining import (
+    bind,
+    check_fault_tolerance,
+    dense_step_across_groups,
+    joins_at_this_step,
+)
 from lightning_gradcomp.diloco.monitor import OuterMonitor
 from lightning_gradcomp.diloco.preflight import (
     describe_optimizer,
@@ -54,10 +59,10 @@ from lightning_gradcomp.diloco.preflight import (
     one_worker,
     stale_weights,
 )
-from lightning_gradcomp.diloco.replicas import average_in_group, replica_groups_for
+from lightning_gradcomp.diloco.replicas import averaging_in, replica_groups_for
 from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
+from lightning_gradcomp.diloco.sigterm import SigtermGate
 from lightning_gradcomp.engine.collectives import side_group
-from lightning_gradcomp.engine.comm import Comm
 from lightning_gradcomp.ft.config import TorchFT
 from lightning_gradcomp.runtime.base import GradcompStrategy
 from lightning_gradcomp.validation import check_bool, check_choice
@@ -67,17 +72,6 @@ log = logging.getLogger(__name__)
 _MiscError = MisconfigurationException
 
 SIGTERM_CHECKS = ("sync", "step")  # DiLoCo's ``sigterm_check``: once per sync period, or at every step as Lightning
-
-
-def _averaging_in(closure: Any, params: list[Tensor], buffers: list[Tensor], comm: Comm) -> Callable[[], Any]:
-    """``closure`` (the forward and backward), then the mean of the gradients and buffers over ``comm``'s ranks."""
-
-    def run() -> Any:
-        output = closure()
-        average_in_group(params, buffers, comm)
-        return output
-
-    return run
 
 
 class DiLoCo(GradcompStrategy):
@@ -174,7 +168,7 @@ class DiLoCo(GradcompStrategy):
         **kwargs: Any,
     ) -> None:
         check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
-        check_fault_tolerance(fault_tolerance, replica_group, merge)
+        check_fault_tolerance(fault_tolerance, replica_group)
         self.merge, self.mixing_factor = check_merge(overlap_steps, merge, mixing_factor)
         self.sigterm_check = check_choice(sigterm_check, "sigterm_check", SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
@@ -208,7 +202,7 @@ class DiLoCo(GradcompStrategy):
         self._shared_exchange: dict[str, Any] | None = None  # rank 0's compressor state, on another world size
         self._local: list[Tensor] | None = None  # this rank's parameters and buffers while validation runs on global
         self._synchronous = False
-        self._gated_loop: Any = None  # the training loop whose per-step SIGTERM broadcast this strategy gates
+        self._sigterm_gate = SigtermGate()  # Lightning's per-step SIGTERM broadcast, run once a sync period
         self._stale_noted = False  # the note that validation runs on the last sync's weights, once per fit
 
     @classmethod
@@ -278,9 +272,9 @@ class DiLoCo(GradcompStrategy):
         round.attach(params, self._buffers(), names=names, distributed=distributed)
         self._attached = True
         if self.sigterm_check == "sync" and self.world_size > 1:
-            self._gate_sigterm_broadcast(trainer)
+            self._sigterm_gate.install(trainer, self._checks_sigterm_now)
         if self._restored is not None:
-            self._restore(self._restored)
+            self._resume_from(self._restored)
         self._restored = None
         self._stale_noted = False
         rank_zero_info(_setup_line(self, self._params()))
@@ -293,45 +287,22 @@ class DiLoCo(GradcompStrategy):
             if line is not None:
                 rank_zero_warn(line)
 
-    def _gate_sigterm_broadcast(self, trainer: pl.Trainer) -> None:
-        """Let Lightning's per-step SIGTERM broadcast run only once a sync period, when no exchange is in flight.
-
-        The broadcast is one element, but on a slow link it costs a round trip per step, and while a streamed fragment
-        is on the wire it waits in the link's queue behind it. The decision reads the phase in the round, the same on
-        every rank, so every rank broadcasts at the same steps.
-        """
-        loop = trainer.fit_loop.epoch_loop
-        broadcast = getattr(type(loop), "_broadcast_sigterm_tensor", None)
-        if broadcast is None:  # a Lightning without the per-step broadcast: nothing to gate
-            return
-
-        def gated() -> None:
-            if self._checks_sigterm_now():
-                broadcast(loop)
-
-        loop.__dict__["_broadcast_sigterm_tensor"] = gated  # an instance attribute: other trainers keep theirs
-        self._gated_loop = loop
-
     def _checks_sigterm_now(self) -> bool:
         """Whether the coming step takes Lightning's SIGTERM broadcast: in dense steps always, else once a period.
 
         Once a period is the step right after the period's exchange completed: ``overlap_steps`` steps after it
         started (at once without overlap), so the broadcast never queues behind an exchange on the link.
         """
-        if not self._attached or self.synchronous:
-            return True
-        return self._round.checks_sigterm_now()
-
-    def _ungate_sigterm_broadcast(self) -> None:
-        if self._gated_loop is not None:
-            self._gated_loop.__dict__.pop("_broadcast_sigterm_tensor", None)
-            self._gated_loop = None
+        return not self._attached or self.synchronous or self._round.checks_sigterm_now()
 
     def _params(self) -> list[Tensor]:
         return [p for p in self._module().parameters() if p.requires_grad]
 
     def _buffers(self) -> list[Tensor]:
         return list(self._module().buffers())
+
+    def _tensors(self) -> tuple[list[Tensor], list[Tensor]]:
+        return self._params(), self._buffers()
 
     # ------------------------------------------------------------------------------------------------------------
     # The inner step and the sync
@@ -351,37 +322,19 @@ class DiLoCo(GradcompStrategy):
         exchange = self._round.exchange
         comm = exchange.in_group
         if fitting and isinstance(round, ElasticRound) and (self.synchronous or round.at_dense_step):
-            return self._dense_step_across_groups(round, optimizer, closure, model, **kwargs)
+            scaled = getattr(self.precision_plugin, "scaler", None) is not None  # fp16's scaler skips a bad step
+            step = functools.partial(super().optimizer_step, optimizer, model=model, **kwargs)
+            return dense_step_across_groups(round, self.optimizers, optimizer, closure, self._tensors(), scaled, step)
         if fitting and self.synchronous:  # plain data parallelism (a dense warm-up): every rank's gradients averaged
             self._round.close(self.optimizers)
             comm = exchange.world if self.world_size > 1 else None
         if fitting and comm is not None:
-            closure = _averaging_in(closure, self._params(), self._buffers(), comm)
+            closure = averaging_in(closure, self._params(), self._buffers(), comm)
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if fitting and self.synchronous:  # theta_global follows; the outer optimizer holds no state
             self._round.follow()
         elif fitting:
             self._round.after_inner_step(self.optimizers)
-        return output
-
-    def _dense_step_across_groups(
-        self, round: ElasticRound, optimizer: Optimizer, closure: Any, model: Any, **kwargs: Any
-    ) -> Any:
-        """A dense step with fault tolerance: the inner step on the mean gradient over the groups, if they commit.
-
-        The forward and backward (averaged inside the group first), then the mean over the groups in this step's
-        quorum and their vote (:meth:`ElasticRound.dense_step`); a discarded step leaves the weights as they were.
-        """
-        round.close(self.optimizers)
-        if round.exchange.in_group is not None:
-            closure = _averaging_in(closure, self._params(), self._buffers(), round.exchange.in_group)
-        output = closure()
-        scaled = getattr(self.precision_plugin, "scaler", None) is not None  # fp16's scaler skips a non-finite step
-        if not round.dense_step(self._params(), self._buffers(), finite_only=not scaled):
-            optimizer.zero_grad(set_to_none=True)
-            return None
-        output = super().optimizer_step(optimizer, lambda: output, model, **kwargs)
-        round.follow()
         return output
 
     @override
@@ -481,22 +434,12 @@ class DiLoCo(GradcompStrategy):
             )
         self._restored = section
         if self._attached and section is not None:
-            self._restore(section)
+            self._resume_from(section)
             self._restored = None
 
-    def _restore(self, section: Mapping[str, Any]) -> None:
-        same_schedule = section["sync_every"] == self.sync_every and section["fragments"] == self.fragments
-        if same_schedule and self._own is not None:
-            tensors = [*self._params(), *self._buffers()]
-            restore_own_state(self._round, section["outer"], self._own, tensors, self.root_device)
-            return
-        if not same_schedule:
-            rank_zero_warn(
-                f"DiLoCo: the checkpoint synced every {section['sync_every']} steps in {section['fragments']}"
-                f" fragments, this run every {self.sync_every} in {self.fragments}: a new round starts from"
-                " its theta_global."
-            )
-        restart_from_global(self._round, section["outer"], not same_schedule, self._shared_exchange)
+    def _resume_from(self, section: Mapping[str, Any]) -> None:
+        tensors = [*self._params(), *self._buffers()]
+        restore(self._round, section, self._own, tensors, self.root_device, self._shared_exchange)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -519,7 +462,7 @@ class DiLoCo(GradcompStrategy):
 
         The round stays readable (``outer_state``) for inspection after ``fit``.
         """
-        self._ungate_sigterm_broadcast()
+        self._sigterm_gate.remove()
         if isinstance(self._round, ElasticRound):
             self._round.close_session()
         self._attached = False
