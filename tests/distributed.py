@@ -12,15 +12,16 @@ import torch.multiprocessing as mp
 
 from lightning_gradcomp.demo.ports import free_port
 
-#: what the caller's environment may set that changes what a child process prints: the tests read their children's
-#: warnings and logs, so every child starts with Python's own defaults for these
-_CALLER_ONLY = ("PYTHONWARNINGS",)
+#: what the caller's environment may set that changes what a child process prints or joins: the tests read their
+#: children's warnings and logs, and name the lighthouse and replica group themselves: every child starts without them
+_CALLER_ONLY = ("PYTHONWARNINGS", "TORCHFT_LIGHTHOUSE", "REPLICA_GROUP_ID")
 
 
 def child_env(**extra: str) -> dict[str, str]:
     """The environment for a child process of a test: this one's, without what would change its output, plus ``extra``.
 
-    ``PYTHONWARNINGS=ignore`` in the caller's environment would hide the warnings the tests read from a child's output.
+    ``PYTHONWARNINGS=ignore`` in the caller's environment would hide the warnings the tests read from a child's output;
+    a caller's ``TORCHFT_LIGHTHOUSE`` would give a child a lighthouse the test did not start.
     """
     env = {k: v for k, v in os.environ.items() if k not in _CALLER_ONLY}
     env.update(extra)

@@ -111,6 +111,17 @@ def test_a_refused_yaml_value_is_one_line_naming_its_key(tmp_path):
     assert "args parameter" not in result.stderr + result.stdout
 
 
+def test_a_fault_tolerant_recipe_without_a_lighthouse_is_one_line_naming_the_key_and_the_variable(tmp_path):
+    result = _run("fit", "--config", os.path.join(ROOT, "recipes", "lm_diloco_ft.yaml"), timeout=120, cwd=str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1] == (
+        "lightning-gradcomp: error: trainer.strategy.init_args.fault_tolerance.lighthouse: Expected"
+        " `lighthouse` to be an address 'http://HOST:PORT' or the TORCHFT_LIGHTHOUSE variable set (start one with"
+        " `lightning-gradcomp lighthouse --min-replicas N`), got None."
+    )
+    assert "Traceback" not in result.stderr
+
+
 def test_a_recipe_names_a_class_of_the_current_directory_under_the_console_script(tmp_path):
     (tmp_path / "mymod.py").write_text(
         "from lightning_gradcomp.tasks import ImageClassifier\n\n\nclass MyClassifier(ImageClassifier):\n    pass\n"

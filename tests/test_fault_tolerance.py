@@ -180,8 +180,13 @@ def test_the_lighthouse_and_the_group_come_from_the_environment(monkeypatch):
     config = TorchFT()
     assert (config.lighthouse, config.name) == ("http://127.0.0.1:29510", "7")
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE")
-    with pytest.raises(ValueError, match="TORCHFT_LIGHTHOUSE variable: neither is set"):
+    with pytest.raises(ValueError, match="Expected `lighthouse` to be an address") as error:
         TorchFT()
+    assert "or the TORCHFT_LIGHTHOUSE variable set" in str(error.value)
+    assert str(error.value).endswith(", got None.")
+    monkeypatch.delenv("REPLICA_GROUP_ID")
+    with pytest.raises(ValueError, match="Expected `replica_group_id` to be a name unique among the groups"):
+        TorchFT(lighthouse="http://127.0.0.1:29510")
 
 
 def _run(outdir, plans: dict[str, list[str]], restart: dict[str, list[str]] | None = None, plain: int = 0, **kw):

@@ -22,6 +22,9 @@ def test_there_are_recipes():
 @pytest.mark.parametrize("path", RECIPES, ids=[os.path.basename(p) for p in RECIPES])
 def test_recipe_parses_and_instantiates(path, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # nothing a recipe writes lands in the repository
+    # a fault-tolerant recipe takes the lighthouse and its group's name from the environment, as its jobs do
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "7")
     cli = GradcompCLI(args=["--config", path, "--trainer.accelerator", "cpu", "--trainer.devices", "1"], run=False)
     with open(path) as f:
         config = yaml.safe_load(f)
@@ -29,6 +32,13 @@ def test_recipe_parses_and_instantiates(path, monkeypatch, tmp_path):
     if strategy["class_path"].endswith("DiLoCo"):
         assert isinstance(cli.trainer.strategy, DiLoCo)
         assert cli.trainer.strategy.sync_every == strategy.get("init_args", {}).get("sync_every", "auto")
+        fault_tolerance = strategy.get("init_args", {}).get("fault_tolerance")
+        if fault_tolerance is not None:
+            settings = cli.trainer.strategy.fault_tolerance
+            assert (settings.lighthouse, settings.name) == ("http://127.0.0.1:29510", "7")
+            assert settings.start_replicas == fault_tolerance["init_args"]["start_replicas"]
+        else:
+            assert cli.trainer.strategy.fault_tolerance is None
     else:
         assert isinstance(cli.trainer.strategy, CompressedDDP), "the other recipes train with CompressedDDP"
         # the compressor the recipe names is the one the strategy holds (Identity when it names none)

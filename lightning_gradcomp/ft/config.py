@@ -85,16 +85,16 @@ class TorchFT:
         lighthouse = self.lighthouse if self.lighthouse is not None else os.environ.get(LIGHTHOUSE_ENV)
         if lighthouse is None:
             raise ValueError(
-                f"Expected `lighthouse` (e.g. 'http://127.0.0.1:29510') or the {LIGHTHOUSE_ENV} variable: neither is"
-                " set (start one with `lightning-gradcomp lighthouse --min-replicas N`)."
+                f"Expected `lighthouse` to be an address 'http://HOST:PORT' or the {LIGHTHOUSE_ENV} variable set (start"
+                " one with `lightning-gradcomp lighthouse --min-replicas N`), got None."
             )
         if not isinstance(lighthouse, str) or not _ADDRESS.match(lighthouse):
             raise ValueError(f"Expected `lighthouse` to be an address 'http://HOST:PORT', got {lighthouse!r}.")
         name: Any = self.replica_group_id if self.replica_group_id is not None else os.environ.get(REPLICA_GROUP_ENV)
         if name is None:
             raise ValueError(
-                f"Expected `replica_group_id` (a name unique among the groups) or the {REPLICA_GROUP_ENV} variable:"
-                " neither is set."
+                f"Expected `replica_group_id` to be a name unique among the groups or the {REPLICA_GROUP_ENV} variable"
+                " set, got None."
             )
         if isinstance(name, bool) or not isinstance(name, (str, int)) or not str(name) or ":" in str(name):
             raise ValueError(f"Expected `replica_group_id` to be a non-empty name without ':', got {name!r}.")
