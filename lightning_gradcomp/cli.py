@@ -128,8 +128,12 @@ class GradcompCLI(LightningCLI):
         # rank 0 only: the other ranks of a script launch run this after rank 0 has written the file
         first = getattr(rank_zero_only, "rank", 0) == 0  # set from RANK/LOCAL_RANK/SLURM_PROCID at import
         if first and self.save_config_callback and unversioned and path.exists() and not self.overwrite_config:
-            print(f"lightning-gradcomp: error: {path} exists (an earlier run's configuration); pass {OVERWRITE_FLAG}"
-                  " to replace it, or --trainer.default_root_dir DIR to write elsewhere", file=sys.stderr, flush=True)
+            print(
+                f"lightning-gradcomp: error: {path} exists (an earlier run's configuration); pass {OVERWRITE_FLAG}"
+                " to replace it, or --trainer.default_root_dir DIR to write elsewhere",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(2)
 
 

@@ -51,13 +51,29 @@ def _interval(low: float | None, high: float | None, low_open: bool, high_open: 
 # ``allow_none=True`` is the one way to get ``None`` back: the overloads tell the type checker so
 @overload
 def check_number(
-    value: Any, name: str, *, low: float | None = ..., high: float | None = ..., low_open: bool = ...,
-    high_open: bool = ..., allow_none: Literal[False] = ..., allow_inf: bool = ..., error: ErrorType = ...,
+    value: Any,
+    name: str,
+    *,
+    low: float | None = ...,
+    high: float | None = ...,
+    low_open: bool = ...,
+    high_open: bool = ...,
+    allow_none: Literal[False] = ...,
+    allow_inf: bool = ...,
+    error: ErrorType = ...,
 ) -> float: ...
 @overload
 def check_number(
-    value: Any, name: str, *, low: float | None = ..., high: float | None = ..., low_open: bool = ...,
-    high_open: bool = ..., allow_none: bool, allow_inf: bool = ..., error: ErrorType = ...,
+    value: Any,
+    name: str,
+    *,
+    low: float | None = ...,
+    high: float | None = ...,
+    low_open: bool = ...,
+    high_open: bool = ...,
+    allow_none: bool,
+    allow_inf: bool = ...,
+    error: ErrorType = ...,
 ) -> float | None: ...
 def check_number(
     value: Any,
@@ -95,7 +111,12 @@ def check_number(
 
 @overload
 def check_int(
-    value: Any, name: str, *, low: int | None = ..., high: int | None = ..., allow_none: Literal[False] = ...,
+    value: Any,
+    name: str,
+    *,
+    low: int | None = ...,
+    high: int | None = ...,
+    allow_none: Literal[False] = ...,
     error: ErrorType = ...,
 ) -> int: ...
 @overload

@@ -317,8 +317,9 @@ class AutoCompression(Callback):
 
     def _plan(self, buckets: list[Bucket], link: Link, timing: Timing) -> Plan:
         """The timeline model's plan for ``buckets`` within the limits in force."""
-        return plan_greedy(self._within_limits(buckets), list(self.candidates), link, timing, self.margin,
-                           **self.model_options)
+        return plan_greedy(
+            self._within_limits(buckets), list(self.candidates), link, timing, self.margin, **self.model_options
+        )
 
     def _within_limits(self, buckets: list[Bucket]) -> list[Bucket]:
         """``buckets`` with only the candidates their layers' limits allow (Accordion's, through ``Planned``)."""

@@ -330,7 +330,6 @@ class TernGrad(Compressor):
         TernGrad(clip=2.5, aggregation='auto', random_bits=None)
     """
 
-
     def __init__(
         self,
         clip: float | None = 2.5,

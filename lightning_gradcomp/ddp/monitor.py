@@ -53,7 +53,11 @@ class CompressionMonitor(Callback):
 
     def _state(self, trainer: pl.Trainer) -> CompressionState:
         return check_strategy_state(
-            trainer.strategy, "compression_state", CompressionState, self, "CompressedDDP",
+            trainer.strategy,
+            "compression_state",
+            CompressionState,
+            self,
+            "CompressedDDP",
             error=MisconfigurationException,
         )
 

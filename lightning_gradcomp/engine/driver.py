@@ -99,13 +99,21 @@ class Splittable(Reducible, Protocol):
     def finish_dense(self, average: Tensor, ctx: BucketContext) -> None: ...
 
     def reduce(
-        self, tensor: Tensor, ctx: BucketContext, memory: ResidualBuffers | None = None,
+        self,
+        tensor: Tensor,
+        ctx: BucketContext,
+        memory: ResidualBuffers | None = None,
         runs: GradientRuns | None = None,
     ) -> torch.futures.Future[Tensor]: ...
 
     def wire_bytes(
-        self, layers: Sequence[Layer] | int, world_size: int, *, error_feedback: bool | None = None,
-        tensor: Tensor | None = None, step: int = 0,
+        self,
+        layers: Sequence[Layer] | int,
+        world_size: int,
+        *,
+        error_feedback: bool | None = None,
+        tensor: Tensor | None = None,
+        step: int = 0,
     ) -> wire.Wire: ...
 
 
@@ -512,9 +520,7 @@ def reduce(
     return fut.then(commit)
 
 
-def issue_all(
-    compressor: Reducible, tensor: Tensor, ctx: BucketContext, memory: ResidualBuffers | None = None
-) -> None:
+def issue_all(compressor: Reducible, tensor: Tensor, ctx: BucketContext, memory: ResidualBuffers | None = None) -> None:
     """Issue every collective of ``compressor``'s reduction of ``tensor`` as :func:`reduce` would, without the result.
 
     For a byte model (:mod:`lightning_gradcomp.engine.wire_model`): ``ctx.comm``'s backend must complete each

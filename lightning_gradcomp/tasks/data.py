@@ -27,12 +27,12 @@ def flip_labels(
     return noisy, flipped
 
 
-
 def _set_up(dataset: Dataset | None, name: str) -> Dataset:
     """``dataset``, which ``setup`` makes: a clear error when a loader is asked for before it ran."""
     if dataset is None:
         raise RuntimeError(f"`{name}` is made in `setup()`: call it before asking for a data loader.")
     return dataset
+
 
 class DigitsDataModule(pl.LightningDataModule):
     """The 1,797 8x8 handwritten digits that ship with scikit-learn: a small, real, offline image dataset.
