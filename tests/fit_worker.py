@@ -199,6 +199,26 @@ class NaNNet(TinyNet):
         return loss
 
 
+class MaskedNet(TinyNet):
+    """TinyNet whose logits are mixed by a causal softmax over a constant mask: a float buffer of ``0``/``-inf`` (as
+    ``nn.Transformer.generate_square_subsequent_mask`` makes), or with ``boolean`` its bool twin, which builds the
+    same float scores at every step. Both train to the same losses: DiLoCo must average neither."""
+
+    def __init__(self, boolean: bool = False) -> None:
+        super().__init__()
+        causal = torch.triu(torch.ones(10, 10, dtype=torch.bool), diagonal=1)
+        mask = causal if boolean else torch.zeros(10, 10).masked_fill(causal, float("-inf"))
+        self.register_buffer("mask", mask, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.net(x)
+        if self.mask.dtype == torch.bool:
+            scores = torch.zeros(10, 10).masked_fill(self.mask, float("-inf"))
+        else:
+            scores = torch.zeros(10, 10) + self.mask
+        return logits + 0.1 * logits @ scores.softmax(-1).T
+
+
 class ValNet(TinyNet):
     """TinyNet with a validation loop (16 held-out samples)."""
 
@@ -268,6 +288,8 @@ VARIANTS: dict[str, tuple[Callable[[], TinyNet], dict, dict, bool]] = {
     "steps6": (TinyNet, {"max_steps": 6}, {}, False),
     "steps8": (TinyNet, {"max_steps": 8}, {}, False),
     "nan": (NaNNet, {"max_steps": 12}, {}, False),
+    "mask": (MaskedNet, {"max_steps": 8}, {}, False),
+    "boolmask": (partial(MaskedNet, boolean=True), {"max_steps": 8}, {}, False),
     "val": (ValNet, {"max_steps": 8, "val_check_interval": 3, "num_sanity_val_steps": 0}, {}, False),
     "epochs2": (_small_data, {**_EPOCHS, "max_epochs": 2}, _BUCKETS, False),
     "epochs4": (_small_data, {**_EPOCHS, "max_epochs": 4}, _BUCKETS, False),

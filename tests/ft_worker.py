@@ -89,7 +89,8 @@ class Record(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         outer = trainer.strategy.outer_state
-        session = getattr(outer, "session", None)
+        members = outer.membership  # plain DiLoCo's is static: no session, never a discard, heal or quorum
+        session = getattr(members, "session", None)
         self.steps.append(
             {
                 "global_step": trainer.global_step,
@@ -99,9 +100,9 @@ class Record(Callback):
                 "params": torch.cat([p.detach().flatten().clone() for p in pl_module.parameters()]),
                 "ft_step": session.step if session is not None else outer.syncs,
                 "syncs": outer.syncs,
-                "discarded": getattr(outer, "discarded", 0),
-                "heals": getattr(outer, "heals", 0),
-                "participants": getattr(outer, "contributors", 0),
+                "discarded": members.discarded,
+                "heals": getattr(members, "heals", 0),
+                "participants": getattr(members, "contributors", 0),
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
             }
         )

@@ -233,6 +233,7 @@ class RecordRounds(Callback):
                 # the default group's since the last step ended: also Lightning's loop, before the batch starts
                 "world_collectives_since_last_step": collectives_so_far() - self._world_at_end,
                 "all_reduced": (self._counter.nbytes if self._counter else 0) - self._reduced_before,
+                "loss": float(outputs["loss"]) if isinstance(outputs, dict) and "loss" in outputs else None,
                 "phase": outer.phase,
                 "params": self._flat(pl_module.parameters()),
                 "global": self._flat(outer.params),

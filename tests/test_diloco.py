@@ -67,6 +67,8 @@ LAUNCH = [
     "diloco-h3:muon-epochs2",
     RESUMED_MUON,
     "diloco-h4:nan",
+    "diloco-h4:mask",
+    "diloco-h4:boolmask",
     "diloco-h4:val",
     # 4 steps per epoch, a round of 3: the checkpoint after 2 epochs (8 steps) is 2 steps into a round
     "diloco-h3:epochs4",
@@ -299,7 +301,10 @@ def test_sync_every_4_matches_diloco_computed_by_hand(launch):
 
 
 def _float_buffer_numel() -> int:
-    return sum(b.numel() for b in TinyNet().buffers() if b.is_floating_point())
+    """What a sync sends for the buffers: BatchNorm's statistics, and one float32 flag per floating-point buffer (the
+    ranks agree on which buffers training changed before averaging only those)."""
+    floats = [b for b in TinyNet().buffers() if b.is_floating_point()]
+    return sum(b.numel() for b in floats) + len(floats)
 
 
 def test_logged_bytes_are_the_bytes_of_the_all_reduced_tensors(launch):
@@ -490,6 +495,28 @@ def test_streaming_with_overlap_trains_and_resumes_with_an_exchange_in_flight(la
     assert not torch.equal(contributions[0][0], contributions[1][0]), "each rank's own pseudo-gradient"
 
 
+def _assert_mask_twins_train_alike(records, strategy: str) -> None:
+    """A float ``-inf`` mask buffer trains as its bool twin: no round skipped, the same losses and weights; the
+    running statistics BatchNorm changes are still averaged (identical on every rank, moved from their start)."""
+    floats, bools = records[f"{strategy}:mask"], records[f"{strategy}:boolmask"]
+    assert floats[0]["skipped"] == 0
+    assert floats[0]["syncs"] == bools[0]["syncs"] > 0
+    for rank_f, rank_b in zip(floats, bools, strict=True):
+        assert [s["loss"] for s in rank_f["steps"]] == [s["loss"] for s in rank_b["steps"]]
+        assert torch.equal(rank_f["params"], rank_b["params"])
+    stats = [rank["state_dict"]["net.1.running_mean"] for rank in floats]
+    assert all(torch.equal(s, stats[0]) for s in stats), "BatchNorm's statistics averaged at the syncs"
+    assert stats[0].abs().sum() > 0
+
+
+def test_a_float_mask_buffer_trains_as_its_bool_twin(launch):
+    _assert_mask_twins_train_alike(launch[2], "diloco-h4")
+
+
+def test_a_float_mask_buffer_trains_as_its_bool_twin_on_two_levels(launch4):
+    _assert_mask_twins_train_alike(launch4[2], "diloco-h2-g2")
+
+
 def test_a_nan_on_one_rank_costs_one_round(launch):
     """Rank 1's loss is NaN in round 2: that outer step is skipped, theta_global and the outer state stay finite."""
     _, output, records = launch
@@ -628,7 +655,7 @@ def _assert_matches_reference(ranks: list[dict], world_size: int) -> None:
     assert_replicas_identical(ranks)
 
 
-GROUPED = ["ddp:eager", "diloco-h1-g2:eager", "diloco-h2-g2:eager", SIZED]
+GROUPED = ["ddp:eager", "diloco-h1-g2:eager", "diloco-h2-g2:eager", SIZED, "diloco-h2-g2:mask", "diloco-h2-g2:boolmask"]
 # the 2-process checkpoint of RESUMED resumed on 3 processes
 RESIZED = "diloco-h3:epochs4+diloco-h3:epochs2"
 

@@ -127,7 +127,7 @@ def test_a_restarted_group_heals_before_its_first_inner_step_and_holds_the_survi
     # a fresh group joining a trained run does not reset it: the survivor's theta_global went on from its own
     assert not torch.equal(theirs[16]["global"], load(outdir, "plain-rank0")["steps"][0]["global"])
     assert restarted["logged"]["gradcomp/heals"] == 1
-    assert "healed from a live peer at step" in _output(outdir, "1")
+    assert "healed from a live peer at sync" in _output(outdir, "1")
 
 
 def test_an_absent_lighthouse_is_a_clear_error_within_the_connect_timeout():
@@ -291,7 +291,7 @@ def test_a_group_that_does_not_belong_or_would_reset_the_run_is_refused(refused)
     assert codes["3"] != 0
     odd = _output(outdir, "2")
     assert "MembershipError: TorchFT: replica group '2' does not belong in the run at http://127.0.0.1:" in odd
-    assert "another sync_every (5 here, 4 there). It is refused before averaging into theta_global." in odd
+    assert "another sync_every (5 here, 4 there). It is refused before it averages anything." in odd
     assert "would start a new model, but the lighthouse" in _output(outdir, "3")
     groups = [load(outdir, f"{name}-0")["steps"] for name in ("0", "1")]
     for steps in groups:
@@ -417,7 +417,7 @@ def test_a_dense_warmup_is_plain_diloco_bitwise_a_death_in_it_costs_one_step_and
     for step in mine:
         assert torch.equal(step["global"], theirs[step["global_step"]]["global"]), f"step {step['global_step']}"
     assert theirs[8]["participants"] == 2, "both groups in the first round after the warm-up"
-    assert "healed from a live peer at step" in _output(outdir, "1")
+    assert "healed from a live peer at sync" in _output(outdir, "1")
 
 
 @pytest.fixture(scope="module")

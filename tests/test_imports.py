@@ -107,8 +107,11 @@ MAY_IMPORT = {
     "diloco": {"compressors", "engine", "ft", "runtime", "validation"},
     "ft": {"engine", "validation"},
 }
-#: folders that never import Lightning: the engine and the compressors run under plain torch.distributed
-TORCH_ONLY = ("engine", "compressors")
+#: folders that never import Lightning: the engine, the compressors and fault tolerance run on plain torch.distributed
+TORCH_ONLY = ("engine", "compressors", "ft")
+#: the modules of diloco/ that may import Lightning: its front door and the front door's monitor (the round, the
+#: memberships, the exchange and the merges are a torch-only core a second front door can drive)
+DILOCO_FRONT_DOORS = ["diloco/monitor.py", "diloco/strategy.py"]
 
 
 def _folder(module: str) -> str:
@@ -148,8 +151,14 @@ def lightning_imports(root: Path, folder: str) -> list[str]:
 
 
 @pytest.mark.parametrize("folder", TORCH_ONLY)
-def test_the_engine_and_the_compressors_import_no_lightning(folder):
+def test_the_torch_only_folders_import_no_lightning(folder):
     assert not lightning_imports(ROOT, folder), f"{folder}/ imports Lightning"
+
+
+def test_diloco_s_core_imports_no_lightning_and_ft_nothing_of_diloco():
+    assert sorted(set(lightning_imports(ROOT, "diloco"))) == DILOCO_FRONT_DOORS
+    graph = import_graph()
+    assert not [(m, t) for m, ts in graph.items() if _folder(m) == "ft" for t in ts if _folder(t) == "diloco"]
 
 
 def private_imports(root: Path) -> list[str]:

@@ -1,6 +1,7 @@
 """The package's units stay small enough to read: one concept per module, classes and functions a screen or a few.
 
-Limits: a module under 600 lines, a class under 400, a function (or method) at most 80.
+Limits: a module under 600 lines, a class under 400, a function (or method) at most 80; in DiLoCo's core and
+fault tolerance (diloco/, ft/), where a second front door drives the same classes, a class under 330.
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "lightning_gradcomp"
 MODULE_LINES, CLASS_LINES, FUNCTION_LINES = 600, 400, 80
+
+
+#: the folders whose classes stay under CORE_CLASS_LINES
+CORE, CORE_CLASS_LINES = ("diloco", "ft"), 330
 
 
 def oversized(root: Path) -> list[str]:
@@ -24,7 +29,8 @@ def oversized(root: Path) -> list[str]:
             if not isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             lines = (node.end_lineno or node.lineno) - node.lineno + 1
-            if isinstance(node, ast.ClassDef) and lines >= CLASS_LINES:
+            limit = CORE_CLASS_LINES if path.relative_to(root).parts[0] in CORE else CLASS_LINES
+            if isinstance(node, ast.ClassDef) and lines >= limit:
                 found.append(f"{name}: class {node.name} ({lines})")
             elif not isinstance(node, ast.ClassDef) and lines > FUNCTION_LINES:
                 found.append(f"{name}: function {node.name} ({lines})")
@@ -39,6 +45,9 @@ def test_the_check_sees_a_long_function_and_a_long_class(tmp_path):
     body = "".join(f"    x{i} = {i}\n" for i in range(FUNCTION_LINES))
     (tmp_path / "long.py").write_text(f"def f():\n{body}\n\nclass C:\n{body * 5}")
     assert oversized(tmp_path) == [f"long.py: function f ({FUNCTION_LINES + 1})", "long.py: class C (401)"]
+    (tmp_path / "diloco").mkdir()
+    (tmp_path / "diloco" / "core.py").write_text("class D:\n" + "    x = 0\n" * CORE_CLASS_LINES)
+    assert f"diloco/core.py: class D ({CORE_CLASS_LINES + 1})" in oversized(tmp_path)
 
 
 DOCS = ROOT.parent / "docs"

@@ -11,6 +11,7 @@ from lightning_gradcomp.compressors.base import Layer
 from lightning_gradcomp.ddp.hook import CompressionState
 from lightning_gradcomp.ddp.monitor import format_summary
 from lightning_gradcomp.ddp.simulation import hook_wire_bytes
+from lightning_gradcomp.diloco.membership import Membership
 from lightning_gradcomp.diloco.monitor import format_outer_summary
 from lightning_gradcomp.engine import wire
 from lightning_gradcomp.engine.comm import Comm
@@ -128,7 +129,7 @@ def test_the_model_of_an_all_gather_grows_with_the_workers_and_costs_no_decoding
 
 
 def test_diloco_summary_compares_what_moved_per_step_with_plain_ddp_ring():
-    outer = SimpleNamespace(bytes_sent=172_600, bytes_received=172_600, syncs=2, skipped=0)
+    outer = SimpleNamespace(bytes_sent=172_600, bytes_received=172_600, syncs=2, skipped=0, membership=Membership())
     line = format_outer_summary(8, outer, 86_300, 2)  # type: ignore[arg-type]
     assert "0.173 MB sent, 0.173 MB received (0.0432 MB moved per step, plain DDP's ring 0.1726: 4.0x less)" in line
     assert "plain DDP's ring 0.3020: 7.0x less" in format_outer_summary(8, outer, 86_300, 8)  # type: ignore[arg-type]

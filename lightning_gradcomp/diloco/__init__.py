@@ -1,9 +1,12 @@
-"""``DiLoCo``: periodic synchronization for slow links, as a Lightning strategy.
+"""``DiLoCo``: periodic synchronization for slow links: a torch-only core and its Lightning front door.
 
-:mod:`~lightning_gradcomp.diloco.strategy` is the Lightning strategy, which tells the round when an inner step was
-taken; :mod:`~lightning_gradcomp.diloco.round` holds theta_global, the outer optimizer and the phase, and does the
-outer step; :mod:`~lightning_gradcomp.diloco.exchange` averages the pseudo-gradient over the workers (plain, over two
-levels, or through a compressor); :mod:`~lightning_gradcomp.diloco.replicas` makes the two levels' process groups.
+The core imports nothing from Lightning: :mod:`~lightning_gradcomp.diloco.round` is the schedule and the sync,
+:mod:`~lightning_gradcomp.diloco.weights` theta_global beside the model, :mod:`~lightning_gradcomp.diloco.membership`
+who takes part (plain DiLoCo's static policy; :mod:`~lightning_gradcomp.diloco.elastic` the replica groups of a
+fault-tolerant run), :mod:`~lightning_gradcomp.diloco.exchange` the average over the workers (plain, two levels, or
+through a compressor), :mod:`~lightning_gradcomp.diloco.merge` the overlap's merges.
+:mod:`~lightning_gradcomp.diloco.strategy` is the front door over Lightning's ``DDPStrategy``, which calls the round
+at each optimizer step, and :mod:`~lightning_gradcomp.diloco.monitor` logs it.
 """
 
 from lightning_gradcomp.diloco.strategy import DiLoCo

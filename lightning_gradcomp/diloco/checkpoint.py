@@ -12,13 +12,12 @@ optimizer, saved right after a sync), they go into the one file instead.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -42,10 +41,10 @@ CHECKPOINT_KEY = "diloco"
 
 def save_diloco_state(
     checkpoint: dict[str, Any],
-    filepath: _PATH,
+    filepath: str | Path,
     shared: dict[str, Any],
     own: dict[str, Any],
-    checkpoint_io: CheckpointIO,
+    checkpoint_io: Any,
     rank: int,
     world_size: int,
     barrier: Callable[[str], None],
@@ -77,7 +76,12 @@ def _surely_own(own: Mapping[str, Any]) -> bool:
 
 
 def load_own_state(
-    checkpoint: Mapping[str, Any], checkpoint_path: _PATH, checkpoint_io: CheckpointIO, rank: int, world_size: int
+    checkpoint: Mapping[str, Any],
+    checkpoint_path: str | Path,
+    checkpoint_io: Any,
+    rank: int,
+    world_size: int,
+    warn: Callable[[str], Any] = warnings.warn,
 ) -> dict[str, Any] | None:
     """This rank's own state saved with ``checkpoint`` (loaded from ``checkpoint_path``), or ``None``.
 
@@ -92,7 +96,7 @@ def load_own_state(
         return section["own"]
     saved_world_size = int(section["world_size"])
     if saved_world_size != world_size:
-        rank_zero_warn(
+        warn(
             f"DiLoCo: the checkpoint was saved by {saved_world_size} processes, this run has {world_size}:"
             " theta_global, the outer optimizer's state and the phase in the round carry over; every rank's own"
             " parameters (and compressor residuals) cannot be mapped to the new ranks and are reset to theta_global,"
@@ -101,7 +105,7 @@ def load_own_state(
         return None
     own = load_rank_state(checkpoint_path, CHECKPOINT_KEY, rank, checkpoint_io)
     if own is None or own.state.get("global_step") != section["step"]:
-        rank_zero_warn(
+        warn(
             f"DiLoCo: the per-rank state of {checkpoint_path} is missing or older than the checkpoint (each rank's file"
             f" belongs in {entry_folder(checkpoint_path)}): every rank's own parameters are reset to theta_global, with"
             " rank 0's inner optimizer state."
@@ -111,7 +115,7 @@ def load_own_state(
 
 
 def load_shared_exchange_state(
-    checkpoint: Mapping[str, Any], checkpoint_path: _PATH, checkpoint_io: CheckpointIO
+    checkpoint: Mapping[str, Any], checkpoint_path: str | Path, checkpoint_io: Any
 ) -> dict[str, Any] | None:
     """Rank 0's compressor state and exchange counter, without its residuals (for a run on another number of ranks).
 
@@ -166,8 +170,8 @@ def restart_from_global(
     round.load_state_dict(state)
     if round.exchange.compressor is not None and shared_exchange is not None:
         round.exchange.load_state_dict(shared_exchange)
-    round.copy_to()
-    round.restore_buffers()
+    round.weights_of().copy_to()
+    round.weights_of().restore_buffers()
 
 
 def restore(
@@ -177,6 +181,7 @@ def restore(
     tensors: Sequence[Tensor],
     device: torch.device,
     shared_exchange: dict[str, Any] | None,
+    warn: Callable[[str], Any] = warnings.warn,
 ) -> None:
     """Resume from a checkpoint's ``"diloco"`` section: exactly with this rank's ``own`` state, else from theta_global.
 
@@ -188,7 +193,7 @@ def restore(
         restore_own_state(round, section["outer"], own, tensors, device)
         return
     if not same_schedule:
-        rank_zero_warn(
+        warn(
             f"DiLoCo: the checkpoint synced every {section['sync_every']} steps in {section['fragments']}"
             f" fragments, this run every {round.sync_every} in {round.fragments}: a new round starts from"
             " its theta_global."
@@ -202,7 +207,7 @@ def with_theta_global(
     """``state`` (the module's state dict) with theta_global and the buffers of the last sync in place of the rank's."""
     floats = [b for b in buffers if b.is_floating_point()]
     shared = {id(p): g for p, g in zip(params, round.params)}
-    shared.update({id(b): g for b, g in zip(floats, round.buffers)})
+    shared.update({id(b): g for b, g in zip(floats, round.weights_of().buffers)})
     for name, value in module.state_dict(keep_vars=True).items():
         if id(value) in shared and name in state:
             state[name] = shared[id(value)].detach().clone().to(state[name].device)

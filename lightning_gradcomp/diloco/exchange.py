@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from lightning_gradcomp.compressors.base import Compressor, Layer
-from lightning_gradcomp.diloco.replicas import ReplicaGroups, dtype_groups
+from lightning_gradcomp.diloco.replicas import ReplicaGroups, flatten_by_dtype, views_of
 from lightning_gradcomp.engine.collectives import TorchCollectives
 from lightning_gradcomp.engine.comm import CollectiveBackend, Comm
 from lightning_gradcomp.engine.error_feedback import ErrorFeedback
@@ -58,22 +58,32 @@ class InFlight:
     ) -> None:
         self._flats, self._futures, self._complete, self._gather = flats, futures, complete, gather
         self._finite: bool | None = None
+        self._completed = False
 
-    def wait(self, decide: Callable[[bool], bool] | None = None) -> tuple[list[Tensor], bool]:
-        """The averages (in the tensors that were sent) and whether they are kept; the staged state is committed then.
+    def result(self) -> tuple[list[Tensor], bool]:
+        """Wait for the collectives; the averages (in the tensors that were sent) and whether all are finite.
 
-        Kept: whether all averages are finite (one host read), or what ``decide`` answers given that (a
-        fault-tolerant run's commit vote).
+        One host read. The exchange's staged state is still that of before it until :meth:`complete`.
         """
         if self._finite is None:
             for future in self._futures:
                 future.wait()
             if self._gather is not None:
                 self._gather()
-            finite = all_finite(self._flats)
-            self._finite = finite if decide is None else decide(finite)
-            self._complete(self._finite)
+            self._finite = all_finite(self._flats)
         return self._flats, self._finite
+
+    def complete(self, kept: bool) -> None:
+        """Commit the exchange's staged state (``kept``) or drop it; once."""
+        if not self._completed:
+            self._completed = True
+            self._complete(kept)
+
+    def wait(self) -> tuple[list[Tensor], bool]:
+        """:meth:`result`, then :meth:`complete` with whether the averages are finite."""
+        averages, finite = self.result()
+        self.complete(finite)
+        return averages, finite
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:
@@ -185,8 +195,7 @@ class OuterExchange:
             elif self.replicas is not None:
                 futures.append(self._shard_all_reduce(flat))
             else:
-                comm.telemetry.add_bucket(flat.numel() * flat.element_size())
-                futures.append(comm.all_reduce((flat.div_(comm.world_size),)))
+                futures.append(comm.mean([flat]))
 
         def complete(finite: bool) -> None:
             updates.observe(torch.tensor(finite))
@@ -203,8 +212,8 @@ class OuterExchange:
 
         One flat tensor per dtype and device. It changes no compressor state and does not count as an outer exchange.
         """
-        groups = dtype_groups(tensors)
-        flats = [torch.cat([tensors[i].detach().flatten() for i in group]) for group in groups]
+        grouped = flatten_by_dtype([t.detach() for t in tensors])
+        flats = [flat for _, flat in grouped]
         if self._comm is None:
             pass  # no process group: the mean of one worker
         elif self.replicas is not None:
@@ -212,15 +221,9 @@ class OuterExchange:
             torch.futures.wait_all(futures)
             self._gather_shards(flats, futures)
         elif flats:
-            comm = self.comm
-            comm.telemetry.add_bucket(sum(flat.numel() * flat.element_size() for flat in flats))
-            comm.all_reduce([flat.div_(comm.world_size) for flat in flats]).wait()
+            self.comm.mean(flats).wait()
         self.count()
-        averaged: list[Tensor] = [torch.empty(0)] * len(tensors)
-        for group, flat in zip(groups, flats):
-            for i, piece in zip(group, flat.split([tensors[i].numel() for i in group])):
-                averaged[i] = piece.view_as(tensors[i])
-        return averaged
+        return views_of(tensors, grouped)
 
     def count(self) -> None:
         """Add what the collectives counted since the last count to :attr:`bytes_sent` and :attr:`bytes_received`."""
@@ -243,8 +246,7 @@ class OuterExchange:
         assert self.replicas is not None
         k, comm = self.replicas.size, self.comm
         shard = torch.nn.functional.pad(flat, (0, (-flat.numel()) % k)).view(k, -1)[self.replicas.index].clone()
-        comm.telemetry.add_bucket(shard.numel() * shard.element_size())
-        return comm.all_reduce((shard.div_(self.replicas.count),))
+        return comm.mean([shard], workers=self.replicas.count)
 
     def _gather_shards(self, flats: list[Tensor], futures: list[torch.futures.Future]) -> None:
         """With replica groups: every shard's average gathered inside the group (the fast link) into ``flats``."""

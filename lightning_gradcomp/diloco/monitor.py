@@ -18,7 +18,6 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_gradcomp.diloco.elastic import ElasticRound
 from lightning_gradcomp.diloco.round import Round
 from lightning_gradcomp.engine import wire
 from lightning_gradcomp.validation import check_strategy_state
@@ -37,7 +36,7 @@ class OuterMonitor(Callback):
       steps so far (amortised: what a per-step method would have to beat);
     - ``gradcomp/syncs``: outer steps taken so far; ``gradcomp/skipped_syncs``: rounds skipped because the averaged
       pseudo-gradient was not finite;
-    - with fault tolerance (:class:`~lightning_gradcomp.TorchFT`), this replica group's ``gradcomp/participants``
+    - with a membership that reports them (fault tolerance), this replica group's ``gradcomp/participants``
       (the groups whose pseudo-gradient counted in the last sync), ``gradcomp/discarded_rounds`` (syncs discarded
       because one failed during them), ``gradcomp/heals`` and ``gradcomp/heal_seconds`` (the last heal's duration).
 
@@ -96,9 +95,8 @@ class OuterMonitor(Callback):
         log("gradcomp/bytes_received_per_step", outer.bytes_received / steps)
         log("gradcomp/syncs", float(outer.syncs))
         log("gradcomp/skipped_syncs", float(outer.skipped))
-        if isinstance(outer, ElasticRound):
-            for name, value in outer.metrics().items():
-                log(f"gradcomp/{name}", value)
+        for name, value in outer.membership.metrics().items():
+            log(f"gradcomp/{name}", value)
 
     @override
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -114,7 +112,7 @@ class OuterMonitor(Callback):
         # in the callback metrics too, so that a launcher that returns only those (spawn) still reports them
         trainer.callback_metrics.update({f"gradcomp/{k}": torch.tensor(float(v)) for k, v in totals.items()})
         dense_per_step = sum(p.numel() * p.element_size() for p in outer.params)
-        workers = trainer.world_size * (max(outer.members, 1) if isinstance(outer, ElasticRound) else 1)
+        workers = trainer.world_size * outer.membership.groups
         step_s = None
         if self._started is not None and trainer.global_step > self._started[1]:
             step_s = (time.perf_counter() - self._started[0]) / (trainer.global_step - self._started[1])
@@ -133,9 +131,9 @@ def format_outer_summary(
     per_step = moved.moved / max(steps, 1)
     dense = wire.all_reduce(dense_per_step, world_size)
     ratio = wire.compression_ratio(dense, moved.scaled(1 / max(steps, 1)))
-    elastic = f", {outer.discarded} discarded, {outer.heals} heals" if isinstance(outer, ElasticRound) else ""
     return (
-        f"gradcomp summary (DiLoCo): {steps} optimizer steps, {outer.syncs} syncs ({outer.skipped} skipped{elastic});"
+        f"gradcomp summary (DiLoCo): {steps} optimizer steps, {outer.syncs} syncs ({outer.skipped} skipped"
+        f"{outer.membership.summary()});"
         f" {outer.bytes_sent / 1e6:,.3f} MB sent, {outer.bytes_received / 1e6:,.3f} MB received"
         f" ({per_step / 1e6:,.4f} MB moved per step, plain DDP's ring {dense.moved / 1e6:,.4f}: {ratio:,.1f}x less)"
         + (f"; {step_seconds * 1e3:,.1f} ms per optimizer step." if step_seconds is not None else ".")

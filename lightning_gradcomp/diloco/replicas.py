@@ -121,8 +121,7 @@ def average_in_group(params: Sequence[Tensor], buffers: Sequence[Tensor], comm: 
     with torch.no_grad():
         flats = flatten_by_dtype(tensors)
         for _, flat in flats:
-            comm.telemetry.add_bucket(flat.numel() * flat.element_size())
-            comm.all_reduce((flat.div_(comm.world_size),)).wait()
+            comm.mean([flat]).wait()
         unflatten_into(tensors, flats)
 
 
@@ -143,6 +142,15 @@ def dense_tensors(params: Sequence[Tensor], buffers: Sequence[Tensor]) -> list[T
 def flatten_by_dtype(tensors: Sequence[Tensor]) -> list[tuple[list[int], Tensor]]:
     """``tensors`` as one flat copy per dtype and device (:func:`dtype_groups`), each with the indices it holds."""
     return [(indices, torch.cat([tensors[i].flatten() for i in indices])) for indices in dtype_groups(tensors)]
+
+
+def views_of(tensors: Sequence[Tensor], flats: Sequence[tuple[list[int], Tensor]]) -> list[Tensor]:
+    """Each flat of :func:`flatten_by_dtype` cut back into views shaped as the tensors it was made from."""
+    views: list[Tensor] = list(tensors)  # every entry replaced below
+    for indices, flat in flats:
+        for i, piece in zip(indices, flat.split([tensors[i].numel() for i in indices]), strict=True):
+            views[i] = piece.view_as(tensors[i])
+    return views
 
 
 def unflatten_into(tensors: Sequence[Tensor], flats: Sequence[tuple[list[int], Tensor]]) -> None:

@@ -1,4 +1,4 @@
-"""DiLoCo's round: theta_global, the outer optimizer, the phase, the exchange in flight, and the steps that change them.
+"""DiLoCo's round: the schedule, the exchange in flight, and the sync, written once whoever the members are.
 
 DiLoCo (Douillard et al. 2023, arXiv 2311.08105, Algorithm 1): every worker starts a round from the shared parameters
 theta_global, takes ``H`` inner optimizer steps on its own data, then the workers average the pseudo-gradient
@@ -7,35 +7,38 @@ DiLoCo (Douillard et al. 2025, arXiv 2501.18512) cuts the model into fragments o
 turn every ``H / fragments`` steps, and lets a fragment's exchange run during ``overlap_steps`` inner steps; the
 fragment's local work in those steps is kept by one of :mod:`~lightning_gradcomp.diloco.merge`'s merges.
 
-:class:`Round` owns all of that state and the methods that change it, as torchft's ``_StreamingDiLoCoFragment``
-does; :class:`~lightning_gradcomp.diloco.DiLoCo` only tells it when an inner step was taken, when the round must close
-and when a step is synchronous. Its state is identical on every rank (it changes only from averaged values), except
-the exchange's error-feedback residuals, the contribution in flight and the eager merge's estimate of the other
-workers' shares, which are each rank's own.
+:class:`Round` owns that state and the steps that change it, as torchft's ``_StreamingDiLoCoFragment`` does, and asks
+its :class:`~lightning_gradcomp.diloco.membership.Membership` who takes part in each sync and whether it commits. A
+front door (the Lightning strategy) calls :meth:`Round.inner_step` at each optimizer step and :meth:`Round.send` when
+a sync is due, and nothing else; the round imports nothing from Lightning.
 """
 
 from __future__ import annotations
 
-import itertools
 import warnings
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_gradcomp.compressors.base import Compressor, Layer
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.diloco import round_state
 from lightning_gradcomp.diloco.defaults import default_outer_optimizer
-from lightning_gradcomp.diloco.exchange import InFlight, OuterExchange, all_finite
+from lightning_gradcomp.diloco.exchange import InFlight, OuterExchange
+from lightning_gradcomp.diloco.membership import DIVERGED, Job, Membership, Place, Start
 from lightning_gradcomp.diloco.merge import eager_estimate, mix_into, others_share, tentative_step
-from lightning_gradcomp.diloco.replicas import ReplicaGroups, dtype_groups
+from lightning_gradcomp.diloco.replicas import ReplicaGroups, averaging_in
+from lightning_gradcomp.diloco.round_state import Pending
+from lightning_gradcomp.diloco.weights import (
+    GlobalWeights,
+    OuterOptimizerCallable,
+    divergence_message,
+    floating_point,
+)
 
 __all__ = ["OuterOptimizerCallable", "Pending", "Round", "default_outer_optimizer", "floating_point", "split_fragments"]
-
-#: what ``DiLoCo(outer_optimizer=...)`` takes: parameters in, an optimizer out (LightningCLI's ``OptimizerCallable``)
-OuterOptimizerCallable = Callable[[Iterable[Tensor]], Optimizer]
 
 
 def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
@@ -56,30 +59,8 @@ def split_fragments(numels: list[int], fragments: int) -> list[list[int]]:
     return out
 
 
-def floating_point(buffers: Sequence[Tensor]) -> list[Tensor]:
-    """The floating-point ones of ``buffers`` (the ones averaged: BatchNorm's statistics, not its step counter)."""
-    return [b for b in buffers if b.is_floating_point()]
-
-
-@dataclass
-class Pending:
-    """A fragment's exchange in flight (Streaming DiLoCo's overlap).
-
-    Attributes:
-        fragment: the fragment whose pseudo-gradient is on the wire.
-        remaining: inner steps until its outer step is applied.
-        exchange: the collectives in flight (``None`` after a resume, until they are sent again).
-        contribution: this rank's pseudo-gradient, kept to send it again when a run resumes mid-exchange.
-    """
-
-    fragment: int
-    remaining: int
-    exchange: InFlight | None = None
-    contribution: list[Tensor] | None = None
-
-
 class Round:
-    """DiLoCo's outer loop on one rank: theta_global, the outer optimizer, the phase in the round, the exchange.
+    """DiLoCo's outer loop on one rank: the phase in the round, the exchange, and the sync.
 
     Built empty; :meth:`attach` takes the model's parameters and buffers when training starts.
 
@@ -91,19 +72,18 @@ class Round:
         offload: keep theta_global and the outer optimizer's state in CPU memory.
         compressor: average the pseudo-gradient through this compressor (``None``: a plain mean).
         warn: how a skipped outer step is reported (the strategy passes its rank-zero warning).
-        merge: how an overlapped exchange's fragment keeps its local work, ``"mix"`` or ``"eager"``
-            (:mod:`~lightning_gradcomp.diloco.merge`).
+        merge: how an overlapped exchange's fragment keeps its local work, ``"mix"`` or ``"eager"``.
         mixing_factor: the share of the local work ``"mix"`` keeps (0: replaced by theta_global).
+        membership: who takes part in each sync (default: every worker, plain DiLoCo).
 
     Attributes:
-        params: theta_global, one tensor per trained parameter.
-        buffers: the floating-point buffers as of the last sync (BatchNorm's statistics).
-        optimizer: the outer optimizer over :attr:`params`.
+        weights: theta_global, the outer optimizer and the model's tensors (after :meth:`attach`).
         phase: inner steps taken since the last fragment's sync.
         dirty: per fragment, whether it trained since its last sync.
         pending: the exchange in flight, if any.
-        others: per fragment, the other workers' shares of its last average (the eager merge's estimate).
-        syncs: outer steps taken; skipped: outer steps skipped because the average was not finite.
+        others, others_workers: per fragment, the other workers' shares of its last average (the eager merge's
+            estimate), and over how many contributors they were taken.
+        syncs: outer steps taken; skipped: outer steps skipped because a rank's inner steps diverged.
     """
 
     def __init__(
@@ -118,28 +98,25 @@ class Round:
         warn: Callable[[str], Any] = warnings.warn,
         merge: str = "mix",
         mixing_factor: float = 0.0,
+        membership: Membership | None = None,
     ) -> None:
         self.sync_every, self.fragments, self.overlap_steps = sync_every, fragments, overlap_steps
         self.merge, self.mixing_factor = merge, mixing_factor
-        self.outer_optimizer = outer_optimizer
-        self.offload = offload
+        self.outer_optimizer, self.offload, self.warn = outer_optimizer, offload, warn
         self.exchange = OuterExchange(compressor)
-        self.warn = warn
+        self.membership = membership if membership is not None else Membership()
         self.process_group: Any = None
         self.replicas: ReplicaGroups | None = None
-        self.names: list[str] = []
         self.fragment_params: list[list[int]] = []
-        self.params: list[Tensor] = []
-        self.buffers: list[Tensor] = []
-        self.optimizer: Optimizer | None = None
+        self.weights: GlobalWeights | None = None
         self.phase = 0
         self.dirty: list[bool] = [False] * fragments
         self.pending: Pending | None = None
         self.others: dict[int, list[Tensor]] = {}
+        self.others_workers: dict[int, int] = {}
         self.syncs = 0
         self.skipped = 0
-        self._local: list[Tensor] = []  # the model's trained parameters
-        self._local_buffers: list[Tensor] = []  # and its buffers
+        self.rank = 0
 
     @property
     def period(self) -> int:
@@ -156,152 +133,196 @@ class Round:
         """What this rank has taken off the wire for the outer loop, in all."""
         return self.exchange.bytes_received
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Setup
-    # ------------------------------------------------------------------------------------------------------------
+    @property
+    def params(self) -> list[Tensor]:
+        """theta_global, one tensor per trained parameter (empty before :meth:`attach`)."""
+        return self.weights.params if self.weights is not None else []
+
+    @property
+    def optimizer(self) -> Optimizer | None:
+        """The outer optimizer over theta_global (after :meth:`attach`)."""
+        return self.weights.optimizer if self.weights is not None else None
+
     def attach(
         self,
         params: Sequence[Tensor],
         buffers: Sequence[Tensor],
         names: Sequence[str] | None = None,
-        distributed: bool = True,
+        buffer_names: Sequence[str] | None = None,
+        job: Job | None = None,
     ) -> None:
-        """Take the model's parameters (and floating-point buffers) as theta_global; a fresh outer optimizer.
+        """Take the model's parameters (and floating-point buffers) as theta_global; bind the membership.
 
-        ``names``: the parameters' names (the layers a compressor sees; default ``param0``, ``param1``, ...).
-        ``distributed``: bind the exchange to the collectives (on every rank at the same point).
-
-        Raises:
-            TypeError: If ``outer_optimizer`` does not return a ``torch.optim.Optimizer``.
+        ``names``: the parameters' names (the layers a compressor sees; default ``param0``, ...); ``buffer_names``
+        the floating-point buffers' (for messages). ``job``: this rank's launch (default: one process).
         """
-        self._local, self._local_buffers = list(params), list(buffers)
-        self.names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
+        job = job if job is not None else Job()
+        names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
+        floats = floating_point(buffers)
+        buffer_names = list(buffer_names) if buffer_names is not None else [f"buffer{i}" for i in range(len(floats))]
+        self.weights = GlobalWeights(params, buffers, names, buffer_names, self.outer_optimizer, self.offload)
         self.fragment_params = split_fragments([p.numel() for p in params], self.fragments)
-        if distributed and params:
-            self.exchange.attach(params[0].device, self.process_group, self.replicas)
-        device = torch.device("cpu") if self.offload else None
-        self.params = [p.detach().clone().to(device or p.device) for p in params]
-        self.buffers = [b.detach().clone() for b in floating_point(buffers)]
-        self.optimizer = self.outer_optimizer(self.params)
-        if not isinstance(self.optimizer, Optimizer):
-            raise TypeError(
-                f"Expected `outer_optimizer` to return a torch.optim.Optimizer, got {type(self.optimizer).__name__}."
-            )
+        self.rank = job.rank
+        self.membership.bind(self, job, params[0].device if params else torch.device("cpu"))
+
+    def weights_of(self) -> GlobalWeights:
+        """:attr:`weights` (after :meth:`attach`)."""
+        if self.weights is None:
+            raise RuntimeError("Round.attach must be called before training.")
+        return self.weights
 
     # ------------------------------------------------------------------------------------------------------------
-    # The schedule
+    # The step and the schedule
     # ------------------------------------------------------------------------------------------------------------
-    def after_inner_step(self, optimizers: Sequence[Optimizer]) -> None:
-        """One inner step was taken: apply the exchange that is due, and start the one that begins now."""
+    def inner_step(
+        self,
+        closure: Callable[[], Any],
+        step: Callable[[Callable[[], Any]], Any],
+        optimizers: Sequence[Optimizer],
+        dense: bool = False,
+        finite_only: bool = True,
+    ) -> tuple[Any, int | None]:
+        """One optimizer step: ``step(closure)`` on this worker's gradients; the step's output and a due sync.
+
+        The fragment whose sync starts now is returned for the caller's :meth:`send`. ``dense``: plain data
+        parallelism over every worker (DenseWarmup's phase, :meth:`dense_step`). On a group's first step its
+        membership may join the run instead: healed at the others' sync, with no step of its own.
+        ``finite_only``: a dense step discarded across groups when its average is not finite (no gradient scaler).
+        """
+        start = self.membership.first_step(closure, optimizers)
+        if start is Start.AT_SYNC:  # it ran the closure and healed at the others' place: their sync is this one's
+            return None, self.tick(optimizers)
+        if dense or start is Start.DENSE:
+            return self.dense_step(closure, step, optimizers, finite_only), None
+        if self.exchange.in_group is not None:  # two levels: the group's gradients averaged first
+            weights = self.weights_of()
+            closure = averaging_in(closure, weights.local, weights.local_buffers, self.exchange.in_group)
+        output = step(closure)
+        return output, self.tick(optimizers)
+
+    def tick(self, optimizers: Sequence[Optimizer]) -> int | None:
+        """One inner step was taken: apply the exchange that is due; the fragment whose sync starts now, if any."""
         self.phase += 1
         self.dirty = [True] * self.fragments
         if self.pending is not None:
             self.pending.remaining -= 1
             if self.pending.remaining == 0:
                 self.finish(optimizers)
-        if self.phase % self.period == 0:
-            self.pending = self.send(self.phase // self.period - 1, self.overlap_steps)
-            if not self.overlap_steps:
-                self.finish(optimizers)
-            elif self.merge == "eager" and self.pending.contribution is not None:
-                # train in flight from the outer step of the estimated average
-                with torch.no_grad():
-                    indices = self.fragment_params[self.pending.fragment]
-                    for i, value in zip(indices, self._eager_step(self.pending, self.in_flight_workers())):
-                        self._local[i].copy_(value.to(self._local[i].device))
+        due = self.phase // self.period - 1 if self.phase % self.period == 0 else None
         if self.phase == self.sync_every:
             self.phase = 0
+        return due
 
-    def start(self, fragment: int) -> None:
-        """Send fragment ``fragment``'s pseudo-gradient now; its outer step is applied by :meth:`finish`."""
-        self.pending = self.send(fragment, 0)
+    def send(self, fragment: int, optimizers: Sequence[Optimizer], overlap: int | None = None) -> None:
+        """Start the sync of ``fragment``: who takes part, the pseudo-gradient, the exchange.
 
-    def send(self, fragment: int, remaining: int) -> Pending:
-        """Start averaging ``fragment``'s pseudo-gradient; its outer step is due ``remaining`` inner steps later.
-
-        With ``remaining`` this rank's contribution is kept, to send it again if a run resumes mid-exchange. The one
-        place an exchange starts (the fault-tolerant round asks for its quorum here).
+        Its outer step is applied ``overlap`` inner steps later (default ``overlap_steps``; at once without). With
+        the eager merge the fragment trains meanwhile from the outer step of its estimate of the average.
         """
-        flats, layouts = self.pseudo_gradients(fragment)
-        contribution = [f.clone() for f in flats] if remaining else None
-        return Pending(fragment, remaining, self.exchange.start(flats, layouts), contribution)
+        remaining = self.overlap_steps if overlap is None else overlap
+        part = self.membership.enter(Place(fragment))
+        if part.skip or part.place.fragment is None:
+            self.pending = Pending(fragment, remaining, InFlight([], [], lambda kept: None), part=part)
+        else:
+            fragment = part.place.fragment  # the others' (this group's own unless it joined them)
+            flats, layouts = self.weights_of().pseudo_gradients(self.fragment_params[fragment])
+            if not part.contributes:  # it takes part with zeros (a group that healed at this sync)
+                for flat in flats:
+                    flat.zero_()
+            if self.exchange.replicas is not None and self.exchange.replicas.peers is None:
+                self.exchange.replicas.count = part.members  # two levels across jobs: the groups in the quorum
+            contribution = [f.clone() for f in flats] if remaining else None
+            self.pending = Pending(fragment, remaining, self.exchange.start(flats, layouts), contribution, part)
+        if not remaining:
+            self.finish(optimizers)
+        elif self.merge == "eager" and self.pending.contribution is not None and part.contributes:
+            weights = self.weights_of()
+            with torch.no_grad():  # train in flight from the outer step of the estimated average
+                for i, value in zip(self.fragment_params[fragment], self._eager_step(self.pending)):
+                    weights.local[i].copy_(value.to(weights.local[i].device))
 
     def finish(self, optimizers: Sequence[Optimizer]) -> None:
-        """Step theta_global with the exchange's average and set every worker's fragment to it.
+        """The vote on the exchange in flight; the outer step and the merge where it commits, else the reset.
 
-        With ``overlap_steps`` the fragment's local progress since the exchange started is merged with the new
-        theta_global as :attr:`merge` says (:meth:`_merge`). An average that is not finite on some rank skips the
-        outer step: every worker goes back to theta_global, and non-finite inner optimizer state is forgotten.
+        The mean was taken over the members; with some that do not contribute (healing) it is rescaled to the mean
+        over the contributors. A sync that does not commit (a rank diverged, or a failure anywhere) leaves
+        theta_global, sets every worker's fragment back to it and forgets non-finite inner optimizer state.
         """
-        pending = self.pending
+        pending, self.pending = self.pending, None
         assert pending is not None
         assert pending.exchange is not None
-        self.pending = None
-        indices = self.fragment_params[pending.fragment]
-        averaged, finite = pending.exchange.wait()
-        buffers = self.exchange.average(floating_point(self._local_buffers))
-        if finite and all_finite(buffers):
+        part, weights, indices = pending.part, self.weights_of(), self.fragment_params[pending.fragment]
+        averaged, finite = pending.exchange.result()
+        changed, buffers, buffers_finite = weights.average_changed_buffers(self.exchange, part.contributes, part.skip)
+        reason = "" if finite and buffers_finite else DIVERGED
+        if not reason and part.contributors == 0:
+            reason = "no group contributed"
+        verdict = self.membership.vote(part, reason)
+        pending.exchange.complete(not verdict)
+        if not verdict:
             before = others = None
-            if pending.contribution is not None and self.merge == "eager":
-                # before the outer step, which may change the averages in place (torch's Nesterov SGD does)
-                before = self._eager_step(pending, self.exchange.workers)
-                others = others_share(averaged, pending.contribution, self.exchange.workers)
-            self.outer_step(averaged, indices)
-            self.set_buffers(buffers)
+            for tensor in (*averaged, *buffers):
+                if part.scale != 1:
+                    tensor.mul_(part.scale)
+            if part.contributes and pending.contribution is not None and self.merge == "eager":
+                before = self._eager_step(pending)  # before the outer step, which may change the average in place
+                others = others_share(averaged, pending.contribution, part.contributors)
+            weights.outer_step(averaged, indices)
+            weights.set_buffers(changed, buffers)
             self.syncs += 1
-            self.dirty[pending.fragment] = self._merge(pending, before, others)
-            return
-        self.skipped += 1
-        self.restore_buffers()
-        self._forget_nonfinite_state(optimizers)
-        self.warn(
-            "DiLoCo: the averaged pseudo-gradient is not finite (a rank's inner steps diverged): outer step"
-            f" skipped, every worker reset to theta_global ({self.skipped} skipped so far)."
-        )
-        self.copy_to(indices)
+            if part.contributes:
+                self.dirty[pending.fragment] = self._merge(pending, before, others)
+                return
+        elif verdict == DIVERGED:
+            self.skipped += 1
+            names = weights.nonfinite_names()  # this rank's, by name: it warns whatever its rank
+            (warnings.warn if names else self.warn)(divergence_message(names, self.rank, self.skipped))
+        else:
+            self.membership.discard(part, verdict)
+        weights.restore_buffers()
+        weights.forget_nonfinite_state(optimizers)
+        weights.copy_to(indices)
         self.dirty[pending.fragment] = False
 
     def in_flight_workers(self) -> int:
-        """How many workers' pseudo-gradients the exchange in flight averages (all of them in plain DiLoCo)."""
-        return self.exchange.workers
+        """How many workers' pseudo-gradients the exchange in flight averages (the eager estimate's divisor)."""
+        return max(self.pending.part.contributors, 1) if self.pending is not None else self.exchange.workers
 
-    def others_for(self, fragment: int, workers: int) -> list[Tensor] | None:
-        """The other workers' shares of ``fragment``'s last average, for an estimate of a mean over ``workers``."""
-        return self.others.get(fragment)
+    def _eager_step(self, pending: Pending) -> list[Tensor]:
+        """theta_global's fragment after an outer step on the eager estimate of the average.
 
-    def _eager_step(self, pending: Pending, workers: int) -> list[Tensor]:
-        """theta_global's fragment after an outer step on the eager estimate of the average over ``workers``.
-
-        Nothing is changed: the outer optimizer's step is taken on copies (:func:`tentative_step`).
+        The others' shares of the fragment's last average count only if they were taken over as many contributors
+        (after a membership change the estimate is this worker's own share). Nothing is changed: the outer
+        optimizer's step is taken on copies (:func:`tentative_step`).
         """
-        assert self.optimizer is not None
         assert pending.contribution is not None
-        indices = self.fragment_params[pending.fragment]
-        estimate = eager_estimate(pending.contribution, self.others_for(pending.fragment, workers), workers)
-        return tentative_step(self.optimizer, [self.params[i] for i in indices], self._grads(estimate, indices))
+        weights, indices = self.weights_of(), self.fragment_params[pending.fragment]
+        workers = max(pending.part.contributors, 1)
+        others = self.others.get(pending.fragment) if self.others_workers.get(pending.fragment) == workers else None
+        estimate = eager_estimate(pending.contribution, others, workers)
+        return tentative_step(weights.optimizer, [weights.params[i] for i in indices], weights.grads(estimate, indices))
 
     def _merge(self, pending: Pending, before: list[Tensor] | None, others: list[Tensor] | None) -> bool:
         """Set the fragment from the new theta_global, keeping local work as :attr:`merge` says; whether it kept any.
 
-        A blocking exchange (no contribution kept), or one completed early with no inner step taken in flight (the
-        end of ``fit``), sets it to theta_global. ``"eager"`` moves it by the new theta_global minus ``before`` (the
-        estimate's outer step it trained from), and keeps ``others`` for the fragment's next estimate; ``"mix"``
-        blends it with theta_global.
+        A blocking exchange, or one completed early with no inner step taken in flight (the end of ``fit``), sets it
+        to theta_global. ``"eager"`` moves it by the new theta_global minus ``before`` (the estimate's outer step it
+        trained from), and keeps ``others`` for the fragment's next estimate; ``"mix"`` blends it with theta_global.
         """
-        indices = self.fragment_params[pending.fragment]
+        weights, indices = self.weights_of(), self.fragment_params[pending.fragment]
         if others is not None:
             self.others[pending.fragment] = others
+            self.others_workers[pending.fragment] = max(pending.part.contributors, 1)
         if pending.contribution is None or pending.remaining == self.overlap_steps:
-            self.copy_to(indices)
+            weights.copy_to(indices)
             return False
         if self.merge == "eager":
             assert before is not None
-            assert others is not None
             with torch.no_grad():
                 for i, value in zip(indices, before, strict=True):
-                    self._local[i].add_((self.params[i] - value).to(self._local[i].device))
+                    weights.local[i].add_((weights.params[i] - value).to(weights.local[i].device))
             return True
-        mix_into([self._local[i] for i in indices], [self.params[i] for i in indices], self.mixing_factor)
+        mix_into([weights.local[i] for i in indices], [weights.params[i] for i in indices], self.mixing_factor)
         return self.mixing_factor > 0
 
     def close(self, optimizers: Sequence[Optimizer]) -> None:
@@ -310,22 +331,32 @@ class Round:
             self.finish(optimizers)
         for fragment in range(self.fragments):
             if self.dirty[fragment]:
-                self.start(fragment)
-                self.finish(optimizers)
+                self.send(fragment, optimizers, overlap=0)
 
-    def follow(self) -> None:
-        """After a synchronous step: theta_global and the kept buffers set to the model's, the outer state cleared.
+    def dense_step(
+        self,
+        closure: Callable[[], Any],
+        step: Callable[[Callable[[], Any]], Any],
+        optimizers: Sequence[Optimizer],
+        finite_only: bool = True,
+    ) -> Any:
+        """A dense step (DenseWarmup's): the mean gradient over every worker, then the step; theta_global follows.
 
-        The step's dense all-reduce (through :attr:`exchange`'s collectives) is counted as an outer exchange's.
+        A round in progress is closed first. The membership averages (and, across groups that come and go, votes:
+        a discarded step leaves the weights as they were). ``finite_only=False`` under a gradient scaler, which skips
+        a non-finite step itself and must see it.
         """
-        with torch.no_grad():
-            for mine, p in zip(self.params, self._local, strict=True):
-                mine.copy_(p)
-            for mine, b in zip(self.buffers, floating_point(self._local_buffers), strict=True):
-                mine.copy_(b)
-        if self.optimizer is not None and self.optimizer.state:
-            self.optimizer.state.clear()
-        self.exchange.count()
+        self.close(optimizers)
+        weights = self.weights_of()
+        output = closure()
+        if not self.membership.dense_average(weights.local, weights.local_buffers, finite_only):
+            for optimizer in optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            return None
+        output = step(lambda: output)
+        weights.follow()
+        self.exchange.count()  # the step's all-reduce counted as an outer exchange's
+        return output
 
     def checks_sigterm_now(self) -> bool:
         """Whether the coming step is the one after a period's exchange completed (no exchange on the link).
@@ -335,138 +366,21 @@ class Round:
         return self.phase % self.period == self.overlap_steps % self.period
 
     # ------------------------------------------------------------------------------------------------------------
-    # theta_global and the model
-    # ------------------------------------------------------------------------------------------------------------
-    def pseudo_gradients(self, fragment: int) -> tuple[list[Tensor], list[tuple[Layer, ...]]]:
-        """``theta_global - theta_local`` of ``fragment``, flat, one tensor per dtype and device, and their layouts.
-
-        This sign makes the outer step a descent step: the inner steps moved theta_local along minus the gradient, so
-        ``theta_global - theta_local`` points along the gradient, as ``.grad`` must.
-        """
-        indices = self.fragment_params[fragment]
-        local = [self._local[i].detach() for i in indices]
-        flats, layouts = [], []
-        for group in dtype_groups(local):
-            flats.append(torch.cat([(self.params[indices[i]].to(local[i].device) - local[i]).flatten() for i in group]))
-            shapes = [local[i].shape for i in group]
-            offsets = itertools.accumulate((s.numel() for s in shapes), initial=0)
-            layouts.append(
-                tuple(
-                    Layer(self.names[indices[i]], indices[i], shape, offset)
-                    for i, shape, offset in zip(group, shapes, offsets)
-                )
-            )
-        return flats, layouts
-
-    def outer_step(self, averaged: list[Tensor], indices: Sequence[int]) -> None:
-        """The outer optimizer's step on theta_global at ``indices``, with ``.grad`` the averaged pseudo-gradient.
-
-        ``averaged`` is laid out as :meth:`pseudo_gradients` made it. Parameters outside ``indices`` keep no gradient,
-        so the optimizer leaves them and their state as they are.
-        """
-        assert self.optimizer is not None
-        chosen = [self.params[i] for i in indices]
-        for p, grad in zip(chosen, self._grads(averaged, indices), strict=True):
-            p.grad = grad
-        self.optimizer.step()
-        for p in chosen:
-            p.grad = None
-
-    def _grads(self, flats: list[Tensor], indices: Sequence[int]) -> list[Tensor]:
-        """Flat tensors laid out as :meth:`pseudo_gradients` made them, as one tensor per parameter at ``indices``."""
-        chosen = [self.params[i] for i in indices]
-        grads: list[Tensor] = list(chosen)  # every entry replaced below
-        for group, flat in zip(dtype_groups([self._local[i] for i in indices]), flats, strict=True):
-            for i, piece in zip(group, flat.split([chosen[i].numel() for i in group])):
-                grads[i] = piece.view_as(chosen[i]).to(chosen[i].device)
-        return grads
-
-    def copy_to(self, indices: Iterable[int] | None = None) -> None:
-        """Set the model's parameters at ``indices`` (default: all) to theta_global."""
-        with torch.no_grad():
-            for i in range(len(self._local)) if indices is None else indices:
-                self._local[i].copy_(self.params[i])
-
-    def set_buffers(self, values: Sequence[Tensor]) -> None:
-        """Set the model's floating-point buffers, and the ones kept here, to ``values``."""
-        with torch.no_grad():
-            for mine, theirs, value in zip(self.buffers, floating_point(self._local_buffers), values, strict=True):
-                mine.copy_(value)
-                theirs.copy_(value)
-
-    def restore_buffers(self) -> None:
-        """Set the model's floating-point buffers to the ones of the last sync."""
-        with torch.no_grad():
-            for mine, theirs in zip(self.buffers, floating_point(self._local_buffers), strict=True):
-                theirs.copy_(mine)
-
-    def _forget_nonfinite_state(self, optimizers: Sequence[Optimizer]) -> None:
-        """After a skipped round, leave no non-finite value in this rank's own state.
-
-        Its non-finite parameters go back to theta_global, and the inner optimizers forget the state (momenta) of
-        parameters whose state is not finite (host reads: only on a skipped round).
-        """
-        self.copy_to([i for i, p in enumerate(self._local) if not bool(p.isfinite().all())])
-        for optimizer in optimizers:
-            for p in list(optimizer.state):
-                values = [v for v in optimizer.state[p].values() if isinstance(v, Tensor) and v.is_floating_point()]
-                if not all(bool(v.isfinite().all()) for v in values):
-                    del optimizer.state[p]
-
-    # ------------------------------------------------------------------------------------------------------------
-    # State
+    # State (:mod:`lightning_gradcomp.diloco.round_state`)
     # ------------------------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything the outer loop needs to resume exactly that is the same on every rank."""
-        assert self.optimizer is not None
-        pending = self.pending
-        return {
-            "params": [p.clone() for p in self.params],
-            "buffers": [b.clone() for b in self.buffers],
-            "optimizer": self.optimizer.state_dict(),
-            "phase": self.phase,
-            "dirty": list(self.dirty),
-            "pending": None if pending is None else {"fragment": pending.fragment, "remaining": pending.remaining},
-            "syncs": self.syncs,
-            "skipped": self.skipped,
-            "bytes_sent": self.exchange.bytes_sent,
-            "bytes_received": self.exchange.bytes_received,
-        }
+        """What is the same on every worker, with the membership's own state."""
+        return {**round_state.shared_state(self), **self.membership.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` into an attached round (theta_global copied in place).
-
-        An exchange that was in flight is pending again, without its collectives: :meth:`resend` sends this rank's
-        contribution again.
-        """
-        assert self.optimizer is not None
-        for mine, saved in zip(self.params, state["params"], strict=True):
-            mine.copy_(saved)
-        for mine, saved in zip(self.buffers, state["buffers"], strict=True):
-            mine.copy_(saved)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.phase, self.syncs, self.skipped = state["phase"], state["syncs"], state["skipped"]
-        self.dirty = list(state["dirty"])
-        self.exchange.bytes_sent, self.exchange.bytes_received = state["bytes_sent"], state["bytes_received"]
-        pending = state["pending"]
-        self.pending = None if pending is None else Pending(pending["fragment"], pending["remaining"])
-        self.others = {}  # each rank's own: restored by load_own_state, or empty on a new world size
+        """Restore :meth:`state_dict` into an attached round."""
+        round_state.load_shared_state(self, state)
+        self.membership.load_state_dict(state)
 
     def own_state(self) -> dict[str, Any]:
-        """This rank's own state, on the CPU: its contribution in flight, its exchange's residuals and counter."""
-        contribution = self.pending.contribution if self.pending is not None else None
-        return {
-            "contribution": [t.to("cpu", copy=True) for t in contribution] if contribution is not None else None,
-            "exchange": self.exchange.state_dict(),
-            "others": {k: [t.to("cpu", copy=True) for t in v] for k, v in self.others.items()},
-        }
+        """This worker's own state, on the CPU."""
+        return round_state.own_state(self)
 
     def load_own_state(self, own: dict[str, Any], device: torch.device) -> None:
-        """Restore :meth:`own_state`, and send the exchange that was in flight again, with the same values."""
-        self.exchange.load_state_dict(own["exchange"])
-        self.others = {int(k): [t.to(device) for t in v] for k, v in own.get("others", {}).items()}
-        if self.pending is not None:
-            contribution = [t.to(device) for t in own["contribution"]]
-            self.pending.contribution = [t.clone() for t in contribution]
-            layouts = self.pseudo_gradients(self.pending.fragment)[1]
-            self.pending.exchange = self.exchange.start(contribution, layouts)
+        """Restore :meth:`own_state`; an exchange that was in flight is sent again (or discarded)."""
+        round_state.load_own_state(self, own, device)

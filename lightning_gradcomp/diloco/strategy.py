@@ -27,12 +27,12 @@ from typing_extensions import override
 
 from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.diloco.arguments import (
+    ARGUMENTS,
     check_arguments,
     check_fit,
     check_merge,
     check_schedule,
     outer_optimizer_of,
-    strategy_kwargs,
 )
 from lightning_gradcomp.diloco.checkpoint import (
     CHECKPOINT_KEY,
@@ -44,13 +44,8 @@ from lightning_gradcomp.diloco.checkpoint import (
     with_theta_global,
 )
 from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every, default_outer_optimizer
-from lightning_gradcomp.diloco.elastic import ElasticRound
-from lightning_gradcomp.diloco.joining import (
-    bind,
-    check_fault_tolerance,
-    dense_step_across_groups,
-    joins_at_this_step,
-)
+from lightning_gradcomp.diloco.elastic import membership_for
+from lightning_gradcomp.diloco.membership import Job, LoopState
 from lightning_gradcomp.diloco.monitor import OuterMonitor
 from lightning_gradcomp.diloco.preflight import (
     describe_optimizer,
@@ -59,12 +54,13 @@ from lightning_gradcomp.diloco.preflight import (
     one_worker,
     stale_weights,
 )
-from lightning_gradcomp.diloco.replicas import averaging_in, replica_groups_for
 from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
-from lightning_gradcomp.diloco.sigterm import SigtermGate
 from lightning_gradcomp.engine.collectives import side_group
 from lightning_gradcomp.ft.config import TorchFT
+from lightning_gradcomp.runtime.arguments import unwrapped_strategy_kwargs
 from lightning_gradcomp.runtime.base import GradcompStrategy
+from lightning_gradcomp.runtime.loop_state import load_training_state, training_state
+from lightning_gradcomp.runtime.sigterm import SigtermGate
 from lightning_gradcomp.validation import check_bool, check_choice
 
 log = logging.getLogger(__name__)
@@ -74,7 +70,105 @@ _MiscError = MisconfigurationException
 SIGTERM_CHECKS = ("sync", "step")  # DiLoCo's ``sigterm_check``: once per sync period, or at every step as Lightning
 
 
-class DiLoCo(GradcompStrategy):
+class _RoundCheckpoints(GradcompStrategy):
+    """The checkpoint side of DiLoCo's front door: theta_global in ``state_dict``, the rest in ``checkpoint["diloco"]``.
+
+    A base of :class:`DiLoCo` only (its ``__init__`` sets the attributes declared here).
+    """
+
+    _round: Round
+    _attached: bool
+    _restored: Mapping[str, Any] | None  # the checkpoint's DiLoCo section, applied at setup
+    _own: dict[str, Any] | None  # this rank's own state read with the checkpoint, applied at setup
+    _shared_exchange: dict[str, Any] | None  # rank 0's compressor state, on another world size
+    _local: list[Tensor] | None  # this rank's parameters and buffers while validation runs on theta_global
+    sync_every: int | str
+    fragments: int
+
+    def _params(self) -> list[Tensor]:
+        return [p for p in self._module().parameters() if p.requires_grad]
+
+    def _buffers(self) -> list[Tensor]:
+        return list(self._module().buffers())
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The module's state dict with theta_global (and the buffers of the last sync) in place of this rank's own."""
+        state = super().lightning_module_state_dict()
+        if not self._attached:
+            return state
+        return with_theta_global(state, self._module(), self._params(), self._buffers(), self._round)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Save like DDPStrategy, with the outer state in ``checkpoint["diloco"]`` and each rank's own in its file.
+
+        Lightning calls this on every rank and writes the checkpoint on rank 0 only; the checkpoint is a directory,
+        in which every rank writes its local parameters, inner optimizer state and residuals
+        (:mod:`lightning_gradcomp.diloco.checkpoint`). A weights-only checkpoint, with no ``"loops"``, carries no
+        training state: one file, as DDPStrategy's.
+        """
+        per_rank = False
+        if self._attached and "loops" in checkpoint:
+            shared = {"sync_every": self.sync_every, "fragments": self.fragments, "outer": self._round.state_dict()}
+            own = own_state(self._round, self._local or [*self._params(), *self._buffers()], self.optimizers)
+            where = (self.checkpoint_io, self.global_rank, self.world_size, self.barrier, self.root_device)
+            per_rank = save_diloco_state(checkpoint, filepath, shared, own, *where, storage_options)
+        self.write_checkpoint(checkpoint, filepath, per_rank, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load like DDPStrategy, and read this rank's own state saved with the checkpoint (when fitting)."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._own = self._shared_exchange = None
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
+            where = (self.checkpoint_io, self.global_rank, self.world_size)
+            self._own = load_own_state(checkpoint, checkpoint_path, *where, warn=rank_zero_warn)
+            if self._own is None and self._round.exchange.compressor is not None:
+                self._shared_exchange = load_shared_exchange_state(checkpoint, checkpoint_path, self.checkpoint_io)
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load theta_global (the checkpoint's ``state_dict``); the rest of DiLoCo's state is applied at setup.
+
+        A checkpoint restored in the middle of ``fit``, after setup (the learning-rate finder restores the one it
+        saved before its search), has the rest applied at once: the round, theta_global and this rank's own state.
+        """
+        super().load_model_state_dict(checkpoint, strict=strict)
+        section = checkpoint.get(CHECKPOINT_KEY)
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        if section is not None and trainer is not None and trainer.state.fn != TrainerFn.FITTING:
+            outer = section["outer"]
+            note = stale_weights(outer["phase"], outer["pending"] is not None, checkpoint=True)
+            if note is not None:
+                rank_zero_info(note)
+        if section is None and "loops" in checkpoint:
+            rank_zero_info(
+                "DiLoCo: the checkpoint was not written by DiLoCo (no 'diloco' state): its weights become"
+                " theta_global, every rank starts a new round from them with the checkpoint's optimizer state,"
+                " and the outer optimizer starts afresh."
+            )
+        self._restored = section
+        if self._attached and section is not None:
+            self._resume_from(section)
+            self._restored = None
+
+    def _resume_from(self, section: Mapping[str, Any]) -> None:
+        tensors = [*self._params(), *self._buffers()]
+        restore(self._round, section, self._own, tensors, self.root_device, self._shared_exchange, rank_zero_warn)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load this rank's own inner optimizer state (Lightning's ``optimizer_states`` holds rank 0's only)."""
+        if self._own is not None:
+            checkpoint = {**checkpoint, "optimizer_states": self._own["optimizer_states"]}
+        super().load_optimizer_state_dict(checkpoint)
+        self._own = self._shared_exchange = None
+
+
+class DiLoCo(_RoundCheckpoints):
     """DiLoCo: inner steps on each worker with no communication, an outer step on the averaged pseudo-gradient.
 
     Each worker steps the module's own optimizer (the inner optimizer, e.g. AdamW) and LR schedulers on its local
@@ -167,24 +261,21 @@ class DiLoCo(GradcompStrategy):
         fault_tolerance: TorchFT | None = None,
         **kwargs: Any,
     ) -> None:
-        check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor)
-        check_fault_tolerance(fault_tolerance, replica_group)
-        self.merge, self.mixing_factor = check_merge(overlap_steps, merge, mixing_factor)
+        check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, replica_group, compressor, _MiscError)
+        membership = membership_for(fault_tolerance, replica_group, rank_zero_info, _MiscError)
+        self.merge, self.mixing_factor = check_merge(overlap_steps, merge, mixing_factor, _MiscError)
         self.sigterm_check = check_choice(sigterm_check, "sigterm_check", SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
-        super().__init__(monitor=monitor, **strategy_kwargs(kwargs))
+        super().__init__(monitor=monitor, **unwrapped_strategy_kwargs(self.label, ARGUMENTS, kwargs))
         #: the rounds' length: ``"auto"`` until fitting starts, then the H it resolved to
         self.sync_every: int | str = sync_every
         self.fragments, self.overlap_steps = fragments, overlap_steps
         self.replica_group = replica_group
         self.fault_tolerance = fault_tolerance
-        elastic: dict[str, Any] = {}
-        if fault_tolerance is not None:  # the exchange across replica groups, through torchft
-            elastic = {"fault_tolerance": fault_tolerance, "info": rank_zero_info}
         self._sync_every_arg = sync_every
-        outer, self._outer_note = outer_optimizer_of(outer_optimizer)
-        self._round = (Round if fault_tolerance is None else ElasticRound)(
+        outer, self._outer_note = outer_optimizer_of(outer_optimizer, _MiscError)
+        self._round = Round(
             sync_every if isinstance(sync_every, int) else fragments,  # "auto": set when fitting starts
             fragments,
             overlap_steps,
@@ -194,13 +285,10 @@ class DiLoCo(GradcompStrategy):
             warn=rank_zero_warn,
             merge=self.merge,
             mixing_factor=self.mixing_factor,
-            **elastic,
+            membership=membership,
         )
         self._attached = False
-        self._restored: Mapping[str, Any] | None = None  # the checkpoint's DiLoCo section, applied at setup
-        self._own: dict[str, Any] | None = None  # this rank's own state read with the checkpoint, applied at setup
-        self._shared_exchange: dict[str, Any] | None = None  # rank 0's compressor state, on another world size
-        self._local: list[Tensor] | None = None  # this rank's parameters and buffers while validation runs on global
+        self._restored = self._own = self._shared_exchange = self._local = None
         self._synchronous = False
         self._sigterm_gate = SigtermGate()  # Lightning's per-step SIGTERM broadcast, run once a sync period
         self._stale_noted = False  # the note that validation runs on the last sync's weights, once per fit
@@ -251,25 +339,17 @@ class DiLoCo(GradcompStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         params = self._params()
-        check_fit(len(self.optimizers), len(params), self.fragments)
+        check_fit(len(self.optimizers), len(params), self.fragments, _MiscError)
         round = self._round
         total = float(trainer.estimated_stepping_batches)
         auto = auto_sync_every(total, self.fragments, self.overlap_steps)
         self.sync_every = round.sync_every = auto if self._sync_every_arg == AUTO else int(self._sync_every_arg)
-        check_schedule(round.sync_every, self.fragments, self.overlap_steps)
-        distributed = dist.is_available() and dist.is_initialized()
-        if not isinstance(round, ElasticRound):
-            round.replicas = replica_groups_for(
-                self.replica_group, self.world_size, self.num_nodes, self.global_rank, error=_MiscError
-            )
-        if distributed and self.world_size > 1:
+        check_schedule(round.sync_every, self.fragments, self.overlap_steps, _MiscError)
+        if dist.is_available() and dist.is_initialized() and self.world_size > 1:
             # the outer exchange on a group of its own: on the default group, an exchange overlapped with inner steps
             # would hold up the broadcast Lightning's loop issues there at every step (engine.collectives.side_group)
             round.process_group = side_group()
-        if isinstance(round, ElasticRound):  # the exchange goes across jobs, through torchft
-            bind(round, self, trainer, round.process_group)
-        names = [n for n, p in self._module().named_parameters() if p.requires_grad]
-        round.attach(params, self._buffers(), names=names, distributed=distributed)
+        round.attach(params, self._buffers(), *self._names(), job=self._job(trainer))
         self._attached = True
         if self.sigterm_check == "sync" and self.world_size > 1:
             self._sigterm_gate.install(trainer, self._checks_sigterm_now)
@@ -278,14 +358,20 @@ class DiLoCo(GradcompStrategy):
         self._restored = None
         self._stale_noted = False
         rank_zero_info(_setup_line(self, self._params()))
-        replicas = round.replicas.count if round.replicas is not None else self.world_size
         outer_steps = few_outer_steps(total, round.sync_every, None if self._sync_every_arg == AUTO else auto)
         assert round.optimizer is not None
-        # a fault-tolerant group counts the other groups only at its first quorum
-        alone = None if isinstance(round, ElasticRound) else one_worker(replicas)
+        workers = round.membership.workers_at_setup(self.world_size)  # None: counted at the first sync
+        alone = one_worker(workers) if workers is not None else None
         for line in (self._outer_note, low_outer_lr(round.optimizer), alone, outer_steps):
             if line is not None:
                 rank_zero_warn(line)
+
+    def _job(self, trainer: pl.Trainer) -> Job:
+        """This rank's launch, as the round's membership sees it; Lightning's loop state for a heal."""
+        environment = self.cluster_environment
+        store = (str(environment.main_address), int(environment.main_port)) if environment is not None else ("", 0)
+        loop = LoopState(lambda: training_state(trainer), lambda state: load_training_state(trainer, state))
+        return Job(self.global_rank, self.world_size, self.num_nodes, store, self._round.process_group, loop)
 
     def _checks_sigterm_now(self) -> bool:
         """Whether the coming step takes Lightning's SIGTERM broadcast: in dense steps always, else once a period.
@@ -295,14 +381,10 @@ class DiLoCo(GradcompStrategy):
         """
         return not self._attached or self.synchronous or self._round.checks_sigterm_now()
 
-    def _params(self) -> list[Tensor]:
-        return [p for p in self._module().parameters() if p.requires_grad]
-
-    def _buffers(self) -> list[Tensor]:
-        return list(self._module().buffers())
-
-    def _tensors(self) -> tuple[list[Tensor], list[Tensor]]:
-        return self._params(), self._buffers()
+    def _names(self) -> tuple[list[str], list[str]]:
+        module = self._module()
+        params = [n for n, p in module.named_parameters() if p.requires_grad]
+        return params, [n for n, b in module.named_buffers() if b.is_floating_point()]
 
     # ------------------------------------------------------------------------------------------------------------
     # The inner step and the sync
@@ -315,26 +397,13 @@ class DiLoCo(GradcompStrategy):
         gradient clipping and the step, where DDP would have averaged them). While :attr:`synchronous`, over every
         rank, and theta_global follows the synchronized model (a round in progress is closed first).
         """
-        fitting = self._attached and self._module().trainer.state.fn == TrainerFn.FITTING
-        round = self._round
-        if fitting and isinstance(round, ElasticRound) and joins_at_this_step(round, closure, self.optimizers):
-            return None  # this group joined the others at their sync (healed there): no step of its own
-        exchange = self._round.exchange
-        comm = exchange.in_group
-        if fitting and isinstance(round, ElasticRound) and (self.synchronous or round.at_dense_step):
-            scaled = getattr(self.precision_plugin, "scaler", None) is not None  # fp16's scaler skips a bad step
-            step = functools.partial(super().optimizer_step, optimizer, model=model, **kwargs)
-            return dense_step_across_groups(round, self.optimizers, optimizer, closure, self._tensors(), scaled, step)
-        if fitting and self.synchronous:  # plain data parallelism (a dense warm-up): every rank's gradients averaged
-            self._round.close(self.optimizers)
-            comm = exchange.world if self.world_size > 1 else None
-        if fitting and comm is not None:
-            closure = averaging_in(closure, self._params(), self._buffers(), comm)
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        if fitting and self.synchronous:  # theta_global follows; the outer optimizer holds no state
-            self._round.follow()
-        elif fitting:
-            self._round.after_inner_step(self.optimizers)
+        if not (self._attached and self._module().trainer.state.fn == TrainerFn.FITTING):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        step = functools.partial(super().optimizer_step, optimizer, model=model, **kwargs)
+        scaled = getattr(self.precision_plugin, "scaler", None) is not None  # fp16's scaler skips a bad step itself
+        output, due = self._round.inner_step(closure, step, self.optimizers, self.synchronous, finite_only=not scaled)
+        if due is not None:  # the sync starts here, one frame above the exchange
+            self._round.send(due, self.optimizers)
         return output
 
     @override
@@ -357,8 +426,8 @@ class DiLoCo(GradcompStrategy):
                 rank_zero_info(note)
                 self._stale_noted = True
             self._local = [t.detach().clone() for t in (*self._params(), *self._buffers())]
-            self._round.copy_to()
-            self._round.restore_buffers()
+            self._round.weights_of().copy_to()
+            self._round.weights_of().restore_buffers()
 
     @override
     def on_validation_end(self) -> None:
@@ -370,90 +439,11 @@ class DiLoCo(GradcompStrategy):
                     mine.copy_(saved)
             self._local = None
 
-    # ------------------------------------------------------------------------------------------------------------
-    # Checkpoints: theta_global in state_dict, the rest in checkpoint["diloco"]
-    # ------------------------------------------------------------------------------------------------------------
-    @override
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The module's state dict with theta_global (and the buffers of the last sync) in place of this rank's own."""
-        state = super().lightning_module_state_dict()
-        if not self._attached:
-            return state
-        return with_theta_global(state, self._module(), self._params(), self._buffers(), self._round)
-
-    @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        """Save like DDPStrategy, with the outer state in ``checkpoint["diloco"]`` and each rank's own in its file.
-
-        Lightning calls this on every rank and writes the checkpoint on rank 0 only; the checkpoint is a directory,
-        in which every rank writes its local parameters, inner optimizer state and residuals
-        (:mod:`lightning_gradcomp.diloco.checkpoint`). A weights-only checkpoint, with no ``"loops"``, carries no
-        training state: one file, as DDPStrategy's.
-        """
-        per_rank = False
-        if self._attached and "loops" in checkpoint:
-            shared = {"sync_every": self.sync_every, "fragments": self.fragments, "outer": self._round.state_dict()}
-            own = own_state(self._round, self._local or [*self._params(), *self._buffers()], self.optimizers)
-            where = (self.checkpoint_io, self.global_rank, self.world_size, self.barrier, self.root_device)
-            per_rank = save_diloco_state(checkpoint, filepath, shared, own, *where, storage_options)
-        self.write_checkpoint(checkpoint, filepath, per_rank, storage_options)
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Load like DDPStrategy, and read this rank's own state saved with the checkpoint (when fitting)."""
-        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
-        self._own = self._shared_exchange = None
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if trainer is not None and trainer.state.fn == TrainerFn.FITTING and "loops" in checkpoint:
-            where = (self.checkpoint_io, self.global_rank, self.world_size)
-            self._own = load_own_state(checkpoint, checkpoint_path, *where)
-            if self._own is None and self._round.exchange.compressor is not None:
-                self._shared_exchange = load_shared_exchange_state(checkpoint, checkpoint_path, self.checkpoint_io)
-        return checkpoint
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load theta_global (the checkpoint's ``state_dict``); the rest of DiLoCo's state is applied at setup.
-
-        A checkpoint restored in the middle of ``fit``, after setup (the learning-rate finder restores the one it
-        saved before its search), has the rest applied at once: the round, theta_global and this rank's own state.
-        """
-        super().load_model_state_dict(checkpoint, strict=strict)
-        section = checkpoint.get(CHECKPOINT_KEY)
-        trainer = getattr(self.lightning_module, "_trainer", None)
-        if section is not None and trainer is not None and trainer.state.fn != TrainerFn.FITTING:
-            outer = section["outer"]
-            note = stale_weights(outer["phase"], outer["pending"] is not None, checkpoint=True)
-            if note is not None:
-                rank_zero_info(note)
-        if section is None and "loops" in checkpoint:
-            rank_zero_info(
-                "DiLoCo: the checkpoint was not written by DiLoCo (no 'diloco' state): its weights become"
-                " theta_global, every rank starts a new round from them with the checkpoint's optimizer state,"
-                " and the outer optimizer starts afresh."
-            )
-        self._restored = section
-        if self._attached and section is not None:
-            self._resume_from(section)
-            self._restored = None
-
-    def _resume_from(self, section: Mapping[str, Any]) -> None:
-        tensors = [*self._params(), *self._buffers()]
-        restore(self._round, section, self._own, tensors, self.root_device, self._shared_exchange)
-
-    @override
-    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Load this rank's own inner optimizer state (Lightning's ``optimizer_states`` holds rank 0's only)."""
-        if self._own is not None:
-            checkpoint = {**checkpoint, "optimizer_states": self._own["optimizer_states"]}
-        super().load_optimizer_state_dict(checkpoint)
-        self._own = self._shared_exchange = None
-
     @override
     def round_group_bases(self) -> Sequence[Any]:
         """The outer exchange's group, when a compressor made round groups over it."""
-        if self._round.exchange.compressor is None or isinstance(self._round, ElasticRound):
-            return ()  # fault tolerant: the rounds' groups are torchft's, closed with its session
+        if self._round.exchange.compressor is None or self._round.membership.owns_round_groups():
+            return ()
         return [self._round.process_group or dist.group.WORLD]
 
     @override
@@ -463,8 +453,7 @@ class DiLoCo(GradcompStrategy):
         The round stays readable (``outer_state``) for inspection after ``fit``.
         """
         self._sigterm_gate.remove()
-        if isinstance(self._round, ElasticRound):
-            self._round.close_session()
+        self._round.membership.close()
         self._attached = False
         self._local = None
         self._own = self._shared_exchange = None
@@ -473,17 +462,8 @@ class DiLoCo(GradcompStrategy):
 
 def _setup_line(strategy: DiLoCo, params: list[Tensor]) -> str:
     """The line DiLoCo logs once set up: what is synced, how often, by which outer optimizer, over how many ranks."""
-    processes = "1 process" if strategy.world_size == 1 else f"{strategy.world_size} processes"
+    processes = strategy.outer_state.membership.describe(strategy.world_size)
     streaming = f" in {strategy.fragments} fragments" if strategy.fragments > 1 else ""
-    groups = strategy.outer_state.replicas
-    round = strategy.outer_state
-    if isinstance(round, ElasticRound):
-        processes += (
-            f" in replica group '{round.config.name}' of a fault-tolerant run (lighthouse {round.config.lighthouse},"
-            f" at least {round.config.min_replicas} groups per sync)"
-        )
-    elif groups is not None:
-        processes += f": {groups.count} replicas of {groups.size} ranks, dense data parallelism inside each"
     auto = " ('auto')" if strategy._sync_every_arg == AUTO else ""
     overlap = ""
     if strategy.overlap_steps:

@@ -139,6 +139,17 @@ class Comm:
 
         return when_all(futures, self.device).then(unpack_all)
 
+    def mean(self, flats: Sequence[Tensor], workers: int | None = None) -> torch.futures.Future[Payload]:
+        """The mean over ``workers`` (default: every rank) of each of ``flats``, in place: the one mean all-reduce.
+
+        Each tensor is divided by ``workers``, then summed in one all-reduce per dtype (:meth:`all_reduce`); the
+        telemetry counts the tensors as one bucket plain DDP would have all-reduced, so the ratio against DDP holds.
+        """
+        flats = tuple(flats)
+        divisor = self.world_size if workers is None else workers
+        self.telemetry.add_bucket(sum(flat.numel() * flat.element_size() for flat in flats))
+        return self.all_reduce([flat.div_(divisor) for flat in flats])
+
     def all_reduce_sparse(self, tensor: Tensor, round: int = 0) -> torch.futures.Future[Tensor]:
         """Sum the sparse COO ``tensor`` (coalesced) across ranks with the backend's sparse all-reduce, in place.
 

@@ -17,11 +17,6 @@ from torch import Tensor
 
 __all__ = ["Fingerprint", "Member"]
 
-#: a member that is starting (its first optimizer step), not at a sync
-STARTING = -1
-#: a member at a dense, synchronous step (DenseWarmup's)
-DENSE = -2
-
 
 def _code(value: str | int) -> int:
     """An int as itself; a string as a 62-bit checksum (two CRC32s: collisions need more than luck)."""
@@ -64,24 +59,27 @@ class Member:
     """One member's place in the schedule, as it enters a quorum.
 
     Attributes:
-        mode: :data:`STARTING`, :data:`DENSE`, or the fragment whose sync it is at.
-        contributes: whether its pseudo-gradient (or gradient) counts in the average.
+        place: where it is in its schedule, as an integer the caller gives meaning to (``None``: at no place yet,
+            starting).
+        contributes: whether its contribution counts in the average.
         step: torchft's step as it asked for the quorum (before a heal).
         veteran: it was in an earlier quorum of this lighthouse.
     """
 
-    mode: int
+    place: int | None
     contributes: bool
     step: int
     veteran: bool = False
 
     def row(self, fingerprint: Fingerprint) -> Tensor:
         """The row it all-gathers: its place, then the fingerprint's codes."""
-        place = [self.mode, int(self.contributes), self.step, int(self.veteran)]
-        return torch.tensor([*place, *fingerprint.codes()], dtype=torch.int64)
+        where = [int(self.place is not None), self.place or 0]
+        values = [*where, int(self.contributes), self.step, int(self.veteran)]
+        return torch.tensor([*values, *fingerprint.codes()], dtype=torch.int64)
 
     @staticmethod
     def of(row: Tensor) -> tuple[Member, list[int]]:
         """A gathered row back as a :class:`Member` and its fingerprint's codes."""
         values = [int(v) for v in row.tolist()]
-        return Member(values[0], bool(values[1]), values[2], bool(values[3])), values[4:]
+        place = values[1] if values[0] else None
+        return Member(place, bool(values[2]), values[3], bool(values[4])), values[5:]

@@ -2,9 +2,9 @@
 
 torchft's lighthouse decides which groups take part in a step, and its manager compares nothing but their steps. Each
 quorum here is the group's :class:`Sync`: whether it contributes, over how many the mean is taken, and at which place
-of the schedule the groups at the highest step are. When the members change, every member all-gathers its place and
-its settings (:mod:`lightning_gradcomp.ft.membership`), and a group whose settings differ from the run's is refused
-in one line before it averages anything.
+of the schedule the groups at the highest step are (an integer the caller gives meaning to). When the members change,
+every member all-gathers its place and its settings (:mod:`lightning_gradcomp.ft.membership`), and a group whose
+settings differ from the run's is refused in one line before it averages anything.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from lightning_gradcomp.ft.config import TorchFT
-from lightning_gradcomp.ft.membership import DENSE, STARTING, Fingerprint, Member
+from lightning_gradcomp.ft.membership import Fingerprint, Member
 
 if TYPE_CHECKING:
     from lightning_gradcomp.ft.session import Quorum, Session
@@ -35,17 +35,18 @@ class Sync:
 
     Attributes:
         quorum: torchft's answer.
-        fragment: the fragment exchanged (``None``: no exchange in this quorum: everyone is starting).
+        place: where the members at the highest step are (``None``: at no place: everyone is starting).
         contributes: whether this group's pseudo-gradient counts in the average.
         contributors: how many count (the mean's divisor); members: the quorum's groups (the collectives' size).
         top_step: the highest torchft step in the quorum.
         new_in_a_used_lighthouse: the lighthouse formed quorums before this one, and no member was in them.
         failed: why this sync cannot commit here (``""``: it can).
         skip: no member runs the exchange (every member saw the same reason not to): nothing waits for a peer.
+        changed: the members changed at this quorum (they compared their settings and places).
     """
 
     quorum: Quorum
-    fragment: int | None
+    place: int | None
     contributes: bool
     contributors: int
     members: int
@@ -53,6 +54,7 @@ class Sync:
     new_in_a_used_lighthouse: bool = False
     failed: str = ""
     skip: bool = False
+    changed: bool = False
 
 
 class Quorums:
@@ -60,7 +62,6 @@ class Quorums:
 
     Args:
         config: the run's :class:`~lightning_gradcomp.ft.TorchFT` settings.
-        fragments: the round's fragments (for the log line's place).
         info: how the one-line reports are logged.
 
     Attributes:
@@ -68,24 +69,23 @@ class Quorums:
         fingerprint: the settings every group of the run must share.
     """
 
-    def __init__(self, config: TorchFT, fragments: int, info: Callable[[str], Any]) -> None:
-        self.config, self.fragments, self.info = config, fragments, info
+    def __init__(self, config: TorchFT, info: Callable[[str], Any]) -> None:
+        self.config, self.info = config, info
         self.session: Session | None = None
         self.fingerprint = Fingerprint(())
         self._first_quorum: int | None = None  # the id of the first quorum this group was in
         self._waiting_logged = False
-        self._last_line = ""
 
     def session_of(self) -> Session:
         """The session (after the round's ``attach``)."""
         if self.session is None:
-            raise RuntimeError("ElasticRound.attach must be called before the first sync.")
+            raise RuntimeError("The session must be started before the first quorum.")
         return self.session
 
-    def enter(self, mode: int) -> Sync:
+    def enter(self, place: int | None) -> Sync:
         """Ask for the quorum; when its members changed, compare settings and places with every member.
 
-        ``mode``: :data:`~lightning_gradcomp.ft.membership.STARTING`, ``DENSE``, or the fragment of this sync.
+        ``place``: where this group is (``None``: starting, at no place).
 
         Raises:
             MembershipError: If this group's settings differ from those of the members at the highest step.
@@ -97,15 +97,16 @@ class Quorums:
         if self._first_quorum is None:
             self._first_quorum = quorum_id
         healed = quorum.peer_state is not None
-        contributes = mode != STARTING and not healed and not quorum.errored
-        sync = Sync(quorum, None if mode == STARTING else mode, contributes, quorum.members, quorum.members)
+        contributes = place is not None and not healed and not quorum.errored
+        sync = Sync(quorum, place, contributes, quorum.members, quorum.members)
         sync.top_step = quorum.step
         if quorum.errored:
             sync.failed = "the quorum's process group or heal failed here"
         if not quorum.reconfigured:
             return sync  # the same members as at the last sync: all at this place, none healing
+        sync.changed = True
         veteran = self._first_quorum < quorum_id
-        rows = session.all_gather(Member(mode, contributes, before, veteran).row(self.fingerprint))
+        rows = session.all_gather(Member(place, contributes, before, veteran).row(self.fingerprint))
         if rows is None:
             sync.failed, sync.skip = "the members' check failed (a group left during it)", True
             return sync
@@ -118,35 +119,19 @@ class Quorums:
         if difference is not None:
             raise MembershipError(
                 f"TorchFT: replica group '{self.config.name}' does not belong in the run at {self.config.lighthouse}:"
-                f" {difference}. It is refused before averaging into theta_global."
+                f" {difference}. It is refused before it averages anything."
             )
         if any(codes != reference for _, codes in members):
             sync.failed, sync.skip = "a group that does not belong was refused", True
-        places = {member.mode for member, _ in leaders if member.mode != STARTING}
+        places = {member.place for member, _ in leaders if member.place is not None}
         if len(places) > 1:
-            sync.failed = sync.failed or f"the groups at the highest step are at different syncs {sorted(places)}"
+            sync.failed = sync.failed or f"the groups at the highest step are at different places {sorted(places)}"
             sync.skip = True
-        sync.fragment = min(places) if places else None
+        sync.place = min(places) if places else None
         sync.contributors = sum(member.contributes for member, _ in members)
-        if sync.fragment is None:
+        if sync.place is None:
             sync.contributes = False
-        self._report(sync, healed)
         return sync
-
-    def _report(self, sync: Sync, healed: bool) -> None:
-        """One line for a quorum whose members changed (not again for the same line: a new run's first ones repeat)."""
-        place = "all starting" if sync.fragment is None else "at a sync"
-        if sync.fragment == DENSE:
-            place = "at a dense step"
-        elif sync.fragment is not None and self.fragments > 1:
-            place = f"at the sync of fragment {sync.fragment}"
-        line = (
-            f"DiLoCo: replica group '{self.config.name}' in a quorum of {sync.quorum.members} groups at step"
-            f" {sync.top_step}, {place} ({sync.contributors} contributing{'; this one healed' if healed else ''})."
-        )
-        if line != self._last_line:
-            self.info(line)
-            self._last_line = line
 
     def wait_for_more(self, sync: Sync, deadline: float) -> None:
         """Before asking again for a first quorum with more groups: at most ``quorum_timeout`` in all.

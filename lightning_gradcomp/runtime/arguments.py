@@ -15,10 +15,17 @@ from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.nn.parallel import DistributedDataParallel
 
-from lightning_gradcomp.validation import check_choice
+from lightning_gradcomp.validation import check_choice, one_line
 
-__all__ = ["START_METHODS", "STRATEGY_KWARGS", "check_strategy_kwargs", "unexpected_keyword"]
+__all__ = [
+    "START_METHODS",
+    "STRATEGY_KWARGS",
+    "check_strategy_kwargs",
+    "unexpected_keyword",
+    "unwrapped_strategy_kwargs",
+]
 
 #: every keyword DDPStrategy itself takes
 STRATEGY_KWARGS = [n for n in inspect.signature(DDPStrategy.__init__).parameters if n not in ("self", "kwargs")]
@@ -52,3 +59,41 @@ def check_strategy_kwargs(kwargs: dict[str, Any]) -> None:
         raise MisconfigurationException(
             f"Expected `process_group_backend` to be None or a backend name such as 'gloo' or 'nccl', got {backend!r}."
         )
+
+
+#: DDPStrategy arguments that configure DDP's gradient all-reduce, which a strategy without the wrapper does not run
+_REFUSED = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+#: DistributedDataParallel's arguments and their defaults (what LightningCLI passes when a recipe sets none)
+_DDP_DEFAULTS = {
+    n: p.default
+    for n, p in inspect.signature(DistributedDataParallel.__init__).parameters.items()
+    if n not in ("self", "module", "device_ids")
+}
+
+
+def unwrapped_strategy_kwargs(label: str, own_arguments: Sequence[str], kwargs: dict[str, Any]) -> dict[str, Any]:
+    """DDPStrategy's own arguments, checked; ``DistributedDataParallel``'s refused unless left at their defaults.
+
+    ``label`` (e.g. DiLoCo) does not wrap the model in ``DistributedDataParallel``, so its arguments would have no
+    effect. Left at their defaults they are dropped quietly: LightningCLI passes every argument it resolves, defaults
+    included. ``own_arguments``: the strategy's own, for the closest name of a misspelt keyword.
+    """
+    own = {}
+    for name, value in kwargs.items():
+        if name in _REFUSED:
+            if value is not None:
+                raise MisconfigurationException(
+                    f"{label} does not accept `{name}`: it runs no per-step gradient all-reduce to hook into."
+                )
+        elif name in _DDP_DEFAULTS:
+            if value is not _DDP_DEFAULTS[name] and value != _DDP_DEFAULTS[name]:
+                raise MisconfigurationException(
+                    f"{label} does not accept `{name}`={one_line(value)}: it does not wrap the model in"
+                    " DistributedDataParallel, whose arguments would have no effect."
+                )
+        elif name in STRATEGY_KWARGS:
+            own[name] = value
+        else:
+            raise unexpected_keyword(label, name, [*own_arguments, *STRATEGY_KWARGS], f"{label} or DDPStrategy")
+    check_strategy_kwargs(own)
+    return own
