@@ -153,7 +153,6 @@ def _log_callback(args: argparse.Namespace, launched: float) -> Any:
                 json.dump(timings, f, indent=1)
             torch.save([p.clone() for p in round.params], os.path.join(args.outdir, f"final-{name}.pt"))
 
-
     return Log()
 
 

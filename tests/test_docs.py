@@ -234,12 +234,12 @@ def test_the_strategy_names_check_sees_a_wrong_default_class_argument_or_name():
     table = "| name | strategy |\n|---|---|\n"
     right = [
         "| `compressed_ddp` | `CompressedDDP()` |",
-        "| `compressed_ddp_spawn` | `CompressedDDP(start_method=\"spawn\")` |",
+        '| `compressed_ddp_spawn` | `CompressedDDP(start_method="spawn")` |',
         "| `compressed_ddp_powersgd` | `CompressedDDP(compressor=PowerSGD(rank=2))` |",
         "| `compressed_ddp_fp16` | `CompressedDDP(compressor=FP16())` |",
         "| `compressed_ddp_bf16` | `CompressedDDP(compressor=BF16())` |",
-        "| `compressed_ddp_auto` | `CompressedDDP(compressor=\"auto\")` |",
-        "| `diloco` | `DiLoCo()` (`sync_every=\"auto\"`) |",
+        '| `compressed_ddp_auto` | `CompressedDDP(compressor="auto")` |',
+        '| `diloco` | `DiLoCo()` (`sync_every="auto"`) |',
     ]
     assert strategy_table_mismatches(table + "\n".join(right)) == []
     wrong = {
