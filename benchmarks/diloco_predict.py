@@ -21,8 +21,6 @@ import subprocess
 import sys
 import tempfile
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
 
 def _probe(spec: dict) -> None:
     """One rank of the link probe: join the process group, time advise's all-reduces, rank 0 writes the fit."""
@@ -117,5 +115,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, HERE)
     main()

@@ -79,8 +79,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--table", choices=["growth", "precision"], default="precision")
     parser.add_argument("--steps", type=int, default=200, help="--table precision: steps averaged")
-    parser.add_argument("--compressors", nargs="+", default=["identity", "topk", "topk-10%", "randomk", "powersgd",
-                                                             "scalecom", "efsignsgd", "qsgd"])
+    parser.add_argument(
+        "--compressors",
+        nargs="+",
+        default=["identity", "topk", "topk-10%", "randomk", "powersgd", "scalecom", "efsignsgd", "qsgd"],
+    )
     parser.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES))
     args = parser.parse_args()
     unknown = [name for name in args.compressors if name not in EXAMPLES]

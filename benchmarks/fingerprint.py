@@ -65,9 +65,7 @@ def fingerprint(name: str, ranks: int, steps: int, density: float, bucket_mb: fl
             grads = [torch.randn(sizes[index]) * 1e-3 for _ in range(ranks)]
             if density < 1:
                 grads = [g * (torch.rand(g.numel()) < density) for g in grads]
-            outputs = simulate_reduce(
-                compressors, grads, bucket, step=step, residuals=residuals[index], index=index
-            )
+            outputs = simulate_reduce(compressors, grads, bucket, step=step, residuals=residuals[index], index=index)
             _update(digest, outputs)
             _update(digest, residuals[index])
         _update(digest, [c.state_dict() for c in compressors])

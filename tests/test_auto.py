@@ -74,6 +74,7 @@ class DelayCompressed(Callback):
         for name in ("all_reduce", "all_gather"):
             original = getattr(type(backend), name).__get__(backend)
             if slow:
+
                 def delayed(*args, _original=original, **kwargs):
                     time.sleep(self.seconds)
                     return _original(*args, **kwargs)

@@ -155,3 +155,101 @@ def test_docs_carry_no_project_history(path):
     with open(os.path.join(ROOT, path)) as f:
         found = re.findall(r".{0,40}\b(?:issue \d+|issue's|session)\b.{0,40}", f.read(), flags=re.I)
     assert not found, found
+
+
+def _strategy_table(text):
+    """The rows of the ``| name | strategy |`` table: (name, the strategy cell)."""
+    rows, inside = [], False
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else []
+        if cells == ["name", "strategy"]:
+            inside = True
+        elif inside and cells and not set(line) <= set("|- "):
+            rows.append((cells[0].strip("`"), "|".join(cells[1:])))
+        elif inside and not cells:
+            break
+    return rows
+
+
+def _registered(entry):
+    """A registry entry as (the strategy class, its arguments): a preset's compressor built, "auto" kept."""
+    import functools
+
+    strategy, arguments = entry["strategy"], dict(entry["init_params"])
+    if isinstance(strategy, functools.partial):  # ddp/names.py's _build(strategy_class, make_compressor)
+        strategy, make = strategy.args
+        arguments["compressor"] = make() if callable(make) else make
+    return strategy, arguments
+
+
+def _same(a, b):
+    if isinstance(a, str) or isinstance(b, str) or not hasattr(a, "__dict__"):
+        return a == b
+    return type(a) is type(b) and vars(a) == vars(b)
+
+
+def strategy_table_mismatches(text):
+    """What the strategy-names table says that the registry or the signatures do not (empty: the table is right)."""
+    import ast
+
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    from lightning_gradcomp import compressors
+
+    namespace = {**vars(compressors), **vars(lightning_gradcomp)}
+    classes = {v for v in namespace.values() if isinstance(v, type)}
+    ours = {n for n in StrategyRegistry.available_strategies() if _registered(StrategyRegistry[n])[0] in classes}
+    rows = _strategy_table(text)
+    missing = sorted(ours - {n for n, _ in rows})
+    found = [f"registered but not in the table: {missing}"] if missing else []
+    for name, cell in rows:
+        if name not in ours:
+            found.append(f"{name}: not a registered name")
+            continue
+        cls, arguments = _registered(StrategyRegistry[name])
+        expression, *claims = re.findall(r"`([^`]+)`", cell)
+        call = ast.parse(expression, mode="eval").body
+        if getattr(namespace.get(getattr(call.func, "id", None)), "__name__", None) != cls.__name__:
+            found.append(f"{name}: `{expression}` is not a {cls.__name__}")
+            continue
+        documented = {k.arg: eval(compile(ast.Expression(k.value), name, "eval"), namespace) for k in call.keywords}
+        if documented.keys() != arguments.keys() or not all(_same(documented[k], arguments[k]) for k in arguments):
+            found.append(f"{name}: `{expression}`, registered with {arguments}")
+        parameters = inspect.signature(cls).parameters
+        for claim in claims:
+            argument, equals, value = claim.partition("=")
+            if equals and argument in parameters and parameters[argument].default != ast.literal_eval(value):
+                found.append(f"{name}: `{claim}`, the default is {parameters[argument].default!r}")
+    return found
+
+
+def test_the_strategy_names_table_is_the_registry_and_the_signatures():
+    with open(os.path.join(ROOT, "docs", "index.md")) as f:
+        text = f.read()
+    assert len(_strategy_table(text)) >= 7
+    assert strategy_table_mismatches(text) == []
+
+
+def test_the_strategy_names_check_sees_a_wrong_default_class_argument_or_name():
+    table = "| name | strategy |\n|---|---|\n"
+    right = [
+        "| `compressed_ddp` | `CompressedDDP()` |",
+        '| `compressed_ddp_spawn` | `CompressedDDP(start_method="spawn")` |',
+        "| `compressed_ddp_powersgd` | `CompressedDDP(compressor=PowerSGD(rank=2))` |",
+        "| `compressed_ddp_fp16` | `CompressedDDP(compressor=FP16())` |",
+        "| `compressed_ddp_bf16` | `CompressedDDP(compressor=BF16())` |",
+        '| `compressed_ddp_auto` | `CompressedDDP(compressor="auto")` |',
+        '| `diloco` | `DiLoCo()` (`sync_every="auto"`) |',
+    ]
+    assert strategy_table_mismatches(table + "\n".join(right)) == []
+    wrong = {
+        6: ("| `diloco` | `DiLoCo()` (`sync_every=500`) |", "diloco: `sync_every=500`, the default is 'auto'"),
+        2: ("| `compressed_ddp_powersgd` | `CompressedDDP(compressor=PowerSGD(rank=4))` |", "compressed_ddp_powersgd:"),
+        3: ("| `compressed_ddp_fp16` | `CompressedDDP(compressor=BF16())` |", "compressed_ddp_fp16:"),
+        1: ("| `compressed_ddp_spawn` | `DiLoCo()` |", "compressed_ddp_spawn: `DiLoCo()` is not a CompressedDDP"),
+        0: ("| `compressed_ddp_topk` | `CompressedDDP()` |", "compressed_ddp_topk: not a registered name"),
+    }
+    for index, (row, message) in wrong.items():
+        rows = [*right[:index], row, *right[index + 1 :]]
+        found = strategy_table_mismatches(table + "\n".join(rows))
+        assert any(m.startswith(message) for m in found), (row, found)

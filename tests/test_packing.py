@@ -136,8 +136,10 @@ def test_misaligned_lists_decode():
     assert decode_indices(blob[2:], 10, 2, bitmap=False).tolist() == [5, 6]
 
 
-@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32,
-                                   torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.bool, torch.uint8, torch.int32, torch.int64, torch.float16, torch.float32, torch.float64, torch.bfloat16],
+)
 @pytest.mark.parametrize("density", [0.0, 0.001, 0.25, 1.0])
 def test_flat_nonzero_is_torch_nonzero(dtype, density):
     generator = torch.Generator().manual_seed(3)

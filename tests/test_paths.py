@@ -40,8 +40,15 @@ def _frames_below(entry: str, monkeypatch) -> list[list[str]]:
 
 def _fit(tmp_path, strategy) -> None:
     options = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
-    trainer = Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, default_root_dir=str(tmp_path),
-                      enable_model_summary=False, **options)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=strategy,
+        max_steps=2,
+        default_root_dir=str(tmp_path),
+        enable_model_summary=False,
+        **options,
+    )
     trainer.fit(TinyNet())
 
 

@@ -84,8 +84,8 @@ def test_classifier_refuses_an_unknown_architecture():
 
 
 @pytest.mark.parametrize(
-    ("name", "cls"), [("sgd", torch.optim.SGD), ("novograd", "NovoGrad"), ("fused_sgd", "FusedSGD"),
-                      ("fused_adalomo", "FusedAdaLomo")],
+    ("name", "cls"),
+    [("sgd", torch.optim.SGD), ("novograd", "NovoGrad"), ("fused_sgd", "FusedSGD"), ("fused_adalomo", "FusedAdaLomo")],
 )
 def test_language_model_optimizer_choice(name, cls):
     kwargs = {"clip_grad_norm": 0.25} if name.startswith("fused_") else {}

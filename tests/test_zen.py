@@ -102,8 +102,12 @@ def test_the_partition_is_balanced_deterministic_and_complete():
 @pytest.mark.parametrize("n", [2, 3, 4])
 @pytest.mark.parametrize(
     "factory",
-    [lambda: TopK(ratio=0.05, transport="zen"), lambda: DGC(ratio=0.05, momentum=0.0, transport="zen"),
-     lambda: AdaComp(bin_size_fc=8, transport="zen"), lambda: TopK(ratio=0.05, transport="zen-auto")],
+    [
+        lambda: TopK(ratio=0.05, transport="zen"),
+        lambda: DGC(ratio=0.05, momentum=0.0, transport="zen"),
+        lambda: AdaComp(bin_size_fc=8, transport="zen"),
+        lambda: TopK(ratio=0.05, transport="zen-auto"),
+    ],
     ids=["topk", "dgc", "adacomp", "topk-auto"],
 )
 def test_sparsifiers_over_zen_equal_their_allgather_bitwise(n, factory):
