@@ -64,6 +64,7 @@ from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
 from lightning_gradcomp.diloco.sigterm import SigtermGate
 from lightning_gradcomp.engine.collectives import side_group
 from lightning_gradcomp.ft.config import TorchFT
+from lightning_gradcomp.ft.data import group_split, warn_unsplit
 from lightning_gradcomp.runtime.base import GradcompStrategy
 from lightning_gradcomp.validation import check_bool, check_choice
 
@@ -226,6 +227,18 @@ class DiLoCo(GradcompStrategy):
     @synchronous.setter
     def synchronous(self, value: bool) -> None:
         self._synchronous = check_bool(value, "synchronous", error=_MiscError)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """The split over this job's ranks; for training data with ``fault_tolerance``, over every group's too."""
+        return group_split(self)
+
+    @override
+    def on_train_start(self) -> None:
+        """With ``fault_tolerance``, warn when the training data is not split over the groups (``ft.data``)."""
+        super().on_train_start()
+        warn_unsplit(self)
 
     @property
     def outer_state(self) -> Round:
