@@ -65,6 +65,7 @@ from lightning_gradcomp.diloco.sigterm import SigtermGate
 from lightning_gradcomp.engine.collectives import side_group
 from lightning_gradcomp.ft.config import TorchFT
 from lightning_gradcomp.ft.data import group_split, warn_unsplit
+from lightning_gradcomp.ft.threads import share_cores
 from lightning_gradcomp.runtime.base import GradcompStrategy
 from lightning_gradcomp.validation import check_bool, check_choice
 
@@ -227,6 +228,12 @@ class DiLoCo(GradcompStrategy):
     @synchronous.setter
     def synchronous(self, value: bool) -> None:
         self._synchronous = check_bool(value, "synchronous", error=_MiscError)
+
+    @override
+    def setup_environment(self) -> None:
+        """With ``fault_tolerance``, this process takes its share of the cores of the groups on this machine."""
+        share_cores(self.fault_tolerance, self.num_processes)
+        super().setup_environment()
 
     @property
     @override
