@@ -40,7 +40,7 @@ from lightning_gradcomp.auto.measure import outer_costs, outer_payloads
 from lightning_gradcomp.auto.report import advice, plot_speedup
 from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
 from lightning_gradcomp.auto.timeline import plan_greedy
-from lightning_gradcomp.callbacks import AutoCompression
+from lightning_gradcomp.callbacks import AutoCompression, ProgressLines
 from lightning_gradcomp.compressors import Identity
 from lightning_gradcomp.ddp.strategy import CompressedDDP
 
@@ -71,8 +71,9 @@ class GradcompCLI(LightningCLI):
     """LightningCLI with the subcommands that train or evaluate (``fit``, ``validate``, ``test``).
 
     Its ``--help`` lists ``quickstart`` and ``advise`` too (:func:`main` runs them); a value a component refuses is
-    reported in one line naming its YAML key; the progress bar is off when stdout is not a terminal; ``fit`` does not
-    replace a ``config.yaml`` an earlier run wrote unless given ``--overwrite-config``.
+    reported in one line naming its YAML key; the progress bar is off when stdout is not a terminal, and a
+    :class:`~lightning_gradcomp.callbacks.ProgressLines` prints a line every minute instead (unless the recipe has
+    one); ``fit`` does not replace a ``config.yaml`` an earlier run wrote unless given ``--overwrite-config``.
     """
 
     def __init__(self, *args: Any, overwrite_config: bool = False, **kwargs: Any) -> None:
@@ -121,6 +122,13 @@ class GradcompCLI(LightningCLI):
             print(f"lightning-gradcomp: error: {key}: {refusal.group(0)}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
 
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer, with a line of progress every minute when stdout is not a terminal (a log file, a pipe)."""
+        trainer = super().instantiate_trainer(**kwargs)
+        if not sys.stdout.isatty() and not any(isinstance(c, ProgressLines) for c in trainer.callbacks):
+            trainer.callbacks.append(ProgressLines())
+        return trainer
+
     def before_fit(self) -> None:
         """Refuse to replace the ``config.yaml`` of an earlier run in the same directory, before training starts."""
         path = Path(self.trainer.default_root_dir) / self.save_config_kwargs.get("config_filename", "config.yaml")
@@ -128,8 +136,12 @@ class GradcompCLI(LightningCLI):
         # rank 0 only: the other ranks of a script launch run this after rank 0 has written the file
         first = getattr(rank_zero_only, "rank", 0) == 0  # set from RANK/LOCAL_RANK/SLURM_PROCID at import
         if first and self.save_config_callback and unversioned and path.exists() and not self.overwrite_config:
-            print(f"lightning-gradcomp: error: {path} exists (an earlier run's configuration); pass {OVERWRITE_FLAG}"
-                  " to replace it, or --trainer.default_root_dir DIR to write elsewhere", file=sys.stderr, flush=True)
+            print(
+                f"lightning-gradcomp: error: {path} exists (an earlier run's configuration); pass {OVERWRITE_FLAG}"
+                " to replace it, or --trainer.default_root_dir DIR to write elsewhere",
+                file=sys.stderr,
+                flush=True,
+            )
             raise SystemExit(2)
 
 
