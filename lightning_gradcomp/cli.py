@@ -38,6 +38,7 @@ import lightning_gradcomp
 from lightning_gradcomp import callbacks, compressors, tasks  # noqa: F401  (registers short class names)
 from lightning_gradcomp.auto.measure import outer_costs, outer_payloads
 from lightning_gradcomp.auto.report import advice, plot_speedup
+from lightning_gradcomp.auto.run_length import run_steps
 from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
 from lightning_gradcomp.auto.timeline import plan_greedy
 from lightning_gradcomp.callbacks import AutoCompression, ProgressLines
@@ -125,8 +126,9 @@ class GradcompCLI(LightningCLI):
     def instantiate_trainer(self, **kwargs: Any) -> Any:
         """The trainer, with a line of progress every minute when stdout is not a terminal (a log file, a pipe)."""
         trainer = super().instantiate_trainer(**kwargs)
-        if not sys.stdout.isatty() and not any(isinstance(c, ProgressLines) for c in trainer.callbacks):
-            trainer.callbacks.append(ProgressLines())
+        trainer_callbacks: list[Callback] = getattr(trainer, "callbacks")  # set at init, undeclared on Trainer
+        if not sys.stdout.isatty() and not any(isinstance(c, ProgressLines) for c in trainer_callbacks):
+            trainer_callbacks.append(ProgressLines())
         return trainer
 
     def before_fit(self) -> None:
@@ -322,8 +324,9 @@ def quickstart(argv: list[str]) -> list[dict[str, Any]]:
 class _AdviseReport(Callback):
     """Print the advise report and write its plot on rank 0 at the end of the few measured steps."""
 
-    def __init__(self, auto: AutoCompression, png: str | None) -> None:
+    def __init__(self, auto: AutoCompression, png: str | None, length: tuple[int, int | None] = (-1, None)) -> None:
         self.auto, self.png = auto, png
+        self.length = length  # the recipe's max_steps and max_epochs, before advise cut the run to a few steps
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         auto = self.auto
@@ -335,8 +338,17 @@ class _AdviseReport(Callback):
         names, options = list(auto.candidates), auto.model_options
         numel = sum(b.numel for b in auto.buckets)
         outer = outer_costs(numel, trainer.world_size, outer_payloads())
+        total = run_steps(*self.length, trainer.num_training_batches, trainer.accumulate_grad_batches)
         report = advice(
-            auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, **options, outer=outer
+            auto.buckets,
+            names,
+            auto.link,
+            auto.timing,
+            auto.baseline_step,
+            auto.margin,
+            **options,
+            outer=outer,
+            total_steps=total,
         )
         print("\n" + report, flush=True)
         plan = plan_greedy(auto.buckets, names, auto.link, auto.timing, auto.margin, **options)  # at the measured link
@@ -377,7 +389,8 @@ def advise(argv: list[str]) -> None:
         auto = AutoCompression(candidates=known.candidates, calibration_steps=known.calibration_steps)
         trainer_callbacks.append(auto)
     auto.measure = "all"  # the report predicts every candidate at other bandwidths: time them on every bucket
-    trainer_callbacks.append(_AdviseReport(auto, known.png or None))
+    length = (trainer.fit_loop.epoch_loop.max_steps, trainer.max_epochs)
+    trainer_callbacks.append(_AdviseReport(auto, known.png or None, length))
     trainer.fit_loop.epoch_loop.max_steps = auto.skip_steps + auto.calibration_steps  # a few steps, not a run
     trainer.fit(cli.model, datamodule=cli.datamodule)
 
