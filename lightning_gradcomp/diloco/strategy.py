@@ -299,7 +299,8 @@ class DiLoCo(GradcompStrategy):
         self._stale_noted = False
         rank_zero_info(_setup_line(self, self._params()))
         replicas = round.replicas.count if round.replicas is not None else self.world_size
-        outer_steps = few_outer_steps(total, round.sync_every, None if self._sync_every_arg == AUTO else auto)
+        fix = None if self._sync_every_arg == AUTO else auto
+        outer_steps = few_outer_steps(total, round.sync_every, fix, getattr(trainer, "callbacks", ()))
         assert round.optimizer is not None
         # a fault-tolerant group counts the other groups only at its first quorum
         alone = None if isinstance(round, ElasticRound) else one_worker(replicas)
