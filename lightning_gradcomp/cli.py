@@ -42,6 +42,7 @@ from lightning_gradcomp.auto.run_length import run_steps
 from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
 from lightning_gradcomp.auto.timeline import plan_greedy
 from lightning_gradcomp.callbacks import AutoCompression, ProgressLines
+from lightning_gradcomp.cli_errors import options_of, raising_parse_errors, short_parse_error
 from lightning_gradcomp.compressors import Identity
 from lightning_gradcomp.ddp.strategy import CompressedDDP
 
@@ -101,11 +102,22 @@ class GradcompCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse as LightningCLI does, without its warning that ``args`` and ``sys.argv`` are both given.
 
+        A key or value the parser refuses is one line naming the nearest accepted key (:mod:`~lightning_gradcomp.
+        cli_errors`), exit status 2.
+
         :func:`main` passes the command line it read as ``args``, so the warning would be printed on every call.
         """
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-            super().parse_arguments(parser, args)
+            try:
+                with raising_parse_errors(parser):
+                    super().parse_arguments(parser, args)
+            except argparse.ArgumentError as err:  # one line naming the nearest key, not the usage and every type
+                argv = [str(a) for a in args] if isinstance(args, list) else sys.argv[1:]
+                sub = next((a for a in argv if a in self.subcommands()), None)
+                line = short_parse_error(str(err), argv, options_of(parser, sub))
+                print(f"lightning-gradcomp: error: {line}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
 
     def instantiate_classes(self) -> None:
         """Instantiate as LightningCLI does; a refused value becomes one line naming its YAML key (exit status 2).
