@@ -86,17 +86,17 @@ class _Stream(IterableDataset):
 
 def test_a_loader_that_cannot_be_split_is_named_with_the_way_to_split_it():
     config = TorchFT(lighthouse=LIGHTHOUSE, replica_group_id=1, start_replicas=2)
-    line = unsplit_warning(config, DataLoader(_Stream()), True, 1)
+    line = unsplit_warning(config, DataLoader(_Stream()), 1)
     assert "an IterableDataset" in line
     assert "DistributedSampler(dataset, **trainer.strategy.distributed_sampler_kwargs)" in line
     plain = DataLoader(range(8), shuffle=True)
-    assert "`use_distributed_sampler=False`" in unsplit_warning(config, [plain], False, 1)
+    assert "`use_distributed_sampler=False`, or a sampler of its own" in unsplit_warning(config, [plain], 1)
     split = DataLoader(range(8), sampler=DistributedSampler(range(8), num_replicas=2, rank=1))
-    assert unsplit_warning(config, {"a": split}, False, 1) is None
+    assert unsplit_warning(config, {"a": split}, 1) is None
     assert "is not an integer in [0, 2)" in unsplit_warning(
-        TorchFT(lighthouse=LIGHTHOUSE, replica_group_id="east", start_replicas=2), split, True, 1
+        TorchFT(lighthouse=LIGHTHOUSE, replica_group_id="east", start_replicas=2), split, 1
     )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         alone = TorchFT(lighthouse=LIGHTHOUSE, replica_group_id=0)  # one group: nothing to split
-        assert unsplit_warning(alone, DataLoader(_Stream()), True, 1) is None
+        assert unsplit_warning(alone, DataLoader(_Stream()), 1) is None

@@ -45,6 +45,7 @@ from lightning_gradcomp.diloco.checkpoint import (
 )
 from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every, default_outer_optimizer
 from lightning_gradcomp.diloco.elastic import ElasticRound
+from lightning_gradcomp.diloco.group_strategy import ReplicaGroupStrategy  # its threads and data split
 from lightning_gradcomp.diloco.joining import (
     bind,
     check_fault_tolerance,
@@ -64,9 +65,6 @@ from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
 from lightning_gradcomp.diloco.sigterm import SigtermGate
 from lightning_gradcomp.engine.collectives import side_group
 from lightning_gradcomp.ft.config import TorchFT
-from lightning_gradcomp.ft.data import group_split, warn_unsplit
-from lightning_gradcomp.ft.threads import share_cores
-from lightning_gradcomp.runtime.base import GradcompStrategy
 from lightning_gradcomp.validation import check_bool, check_choice
 
 log = logging.getLogger(__name__)
@@ -76,7 +74,7 @@ _MiscError = MisconfigurationException
 SIGTERM_CHECKS = ("sync", "step")  # DiLoCo's ``sigterm_check``: once per sync period, or at every step as Lightning
 
 
-class DiLoCo(GradcompStrategy):
+class DiLoCo(ReplicaGroupStrategy):
     """DiLoCo: inner steps on each worker with no communication, an outer step on the averaged pseudo-gradient.
 
     Each worker steps the module's own optimizer (the inner optimizer, e.g. AdamW) and LR schedulers on its local
@@ -228,24 +226,6 @@ class DiLoCo(GradcompStrategy):
     @synchronous.setter
     def synchronous(self, value: bool) -> None:
         self._synchronous = check_bool(value, "synchronous", error=_MiscError)
-
-    @override
-    def setup_environment(self) -> None:
-        """With ``fault_tolerance``, this process takes its share of the cores of the groups on this machine."""
-        share_cores(self.fault_tolerance, self.num_processes)
-        super().setup_environment()
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """The split over this job's ranks; for training data with ``fault_tolerance``, over every group's too."""
-        return group_split(self)
-
-    @override
-    def on_train_start(self) -> None:
-        """With ``fault_tolerance``, warn when the training data is not split over the groups (``ft.data``)."""
-        super().on_train_start()
-        warn_unsplit(self)
 
     @property
     def outer_state(self) -> Round:

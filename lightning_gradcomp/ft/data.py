@@ -44,13 +44,12 @@ def sampler_split(config: TorchFT | None, rank: int, world_size: int) -> dict[st
     return {"num_replicas": world_size * config.groups, "rank": index * world_size + rank}
 
 
-def unsplit_warning(config: TorchFT | None, loaders: Any, use_distributed_sampler: bool, world_size: int) -> str | None:
+def unsplit_warning(config: TorchFT | None, loaders: Any, world_size: int) -> str | None:
     """Why this group may read the same training batches as the other groups, or None when its data is split.
 
     Args:
         config: the run's fault tolerance (``None``: nothing to say).
         loaders: the trainer's ``train_dataloader`` (a loader, or a sequence or mapping of them).
-        use_distributed_sampler: the Trainer's setting of that name.
         world_size: the group's number of processes.
     """
     if config is None or config.groups < 2:
@@ -69,10 +68,8 @@ def unsplit_warning(config: TorchFT | None, loaders: Any, use_distributed_sample
             why = "an IterableDataset, which Lightning's sampler does not split"
         elif isinstance(loader.sampler, DistributedSampler) and loader.sampler.num_replicas == expected:
             continue
-        elif not use_distributed_sampler:
-            why = "`use_distributed_sampler=False`"
-        else:
-            why = "a sampler of its own"
+        else:  # Lightning installs its sampler unless told not to, or the loader has a DistributedSampler already
+            why = "`use_distributed_sampler=False`, or a sampler of its own"
         return (
             f"TorchFT: group '{config.name}''s training loader is not split over the {config.groups} groups ({why}):"
             " every group may train on the same batches." + _BY_HAND
@@ -94,8 +91,7 @@ def group_split(strategy: Any) -> dict[str, int]:
 def warn_unsplit(strategy: Any) -> None:
     """Warn once, on rank 0 at the start of training, when :func:`unsplit_warning` finds the data unsplit."""
     trainer = strategy.lightning_module.trainer
-    use_sampler = trainer._accelerator_connector.use_distributed_sampler
-    line = unsplit_warning(strategy.fault_tolerance, trainer.train_dataloader, use_sampler, strategy.world_size)
+    line = unsplit_warning(strategy.fault_tolerance, trainer.train_dataloader, strategy.world_size)
     if line is not None:
         rank_zero_warn(line)
 
