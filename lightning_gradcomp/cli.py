@@ -38,9 +38,11 @@ import lightning_gradcomp
 from lightning_gradcomp import callbacks, compressors, tasks  # noqa: F401  (registers short class names)
 from lightning_gradcomp.auto.measure import outer_costs, outer_payloads
 from lightning_gradcomp.auto.report import advice, plot_speedup
+from lightning_gradcomp.auto.run_length import run_steps
 from lightning_gradcomp.auto.snippet import accuracy_caveat, apply_snippet
 from lightning_gradcomp.auto.timeline import plan_greedy
-from lightning_gradcomp.callbacks import AutoCompression
+from lightning_gradcomp.callbacks import AutoCompression, ProgressLines
+from lightning_gradcomp.cli_errors import options_of, raising_parse_errors, short_parse_error
 from lightning_gradcomp.compressors import Identity
 from lightning_gradcomp.ddp.strategy import CompressedDDP
 
@@ -71,8 +73,9 @@ class GradcompCLI(LightningCLI):
     """LightningCLI with the subcommands that train or evaluate (``fit``, ``validate``, ``test``).
 
     Its ``--help`` lists ``quickstart`` and ``advise`` too (:func:`main` runs them); a value a component refuses is
-    reported in one line naming its YAML key; the progress bar is off when stdout is not a terminal; ``fit`` does not
-    replace a ``config.yaml`` an earlier run wrote unless given ``--overwrite-config``.
+    reported in one line naming its YAML key; the progress bar is off when stdout is not a terminal, and a
+    :class:`~lightning_gradcomp.callbacks.ProgressLines` prints a line every minute instead (unless the recipe has
+    one); ``fit`` does not replace a ``config.yaml`` an earlier run wrote unless given ``--overwrite-config``.
     """
 
     def __init__(self, *args: Any, overwrite_config: bool = False, **kwargs: Any) -> None:
@@ -99,11 +102,22 @@ class GradcompCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse as LightningCLI does, without its warning that ``args`` and ``sys.argv`` are both given.
 
+        A key or value the parser refuses is one line naming the nearest accepted key (:mod:`~lightning_gradcomp.
+        cli_errors`), exit status 2.
+
         :func:`main` passes the command line it read as ``args``, so the warning would be printed on every call.
         """
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
-            super().parse_arguments(parser, args)
+            try:
+                with raising_parse_errors(parser):
+                    super().parse_arguments(parser, args)
+            except argparse.ArgumentError as err:  # one line naming the nearest key, not the usage and every type
+                argv = [str(a) for a in args] if isinstance(args, list) else sys.argv[1:]
+                sub = next((a for a in argv if a in self.subcommands()), None)
+                line = short_parse_error(str(err), argv, options_of(parser, sub))
+                print(f"lightning-gradcomp: error: {line}", file=sys.stderr, flush=True)
+                raise SystemExit(2) from None
 
     def instantiate_classes(self) -> None:
         """Instantiate as LightningCLI does; a refused value becomes one line naming its YAML key (exit status 2).
@@ -120,6 +134,14 @@ class GradcompCLI(LightningCLI):
             key = _yaml_key(self.config, refusal["name"], refusal["given"]) or refusal["name"]
             print(f"lightning-gradcomp: error: {key}: {refusal.group(0)}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+
+    def instantiate_trainer(self, **kwargs: Any) -> Any:
+        """The trainer, with a line of progress every minute when stdout is not a terminal (a log file, a pipe)."""
+        trainer = super().instantiate_trainer(**kwargs)
+        trainer_callbacks: list[Callback] = getattr(trainer, "callbacks")  # set at init, undeclared on Trainer
+        if not sys.stdout.isatty() and not any(isinstance(c, ProgressLines) for c in trainer_callbacks):
+            trainer_callbacks.append(ProgressLines())
+        return trainer
 
     def before_fit(self) -> None:
         """Refuse to replace the ``config.yaml`` of an earlier run in the same directory, before training starts."""
@@ -314,8 +336,9 @@ def quickstart(argv: list[str]) -> list[dict[str, Any]]:
 class _AdviseReport(Callback):
     """Print the advise report and write its plot on rank 0 at the end of the few measured steps."""
 
-    def __init__(self, auto: AutoCompression, png: str | None) -> None:
+    def __init__(self, auto: AutoCompression, png: str | None, length: tuple[int, int | None] = (-1, None)) -> None:
         self.auto, self.png = auto, png
+        self.length = length  # the recipe's max_steps and max_epochs, before advise cut the run to a few steps
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         auto = self.auto
@@ -327,8 +350,17 @@ class _AdviseReport(Callback):
         names, options = list(auto.candidates), auto.model_options
         numel = sum(b.numel for b in auto.buckets)
         outer = outer_costs(numel, trainer.world_size, outer_payloads())
+        total = run_steps(*self.length, trainer.num_training_batches, trainer.accumulate_grad_batches)
         report = advice(
-            auto.buckets, names, auto.link, auto.timing, auto.baseline_step, auto.margin, **options, outer=outer
+            auto.buckets,
+            names,
+            auto.link,
+            auto.timing,
+            auto.baseline_step,
+            auto.margin,
+            **options,
+            outer=outer,
+            total_steps=total,
         )
         print("\n" + report, flush=True)
         plan = plan_greedy(auto.buckets, names, auto.link, auto.timing, auto.margin, **options)  # at the measured link
@@ -369,7 +401,8 @@ def advise(argv: list[str]) -> None:
         auto = AutoCompression(candidates=known.candidates, calibration_steps=known.calibration_steps)
         trainer_callbacks.append(auto)
     auto.measure = "all"  # the report predicts every candidate at other bandwidths: time them on every bucket
-    trainer_callbacks.append(_AdviseReport(auto, known.png or None))
+    length = (trainer.fit_loop.epoch_loop.max_steps, trainer.max_epochs)
+    trainer_callbacks.append(_AdviseReport(auto, known.png or None, length))
     trainer.fit_loop.epoch_loop.max_steps = auto.skip_steps + auto.calibration_steps  # a few steps, not a run
     trainer.fit(cli.model, datamodule=cli.datamodule)
 

@@ -13,6 +13,7 @@ Fault injection (the process kills itself, so where it dies is exact, not timed)
 - ``--pause-at STEP --until-asking N``: wait (at most ``PAUSE_S``) before global step ``STEP`` until ``N`` groups ask
   the lighthouse for a quorum (its status page), so that a group that (re)started late is in the next sync (the
   lighthouse forms a quorum of the last one's groups at once, without waiting for a newcomer that has not asked);
+- ``--lightning-sampler``: a plain ``shuffle=True`` loader and Lightning's own sampler instead of the shards;
 - ``--touch FILE``: create ``FILE`` once the fit started (``--touch-at STEP``: at the end of global step ``STEP``);
   ``--wait-for FILE``: before the fit, wait until ``FILE`` exists (the group is unknown to the lighthouse until then).
 
@@ -47,9 +48,9 @@ PAUSE_S = 240.0  # a restarted group is up long before that, even on a loaded ma
 class ShardNet(TinyNet):
     """TinyNet that reads shard ``shard`` of ``shards`` (what Lightning's sampler gives rank ``shard`` of a job)."""
 
-    def __init__(self, shard: int | None, shards: int) -> None:
+    def __init__(self, shard: int | None, shards: int, lightning_sampler: bool = False) -> None:
         super().__init__(n=256, batch_size=8)
-        self.shard, self.shards = shard, shards
+        self.shard, self.shards, self.lightning_sampler = shard, shards, lightning_sampler
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
@@ -57,6 +58,8 @@ class ShardNet(TinyNet):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def train_dataloader(self) -> DataLoader:
+        if self.lightning_sampler:  # a plain shuffled loader: Lightning's sampler splits it (over the groups too)
+            return DataLoader(synthetic_classification(self.n), batch_size=self.batch_size, shuffle=True)
         # a group of several processes reads one shard per rank, as the same ranks of a plain job would
         shard = self.trainer.global_rank + (self.shard * self.trainer.world_size if self.shard is not None else 0)
         data = synthetic_classification(self.n)
@@ -104,6 +107,7 @@ class Record(Callback):
                 "heals": getattr(members, "heals", 0),
                 "participants": getattr(members, "contributors", 0),
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "batch": batch[0].flatten(1)[:, 0].tolist(),  # a fingerprint of each sample the step read
             }
         )
         if self.args.touch and self.args.touch_at == trainer.global_step and trainer.global_rank == 0:
@@ -201,6 +205,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--save-at", type=int, help="save OUTDIR/ckpt-NAME/last.ckpt at this global step")
     parser.add_argument("--resume", action="store_true", help="resume from OUTDIR/ckpt-NAME/last.ckpt")
     parser.add_argument("--warmup-steps", type=int, help="DenseWarmup(steps=N): dense steps before the rounds")
+    parser.add_argument("--lightning-sampler", action="store_true", help="a plain shuffled loader, Lightning's sampler")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     # before the fit: a group whose manager heartbeats without asking would hold the others' first quorum, a valid
@@ -222,10 +227,13 @@ def main(argv: list[str]) -> None:
         enable_checkpointing=bool(saving),
         enable_progress_bar=False,
         enable_model_summary=False,
-        use_distributed_sampler=False,
+        use_distributed_sampler=args.lightning_sampler,
         callbacks=[Record(args), *saving, *([DenseWarmup(steps=args.warmup_steps)] if args.warmup_steps else [])],
     )
-    trainer.fit(ShardNet(shard, args.shards), ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if args.resume else None)
+    trainer.fit(
+        ShardNet(shard, args.shards, args.lightning_sampler),
+        ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if args.resume else None,
+    )
 
 
 def launch(outdir: Any, name: str, *options: str, log: str | None = None) -> subprocess.Popen:

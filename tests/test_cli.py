@@ -350,3 +350,25 @@ def test_an_install_under_another_prefix_finds_its_recipes_by_name(wheel, tmp_pa
         timeout=300,
     )
     assert check.returncode == 0, check.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    ("override", "line"),
+    [
+        (
+            ["--trainer.strategy.init_args.sync_evry", "10"],
+            "lightning-gradcomp: error: --trainer.strategy.init_args.sync_evry: lightning_gradcomp.DiLoCo has no"
+            " argument `sync_evry`. Did you mean `sync_every`?",
+        ),
+        (
+            ["--trainer.max_stepz", "10"],
+            "lightning-gradcomp: error: --trainer.max_stepz: not an option of this command. Did you mean"
+            " `--trainer.max_steps`?",
+        ),
+    ],
+)
+def test_a_misspelt_key_on_the_command_line_is_one_line_naming_the_nearest_key(override, line, tmp_path):
+    recipe = os.path.join(ROOT, "recipes", "lm_diloco.yaml")
+    result = _run("fit", "--config", recipe, *override, "--print_config", cwd=str(tmp_path), timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [line]

@@ -441,3 +441,18 @@ def test_a_dense_warmup_on_groups_of_two_processes_is_plain_two_level_diloco_to_
                 assert torch.equal(a["global"], first["global"]), f"group {group} rank {rank}, step {step + 1}"
                 if step < 4:  # a dense step leaves every rank of every group with the same weights
                     assert torch.equal(a["params"], first["params"]), f"group {group} rank {rank}, step {step + 1}"
+
+
+@pytest.mark.slow
+def test_two_groups_launched_as_the_docs_say_read_different_batches(tmp_path):
+    """``TorchFT(min_replicas=1, start_replicas=2)``, groups 0 and 1, the same seed, a plain ``shuffle=True`` loader and
+    Lightning's own sampler: every step of one group reads samples the other never reads."""
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--steps", "8", "--start-replicas", "2", "--lightning-sampler"]
+        codes = _run(tmp_path, {"0": common, "1": common})
+    assert codes == {"0": 0, "1": 0}, _output(tmp_path, "0")[-3000:]
+    read = [[x for step in load(tmp_path, f"{g}-0")["steps"] for x in step["batch"]] for g in ("0", "1")]
+    assert [len(r) for r in read] == [64, 64]
+    assert len(set(read[0])) == len(set(read[1])) == 64, "each group reads its 128 samples without repeats"
+    assert not set(read[0]) & set(read[1]), "the two groups read the same samples"
+    assert "reads the same training data" not in _output(tmp_path, "0") + _output(tmp_path, "1")

@@ -98,11 +98,11 @@ def test_the_package_has_no_import_cycle():
 #: The layers, by folder: what each folder of the package may import from the package besides itself. The engine is
 #: torch only and knows no compressor; the compressors know the engine; the two strategies know both and the shared
 #: Lightning runtime, never each other; fault tolerance (ft: torchft's manager, the lighthouse) knows the engine and
-#: sits below DiLoCo; callbacks, transforms, auto, the CLI and the root sit above all of them.
+#: sits below DiLoCo and the Lightning runtime; callbacks, transforms, auto, the CLI and the root sit above all of them.
 MAY_IMPORT = {
     "engine": {"validation"},
     "compressors": {"engine", "validation"},
-    "runtime": {"engine", "validation"},
+    "runtime": {"engine", "ft", "validation"},
     "ddp": {"compressors", "engine", "optim", "runtime", "validation"},
     "diloco": {"compressors", "engine", "ft", "runtime", "validation"},
     "ft": {"engine", "validation"},

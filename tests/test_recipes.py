@@ -24,7 +24,7 @@ def test_recipe_parses_and_instantiates(path, monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # nothing a recipe writes lands in the repository
     # a fault-tolerant recipe takes the lighthouse and its group's name from the environment, as its jobs do
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://127.0.0.1:29510")
-    monkeypatch.setenv("REPLICA_GROUP_ID", "7")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "1")
     cli = GradcompCLI(args=["--config", path, "--trainer.accelerator", "cpu", "--trainer.devices", "1"], run=False)
     with open(path) as f:
         config = yaml.safe_load(f)
@@ -35,8 +35,10 @@ def test_recipe_parses_and_instantiates(path, monkeypatch, tmp_path):
         fault_tolerance = strategy.get("init_args", {}).get("fault_tolerance")
         if fault_tolerance is not None:
             settings = cli.trainer.strategy.fault_tolerance
-            assert (settings.lighthouse, settings.name) == ("http://127.0.0.1:29510", "7")
+            assert (settings.lighthouse, settings.name) == ("http://127.0.0.1:29510", "1")
             assert settings.start_replicas == fault_tolerance["init_args"]["start_replicas"]
+            # the recipe's groups read different parts of the data: group 1 the second of two
+            assert (settings.groups, settings.group_index) == (fault_tolerance["init_args"]["num_groups"], 1)
         else:
             assert cli.trainer.strategy.fault_tolerance is None
     else:

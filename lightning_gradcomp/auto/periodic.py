@@ -93,10 +93,12 @@ def predict_periodic(
     return total / h, h * compute / total
 
 
-def periodic_plans(compute: float, link: Link, costs: Mapping[str, Cost]) -> list[PeriodicPlan]:
-    """Every priced setting: each payload of ``costs`` at each H of :data:`SYNC_EVERY`, in each schedule."""
+def periodic_plans(
+    compute: float, link: Link, costs: Mapping[str, Cost], sync_every: Sequence[int] = SYNC_EVERY
+) -> list[PeriodicPlan]:
+    """Every priced setting: each payload of ``costs`` at each H of ``sync_every``, in each schedule."""
     plans = []
-    for h in SYNC_EVERY:
+    for h in sync_every:
         for payload in PAYLOADS:
             if payload not in costs:
                 continue

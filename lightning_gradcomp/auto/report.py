@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from lightning_gradcomp.auto.periodic import constructor, periodic_plans, periodic_table, recommend
+from lightning_gradcomp.auto.periodic import SYNC_EVERY, constructor, periodic_plans, periodic_table, recommend
+from lightning_gradcomp.auto.run_length import choices_note, sync_every_choices
 from lightning_gradcomp.auto.timeline import (
     DENSE,
     Bucket,
@@ -38,6 +39,7 @@ def advice(
     encode_blocks_backward: bool = True,
     contended: bool = False,
     outer: Mapping[str, Cost] | None = None,
+    total_steps: float | None = None,
 ) -> str:
     """The advise report: the measured link, backward and codec costs; predicted step times; the recommendation.
 
@@ -94,15 +96,22 @@ def advice(
     best = {label: plan.predicted for label, plan in plans.items()}
     lines += ["", *periodic_sync_advice(numel, link.alpha, columns, timing, best, margin)]
     if outer:
-        lines += ["", *diloco_recommendation(timing, link, outer)]
+        lines += ["", *diloco_recommendation(timing, link, outer, total_steps)]
     return "\n".join(lines)
 
 
-def diloco_recommendation(timing: Timing, link: Link, outer: Mapping[str, Cost]) -> list[str]:
-    """DiLoCo's predicted compute utilisation at the measured link, and the constructor call it recommends."""
+def diloco_recommendation(
+    timing: Timing, link: Link, outer: Mapping[str, Cost], total_steps: float | None = None
+) -> list[str]:
+    """DiLoCo's predicted compute utilisation at the measured link, and the constructor call it recommends.
+
+    ``total_steps``: the run's optimizer steps; the recommendation is then one DiLoCo's preflight accepts for it
+    (:func:`~lightning_gradcomp.auto.run_length.sync_every_choices`).
+    """
     compute = timing.forward + timing.backward_end + timing.tail + timing.optimizer
     plans = periodic_plans(compute, link, outer)
-    plan, reaches = recommend(plans)
+    choices = sync_every_choices(total_steps)
+    plan, reaches = recommend(periodic_plans(compute, link, outer, choices))
     verdict = "the setting of least loss that reaches 95 %" if reaches else "no setting reaches 95 %: the fastest"
     return [
         *periodic_table(plans, compute),
@@ -112,6 +121,7 @@ def diloco_recommendation(timing: Timing, link: Link, outer: Mapping[str, Cost])
         "",
         f"    trainer = Trainer(..., strategy={constructor(plan)})",
         "",
+        *([choices_note(total_steps, choices)] if choices != SYNC_EVERY else []),
         "Once it runs, DiLoCo's summary line at the end of fit gives the measured ms per step to check against this."
         " The loss is not in this model (docs/diloco.md, Recommended settings).",
     ]

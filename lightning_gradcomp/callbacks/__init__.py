@@ -3,6 +3,7 @@
 from lightning_gradcomp.callbacks.accordion import Accordion
 from lightning_gradcomp.callbacks.auto import AutoCompression
 from lightning_gradcomp.callbacks.pactrain import PacTrain
+from lightning_gradcomp.callbacks.progress import ProgressLines
 from lightning_gradcomp.callbacks.tracin import TracIn
 from lightning_gradcomp.callbacks.warmup import DGC_RAMP, DenseWarmup
 from lightning_gradcomp.ddp.monitor import CompressionMonitor
@@ -16,5 +17,6 @@ __all__ = [
     "DenseWarmup",
     "OuterMonitor",
     "PacTrain",
+    "ProgressLines",
     "TracIn",
 ]

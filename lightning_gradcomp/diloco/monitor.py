@@ -18,6 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from lightning_gradcomp.diloco.own_summary import own_summary
 from lightning_gradcomp.diloco.round import Round
 from lightning_gradcomp.engine import wire
 from lightning_gradcomp.validation import check_strategy_state
@@ -54,6 +55,7 @@ class OuterMonitor(Callback):
         self._last_sent = 0
         self._last_received = 0
         self._started: tuple[float, int] | None = None  # (perf_counter, global_step) as training started
+        self._own = (0, 0, 0)  # this process's optimizer steps, bytes sent and received at train start (own_summary)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -67,6 +69,7 @@ class OuterMonitor(Callback):
         self._last_step = trainer.global_step
         self._last_sent, self._last_received = outer.bytes_sent, outer.bytes_received
         self._started = (time.perf_counter(), trainer.global_step)
+        self._own = (0, outer.bytes_sent, outer.bytes_received)  # a heal or a resume moves global_step, not these
 
     def _state(self, trainer: pl.Trainer) -> Round:
         return check_strategy_state(
@@ -84,6 +87,7 @@ class OuterMonitor(Callback):
         sent, received = outer.bytes_sent - self._last_sent, outer.bytes_received - self._last_received
         self._last_step = trainer.global_step
         self._last_sent, self._last_received = outer.bytes_sent, outer.bytes_received
+        self._own = (self._own[0] + 1, *self._own[1:])
         steps = max(trainer.global_step, 1)
 
         def log(name: str, value: float) -> None:
@@ -113,10 +117,7 @@ class OuterMonitor(Callback):
         trainer.callback_metrics.update({f"gradcomp/{k}": torch.tensor(float(v)) for k, v in totals.items()})
         dense_per_step = sum(p.numel() * p.element_size() for p in outer.params)
         workers = trainer.world_size * outer.membership.groups
-        step_s = None
-        if self._started is not None and trainer.global_step > self._started[1]:
-            step_s = (time.perf_counter() - self._started[0]) / (trainer.global_step - self._started[1])
-        rank_zero_info(format_outer_summary(trainer.global_step, outer, dense_per_step, workers, step_s))
+        rank_zero_info(own_summary(trainer.global_step, self._own, self._started, outer, dense_per_step, workers))
 
 
 def format_outer_summary(

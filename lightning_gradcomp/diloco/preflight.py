@@ -8,6 +8,7 @@ known in ``setup``, before the first step. These functions make those lines; the
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -32,11 +33,14 @@ def describe_optimizer(optimizer: Optimizer) -> str:
     return f"{type(optimizer).__name__}({', '.join(shown)})"
 
 
-def few_outer_steps(total_steps: float, sync_every: int, auto: int | None) -> str | None:
+def few_outer_steps(
+    total_steps: float, sync_every: int, auto: int | None, callbacks: Sequence[object] = ()
+) -> str | None:
     """A warning when the run has fewer than :data:`MIN_OUTER_STEPS` outer steps, else ``None``.
 
     ``total_steps``: the run's optimizer steps (infinite when bounded by neither steps nor epochs: no warning);
-    ``auto``: what ``sync_every="auto"`` would pick for this run (the fix to name).
+    ``auto``: what ``sync_every="auto"`` would pick for this run (the fix to name); ``callbacks``: the trainer's
+    (a ``DenseWarmup`` among them: the warning does not suggest adding one).
     """
     if math.isinf(total_steps) or total_steps <= 0 or sync_every == 1:  # H = 1: no shorter round gives more
         return None
@@ -51,9 +55,14 @@ def few_outer_steps(total_steps: float, sync_every: int, auto: int | None) -> st
     return (
         f"DiLoCo: sync_every={sync_every} gives {rounds} outer step{'' if rounds == 1 else 's'}{partial} in this"
         f" run's {steps} optimizer steps (fewer than {MIN_OUTER_STEPS}): {until}few outer steps end far above plain"
-        f" DDP's loss (measured: 12 ended 12 to 13 % above it, 60 about 4 %); use {fix}, or start dense with"
-        " DenseWarmup."
+        f" DDP's loss (measured: 12 ended 12 to 13 % above it, 60 about 4 %); use {fix}"
+        + ("." if _has_dense_warmup(callbacks) else ", or start dense with DenseWarmup.")
     )
+
+
+def _has_dense_warmup(callbacks: Sequence[object]) -> bool:
+    # by name, a subclass's too: the callbacks sit a layer above the strategies and import them
+    return any(k.__name__ == "DenseWarmup" for callback in callbacks for k in type(callback).__mro__)
 
 
 def one_worker(replicas: int) -> str | None:

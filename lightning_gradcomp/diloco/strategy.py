@@ -58,8 +58,8 @@ from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
 from lightning_gradcomp.engine.collectives import side_group
 from lightning_gradcomp.ft.config import TorchFT
 from lightning_gradcomp.runtime.arguments import unwrapped_strategy_kwargs
-from lightning_gradcomp.runtime.base import GradcompStrategy
 from lightning_gradcomp.runtime.loop_state import load_training_state, training_state
+from lightning_gradcomp.runtime.replica_group import ReplicaGroupStrategy  # its threads and data split
 from lightning_gradcomp.runtime.sigterm import SigtermGate
 from lightning_gradcomp.validation import check_bool, check_choice
 
@@ -70,7 +70,7 @@ _MiscError = MisconfigurationException
 SIGTERM_CHECKS = ("sync", "step")  # DiLoCo's ``sigterm_check``: once per sync period, or at every step as Lightning
 
 
-class _RoundCheckpoints(GradcompStrategy):
+class _RoundCheckpoints(ReplicaGroupStrategy):
     """The checkpoint side of DiLoCo's front door: theta_global in ``state_dict``, the rest in ``checkpoint["diloco"]``.
 
     A base of :class:`DiLoCo` only (its ``__init__`` sets the attributes declared here).
@@ -358,7 +358,8 @@ class DiLoCo(_RoundCheckpoints):
         self._restored = None
         self._stale_noted = False
         rank_zero_info(_setup_line(self, self._params()))
-        outer_steps = few_outer_steps(total, round.sync_every, None if self._sync_every_arg == AUTO else auto)
+        fix = None if self._sync_every_arg == AUTO else auto
+        outer_steps = few_outer_steps(total, round.sync_every, fix, getattr(trainer, "callbacks", ()))
         assert round.optimizer is not None
         workers = round.membership.workers_at_setup(self.world_size)  # None: counted at the first sync
         alone = one_worker(workers) if workers is not None else None

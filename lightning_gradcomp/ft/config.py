@@ -66,10 +66,14 @@ class TorchFT:
         quorum_timeout: seconds a group waits at a sync for the others (a joining group waits up to one round).
         connect_timeout: seconds to reach the lighthouse and the other groups' managers.
         hostname: the address the other groups reach this group's manager at (this machine's, on several).
+        num_groups: the groups the training data is split over (``None``: ``start_replicas``, resolved). A group
+            whose name is an integer ``g`` in ``[0, num_groups)`` reads part ``g`` of them (Lightning's distributed
+            sampler splits the data over the groups, then over the ranks inside each; every group must have the same
+            number of processes); a group with another name reads the same data as the others, and a warning says so.
 
     Raises:
-        ValueError: If a value is out of range, or the lighthouse or the group's name is given neither here nor in
-            its variable.
+        ValueError: If a value is out of range, the lighthouse or the group's name is given neither here nor in its
+            variable, or ``num_groups`` is given and the group's name is not an integer below it.
     """
 
     lighthouse: str | None = None
@@ -80,6 +84,7 @@ class TorchFT:
     quorum_timeout: float = 300.0
     connect_timeout: float = 30.0
     hostname: str = "127.0.0.1"
+    num_groups: int | None = None
 
     def __post_init__(self) -> None:
         lighthouse = self.lighthouse if self.lighthouse is not None else os.environ.get(LIGHTHOUSE_ENV)
@@ -106,11 +111,30 @@ class TorchFT:
             raise ValueError(f"Expected `hostname` to be a non-empty host name or address, got {self.hostname!r}.")
         object.__setattr__(self, "lighthouse", lighthouse.rstrip("/"))
         object.__setattr__(self, "replica_group_id", str(name))
+        check_int(self.num_groups, "num_groups", low=1, allow_none=True)
+        if self.num_groups is not None and self.group_index is None:
+            raise ValueError(
+                f"Expected `replica_group_id` to be an integer in [0, {self.num_groups}) with `num_groups`"
+                f"={self.num_groups} (the part of the data this group reads), got {name!r}."
+            )
 
     @property
     def starting_replicas(self) -> int:
         """The groups a new run's first quorum needs (``start_replicas``, resolved)."""
         return self.start_replicas if self.start_replicas is not None else self.min_replicas
+
+    @property
+    def groups(self) -> int:
+        """The groups the training data is split over (``num_groups``, resolved)."""
+        return self.num_groups if self.num_groups is not None else self.starting_replicas
+
+    @property
+    def group_index(self) -> int | None:
+        """The part of the training data this group reads: its name as an integer below :attr:`groups`, else None."""
+        name = str(self.replica_group_id)
+        if not (name.isascii() and name.isdecimal()) or int(name) >= self.groups:
+            return None
+        return int(name)
 
     @property
     def name(self) -> str:
