@@ -9,6 +9,7 @@ Each ``RUN`` names an entry of :data:`RUNS` (``NAME`` or ``NAME+EARLIER``: resum
 the batches it read, theta_global (whole, gathered inside the group) and the model after every optimizer step.
 """
 
+import faulthandler
 import os
 import subprocess
 import sys
@@ -102,6 +103,14 @@ class Record(pl.Callback):
 
     def __init__(self) -> None:
         self.steps: list[dict[str, Any]] = []
+        self.start: dict[str, Any] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        params = torch.cat([whole(p).flatten() for p in pl_module.parameters()])
+        round = getattr(trainer.strategy, "outer_state", None)
+        phase = None if round is None else round.phase
+        self.start = {"params": params, "global": theta_global(trainer.strategy, pl_module), "phase": phase}
+        self.start["step"] = trainer.global_step
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         params = torch.cat([whole(p).flatten() for p in pl_module.parameters()])
@@ -124,17 +133,30 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
     "sharded-h2": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {}, {}),
     "diloco-h2-g2": (lambda: DiLoCo(sync_every=2, outer_optimizer=PAPER_OUTER, replica_group=2), {}, {}),
     "sharded-h1-sgd": (_sharded(sync_every=1, outer_optimizer=OUTER_SGD_1), {"inner": "sgd"}, {}),
-    "model-parallel-sgd": (lambda: ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1), {"inner": "sgd"}, {}),
+    "model-parallel-sgd": (
+        lambda: ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1),
+        {"inner": "sgd"},
+        {},
+    ),
     "sharded-hsdp": (_sharded(sync_every=2), {"mesh": "hsdp"}, {}),
     # DenseWarmup: 3 HSDP steps, then rounds of 2; the same under two-level DiLoCo
     "sharded-h2-w3": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {}, {"warmup": 3}),
     "diloco-h2-g2-w3": (lambda: DiLoCo(sync_every=2, outer_optimizer=PAPER_OUTER, replica_group=2), {}, {"warmup": 3}),
-    # checkpoints: every 3 steps into rounds of 4 (mid-round), resumed; 2 x 2 resumed on 2 x 1
-    "sharded-h4": (_sharded(sync_every=4, outer_optimizer=PAPER_OUTER), {}, {"every": 3}),
+    # checkpoints after every epoch of 4 steps: one step into a round of 3; with an exchange in flight (Streaming
+    # DiLoCo's overlap, a compressor's residuals); the first resumed on 2 x 1
+    "sharded-h3": (_sharded(sync_every=3, outer_optimizer=PAPER_OUTER), {}, {"save": True}),
+    "sharded-h3-2x1": (_sharded(sync_every=3, outer_optimizer=PAPER_OUTER), {}, {"save": True, "group_size": 1}),
     "sharded-h4-streaming": (
-        _sharded(sync_every=4, fragments=2, overlap_steps=1, outer_optimizer=PAPER_OUTER, compressor=MinMax(bits=8)),
+        lambda: ShardedDiLoCo(
+            replica_group=2,
+            sync_every=4,
+            fragments=2,
+            overlap_steps=1,
+            outer_optimizer=PAPER_OUTER,
+            compressor=MinMax(bits=8),
+        ),
         {},
-        {"every": 3},
+        {"save": True},
     ),
 }
 
@@ -143,19 +165,17 @@ def train(run: str, root: str, devices: int) -> None:
     name, _, earlier = run.partition("+")
     factory, module_kwargs, options = RUNS[name]
     folder = os.path.join(root, run)
-    if ":" in name:
-        raise ValueError(run)
     module = ShardNet(**module_kwargs)
     record = Record()
     callbacks: list[pl.Callback] = [record]
     if "warmup" in options:
         callbacks.append(DenseWarmup(steps=options["warmup"]))
-    if "every" in options:
-        callbacks.append(ModelCheckpoint(dirpath=folder, every_n_train_steps=options["every"], save_top_k=-1))
+    if options.get("save"):
+        callbacks.append(ModelCheckpoint(dirpath=folder, save_top_k=-1, every_n_epochs=1))
     group_size = int(options.get("group_size", 2))
     strategy = factory()
     if isinstance(strategy, ShardedDiLoCo):
-        strategy.replica_group = group_size if devices >= group_size else 1
+        strategy.replica_group = group_size
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -163,21 +183,23 @@ def train(run: str, root: str, devices: int) -> None:
         max_epochs=2,
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing="every" in options,
+        enable_checkpointing=bool(options.get("save")),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
     ckpt = None
     if earlier:
-        step = options.get("resume_step", 3)
-        ckpt = os.path.join(root, earlier, f"epoch=0-step={step}.ckpt")
+        ckpt = os.path.join(root, earlier, "epoch=0-step=4.ckpt")
     result: dict[str, Any] = {}
     try:
         trainer.fit(module, ckpt_path=ckpt)
     except Exception as error:  # a refusal, recorded for the test (every rank raises it in setup)
         result["error"] = f"{type(error).__name__}: {error}"
-    result.update(steps=record.steps, batches=module.batches, rank=trainer.global_rank)
+    final = torch.cat([whole(p).flatten() for p in module.parameters()])
+    round = getattr(strategy, "outer_state", None)
+    result["outer_numel"] = None if round is None else sum(p.numel() for p in round.params)
+    result.update(start=record.start, steps=record.steps, batches=module.batches, rank=trainer.global_rank, final=final)
     os.makedirs(folder, exist_ok=True)
     torch.save(result, os.path.join(folder, f"rank{trainer.global_rank}.pt"))
 
@@ -203,5 +225,6 @@ def run_launch(dirpath: Any, devices: int, runs: list[str]) -> tuple[int, str, d
 if __name__ == "__main__":
     root, devices, *runs = sys.argv[1:]
     torch.set_num_threads(1)
+    faulthandler.dump_traceback_later(float(os.environ.get("SHARDED_WORKER_STACKS_AFTER", "240")), exit=True)
     for run in runs:
         train(run, root, int(devices))

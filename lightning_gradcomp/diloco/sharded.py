@@ -276,6 +276,8 @@ class ShardedDiLoCo(ModelParallelStrategy):
         round.process_group = peers
         assert isinstance(round.exchange, GroupExchange)
         round.exchange.group = self.group_mesh.get_group()
+        size = self.group_size
+        round.exchange.peer_sets = [list(range(j, self.world_size, size)) for j in range(size)]
         round.attach(shards, buffers, names=[n for n, _ in named], distributed=True)
         round.fragment_params = global_fragments([p for _, p in named], self.fragments)
         self._attached, self._gradients_checked = True, False

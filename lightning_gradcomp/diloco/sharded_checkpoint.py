@@ -33,6 +33,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
 from lightning_gradcomp.diloco.checkpoint import restart_from_global
 from lightning_gradcomp.diloco.round import Round, floating_point
+from lightning_gradcomp.diloco.sharded_mesh import local_shards
 
 if TYPE_CHECKING:
     from lightning_gradcomp.diloco.sharded import ShardedDiLoCo
@@ -55,7 +56,8 @@ def _stacked(local: Tensor, mesh: DeviceMesh, placements: Sequence[Placement], s
     """``local`` (this rank's shard of a group's own tensor of ``shape``) as one row of ``(G, *shape)``."""
     full = (mesh.size(0), *shape)
     row = local.unsqueeze(0)
-    return DTensor.from_local(row, mesh, (Shard(0), *_shifted(placements)), shape=full, stride=_contiguous_stride(full))
+    placed = (Shard(0), *_shifted(placements))
+    return DTensor.from_local(row, mesh, placed, shape=torch.Size(full), stride=_contiguous_stride(full))
 
 
 def _shifted(placements: Sequence[Placement]) -> list[Placement]:
@@ -208,7 +210,8 @@ class ShardedCheckpoints:
         same_layout = same_groups and section["group_size"] == strategy.group_size
         same_schedule = section["sync_every"] == round.sync_every and section["fragments"] == round.fragments
         outer = dict(section["outer"])
-        outer["params"] = [p.to_local().detach().clone() for _, p in self._named]  # theta_global: the loaded weights
+        # theta_global: the weights, loaded already into the model's shards
+        outer["params"] = [t.detach().clone() for t in local_shards([p for _, p in self._named])]
         outer["optimizer"] = self._outer_optimizer_state(section, folder)
         own = self._own(folder, strategy.global_rank) if same_layout and section["own_file"] else None
         exact = same_schedule and same_groups and (own is not None or not section["own_file"])
@@ -232,7 +235,7 @@ class ShardedCheckpoints:
         for key in section["outer_keys"]:
             i = int(key.split(".", 1)[0])
             p = self._named[i][1]
-            templates[key] = self._dtensor(torch.empty_like(p.to_local()), p, Replicate())
+            templates[key] = self._dtensor(torch.empty_like(local_shards([p])[0]), p, Replicate())
         if templates:
             dcp.load({SECTION: {"outer": templates}}, checkpoint_id=folder)
         state: dict[int, dict[str, Any]] = {int(k): dict(v) for k, v in section["outer"]["optimizer"]["state"].items()}
@@ -260,7 +263,7 @@ class ShardedCheckpoints:
         dcp.load({SECTION: {"local": local, "inner": inner}}, checkpoint_id=folder)
         with torch.no_grad():
             for name, p in self._named:
-                p.to_local().copy_(local[name].to_local()[0])
+                local_shards([p])[0].copy_(local[name].to_local()[0])
         self._set_inner_state(section, inner)
 
     def _set_inner_state(self, section: Mapping[str, Any], inner: Mapping[str, DTensor]) -> None:

@@ -30,6 +30,7 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.diloco.exchange import InFlight, OuterExchange
 from lightning_gradcomp.diloco.replicas import flatten_by_dtype, unflatten_into
 from lightning_gradcomp.diloco.round import split_fragments
+from lightning_gradcomp.engine.collectives import _round_groups
 from lightning_gradcomp.engine.comm import Comm
 
 __all__ = [
@@ -221,11 +222,26 @@ class GroupExchange(OuterExchange):
     def __init__(self, compressor: Compressor | None = None) -> None:
         super().__init__(compressor)
         self.group: Any = None
+        #: the ranks of every same-shard group (each rank's exchange runs on one of them)
+        self.peer_sets: list[list[int]] = []
         self._device = torch.device("cpu")
 
-    def attach(self, device: torch.device, *args: Any, **kwargs: Any) -> None:
-        """As ``OuterExchange.attach``; the verdict's flag lives on ``device`` (NCCL needs it there)."""
-        super().attach(device, *args, **kwargs)
+    def attach(self, device: torch.device, process_group: Any = None, *args: Any, **kwargs: Any) -> None:
+        """As ``OuterExchange.attach``; the verdict's flag lives on ``device`` (NCCL needs it there).
+
+        A compressor of several rounds gets a process group per round over its same-shard ranks. Made here by every
+        rank for every same-shard group, in the same order: ``torch.distributed.new_group`` is a call on every rank
+        with the same ranks, which the exchange's own ``ensure_rounds`` (each rank with its own peers) would break.
+        """
+        if self.compressor is not None and process_group is not None and self.compressor.rounds > 1:
+            groups = _round_groups(process_group)
+            mine = dist.get_process_group_ranks(process_group)
+            while len(groups) < self.compressor.rounds:
+                for ranks in self.peer_sets:
+                    created = dist.new_group(ranks=ranks)
+                    if ranks == mine and isinstance(created, dist.ProcessGroup):
+                        groups.append(created)
+        super().attach(device, process_group, *args, **kwargs)
         self._device = device
 
     def start(self, flats: list[Tensor], layouts: Sequence[Any]) -> InFlight:
