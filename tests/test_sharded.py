@@ -16,7 +16,9 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from lightning_gradcomp import ShardedDiLoCo
+from lightning_gradcomp.cli import GradcompCLI
 from lightning_gradcomp.compressors import MinMax, PowerSGD
+from lightning_gradcomp.tasks.sharded_language import ShardedGPTLanguageModel
 from tests.sharded_worker import SAMPLES, run_launch
 
 PARITY = ["sharded-h2", "diloco-h2-g2"]
@@ -244,3 +246,18 @@ def test_element_wise_compressors_and_the_outer_optimizer_are_taken():
     )
     assert strategy.outer_state.exchange.compressor is not None
     assert (strategy.sync_every, strategy.fragments, strategy.overlap_steps, strategy.merge) == (4, 2, 1, "eager")
+
+
+def test_the_recipe_builds_a_sharded_gpt_with_the_papers_outer_optimizer(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    recipe = os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "lm_diloco_sharded.yaml"
+    )
+    cli = GradcompCLI(args=["--config", recipe, "--trainer.accelerator", "cpu", "--trainer.devices", "1"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, ShardedDiLoCo)
+    assert (strategy.sync_every, strategy.replica_group) == ("auto", 2)
+    assert isinstance(cli.model, ShardedGPTLanguageModel)
+    outer = strategy.outer_state.outer_optimizer([torch.zeros(2, requires_grad=True)])
+    group = outer.param_groups[0]
+    assert (type(outer), group["lr"], group["momentum"], group["nesterov"]) == (torch.optim.SGD, 0.7, 0.9, True)

@@ -1,11 +1,9 @@
 """``ShardedDiLoCo``: DiLoCo for models that do not fit one device, over FSDP2-sharded replica groups.
 
-DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models", arXiv 2311.08105)
-and Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512), with each worker a replica group of ``S`` processes
-that shard the model with FSDP2 (as INTELLECT-1, Jaghouar et al. 2024, arXiv 2412.01152). A Lightning front door over
-``ModelParallelStrategy`` that drives the same :class:`~lightning_gradcomp.diloco.round.Round` as ``DiLoCo``, on each
-rank's local shards: the round's theta_global and outer optimizer state are this rank's shards only, and its exchange
-runs over the ranks that hold the same shard in every group (:mod:`~lightning_gradcomp.diloco.sharded_mesh`).
+DiLoCo (Douillard et al. 2023, arXiv 2311.08105) and Streaming DiLoCo (arXiv 2501.18512), each worker a replica group
+of ``S`` processes sharding the model with FSDP2 (as INTELLECT-1, arXiv 2412.01152). A Lightning front door over
+``ModelParallelStrategy`` driving the same :class:`~lightning_gradcomp.diloco.round.Round` as ``DiLoCo`` on each rank's
+local shards, its exchange over the ranks holding the same shard in every group (:mod:`.sharded_mesh`).
 """
 
 from __future__ import annotations
@@ -46,9 +44,11 @@ from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
 from lightning_gradcomp.diloco.sharded_checkpoint import SECTION, ShardedCheckpoints
 from lightning_gradcomp.diloco.sharded_mesh import (
     GroupExchange,
+    announce,
     average_across_groups,
     broadcast_from_first_group,
     build_mesh,
+    check_refused,
     check_sharded_parameters,
     check_whole_matrix,
     checking_gradients,
@@ -71,21 +71,17 @@ _SIGTERM_CHECKS = ("sync", "step")
 class ShardedDiLoCo(ModelParallelStrategy):
     """DiLoCo across replica groups whose ranks shard the model with FSDP2 (``ModelParallelStrategy``) inside.
 
-    Replica group ``g`` is the ``S`` consecutive ranks ``g*S .. g*S+S-1``. The LightningModule is written for
-    ``ModelParallelStrategy``: its ``configure_model`` applies ``fully_shard`` over
-    ``self.device_mesh["data_parallel"]``, which here is the group's own 1-D mesh, so an inner step is FSDP2 inside
-    the group and crosses no group boundary.
-    Every ``sync_every`` steps each rank computes the pseudo-gradient ``theta_global - theta_local`` of its own shards
-    (no all-gather), averages it with the ranks holding the same shards in the other groups, and steps its shards of
-    theta_global with the outer optimizer. theta_global and the outer optimizer's state are this rank's shards only:
-    ``8 P / S`` bytes per rank for Nesterov SGD, not ``8 P``. Every rank reads its own part of the data, as with
-    ``DDPStrategy``. Validation during ``fit`` and a checkpoint's weights are theta_global, as with ``DiLoCo``.
+    Replica group ``g`` is the ``S`` consecutive ranks ``g*S .. g*S+S-1``. The module's ``configure_model`` applies
+    ``fully_shard`` over ``self.device_mesh["data_parallel"]``, here the group's own 1-D mesh: an inner step crosses
+    no group boundary. Every ``sync_every`` steps each rank averages the pseudo-gradient of its own shards (no
+    all-gather) with the ranks holding the same shards in the other groups, and steps its shards of theta_global:
+    the outer state is ``8 P / S`` bytes per rank for Nesterov SGD, not ``8 P``. Every rank reads its own part of the
+    data; validation during ``fit`` and a checkpoint's weights are theta_global, as with ``DiLoCo``.
 
     Args:
         sync_every: inner optimizer steps per round (``H``), or ``"auto"`` (about 60 outer steps, at most 500).
-        outer_optimizer: builds the outer optimizer from theta_global's shards, e.g.
-            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)`` (the paper's); default as
-            ``DiLoCo``'s. Element-wise optimizers only: each rank steps its own shards.
+        outer_optimizer: builds the outer optimizer from theta_global's shards (element-wise optimizers), e.g.
+            ``functools.partial(torch.optim.SGD, lr=0.7, momentum=0.9, nesterov=True)``; default as ``DiLoCo``'s.
         fragments: Streaming DiLoCo's fragments of consecutive parameters, cut by the whole parameters' sizes.
         overlap_steps: Streaming DiLoCo's overlap of a fragment's exchange with inner steps.
         merge: the overlap's merge, ``"mix"`` or ``"eager"`` (as ``DiLoCo``'s).
@@ -93,16 +89,14 @@ class ShardedDiLoCo(ModelParallelStrategy):
         offload: keep this rank's shards of theta_global and of the outer optimizer's state in CPU memory.
         compressor: average the pseudo-gradient through an element- or block-wise compressor (``MinMax``,
             ``SparseLoCo``, ...), run on this rank's shard; ones that need whole matrices are refused.
-        replica_group: ranks per replica group ``S``: ``"node"`` (the processes of a node) or an integer dividing
-            the world size.
+        replica_group: ranks per replica group ``S``: ``"node"`` or an integer dividing the world size.
         monitor: add an :class:`~lightning_gradcomp.callbacks.OuterMonitor` unless the trainer has one.
         sigterm_check: ``"sync"`` (Lightning's SIGTERM broadcast once a sync period) or ``"step"``.
         fault_tolerance: must be ``None``: fault tolerance with sharded groups is not available yet.
         data_parallel_size: ``"auto"`` or ``S``: FSDP2's shards inside a group.
         tensor_parallel_size: ``"auto"`` or 1: tensor parallelism inside a group is not available yet.
         save_distributed_checkpoint: ``True`` (a distributed-checkpoint folder); ``False`` is refused.
-        process_group_backend: as ``ModelParallelStrategy``'s.
-        timeout: as ``ModelParallelStrategy``'s.
+        process_group_backend, timeout: as ``ModelParallelStrategy``'s.
 
     Raises:
         MisconfigurationException: If an argument is out of range or of the wrong type (one line naming it, what is
@@ -141,7 +135,7 @@ class ShardedDiLoCo(ModelParallelStrategy):
     ) -> None:
         check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, None, compressor)
         check_whole_matrix(compressor)
-        _check_refused(replica_group, fault_tolerance, tensor_parallel_size, save_distributed_checkpoint)
+        check_refused(replica_group, fault_tolerance, tensor_parallel_size, save_distributed_checkpoint)
         self.merge, self.mixing_factor = check_merge(overlap_steps, merge, mixing_factor)
         self.sigterm_check = check_choice(sigterm_check, "sigterm_check", _SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
@@ -177,9 +171,7 @@ class ShardedDiLoCo(ModelParallelStrategy):
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register ``"diloco_sharded"`` (unless the registry already has that name: a user's own entry is kept)."""
         if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="DiLoCo over FSDP2-sharded replica groups (ModelParallelStrategy)"
-            )
+            strategy_registry.register(cls.strategy_name, cls, description="DiLoCo over FSDP2-sharded replica groups")
 
     @property
     def outer_state(self) -> Round:
@@ -188,10 +180,7 @@ class ShardedDiLoCo(ModelParallelStrategy):
 
     @property
     def synchronous(self) -> bool:
-        """Whether each step is HSDP's (reduce-scatter in the group, all-reduce across groups), with no rounds.
-
-        :class:`~lightning_gradcomp.callbacks.DenseWarmup` sets it for its dense phase.
-        """
+        """Whether each step is HSDP's (no rounds): ``DenseWarmup`` sets it for its dense phase."""
         return self._synchronous
 
     @synchronous.setter
@@ -284,16 +273,10 @@ class ShardedDiLoCo(ModelParallelStrategy):
         if self.sigterm_check == "sync" and self.world_size > 1:
             self._sigterm_gate.install(trainer, self._checks_sigterm_now)
         self._checkpoints.setup(self, named)
-        numel = sum(p.numel() for _, p in named)
-        rank_zero_info(
-            f"ShardedDiLoCo: {numel:,} parameters synced every {self.sync_every} optimizer steps;"
-            f" {self.groups} replica groups of {self.group_size} FSDP2 shards ({self.world_size} processes)."
-        )
         outer_steps = few_outer_steps(total, round.sync_every, None if self._sync_every_arg == AUTO else auto)
         assert round.optimizer is not None
-        for line in (self._outer_note, low_outer_lr(round.optimizer), one_worker(self.groups), outer_steps):
-            if line is not None:
-                rank_zero_warn(line)
+        notes = (self._outer_note, low_outer_lr(round.optimizer), one_worker(self.groups), outer_steps)
+        announce(self, sum(p.numel() for _, p in named), notes)
 
     def _module(self) -> pl.LightningModule:
         if self.lightning_module is None:
@@ -410,29 +393,3 @@ class ShardedDiLoCo(ModelParallelStrategy):
             if self._round.exchange.compressor is not None and self._round.process_group is not None:
                 release_round_groups(self._round.process_group)
             hand_off_gil()
-
-
-def _check_refused(replica_group: Any, fault_tolerance: Any, tensor_parallel_size: Any, distributed: Any) -> None:
-    """Refuse, in one line each, what ``ShardedDiLoCo`` does not do yet."""
-    if isinstance(replica_group, bool) or not (
-        replica_group == "node" or (isinstance(replica_group, int) and replica_group >= 1)
-    ):
-        raise MisconfigurationException(
-            f'Expected `replica_group` to be "node" (the ranks of a node) or an integer >= 1 (ranks per group), got'
-            f" {replica_group!r}."
-        )
-    if fault_tolerance is not None:
-        raise MisconfigurationException(
-            "Expected `fault_tolerance=None`: fault tolerance with sharded replica groups is not available yet (use"
-            f" DiLoCo(fault_tolerance=...) with unsharded groups), got {fault_tolerance!r}."
-        )
-    if tensor_parallel_size not in ("auto", 1) or isinstance(tensor_parallel_size, bool):
-        raise MisconfigurationException(
-            "Expected `tensor_parallel_size` to be 'auto' or 1: tensor parallelism inside a replica group is not"
-            f" available yet, got {tensor_parallel_size!r}."
-        )
-    if distributed is not True:
-        raise MisconfigurationException(
-            "Expected `save_distributed_checkpoint=True`: the outer state is saved sharded in the distributed"
-            f" checkpoint folder, got {distributed!r}."
-        )

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -36,9 +37,11 @@ from lightning_gradcomp.engine.comm import Comm
 __all__ = [
     "GROUP_DIMS",
     "GroupExchange",
+    "announce",
     "average_across_groups",
     "broadcast_from_first_group",
     "build_mesh",
+    "check_refused",
     "check_sharded_parameters",
     "check_whole_matrix",
     "checking_gradients",
@@ -252,3 +255,40 @@ class GroupExchange(OuterExchange):
 def named_trained(module: nn.Module) -> list[tuple[str, Tensor]]:
     """The module's trained parameters with their names (FSDP2 adds no prefix)."""
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def check_refused(replica_group: Any, fault_tolerance: Any, tensor_parallel_size: Any, distributed: Any) -> None:
+    """Refuse, in one line each, what ``ShardedDiLoCo`` does not do yet."""
+    if isinstance(replica_group, bool) or not (
+        replica_group == "node" or (isinstance(replica_group, int) and replica_group >= 1)
+    ):
+        raise MisconfigurationException(
+            f'Expected `replica_group` to be "node" (the ranks of a node) or an integer >= 1 (ranks per group), got'
+            f" {replica_group!r}."
+        )
+    if fault_tolerance is not None:
+        raise MisconfigurationException(
+            "Expected `fault_tolerance=None`: fault tolerance with sharded replica groups is not available yet (use"
+            f" DiLoCo(fault_tolerance=...) with unsharded groups), got {fault_tolerance!r}."
+        )
+    if tensor_parallel_size not in ("auto", 1) or isinstance(tensor_parallel_size, bool):
+        raise MisconfigurationException(
+            "Expected `tensor_parallel_size` to be 'auto' or 1: tensor parallelism inside a replica group is not"
+            f" available yet, got {tensor_parallel_size!r}."
+        )
+    if distributed is not True:
+        raise MisconfigurationException(
+            "Expected `save_distributed_checkpoint=True`: the outer state is saved sharded in the distributed"
+            f" checkpoint folder, got {distributed!r}."
+        )
+
+
+def announce(strategy: Any, numel: int, notes: Sequence[str | None]) -> None:
+    """The line logged once set up (what is synced, how often, over which groups), then the preflight warnings."""
+    rank_zero_info(
+        f"ShardedDiLoCo: {numel:,} parameters synced every {strategy.sync_every} optimizer steps;"
+        f" {strategy.groups} replica groups of {strategy.group_size} FSDP2 shards ({strategy.world_size} processes)."
+    )
+    for line in notes:
+        if line is not None:
+            rank_zero_warn(line)
