@@ -116,6 +116,7 @@ DEFAULTS_PAGES = {
     "qsgd.md": "compressors.QSGD",
     "randomk.md": "compressors.RandomK",
     "scalecom.md": "compressors.ScaleCom",
+    "sharded_diloco.md": "ShardedDiLoCo",
     "signsgd.md": "compressors.SignSGD",
     "terngrad.md": "compressors.TernGrad",
     "topk.md": "compressors.TopK",
