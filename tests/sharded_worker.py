@@ -51,6 +51,7 @@ class ShardNet(pl.LightningModule):
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5))
         self.inner, self.mesh_kind = inner, mesh
         self.batches: list[list[int]] = []
+        self.validated: list[Tensor] = []  # the model validation saw (whole), at every validation step
 
     def configure_model(self) -> None:
         if not isinstance(self.trainer.strategy, ModelParallelStrategy):
@@ -68,6 +69,9 @@ class ShardNet(pl.LightningModule):
         self.batches.append(index.tolist())
         return nn.functional.mse_loss(self.net(x), y)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.validated.append(torch.cat([whole(p).flatten() for p in self.parameters()]))
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.inner == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.1)
@@ -78,6 +82,9 @@ class ShardNet(pl.LightningModule):
         x = torch.randn(SAMPLES, 8, generator=g)
         y = torch.randn(SAMPLES, 5, generator=g)
         return DataLoader(TensorDataset(torch.arange(SAMPLES), x, y), batch_size=BATCH)
+
+    def val_dataloader(self) -> DataLoader:  # one batch per rank of 4
+        return DataLoader(TensorDataset(torch.arange(16), torch.zeros(16, 8), torch.zeros(16, 5)), batch_size=BATCH)
 
 
 def whole(p: Tensor) -> Tensor:
@@ -142,6 +149,9 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
     # DenseWarmup: 3 HSDP steps, then rounds of 2; the same under two-level DiLoCo
     "sharded-h2-w3": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {}, {"warmup": 3}),
     "diloco-h2-g2-w3": (lambda: DiLoCo(sync_every=2, outer_optimizer=PAPER_OUTER, replica_group=2), {}, {"warmup": 3}),
+    # offload: theta_global's shards and the outer momentum on the CPU; validation in the middle of a round
+    "sharded-h2-offload": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER, offload=True), {}, {}),
+    "sharded-h2-val3": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {}, {"val_every": 3}),
     # checkpoints after every epoch of 4 steps: one step into a round of 3; with an exchange in flight (Streaming
     # DiLoCo's overlap, a compressor's residuals); the first resumed on 2 x 1
     "sharded-h3": (_sharded(sync_every=3, outer_optimizer=PAPER_OUTER), {}, {"save": True}),
@@ -187,6 +197,9 @@ def train(run: str, root: str, devices: int) -> None:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
+        limit_val_batches=1.0 if "val_every" in options else 0,
+        val_check_interval=options.get("val_every"),
+        check_val_every_n_epoch=None if "val_every" in options else 1,
     )
     ckpt = None
     if earlier:
@@ -199,7 +212,14 @@ def train(run: str, root: str, devices: int) -> None:
     final = torch.cat([whole(p).flatten() for p in module.parameters()])
     round = getattr(strategy, "outer_state", None)
     result["outer_numel"] = None if round is None else sum(p.numel() for p in round.params)
-    result.update(start=record.start, steps=record.steps, batches=module.batches, rank=trainer.global_rank, final=final)
+    result.update(
+        validated=module.validated,
+        start=record.start,
+        steps=record.steps,
+        batches=module.batches,
+        rank=trainer.global_rank,
+        final=final,
+    )
     os.makedirs(folder, exist_ok=True)
     torch.save(result, os.path.join(folder, f"rank{trainer.global_rank}.pt"))
 

@@ -30,6 +30,7 @@ CHECKPOINTS = [
     "sharded-h4-streaming+sharded-h4-streaming",
 ]
 WARMUP = ["sharded-h2-w3", "diloco-h2-g2-w3"]
+EXTRAS = ["sharded-h2-offload", "sharded-h2-val3"]
 
 
 def _launch(tmp_path_factory, devices: int, runs: list[str], copied: tuple = ()) -> dict:
@@ -63,6 +64,11 @@ def resharded(tmp_path_factory, checkpoints):
 
 
 @pytest.fixture(scope="module")
+def extras(tmp_path_factory):
+    return _launch(tmp_path_factory, 4, EXTRAS)
+
+
+@pytest.fixture(scope="module")
 def warmup(tmp_path_factory):
     return _launch(tmp_path_factory, 4, WARMUP)
 
@@ -92,6 +98,27 @@ def test_each_rank_holds_its_shards_of_the_outer_state_only(parity):
     assert [r["outer_numel"] for r in sharded[:2]] == [r["outer_numel"] for r in sharded[2:]]
     assert sharded[0]["outer_numel"] + sharded[1]["outer_numel"] == whole
     assert max(r["outer_numel"] for r in sharded) <= whole // 2 + 16  # the last layer's 5 rows split 3 / 2
+
+
+def test_offload_gives_the_same_model(parity, extras):
+    plain, offloaded = parity["records"]["sharded-h2"], extras["records"]["sharded-h2-offload"]
+    for rank in range(4):
+        for i, (mine, theirs) in enumerate(zip(offloaded[rank]["steps"], plain[rank]["steps"], strict=True)):
+            torch.testing.assert_close(mine["params"], theirs["params"], rtol=0, atol=0, msg=f"step {i + 1}")
+
+
+def test_validation_runs_on_theta_global_and_leaves_the_local_training_alone(parity, extras):
+    """Validated after steps 3 and 7 of rounds of 2 (one step into a round): on the last sync's theta_global."""
+    plain, validated = parity["records"]["sharded-h2"], extras["records"]["sharded-h2-val3"]
+    assert "validation runs on theta_global of the last sync (1 inner steps ago)" in extras["output"]
+    for rank in range(4):
+        seen = validated[rank]["validated"]
+        assert len(seen) == 2
+        for model, after in zip(seen, (2, 6)):
+            torch.testing.assert_close(model, plain[rank]["steps"][after - 1]["global"], rtol=0, atol=0)
+            assert not torch.equal(model, plain[rank]["steps"][after]["params"]), "the local model differs"
+        for i, (mine, theirs) in enumerate(zip(validated[rank]["steps"], plain[rank]["steps"], strict=True)):
+            torch.testing.assert_close(mine["params"], theirs["params"], rtol=0, atol=0, msg=f"step {i + 1}")
 
 
 def test_every_rank_reads_its_own_batches_and_the_groups_read_disjoint_data(parity):
