@@ -45,11 +45,11 @@ class ShardNet(pl.LightningModule):
     of its own instead (the trap ``ShardedDiLoCo`` refuses).
     """
 
-    def __init__(self, inner: str = "adamw", mesh: str = "group") -> None:
+    def __init__(self, inner: str = "adamw", mesh: str = "group", nan_step: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5))
-        self.inner, self.mesh_kind = inner, mesh
+        self.inner, self.mesh_kind, self.nan_step = inner, mesh, nan_step
         self.batches: list[list[int]] = []
         self.validated: list[Tensor] = []  # the model validation saw (whole), at every validation step
 
@@ -75,7 +75,17 @@ class ShardNet(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.inner == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.1)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        if self.nan_step is not None:
+            optimizer.register_step_pre_hook(self._nan_on_rank_1)
+        return optimizer
+
+    def _nan_on_rank_1(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+        """At step ``nan_step``, after FSDP2's reduce-scatter: rank 1's gradient shards (its shard only) not finite."""
+        if self.global_rank == 1 and self.global_step + 1 == self.nan_step:
+            for p in self.parameters():
+                grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                grad.fill_(float("nan"))
 
     def train_dataloader(self) -> DataLoader:
         g = torch.Generator().manual_seed(1)
@@ -152,10 +162,13 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
     # offload: theta_global's shards and the outer momentum on the CPU; validation in the middle of a round
     "sharded-h2-offload": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER, offload=True), {}, {}),
     "sharded-h2-val3": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {}, {"val_every": 3}),
+    # rank 1's shards (only) not finite at the sync of step 4: every rank of every group skips that outer step
+    "sharded-h2-nan4": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {"nan_step": 4}, {}),
     # checkpoints after every epoch of 4 steps: one step into a round of 3; with an exchange in flight (Streaming
     # DiLoCo's overlap, a compressor's residuals); the first resumed on 2 x 1
     "sharded-h3": (_sharded(sync_every=3, outer_optimizer=PAPER_OUTER), {}, {"save": True}),
     "sharded-h3-2x1": (_sharded(sync_every=3, outer_optimizer=PAPER_OUTER), {}, {"save": True, "group_size": 1}),
+    "sharded-h3-1x1": (_sharded(sync_every=3, outer_optimizer=PAPER_OUTER), {}, {"save": True, "group_size": 1}),
     "sharded-h4-streaming": (
         lambda: ShardedDiLoCo(
             replica_group=2,
@@ -212,6 +225,7 @@ def train(run: str, root: str, devices: int) -> None:
     final = torch.cat([whole(p).flatten() for p in module.parameters()])
     round = getattr(strategy, "outer_state", None)
     result["outer_numel"] = None if round is None else sum(p.numel() for p in round.params)
+    result["skipped"] = None if round is None else round.skipped
     result.update(
         validated=module.validated,
         start=record.start,

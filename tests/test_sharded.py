@@ -30,7 +30,7 @@ CHECKPOINTS = [
     "sharded-h4-streaming+sharded-h4-streaming",
 ]
 WARMUP = ["sharded-h2-w3", "diloco-h2-g2-w3"]
-EXTRAS = ["sharded-h2-offload", "sharded-h2-val3"]
+EXTRAS = ["sharded-h2-offload", "sharded-h2-val3", "sharded-h2-nan4"]
 
 
 def _launch(tmp_path_factory, devices: int, runs: list[str], copied: tuple = ()) -> dict:
@@ -61,6 +61,12 @@ def checkpoints(tmp_path_factory):
 def resharded(tmp_path_factory, checkpoints):
     """The 2 x 2 checkpoint after one epoch, resumed on 2 processes as 2 groups of 1."""
     return _launch(tmp_path_factory, 2, ["sharded-h3-2x1+sharded-h3"], copied=((checkpoints["root"], "sharded-h3"),))
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, checkpoints):
+    """The 2 x 2 checkpoint after one epoch, resumed on one process."""
+    return _launch(tmp_path_factory, 1, ["sharded-h3-1x1+sharded-h3"], copied=((checkpoints["root"], "sharded-h3"),))
 
 
 @pytest.fixture(scope="module")
@@ -119,6 +125,20 @@ def test_validation_runs_on_theta_global_and_leaves_the_local_training_alone(par
             assert not torch.equal(model, plain[rank]["steps"][after]["params"]), "the local model differs"
         for i, (mine, theirs) in enumerate(zip(validated[rank]["steps"], plain[rank]["steps"], strict=True)):
             torch.testing.assert_close(mine["params"], theirs["params"], rtol=0, atol=0, msg=f"step {i + 1}")
+
+
+def test_a_shard_that_is_not_finite_skips_the_outer_step_on_every_shard_of_every_group(extras):
+    """Rank 1's shards only are not finite at the sync of step 4: its peers' average is not finite, rank 0's peers'
+    is; the verdict is agreed inside each group, so every rank skips, keeps theta_global and goes back to it."""
+    ranks = extras["records"]["sharded-h2-nan4"]
+    assert all(rank["skipped"] == 1 for rank in ranks)
+    for rank in ranks:
+        steps = rank["steps"]
+        torch.testing.assert_close(steps[3]["global"], steps[1]["global"], rtol=0, atol=0)
+        torch.testing.assert_close(steps[3]["params"], steps[1]["global"], rtol=0, atol=0)
+        assert bool(rank["final"].isfinite().all())
+        torch.testing.assert_close(rank["final"], ranks[0]["final"], rtol=0, atol=0)
+    assert not torch.equal(ranks[0]["steps"][5]["global"], ranks[0]["steps"][3]["global"]), "training goes on"
 
 
 def test_every_rank_reads_its_own_batches_and_the_groups_read_disjoint_data(parity):
@@ -215,6 +235,17 @@ def test_a_two_by_two_checkpoint_resumes_on_two_by_one_with_the_same_weights_and
         torch.testing.assert_close(start["global"], full[0]["steps"][3]["global"], rtol=0, atol=0)
         torch.testing.assert_close(start["params"], full[2 * group]["steps"][3]["params"], rtol=0, atol=0)
         assert [s["phase"] for s in rank["steps"][:3]] == [2, 0, 1]
+
+
+def test_a_two_by_two_checkpoint_resumes_on_one_process_from_theta_global_in_the_same_round(checkpoints, one_process):
+    """Another number of groups: the groups' own state cannot be mapped, every group restarts from theta_global."""
+    full = checkpoints["records"]["sharded-h3"]
+    (rank,) = one_process["records"]["sharded-h3-1x1+sharded-h3"]
+    assert "the checkpoint holds 2 groups of 2 shards (H=3, 1 fragments), this run 1 of 1" in one_process["output"]
+    assert (rank["start"]["step"], rank["start"]["phase"]) == (4, 1)
+    torch.testing.assert_close(rank["start"]["global"], full[0]["steps"][3]["global"], rtol=0, atol=0)
+    torch.testing.assert_close(rank["start"]["params"], full[0]["steps"][3]["global"], rtol=0, atol=0)
+    assert [s["phase"] for s in rank["steps"][:3]] == [2, 0, 1]
 
 
 def test_dense_warmup_steps_are_hsdp_steps_then_rounds_as_two_level_diloco(warmup):
