@@ -75,14 +75,11 @@ class ShardNet(pl.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.inner == "sgd":
             return torch.optim.SGD(self.parameters(), lr=0.1)
-        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
-        if self.nan_step is not None:
-            optimizer.register_step_pre_hook(self._nan_on_rank_1)
-        return optimizer
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
-    def _nan_on_rank_1(self, optimizer: torch.optim.Optimizer, *args: Any) -> None:
+    def on_after_backward(self) -> None:
         """At step ``nan_step``, after FSDP2's reduce-scatter: rank 1's gradient shards (its shard only) not finite."""
-        if self.global_rank == 1 and self.global_step + 1 == self.nan_step:
+        if self.nan_step is not None and self.global_rank == 1 and self.global_step + 1 == self.nan_step:
             for p in self.parameters():
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 grad.fill_(float("nan"))

@@ -121,8 +121,12 @@ def check_sharded_parameters(named: Sequence[tuple[str, Tensor]], group_mesh: De
 
 
 def local_shards(params: Sequence[Tensor]) -> list[Tensor]:
-    """Each parameter's local shard, sharing storage with it (what the round reads and writes in place)."""
-    return [p.to_local() if isinstance(p, DTensor) else p for p in params]
+    """Each parameter's local shard, sharing storage with it (what the round reads and writes in place).
+
+    Detached: ``to_local()`` is a view made by a custom autograd function, and autograd forbids reading such a view
+    in grad mode once it was written in place (the round writes theta_global into it, then checks it is finite).
+    """
+    return [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
 
 
 def global_fragments(params: Sequence[Tensor], fragments: int) -> list[list[int]]:
