@@ -45,10 +45,12 @@ class ShardNet(pl.LightningModule):
     of its own instead (the trap ``ShardedDiLoCo`` refuses).
     """
 
-    def __init__(self, inner: str = "adamw", mesh: str = "group", nan_step: int | None = None) -> None:
+    def __init__(self, inner: str = "adamw", mesh: str = "group", nan_step: int | None = None, width: int = 16) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 5))
+        self.net = nn.Sequential(
+            nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 5)
+        )
         self.inner, self.mesh_kind, self.nan_step = inner, mesh, nan_step
         self.batches: list[list[int]] = []
         self.validated: list[Tensor] = []  # the model validation saw (whole), at every validation step
@@ -175,7 +177,7 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
             outer_optimizer=PAPER_OUTER,
             compressor=MinMax(bits=8),
         ),
-        {},
+        {"width": 64},  # the middle layer's shards of 2,048 elements are compressed (1,024 and more)
         {"save": True},
     ),
 }

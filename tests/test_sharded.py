@@ -195,6 +195,9 @@ def test_resume_with_an_exchange_in_flight_and_compressor_residuals_is_bitwise(c
         *(f"diloco_sharded.rank{r}.pt" for r in range(4)),
         "meta.pt",
     ]
+    own = torch.load(folder / "diloco_sharded.rank1.pt", weights_only=True)
+    assert own["contribution"] is not None, "an exchange was in flight"
+    assert own["exchange"]["residuals"], "MinMax compressed the wide layer's shard, with error feedback"
     for rank in range(4):
         for i, (mine, theirs) in enumerate(zip(resumed[rank]["steps"], full[rank]["steps"][4:], strict=True)):
             torch.testing.assert_close(mine["params"], theirs["params"], rtol=0, atol=0, msg=f"step {i + 5}")
