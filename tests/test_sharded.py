@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from lightning_gradcomp import ShardedDiLoCo
 from lightning_gradcomp.cli import GradcompCLI
 from lightning_gradcomp.compressors import MinMax, PowerSGD
+from lightning_gradcomp.diloco.sharded_mesh import checking_gradients
 from lightning_gradcomp.tasks.sharded_language import ShardedGPTLanguageModel
 from tests.sharded_worker import SAMPLES, run_launch
 
@@ -322,3 +323,17 @@ def test_the_recipe_builds_a_sharded_gpt_with_the_papers_outer_optimizer(tmp_pat
     outer = strategy.outer_state.outer_optimizer([torch.zeros(2, requires_grad=True)])
     group = outer.param_groups[0]
     assert (type(outer), group["lr"], group["momentum"], group["nesterov"]) == (torch.optim.SGD, 0.7, 0.9, True)
+
+
+def test_a_backward_that_leaves_every_gradient_none_is_refused():
+    """Trap 1's symptom (FSDP2 keeps the reduced gradient to itself): the inner step would silently do nothing."""
+    a, b = torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))
+    named = [("a", a), ("b", b)]
+    with pytest.raises(MisconfigurationException, match="after backward `a` has no gradient \\(2 parameters in all\\)"):
+        checking_gradients(lambda: "loss", named)()
+
+    def backward_of_a() -> str:
+        a.grad = torch.ones(2)
+        return "loss"
+
+    assert checking_gradients(backward_of_a, named)() == "loss", "an unused parameter is the module's business"
