@@ -1,4 +1,4 @@
-"""Training state resident per rank: ``ShardedDiLoCo`` with ``S`` = 1 and 2 shards per group against ``DiLoCo``.
+"""Training state resident per rank: ``ShardedDiLoCo`` with ``S`` = 1, 2, 4 shards per group against ``DiLoCo``.
 
 DiLoCo (Douillard et al. 2023, arXiv 2311.08105) keeps, on every rank, the model, its gradients and the inner
 optimizer's state (AdamW: two moments) plus theta_global and the outer optimizer's state (Nesterov SGD: one momentum
@@ -50,6 +50,7 @@ CONFIGS: dict[str, tuple[int, str, int]] = {
     "diloco-g2": (4, "DiLoCo(replica_group=2)", 1),
     "sharded-s1": (4, "ShardedDiLoCo(replica_group=1)", 1),
     "sharded-s2": (4, "ShardedDiLoCo(replica_group=2)", 2),
+    "sharded-s4": (4, "ShardedDiLoCo(replica_group=4)", 4),  # one group: the memory per rank, no outer average
 }
 
 
