@@ -20,8 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed.checkpoint as dcp
 from lightning.fabric.strategies.model_parallel import _METADATA_FILENAME
@@ -30,13 +31,36 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.optim import Optimizer
 
 from lightning_gradcomp.diloco.checkpoint import restart_from_global
 from lightning_gradcomp.diloco.round import Round, floating_point
 from lightning_gradcomp.diloco.sharded_mesh import local_shards
 
-if TYPE_CHECKING:
-    from lightning_gradcomp.diloco.sharded import ShardedDiLoCo
+
+class ShardedStrategy(Protocol):
+    """What this module reads of the strategy (``ShardedDiLoCo``): its mesh, groups, optimizers and ranks."""
+
+    groups: int
+    group_size: int
+
+    @property
+    def global_rank(self) -> int: ...  # noqa: D102
+
+    @property
+    def device_mesh(self) -> DeviceMesh: ...  # noqa: D102
+
+    @property
+    def lightning_module(self) -> pl.LightningModule | None: ...  # noqa: D102
+
+    @property
+    def optimizers(self) -> list[Optimizer]: ...  # noqa: D102
+
+    @property
+    def root_device(self) -> torch.device: ...  # noqa: D102
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any: ...  # noqa: D102
+
 
 __all__ = ["SECTION", "ShardedCheckpoints"]
 
@@ -74,11 +98,11 @@ class ShardedCheckpoints:
 
     def __init__(self, round: Round) -> None:
         self.round = round
-        self._strategy: ShardedDiLoCo | None = None
+        self._strategy: ShardedStrategy | None = None
         self._named: list[tuple[str, Tensor]] = []
         self._scalars: dict[str, str] = {}  # the inner optimizer's one-element states (its step) and their dtypes
 
-    def setup(self, strategy: ShardedDiLoCo, named: Sequence[tuple[str, Tensor]]) -> None:
+    def setup(self, strategy: ShardedStrategy, named: Sequence[tuple[str, Tensor]]) -> None:
         """Bind to the strategy and its trained parameters (FSDP2's DTensors), once the round is attached."""
         self._strategy, self._named = strategy, list(named)
 

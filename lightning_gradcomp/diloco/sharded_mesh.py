@@ -31,12 +31,13 @@ from lightning_gradcomp.compressors.base import Compressor
 from lightning_gradcomp.diloco.exchange import InFlight, OuterExchange
 from lightning_gradcomp.diloco.replicas import flatten_by_dtype, unflatten_into
 from lightning_gradcomp.diloco.round import split_fragments
-from lightning_gradcomp.engine.collectives import _round_groups
+from lightning_gradcomp.engine.collectives import TorchCollectives
 from lightning_gradcomp.engine.comm import Comm
 
 __all__ = [
     "GROUP_DIMS",
     "GroupExchange",
+    "PeerCollectives",
     "announce",
     "average_across_groups",
     "broadcast_from_first_group",
@@ -221,6 +222,32 @@ class _AgreedInFlight(InFlight):
         return self._inner.wait(agreed)
 
 
+class PeerCollectives(TorchCollectives):
+    """The engine's collectives over this rank's same-shard group, whose later rounds' groups every rank makes.
+
+    ``torch.distributed.new_group`` is a call on every rank with the same ranks; ``TorchCollectives.ensure_rounds``
+    makes its group over its own ranks only, which differ here between ranks (each its own shard's peers), so every
+    rank makes every same-shard group's round groups, in the same order, and keeps its own.
+
+    Args:
+        process_group: this rank's same-shard group.
+        peer_sets: the ranks of every same-shard group.
+    """
+
+    def __init__(self, process_group: Any, peer_sets: Sequence[Sequence[int]]) -> None:
+        super().__init__(process_group)
+        self._peer_sets = [list(ranks) for ranks in peer_sets]
+        self._mine = dist.get_process_group_ranks(process_group)
+
+    def ensure_rounds(self, rounds: int) -> None:
+        """Make round groups until ``rounds`` rounds have one (a call on every rank, in the same order)."""
+        while len(self._groups) < rounds:
+            for ranks in self._peer_sets:
+                created = dist.new_group(ranks=ranks)
+                if ranks == self._mine and isinstance(created, dist.ProcessGroup):
+                    self._groups.append(created)
+
+
 class GroupExchange(OuterExchange):
     """The outer exchange over the same-shard ranks, with its verdict agreed over the replica group.
 
@@ -241,18 +268,13 @@ class GroupExchange(OuterExchange):
     def attach(self, device: torch.device, process_group: Any = None, *args: Any, **kwargs: Any) -> None:
         """As ``OuterExchange.attach``; the verdict's flag lives on ``device`` (NCCL needs it there).
 
-        A compressor of several rounds gets a process group per round over its same-shard ranks. Made here by every
-        rank for every same-shard group, in the same order: ``torch.distributed.new_group`` is a call on every rank
-        with the same ranks, which the exchange's own ``ensure_rounds`` (each rank with its own peers) would break.
+        A compressor of several rounds gets a process group per round over its same-shard ranks, made by
+        :class:`PeerCollectives` on every rank for every same-shard group.
         """
-        if self.compressor is not None and process_group is not None and self.compressor.rounds > 1:
-            groups = _round_groups(process_group)
-            mine = dist.get_process_group_ranks(process_group)
-            while len(groups) < self.compressor.rounds:
-                for ranks in self.peer_sets:
-                    created = dist.new_group(ranks=ranks)
-                    if ranks == mine and isinstance(created, dist.ProcessGroup):
-                        groups.append(created)
+        if self.compressor is not None and process_group is not None and "backend" not in kwargs:
+            backend = PeerCollectives(process_group, self.peer_sets)
+            backend.ensure_rounds(self.compressor.rounds)
+            kwargs["backend"] = backend
         super().attach(device, process_group, *args, **kwargs)
         self._device = device
 
