@@ -11,6 +11,7 @@ from lightning_gradcomp.callbacks import PacTrain
 from lightning_gradcomp.compressors.base import BucketContext, Compressor, Layer
 from lightning_gradcomp.ddp import CompressedDDP, CompressionState, compression_hook
 from lightning_gradcomp.diloco import DiLoCo
+from lightning_gradcomp.diloco.sharded import ShardedDiLoCo
 from lightning_gradcomp.ft import TorchFT
 from lightning_gradcomp.transforms import Pufferfish
 
@@ -20,6 +21,7 @@ __version__ = "0.1.0.dev0"
 # third-party strategy itself); a name already taken (a user's own entry) is kept
 CompressedDDP.register_strategies(_StrategyRegistry)
 DiLoCo.register_strategies(_StrategyRegistry)
+ShardedDiLoCo.register_strategies(_StrategyRegistry)
 # CompressedDDP(compressor="auto") adds this callback when fitting; wired here, where both layers are known
 CompressedDDP.auto_callback = _AutoCompression
 
@@ -32,6 +34,7 @@ __all__ = [
     "Layer",
     "PacTrain",
     "Pufferfish",
+    "ShardedDiLoCo",
     "TorchFT",
     "callbacks",
     "compression_hook",

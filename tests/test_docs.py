@@ -116,6 +116,7 @@ DEFAULTS_PAGES = {
     "qsgd.md": "compressors.QSGD",
     "randomk.md": "compressors.RandomK",
     "scalecom.md": "compressors.ScaleCom",
+    "sharded_diloco.md": "ShardedDiLoCo",
     "signsgd.md": "compressors.SignSGD",
     "terngrad.md": "compressors.TernGrad",
     "topk.md": "compressors.TopK",
@@ -240,6 +241,7 @@ def test_the_strategy_names_check_sees_a_wrong_default_class_argument_or_name():
         "| `compressed_ddp_bf16` | `CompressedDDP(compressor=BF16())` |",
         '| `compressed_ddp_auto` | `CompressedDDP(compressor="auto")` |',
         '| `diloco` | `DiLoCo()` (`sync_every="auto"`) |',
+        "| `diloco_sharded` | `ShardedDiLoCo()` |",
     ]
     assert strategy_table_mismatches(table + "\n".join(right)) == []
     wrong = {

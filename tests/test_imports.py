@@ -109,9 +109,16 @@ MAY_IMPORT = {
 }
 #: folders that never import Lightning: the engine, the compressors and fault tolerance run on plain torch.distributed
 TORCH_ONLY = ("engine", "compressors", "ft")
-#: the modules of diloco/ that may import Lightning: its front door and the front door's monitor (the round, the
-#: memberships, the exchange and the merges are a torch-only core a second front door can drive)
-DILOCO_FRONT_DOORS = ["diloco/monitor.py", "diloco/strategy.py"]
+#: the modules of diloco/ that may import Lightning: the two front doors (DiLoCo over DDPStrategy, ShardedDiLoCo over
+#: ModelParallelStrategy with its mesh and checkpoint) and the monitor; the round, the memberships, the exchange and
+#: the merges are a torch-only core both drive
+DILOCO_FRONT_DOORS = [
+    "diloco/monitor.py",
+    "diloco/sharded.py",
+    "diloco/sharded_checkpoint.py",
+    "diloco/sharded_mesh.py",
+    "diloco/strategy.py",
+]
 
 
 def _folder(module: str) -> str:

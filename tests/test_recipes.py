@@ -8,7 +8,7 @@ import pytest
 import torch
 import yaml
 
-from lightning_gradcomp import CompressedDDP, DiLoCo
+from lightning_gradcomp import CompressedDDP, DiLoCo, ShardedDiLoCo
 from lightning_gradcomp.cli import GradcompCLI
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,7 +30,7 @@ def test_recipe_parses_and_instantiates(path, monkeypatch, tmp_path):
         config = yaml.safe_load(f)
     strategy = config["trainer"]["strategy"]
     if strategy["class_path"].endswith("DiLoCo"):
-        assert isinstance(cli.trainer.strategy, DiLoCo)
+        assert isinstance(cli.trainer.strategy, (DiLoCo, ShardedDiLoCo))
         assert cli.trainer.strategy.sync_every == strategy.get("init_args", {}).get("sync_every", "auto")
         fault_tolerance = strategy.get("init_args", {}).get("fault_tolerance")
         if fault_tolerance is not None:

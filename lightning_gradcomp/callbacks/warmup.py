@@ -14,6 +14,7 @@ from typing_extensions import override
 from lightning_gradcomp.compressors.dgc import WARMUP_RATIOS
 from lightning_gradcomp.ddp.strategy import CompressedDDP
 from lightning_gradcomp.diloco import DiLoCo
+from lightning_gradcomp.diloco.sharded import ShardedDiLoCo
 from lightning_gradcomp.validation import check_int, check_positive_int, check_ratio
 
 #: Deep Gradient Compression's warm-up densities (Lin et al., ICLR 2018): 75 %, 93.75 %, 98.4375 %, 99.6 % sparsity,
@@ -182,7 +183,7 @@ class DenseWarmup(Callback):
     # ------------------------------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if isinstance(trainer.strategy, DiLoCo):
+        if isinstance(trainer.strategy, (DiLoCo, ShardedDiLoCo)):
             if self.ramp is not None:
                 raise MisconfigurationException(
                     f"`DenseWarmup(ramp=...)` ramps a compressor's keep-ratio and needs CompressedDDP; with DiLoCo"
@@ -204,7 +205,7 @@ class DenseWarmup(Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         what = f"the first {self.length} {self.unit}" if self.length else "no"
-        if isinstance(trainer.strategy, DiLoCo):
+        if isinstance(trainer.strategy, (DiLoCo, ShardedDiLoCo)):
             rank_zero_info(f"DenseWarmup: plain data parallelism for {what}, then DiLoCo's rounds.")
             return
         ramp = f", then keep-ratios {list(self.ramp)} for {self.ramp_length} {self.unit} each" if self.ramp else ""
@@ -217,7 +218,7 @@ class DenseWarmup(Callback):
     ) -> None:
         position = trainer.current_epoch if self.epochs is not None else trainer.global_step
         compress, stage = self.phase(position)
-        if isinstance(trainer.strategy, DiLoCo):
+        if isinstance(trainer.strategy, (DiLoCo, ShardedDiLoCo)):
             trainer.strategy.synchronous = not compress
             return
         strategy = CompressedDDP.require(trainer, self)

@@ -54,7 +54,7 @@ def check_arguments(
     overlap_steps: Any,
     replica_group: Any,
     compressor: Any,
-    error: type[Exception] = ValueError,
+    error: type[Exception],
 ) -> None:
     """Refuse a bad schedule, outer optimizer, replica group or compressor in one line.
 
@@ -93,7 +93,7 @@ def check_arguments(
         )
 
 
-def check_schedule(sync_every: int, fragments: int, overlap_steps: int, error: type[Exception] = ValueError) -> None:
+def check_schedule(sync_every: int, fragments: int, overlap_steps: int, error: type[Exception]) -> None:
     """Refuse ``fragments`` that do not divide ``sync_every``, and an overlap longer than a period."""
     if sync_every % fragments:
         raise error(
@@ -102,9 +102,7 @@ def check_schedule(sync_every: int, fragments: int, overlap_steps: int, error: t
     check_int(overlap_steps, "overlap_steps", low=0, high=sync_every // fragments, error=error)
 
 
-def check_merge(
-    overlap_steps: int, merge: Any, mixing_factor: Any, error: type[Exception] = ValueError
-) -> tuple[str, float]:
+def check_merge(overlap_steps: int, merge: Any, mixing_factor: Any, error: type[Exception]) -> tuple[str, float]:
     """The overlap's merge and mixing factor, with the defaults filled in; refused where they would be ignored.
 
     Raises:
@@ -133,7 +131,7 @@ def check_merge(
 
 
 def outer_optimizer_of(
-    value: Any, error: type[Exception] = ValueError
+    value: Any, error: type[Exception]
 ) -> tuple[Callable[[Iterable[Tensor]], Optimizer] | None, str | None]:
     """``outer_optimizer`` as a callable of the parameters, and a note when a bare optimizer class was given.
 
@@ -161,7 +159,7 @@ def outer_optimizer_of(
     return value, None
 
 
-def check_fit(optimizers: int, params: int, fragments: int, error: type[Exception] = ValueError) -> None:
+def check_fit(optimizers: int, params: int, fragments: int, error: type[Exception]) -> None:
     """Refuse, when fitting starts, more than one inner optimizer or fewer parameter tensors than ``fragments``."""
     if optimizers != 1:
         raise error(

@@ -1,0 +1,209 @@
+"""The meshes and process groups of DiLoCo over FSDP2-sharded replica groups, and the checks that keep them right.
+
+DiLoCo (Douillard et al. 2023, arXiv 2311.08105) with each worker a replica group of ``S`` processes that shard the
+model with FSDP2, as INTELLECT-1 (Jaghouar et al. 2024, arXiv 2412.01152) and torchft run it: the inner steps run
+FSDP2 on the group's own 1-D mesh, the outer state is each rank's local shards, and the pseudo-gradient is averaged
+over the ranks that hold the same shard in every group. The device mesh is ``("diloco", "data_parallel",
+"tensor_parallel")`` = ``(G, S, 1)``: ``mesh["data_parallel"]`` is the group's own, ``mesh["diloco"]`` the same-shard
+ranks of every group.
+
+Two traps are avoided here. torch's native HSDP cannot skip its cross-group reduction on inner steps:
+``set_requires_all_reduce(False)`` on a 2-D mesh leaves ``.grad`` as ``None`` (FSDP2 keeps the reduce-scattered
+gradient in a private buffer), so inner steps would silently do nothing; :func:`check_sharded_parameters` refuses any
+parameter not sharded on the group's 1-D mesh, and :func:`checking_gradients` any trained parameter left without a
+gradient. And every rank reads its own part of the data (the strategy's sampler), not its part of its group's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from lightning_gradcomp.compressors.base import Compressor
+from lightning_gradcomp.diloco.round import split_fragments
+
+__all__ = [
+    "GROUP_DIMS",
+    "announce",
+    "broadcast_from_first_group",
+    "build_mesh",
+    "check_refused",
+    "check_sharded_parameters",
+    "check_whole_matrix",
+    "checking_gradients",
+    "global_fragments",
+    "local_shards",
+    "sharded_group_size",
+]
+
+#: the mesh's dimensions: replica groups (DiLoCo's workers), FSDP2 inside a group, tensor parallelism (size 1)
+GROUP_DIMS = ("diloco", "data_parallel", "tensor_parallel")
+_ACCEPTED = '"node" (the ranks of a node) or an integer >= 1 (ranks per group)'
+#: compressors that need whole matrices (a low-rank factorization, a learned autoencoder): on a shard they would
+#: compress a different operator than DiLoCo's, so they are refused rather than silently changed
+_WHOLE_MATRIX = ("PowerSGD", "LGC", "LGCAllReduce")
+
+
+def sharded_group_size(replica_group: Any, world_size: int, num_nodes: int) -> int:
+    """Ranks per replica group ``S``: the processes of a node for ``"node"``, else ``replica_group``.
+
+    Raises:
+        MisconfigurationException: If ``replica_group`` is neither, or ``S`` does not divide ``world_size``.
+    """
+    ok = replica_group == "node" or (
+        isinstance(replica_group, int) and not isinstance(replica_group, bool) and replica_group >= 1
+    )
+    if not ok:
+        raise MisconfigurationException(f"Expected `replica_group` to be {_ACCEPTED}, got {replica_group!r}.")
+    size = world_size // max(num_nodes, 1) if replica_group == "node" else int(replica_group)
+    if size < 1 or world_size % size:
+        raise MisconfigurationException(
+            f"Expected `replica_group` to divide the {world_size} processes into equal groups, got {size} ranks per"
+            " group."
+        )
+    return size
+
+
+def check_whole_matrix(compressor: Compressor | None) -> None:
+    """Refuse a compressor that needs whole matrices: each rank holds a shard of every parameter."""
+    if compressor is not None and type(compressor).__name__ in _WHOLE_MATRIX:
+        raise MisconfigurationException(
+            "Expected `compressor` to be element- or block-wise (e.g. MinMax, SparseLoCo, TopK, QSGD) or None: each"
+            f" rank compresses its own shard with no all-gather, got {type(compressor).__name__}, which needs whole"
+            " matrices."
+        )
+
+
+def build_mesh(device_type: str, groups: int, size: int) -> DeviceMesh:
+    """The ``(G, S, 1)`` mesh of :data:`GROUP_DIMS` (a collective: every rank makes every group, in order).
+
+    Ranks ``g*S .. g*S+S-1`` are group ``g``: Lightning numbers a node's ranks consecutively.
+    """
+    return init_device_mesh(device_type, (groups, size, 1), mesh_dim_names=GROUP_DIMS)
+
+
+def check_sharded_parameters(named: Sequence[tuple[str, Tensor]], group_mesh: DeviceMesh) -> None:
+    """Refuse a trained parameter that is not an FSDP2 shard on the group's own 1-D mesh, in one line.
+
+    A plain tensor would get no in-group gradient average (the group's replicas drift apart); one on another mesh
+    (a 2-D HSDP mesh, or one spanning several groups) would be reduced across groups at every inner step, or with
+    ``set_requires_all_reduce(False)`` keep no ``.grad`` at all.
+    """
+    ranks = sorted(group_mesh.mesh.flatten().tolist())
+    for name, p in named:
+        if not isinstance(p, DTensor):
+            raise MisconfigurationException(
+                f"ShardedDiLoCo: expected every trained parameter sharded by `fully_shard(...,"
+                f" mesh=self.device_mesh['data_parallel'])` in `configure_model`, got `{name}` as a plain tensor."
+            )
+        mesh = p.device_mesh
+        if mesh.ndim != 1 or sorted(mesh.mesh.flatten().tolist()) != ranks:
+            raise MisconfigurationException(
+                f"ShardedDiLoCo: expected `{name}` sharded on the replica group's own 1-D mesh"
+                f" `self.device_mesh['data_parallel']` (ranks {ranks}), got a {mesh.ndim}-D mesh over ranks"
+                f" {sorted(mesh.mesh.flatten().tolist())}: native HSDP reduces across groups at every step, and with"
+                " set_requires_all_reduce(False) leaves `.grad` None."
+            )
+
+
+def local_shards(params: Sequence[Tensor]) -> list[Tensor]:
+    """Each parameter's local shard, sharing storage with it (what the round reads and writes in place).
+
+    Detached: ``to_local()`` is a view made by a custom autograd function, and autograd forbids reading such a view
+    in grad mode once it was written in place (the round writes theta_global into it, then checks it is finite).
+    """
+    return [(p.to_local() if isinstance(p, DTensor) else p).detach() for p in params]
+
+
+def global_fragments(params: Sequence[Tensor], fragments: int) -> list[list[int]]:
+    """Streaming DiLoCo's fragments cut by the whole parameters' sizes, the same on every rank and as ``DiLoCo``'s.
+
+    The round would cut them by the local shards' sizes, which differ between the ranks of a group when a
+    parameter's rows do not divide evenly.
+    """
+    return split_fragments([p.numel() for p in params], fragments)
+
+
+def broadcast_from_first_group(shards: Sequence[Tensor], buffers: Sequence[Tensor], peers: Any) -> None:
+    """Start every group from group 0's parameters (shard by shard) and every rank from rank 0's buffers.
+
+    What DDP's wrapper does at construction: FSDP2 keeps each rank's own initialization of its shard, so groups
+    seeded differently would start DiLoCo from different theta_global.
+    """
+    source = dist.get_global_rank(peers, 0)
+    with torch.no_grad():
+        for t in shards:
+            dist.broadcast(t, src=source, group=peers)
+        for b in buffers:
+            dist.broadcast(b, src=0)
+
+
+def checking_gradients(closure: Callable[[], Any], named: Sequence[tuple[str, Tensor]]) -> Callable[[], Any]:
+    """``closure`` (forward and backward), then refuse a backward that left every trained parameter without ``.grad``.
+
+    FSDP2 on an HSDP mesh with ``set_requires_all_reduce(False)`` (or with gradient sync off) keeps the reduced
+    gradient in its own buffers: the inner step would silently do nothing. One unused parameter without a gradient is
+    a module's own business (the inner optimizer skips it).
+    """
+
+    def run() -> Any:
+        output = closure()
+        missing = [name for name, p in named if p.grad is None]
+        if missing and len(missing) == len(named):
+            raise MisconfigurationException(
+                f"ShardedDiLoCo: after backward `{missing[0]}` has no gradient ({len(missing)} parameters in all):"
+                " FSDP2 must run on `self.device_mesh['data_parallel']` with its cross-group reduction left on."
+            )
+        return output
+
+    return run
+
+
+def named_trained(module: nn.Module) -> list[tuple[str, Tensor]]:
+    """The module's trained parameters with their names (FSDP2 adds no prefix)."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+
+
+def check_refused(replica_group: Any, fault_tolerance: Any, tensor_parallel_size: Any, distributed: Any) -> None:
+    """Refuse, in one line each, what ``ShardedDiLoCo`` does not do yet."""
+    if isinstance(replica_group, bool) or not (
+        replica_group == "node" or (isinstance(replica_group, int) and replica_group >= 1)
+    ):
+        raise MisconfigurationException(
+            f'Expected `replica_group` to be "node" (the ranks of a node) or an integer >= 1 (ranks per group), got'
+            f" {replica_group!r}."
+        )
+    if fault_tolerance is not None:
+        raise MisconfigurationException(
+            "Expected `fault_tolerance=None`: fault tolerance with sharded replica groups is not available yet (use"
+            f" DiLoCo(fault_tolerance=...) with unsharded groups), got {fault_tolerance!r}."
+        )
+    if tensor_parallel_size not in ("auto", 1) or isinstance(tensor_parallel_size, bool):
+        raise MisconfigurationException(
+            "Expected `tensor_parallel_size` to be 'auto' or 1: tensor parallelism inside a replica group is not"
+            f" available yet, got {tensor_parallel_size!r}."
+        )
+    if distributed is not True:
+        raise MisconfigurationException(
+            "Expected `save_distributed_checkpoint=True`: the outer state is saved sharded in the distributed"
+            f" checkpoint folder, got {distributed!r}."
+        )
+
+
+def announce(strategy: Any, numel: int, notes: Sequence[str | None]) -> None:
+    """The line logged once set up (what is synced, how often, over which groups), then the preflight warnings."""
+    rank_zero_info(
+        f"ShardedDiLoCo: {numel:,} parameters synced every {strategy.sync_every} optimizer steps;"
+        f" {strategy.groups} replica groups of {strategy.group_size} FSDP2 shards ({strategy.world_size} processes)."
+    )
+    for line in notes:
+        if line is not None:
+            rank_zero_warn(line)
