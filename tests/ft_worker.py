@@ -48,9 +48,26 @@ PAUSE_S = 240.0  # a restarted group is up long before that, even on a loaded ma
 class ShardNet(TinyNet):
     """TinyNet that reads shard ``shard`` of ``shards`` (what Lightning's sampler gives rank ``shard`` of a job)."""
 
-    def __init__(self, shard: int | None, shards: int, lightning_sampler: bool = False) -> None:
+    def __init__(
+        self, shard: int | None, shards: int, lightning_sampler: bool = False, mask: str | None = None
+    ) -> None:
         super().__init__(n=256, batch_size=8)
         self.shard, self.shards, self.lightning_sampler = shard, shards, lightning_sampler
+        if mask is not None:  # a constant causal mask buffer mixing the logits: float 0/-inf, or its bool twin
+            causal = torch.triu(torch.ones(10, 10, dtype=torch.bool), diagonal=1)
+            value = causal if mask == "bool" else torch.zeros(10, 10).masked_fill(causal, float("-inf"))
+            self.register_buffer("mask", value, persistent=False)
+        self.masked = mask is not None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.net(x)
+        if not self.masked:
+            return logits
+        if self.mask.dtype == torch.bool:
+            scores = torch.zeros(10, 10).masked_fill(self.mask, float("-inf"))
+        else:
+            scores = torch.zeros(10, 10) + self.mask
+        return logits + 0.1 * logits @ scores.softmax(-1).T
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
@@ -107,6 +124,8 @@ class Record(Callback):
                 "heals": getattr(members, "heals", 0),
                 "participants": getattr(members, "contributors", 0),
                 "lr": trainer.optimizers[0].param_groups[0]["lr"],
+                "loss": float(outputs["loss"]) if isinstance(outputs, dict) and "loss" in outputs else None,
+                "skipped": outer.skipped,
                 "batch": batch[0].flatten(1)[:, 0].tolist(),  # a fingerprint of each sample the step read
             }
         )
@@ -206,6 +225,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--resume", action="store_true", help="resume from OUTDIR/ckpt-NAME/last.ckpt")
     parser.add_argument("--warmup-steps", type=int, help="DenseWarmup(steps=N): dense steps before the rounds")
     parser.add_argument("--lightning-sampler", action="store_true", help="a plain shuffled loader, Lightning's sampler")
+    parser.add_argument("--mask", choices=("float", "bool"), help="a constant causal mask buffer of that dtype")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     # before the fit: a group whose manager heartbeats without asking would hold the others' first quorum, a valid
@@ -231,7 +251,7 @@ def main(argv: list[str]) -> None:
         callbacks=[Record(args), *saving, *([DenseWarmup(steps=args.warmup_steps)] if args.warmup_steps else [])],
     )
     trainer.fit(
-        ShardNet(shard, args.shards, args.lightning_sampler),
+        ShardNet(shard, args.shards, args.lightning_sampler, args.mask),
         ckpt_path=os.path.join(ckpt_dir, "last.ckpt") if args.resume else None,
     )
 

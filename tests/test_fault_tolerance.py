@@ -89,6 +89,41 @@ def killed_between_syncs(tmp_path_factory):
     return outdir, killed, codes
 
 
+@pytest.fixture(scope="module")
+def masked_twins(tmp_path_factory):
+    """2 groups of a model with a constant float ``-inf`` causal mask buffer, then the same 2 groups with its bool twin
+    (the same float scores at every step), each pair with a lighthouse of its own."""
+    outdirs, codes = {}, {}
+    for mask in ("float", "bool"):
+        outdir = outdirs[mask] = tmp_path_factory.mktemp(f"ft-{mask}")
+        port = free_port()
+        common = ["--lighthouse", f"http://127.0.0.1:{port}", "--steps", "12", "--sync-every", "4", "--mask", mask]
+        started = [_cli_lighthouse(outdir, port)]
+        try:
+            groups = {g: launch(outdir, g, *common, "--start-replicas", "2") for g in ("0", "1")}
+            started += list(groups.values())
+            codes.update({(mask, g): _wait(proc, outdir, g) for g, proc in groups.items()})
+            started[0].send_signal(signal.SIGTERM)
+            _wait(started[0], outdir, "lighthouse")
+        finally:
+            for proc in started:
+                if proc.poll() is None:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    return outdirs, codes
+
+
+def test_a_float_mask_buffer_trains_as_its_bool_twin_across_groups(masked_twins):
+    outdirs, codes = masked_twins
+    assert set(codes.values()) == {0}, _output(outdirs["float"], "0")[-3000:]
+    for g in ("0", "1"):
+        floats, bools = load(outdirs["float"], f"{g}-0")["steps"], load(outdirs["bool"], f"{g}-0")["steps"]
+        assert floats[-1]["skipped"] == 0, "no round skipped"
+        assert floats[-1]["syncs"] == bools[-1]["syncs"] == 3
+        assert [s["loss"] for s in floats] == [s["loss"] for s in bools]
+        assert torch.equal(floats[-1]["global"], bools[-1]["global"])
+
+
 def test_no_failure_is_plain_diloco_bitwise_and_a_death_between_syncs_costs_the_survivor_nothing(killed_between_syncs):
     outdir, killed, codes = killed_between_syncs
     assert killed == -signal.SIGKILL
