@@ -136,6 +136,8 @@ def test_no_failure_is_plain_diloco_bitwise_and_a_death_between_syncs_costs_the_
         assert torch.equal(survivor[i]["global"], plain[i]["global"]), f"step {i + 1}: theta_global"
         assert torch.equal(survivor[i]["params"], plain[i]["params"]), f"step {i + 1}: the local parameters"
     assert [survivor[i]["participants"] for i in (3, 7, 11)] == [2, 2, 1], "the sync of step 12 had group 0 alone"
+    assert "(1 contributing; left: 1)." in _output(outdir, "0"), "the survivor names the group that left"
+    assert "; joined: 1)." in _output(outdir, "0"), "and the one that came back"
     assert not torch.equal(survivor[11]["global"], plain[11]["global"]), "one pseudo-gradient, not two"
     assert torch.isfinite(survivor[11]["global"]).all()
     assert survivor[-1]["discarded"] == 0, "a group that dies between syncs costs the others no round"

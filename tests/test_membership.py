@@ -189,9 +189,14 @@ def _quorums(members, **kwargs) -> Quorums:
 
 
 def test_a_quorum_counts_its_contributors_and_finds_the_leaders_place():
-    members = [(Member(2, True, 5), _OURS), (Member(2, False, 3), _OURS), (Member(None, False, 5), _OURS)]
+    members = [
+        (Member(2, True, 5, name=0), _OURS),
+        (Member(2, False, 3, name=4), _OURS),
+        (Member(None, False, 5), _OURS),
+    ]
     sync = _quorums(members).enter(2)
     assert (sync.place, sync.contributors, sync.members, sync.top_step) == (2, 1, 3, 5)
+    assert sync.names == (0, 4, -1)
     assert sync.changed
     assert not sync.failed
     assert not sync.skip
@@ -216,3 +221,20 @@ def test_an_unchanged_quorum_asks_nothing_of_the_members():
     assert not sync.changed
     assert sync.place == 0
     assert sync.contributes
+
+
+def test_the_quorum_line_names_the_groups_that_joined_or_left():
+    from lightning_gradcomp.diloco.elastic import TorchFTMembership
+    from lightning_gradcomp.ft.quorums import Sync
+
+    lines: list[str] = []
+    membership = TorchFTMembership(TorchFT(lighthouse="http://127.0.0.1:1", replica_group_id="0"), info=lines.append)
+    quorum = SimpleNamespace(peer_state=None)
+    for names in [(0, 1, 2), (0, 2), (0, 2, 3)]:
+        membership.quorums.enter = lambda code, names=names: Sync(
+            quorum, 0, True, len(names), len(names), changed=True, names=names
+        )
+        membership._quorum(0)
+    assert lines[0].endswith("(3 contributing).")
+    assert lines[1].endswith("(2 contributing; left: 1).")
+    assert lines[2].endswith("(3 contributing; joined: 3).")

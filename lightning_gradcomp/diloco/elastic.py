@@ -87,6 +87,7 @@ class TorchFTMembership(Membership):
         self._open: Sync | None = None  # a quorum opened for the sync to come (the join's)
         self._restored_step: dict[str, int] | None = None
         self._last_line = ""
+        self._named: set[int] | None = None  # the members' integer names at the last quorum whose members changed
 
     @property
     def session(self) -> Session | None:
@@ -211,12 +212,25 @@ class TorchFTMembership(Membership):
             healed = "; this one healed" if sync.quorum.peer_state is not None else ""
             line = (
                 f"DiLoCo: replica group '{self.config.name}' in a quorum of {sync.members} groups at sync"
-                f" {sync.top_step}, at {Place.of(sync.place)} ({sync.contributors} contributing{healed})."
+                f" {sync.top_step}, at {Place.of(sync.place)} ({sync.contributors} contributing{healed}"
+                f"{self._moves(sync)})."
             )
             if line != self._last_line:
                 self.info(line)
                 self._last_line = line
         return sync
+
+    def _moves(self, sync: Sync) -> str:
+        """Which groups joined or left since the last quorum whose members changed, by their integer names."""
+        now = {name for name in sync.names if name >= 0}
+        before, self._named = self._named, now
+        if before is None or len(now) < len(sync.names):
+            return ""
+        joined, left = sorted(now - before), sorted(before - now)
+        words = [f"joined: {', '.join(map(str, joined))}"] * bool(joined) + [
+            f"left: {', '.join(map(str, left))}"
+        ] * bool(left)
+        return "; " + "; ".join(words) if words else ""
 
     def vote(self, part: Participation, reason: str) -> str:
         """Torchft's commit vote: ``""`` when every group commits; this group's own reason, or the failure's."""

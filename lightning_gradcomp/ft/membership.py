@@ -64,17 +64,19 @@ class Member:
         contributes: whether its contribution counts in the average.
         step: torchft's step as it asked for the quorum (before a heal).
         veteran: it was in an earlier quorum of this lighthouse.
+        name: the group's name when it is an integer (``REPLICA_GROUP_ID=3``), else -1: what the logs call it.
     """
 
     place: int | None
     contributes: bool
     step: int
     veteran: bool = False
+    name: int = -1
 
     def row(self, fingerprint: Fingerprint) -> Tensor:
         """The row it all-gathers: its place, then the fingerprint's codes."""
         where = [int(self.place is not None), self.place or 0]
-        values = [*where, int(self.contributes), self.step, int(self.veteran)]
+        values = [*where, int(self.contributes), self.step, int(self.veteran), self.name]
         return torch.tensor([*values, *fingerprint.codes()], dtype=torch.int64)
 
     @staticmethod
@@ -82,4 +84,4 @@ class Member:
         """A gathered row back as a :class:`Member` and its fingerprint's codes."""
         values = [int(v) for v in row.tolist()]
         place = values[1] if values[0] else None
-        return Member(place, bool(values[2]), values[3], bool(values[4])), values[5:]
+        return Member(place, bool(values[2]), values[3], bool(values[4]), values[5]), values[6:]

@@ -43,6 +43,7 @@ class Sync:
         failed: why this sync cannot commit here (``""``: it can).
         skip: no member runs the exchange (every member saw the same reason not to): nothing waits for a peer.
         changed: the members changed at this quorum (they compared their settings and places).
+        names: the members' integer names (-1 for a name that is not one), when they changed.
     """
 
     quorum: Quorum
@@ -55,6 +56,7 @@ class Sync:
     failed: str = ""
     skip: bool = False
     changed: bool = False
+    names: tuple[int, ...] = ()
 
 
 class Quorums:
@@ -106,11 +108,13 @@ class Quorums:
             return sync  # the same members as at the last sync: all at this place, none healing
         sync.changed = True
         veteran = self._first_quorum < quorum_id
-        rows = session.all_gather(Member(place, contributes, before, veteran).row(self.fingerprint))
+        name = self.config.group_index if self.config.group_index is not None else -1
+        rows = session.all_gather(Member(place, contributes, before, veteran, name).row(self.fingerprint))
         if rows is None:
             sync.failed, sync.skip = "the members' check failed (a group left during it)", True
             return sync
         members = [Member.of(row) for row in rows]
+        sync.names = tuple(member.name for member, _ in members)
         top = sync.top_step = max(member.step for member, _ in members)
         sync.new_in_a_used_lighthouse = quorum_id > 1 and not any(member.veteran for member, _ in members)
         leaders = [(member, codes) for member, codes in members if member.step == top]
