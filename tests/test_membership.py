@@ -122,6 +122,22 @@ def test_a_member_that_does_not_contribute_sends_zeros_and_applies_the_others_st
         assert torch.equal(p.detach(), g), "the fragment set to theta_global (no local work merged)"
 
 
+def test_identical_first_pseudo_gradients_are_warned_about():
+    """Two contributors whose average equals this worker's own pseudo-gradient trained on the same batches (one
+    process stands for both here: its average is its own); one contributor, or a later sync, says nothing."""
+    twins = Participation(Place(0), contributors=2, members=2)
+    round, model, optimizer = _round(Scripted(part=twins))
+    with pytest.warns(UserWarning, match="the 2 workers' first pseudo-gradients are identical"):
+        _train(round, model, optimizer, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(round, model, optimizer, 2)  # the second sync: not checked again
+        alone, model, optimizer = _round(Membership())
+        _train(alone, model, optimizer, 2)
+    assert round.syncs == 2
+    assert alone.syncs == 1
+
+
 def test_no_contributor_discards_the_sync():
     part = Participation(Place(0), contributes=False, contributors=0, members=1)
     membership = Scripted(part=part)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -106,4 +107,24 @@ def stale_weights(steps_since_sync: int, in_flight: bool, checkpoint: bool) -> s
     return (
         f"DiLoCo: validation runs on theta_global of the last sync ({steps_since_sync} inner steps ago{flight}); the"
         " workers' progress since is in the next outer step."
+    )
+
+
+def same_data(averaged: Sequence[torch.Tensor], pending: Any, part: Any) -> str | None:
+    """A warning when the first sync's average equals this worker's own pseudo-gradient over several contributors.
+
+    Then every worker trained on the same batches, and DiLoCo's average is one worker's training at several times
+    the cost: a fault-tolerant group whose data is not split, ``use_distributed_sampler=False`` or an
+    ``IterableDataset`` read the same way everywhere. A pseudo-gradient of zeros (nothing trained) says nothing.
+    """
+    own = pending.contribution
+    if part.contributors < 2 or not part.contributes or not any(bool(t.abs().sum() > 0) for t in own):
+        return None
+    if not all(torch.allclose(a, o, rtol=1e-5, atol=0.0) for a, o in zip(averaged, own, strict=True)):
+        return None
+    return (
+        f"DiLoCo: the {part.contributors} workers' first pseudo-gradients are identical: they trained on the same"
+        " batches, and their average is one worker's training at several times the cost. Give each its own part of"
+        " the data (Lightning's sampler does unless `use_distributed_sampler=False`; an IterableDataset is split by"
+        " hand; fault-tolerant groups: an integer REPLICA_GROUP_ID below `TorchFT(num_groups=...)`)."
     )

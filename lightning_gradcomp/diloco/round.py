@@ -29,6 +29,7 @@ from lightning_gradcomp.diloco.defaults import default_outer_optimizer
 from lightning_gradcomp.diloco.exchange import InFlight, OuterExchange
 from lightning_gradcomp.diloco.membership import DIVERGED, Job, Membership, Place, Start
 from lightning_gradcomp.diloco.merge import eager_estimate, mix_into, others_share, tentative_step
+from lightning_gradcomp.diloco.preflight import same_data
 from lightning_gradcomp.diloco.replicas import ReplicaGroups, averaging_in
 from lightning_gradcomp.diloco.round_state import Pending
 from lightning_gradcomp.diloco.weights import (
@@ -231,7 +232,8 @@ class Round:
                     flat.zero_()
             if self.exchange.replicas is not None and self.exchange.replicas.peers is None:
                 self.exchange.replicas.count = part.members  # two levels across jobs: the groups in the quorum
-            contribution = [f.clone() for f in flats] if remaining else None
+            first = not self.syncs and self.exchange.compressor is None  # kept for same_data's check too
+            contribution = [f.clone() for f in flats] if remaining or first else None
             self.pending = Pending(fragment, remaining, self.exchange.start(flats, layouts), contribution, part)
         if not remaining:
             self.finish(optimizers)
@@ -264,6 +266,8 @@ class Round:
             for tensor in (*averaged, *buffers):
                 if part.scale != 1:
                     tensor.mul_(part.scale)
+            if not self.syncs and pending.contribution is not None and (note := same_data(averaged, pending, part)):
+                self.warn(note)
             if part.contributes and pending.contribution is not None and self.merge == "eager":
                 before = self._eager_step(pending)  # before the outer step, which may change the average in place
                 others = others_share(averaged, pending.contribution, part.contributors)
