@@ -175,8 +175,8 @@ class DiLoCo(_RoundCheckpoints):
     gradients; nothing crosses the wire between syncs (the model is not wrapped in ``DistributedDataParallel``). Every
     ``sync_every`` optimizer steps the workers average the pseudo-gradient ``theta_global - theta_local`` (theta_global:
     the parameters every worker started the round from) with one all-reduce, the outer optimizer steps theta_global
-    with ``.grad`` set to that average, every worker is set to the new theta_global, and floating-point buffers
-    (BatchNorm's running statistics) are averaged.
+    with ``.grad`` set to that average, every worker is set to the new theta_global, and the floating-point buffers
+    training changed (BatchNorm's running statistics; not a constant mask) are averaged.
 
     After ``fit`` every rank holds theta_global (a partial last round ends with an outer step). Validation during
     ``fit`` runs on theta_global, and a checkpoint's ``state_dict`` holds it; the outer state goes into
