@@ -10,6 +10,7 @@ the batches it read, theta_global (whole, gathered inside the group) and the mod
 """
 
 import faulthandler
+import math
 import os
 import subprocess
 import sys
@@ -45,13 +46,23 @@ class ShardNet(pl.LightningModule):
     of its own instead (the trap ``ShardedDiLoCo`` refuses).
     """
 
-    def __init__(self, inner: str = "adamw", mesh: str = "group", nan_step: int | None = None, width: int = 16) -> None:
+    def __init__(
+        self,
+        inner: str = "adamw",
+        mesh: str = "group",
+        nan_step: int | None = None,
+        width: int = 16,
+        mask: str | None = None,
+    ) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(
             nn.Linear(8, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(), nn.Linear(width, 5)
         )
         self.inner, self.mesh_kind, self.nan_step = inner, mesh, nan_step
+        self.masked = mask is not None  # a constant causal mask mixing the outputs: float 0/-inf, or its bool twin
+        causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), diagonal=1)
+        self.register_buffer("mask", causal if mask == "bool" else torch.zeros(5, 5).masked_fill(causal, -math.inf))
         self.batches: list[list[int]] = []
         self.validated: list[Tensor] = []  # the model validation saw (whole), at every validation step
 
@@ -69,7 +80,11 @@ class ShardNet(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         index, x, y = batch
         self.batches.append(index.tolist())
-        return nn.functional.mse_loss(self.net(x), y)
+        out = self.net(x)
+        if self.masked:
+            scores = torch.zeros(5, 5).masked_fill(self.mask, -math.inf) if self.mask.dtype == torch.bool else self.mask
+            out = out + 0.1 * out @ (torch.zeros(5, 5) + scores).softmax(-1).T
+        return nn.functional.mse_loss(out, y)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self.validated.append(torch.cat([whole(p).flatten() for p in self.parameters()]))
@@ -163,6 +178,8 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
     "sharded-h2-val3": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {}, {"val_every": 3}),
     # rank 1's shards (only) not finite at the sync of step 4: every rank of every group skips that outer step
     "sharded-h2-nan4": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {"nan_step": 4}, {}),
+    "sharded-h2-mask": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {"mask": "float"}, {}),
+    "sharded-h2-boolmask": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {"mask": "bool"}, {}),
     # checkpoints after every epoch of 4 steps: one step into a round of 3; with an exchange in flight (Streaming
     # DiLoCo's overlap, a compressor's residuals); the first resumed on 2 x 1
     "sharded-h3": (_sharded(sync_every=3, outer_optimizer=PAPER_OUTER), {}, {"save": True}),

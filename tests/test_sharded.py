@@ -31,7 +31,7 @@ CHECKPOINTS = [
     "sharded-h4-streaming+sharded-h4-streaming",
 ]
 WARMUP = ["sharded-h2-w3", "diloco-h2-g2-w3"]
-EXTRAS = ["sharded-h2-offload", "sharded-h2-val3", "sharded-h2-nan4"]
+EXTRAS = ["sharded-h2-offload", "sharded-h2-val3", "sharded-h2-nan4", "sharded-h2-mask", "sharded-h2-boolmask"]
 
 
 def _launch(tmp_path_factory, devices: int, runs: list[str], copied: tuple = ()) -> dict:
@@ -140,6 +140,16 @@ def test_a_shard_that_is_not_finite_skips_the_outer_step_on_every_shard_of_every
         assert bool(rank["final"].isfinite().all())
         torch.testing.assert_close(rank["final"], ranks[0]["final"], rtol=0, atol=0)
     assert not torch.equal(ranks[0]["steps"][5]["global"], ranks[0]["steps"][3]["global"]), "training goes on"
+
+
+def test_a_float_mask_buffer_trains_as_its_bool_twin(extras):
+    """A constant float ``-inf`` mask buffer (not sharded: FSDP2 leaves buffers whole) skips no round and trains as
+    its bool twin, on every rank."""
+    floats, bools = extras["records"]["sharded-h2-mask"], extras["records"]["sharded-h2-boolmask"]
+    for mine, twin in zip(floats, bools, strict=True):
+        assert mine["skipped"] == 0
+        torch.testing.assert_close(mine["final"], twin["final"], rtol=0, atol=0)
+        assert not torch.equal(mine["steps"][-1]["global"], mine["steps"][0]["global"]), "theta_global moved"
 
 
 def test_every_rank_reads_its_own_batches_and_the_groups_read_disjoint_data(parity):
