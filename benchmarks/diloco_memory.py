@@ -100,7 +100,7 @@ def measure(offload: bool, args: argparse.Namespace) -> dict[str, Any]:
     pieces = {
         "model parameters (the rank's replica)": _piece(model.parameters()),
         "inner optimizer state (AdamW)": _piece(_tensors(list(trainer.optimizers[0].state.values()))),
-        "theta_global (and the buffers of the last sync)": _piece([*outer.params, *outer.buffers]),
+        "theta_global (and the buffers of the last sync)": _piece([*outer.params, *outer.weights_of().buffers]),
         "outer optimizer state (Nesterov momentum)": _piece(_tensors(list(outer.optimizer.state.values()))),
         "error-feedback residuals (SparseLoCo)": _piece(_tensors(outer.exchange.residuals.state_dict())),
     }

@@ -3,7 +3,7 @@
 ``overhead``: the same small GPT (vocab 256, 32 positions, 2 blocks of width 64, 2 heads: 118,528 parameters, the
 model of ../shared/docs/torchft-side-by-side.md) for ``--rounds`` rounds of ``--sync-every`` steps, as plain
 ``DiLoCo`` on 2 processes of one job and as 2 replica groups of one process each on a lighthouse. Each sync's cost is
-the time of the round's ``after_inner_step`` call that runs it (the quorum, the members' check when they changed, the
+the time of the round's ``send`` call that runs it (the quorum, the members' check when they changed, the
 exchange, the commit vote, the outer step), median over the rounds after the first; plus the quorum's own time.
 
 ``soak``: ``--groups`` replica groups (3) on the language task (``TextDataModule``: Python's standard library as
@@ -83,16 +83,16 @@ def _log_callback(args: argparse.Namespace, launched: float) -> Any:
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.fit_started = time.time()
             round = trainer.strategy.outer_state
-            real = round.after_inner_step
+            members, real = round.membership, round.send
 
-            def timed(optimizers: Any) -> None:
-                start, before = time.perf_counter(), round.syncs + getattr(round, "discarded", 0)
-                real(optimizers)
-                if round.syncs + getattr(round, "discarded", 0) != before:
+            def timed(fragment: int, optimizers: Any, overlap: int | None = None) -> None:
+                start, before = time.perf_counter(), round.syncs + members.discarded
+                real(fragment, optimizers, overlap)
+                if round.syncs + members.discarded != before:
                     self.sync_s.append(time.perf_counter() - start)
 
-            round.after_inner_step = timed
-            session = getattr(round, "session", None)
+            round.send = timed
+            session = getattr(members, "session", None)
             if session is not None:
                 real_quorum, real_vote = session.quorum, session.should_commit
 
@@ -111,8 +111,9 @@ def _log_callback(args: argparse.Namespace, launched: float) -> Any:
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             round = trainer.strategy.outer_state
-            session = getattr(round, "session", None)
-            heals = getattr(round, "heals", 0)
+            members = round.membership
+            session = getattr(members, "session", None)
+            heals = getattr(members, "heals", 0)
             line = {
                 "t": time.time(),
                 "launched": launched,
@@ -122,10 +123,10 @@ def _log_callback(args: argparse.Namespace, launched: float) -> Any:
                 "step": trainer.global_step,
                 "ft": session.step if session is not None else round.syncs,
                 "syncs": round.syncs,
-                "discarded": getattr(round, "discarded", 0),
+                "discarded": members.discarded,
                 "heals": heals,
-                "heal_s": getattr(round, "heal_seconds", 0.0),
-                "contributors": getattr(round, "contributors", 0),
+                "heal_s": getattr(members, "heal_seconds", 0.0),
+                "contributors": getattr(members, "contributors", 0),
                 "inner": not (heals and trainer.global_step == self._first_step(trainer)),
                 "phase": round.phase,
             }
