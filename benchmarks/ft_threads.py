@@ -67,8 +67,7 @@ def group(args: argparse.Namespace) -> None:
 
 
 def _run(mode: str, args: argparse.Namespace, outdir: str) -> dict[str, Any]:
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from elastic import _free_port, _lighthouse, _stop  # the fault-tolerance benchmark's launch helpers
+    from elastic import _free_port, _lighthouse, _stop  # the fault-tolerance benchmark's (run as a script: its folder)
 
     os.makedirs(outdir, exist_ok=True)
     port = _free_port()
