@@ -337,18 +337,14 @@ class ShardedDiLoCo(ModelParallelStrategy):
             note = stale_weights(self._round.phase, self._round.pending is not None, checkpoint=False)
             if note is not None and not self.synchronous:
                 rank_zero_info(note)
-            self._local = [t.detach().clone() for t in self._tensors()]
-            self._round.weights_of().copy_to()
-            self._round.weights_of().restore_buffers()
+            self._local = self._round.weights_of().evaluate_global(self._tensors())
 
     @override
     def on_validation_end(self) -> None:
         """Give this rank its own shards and buffers back."""
         super().on_validation_end()
         if self._local is not None:
-            with torch.no_grad():
-                for mine, saved in zip(self._tensors(), self._local, strict=True):
-                    mine.copy_(saved)
+            self._round.weights_of().restore(self._tensors(), self._local)
             self._local = None
 
     # ------------------------------------------------------------------------------------------------------------

@@ -14,7 +14,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 import torch.distributed as dist
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.overrides.distributed import _sync_module_states
@@ -426,18 +425,14 @@ class DiLoCo(_RoundCheckpoints):
             if note is not None and not self._stale_noted and not self.synchronous:
                 rank_zero_info(note)
                 self._stale_noted = True
-            self._local = [t.detach().clone() for t in (*self._params(), *self._buffers())]
-            self._round.weights_of().copy_to()
-            self._round.weights_of().restore_buffers()
+            self._local = self._round.weights_of().evaluate_global([*self._params(), *self._buffers()])
 
     @override
     def on_validation_end(self) -> None:
         """Give this rank its own parameters and buffers back."""
         super().on_validation_end()
         if self._local is not None:
-            with torch.no_grad():
-                for mine, saved in zip((*self._params(), *self._buffers()), self._local, strict=True):
-                    mine.copy_(saved)
+            self._round.weights_of().restore([*self._params(), *self._buffers()], self._local)
             self._local = None
 
     @override

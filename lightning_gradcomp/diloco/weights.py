@@ -150,6 +150,23 @@ class GlobalWeights:
                 mine.copy_(b)
         self.optimizer.state.clear()
 
+    def evaluate_global(self, tensors: Sequence[Tensor]) -> list[Tensor]:
+        """Copies of the worker's ``tensors``, then the model set to theta_global and the last sync's buffers.
+
+        What validation during ``fit`` evaluates (the model a checkpoint holds); :meth:`restore` undoes it.
+        """
+        saved = [t.detach().clone() for t in tensors]
+        self.copy_to()
+        self.restore_buffers()
+        return saved
+
+    @staticmethod
+    def restore(tensors: Sequence[Tensor], saved: Sequence[Tensor]) -> None:
+        """Give the worker its own ``tensors`` back from :meth:`evaluate_global`'s copies."""
+        with torch.no_grad():
+            for mine, value in zip(tensors, saved, strict=True):
+                mine.copy_(value)
+
     def changed_buffers(self) -> Tensor:
         """Per floating-point buffer, 1.0 where training changed it since the last sync (NaN kept as NaN: unchanged)."""
         flags = [((b != kept) & ~(b.isnan() & kept.isnan())).any() for b, kept in zip(self.local_buffers, self.buffers)]
