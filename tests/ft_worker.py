@@ -32,6 +32,7 @@ import urllib.request
 from typing import Any
 
 import lightning.pytorch as pl
+import pytest
 import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
@@ -43,6 +44,7 @@ from tests.distributed import child_env, free_port
 from tests.models import TinyNet, synthetic_classification
 
 PAUSE_S = 240.0  # a restarted group is up long before that, even on a loaded machine
+WAIT_S = 420  # one fit on a loaded 2-core machine takes well under a minute
 
 
 class ShardNet(TinyNet):
@@ -266,6 +268,22 @@ def launch(outdir: Any, name: str, *options: str, log: str | None = None) -> sub
     with open(path, "a") as out:
         command = [sys.executable, "-m", "tests.ft_worker", str(outdir), name, *options]
         return subprocess.Popen(command, cwd=root, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(proc: subprocess.Popen, outdir: Any, name: str, timeout: float = WAIT_S) -> int:
+    """``proc``'s return code; a test failure with the end of ``NAME.log`` if it runs past ``timeout``."""
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"{name} did not finish within {timeout} s:\n{log_of(outdir, name)[-4000:]}")
+
+
+def log_of(outdir: Any, name: str) -> str:
+    """What a process launched as ``name`` printed (``NAME.log``)."""
+    with open(os.path.join(str(outdir), f"{name}.log")) as f:
+        return f.read()
 
 
 def load(outdir: Any, name: str) -> dict[str, Any]:

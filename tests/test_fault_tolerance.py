@@ -23,24 +23,11 @@ from lightning_gradcomp.demo.ports import free_port
 from lightning_gradcomp.ft.lighthouse import Lighthouse
 from tests.distributed import child_env
 from tests.ft_worker import launch, load
+from tests.ft_worker import log_of as _output
+from tests.ft_worker import wait_for as _wait
 
 STEPS, H = 24, 4
 WAIT_S = 420  # one fit on a loaded 2-core machine takes well under a minute
-
-
-def _wait(proc: subprocess.Popen, outdir, name: str) -> int:
-    try:
-        return proc.wait(timeout=WAIT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        with open(os.path.join(str(outdir), f"{name}.log")) as f:
-            pytest.fail(f"{name} did not finish within {WAIT_S} s:\n{f.read()[-4000:]}")
-
-
-def _output(outdir, name: str) -> str:
-    with open(os.path.join(str(outdir), f"{name}.log")) as f:
-        return f.read()
 
 
 def _cli_lighthouse(outdir, port: int) -> subprocess.Popen:

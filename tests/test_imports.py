@@ -113,6 +113,7 @@ TORCH_ONLY = ("engine", "compressors", "ft")
 #: ModelParallelStrategy with its mesh and checkpoint) and the monitor; the round, the memberships, the exchange and
 #: the merges are a torch-only core both drive
 DILOCO_FRONT_DOORS = [
+    "diloco/front_door.py",
     "diloco/monitor.py",
     "diloco/sharded.py",
     "diloco/sharded_checkpoint.py",

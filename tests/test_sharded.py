@@ -287,7 +287,6 @@ def test_registered_by_name():
     [
         ({"replica_group": None}, 'Expected `replica_group` to be "node" (the ranks of a node) or an integer >= 1'),
         ({"replica_group": 0}, "an integer >= 1 (ranks per group), got 0."),
-        ({"fault_tolerance": object()}, "Expected `fault_tolerance=None`: fault tolerance with sharded replica"),
         ({"tensor_parallel_size": 2}, "Expected `tensor_parallel_size` to be 'auto' or 1: tensor parallelism"),
         ({"save_distributed_checkpoint": False}, "Expected `save_distributed_checkpoint=True`"),
         ({"compressor": PowerSGD(rank=2)}, "got PowerSGD, which needs whole matrices."),

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
-from torch.utils._pytree import tree_map
 
 from lightning_gradcomp.diloco import round_state
 from lightning_gradcomp.diloco.membership import Job, LoopState, Membership, Participation, Place, Start
@@ -42,7 +41,7 @@ from lightning_gradcomp.diloco.replicas import (
     flatten_by_dtype,
     unflatten_into,
 )
-from lightning_gradcomp.diloco.weights import finite_each, floating_point
+from lightning_gradcomp.diloco.weights import finite_each
 from lightning_gradcomp.ft.config import TorchFT
 from lightning_gradcomp.ft.membership import Fingerprint
 from lightning_gradcomp.ft.quorums import MembershipError, Quorums, Sync
@@ -120,12 +119,15 @@ class TorchFTMembership(Membership):
             rounds=compressor.rounds if compressor is not None else 1,
             state_dict=self._snapshot,
         )
-        replicas = None
-        if world_size > 1:  # two levels: shard j of every group's exchange with rank j of the other groups
-            replicas = ReplicaGroups(size=world_size, count=1, index=job.rank, group=job.group, peers=None)
-        round.exchange.attach(device, replicas=replicas, backend=session.collectives)
+        round.exchange.attach(device, replicas=self._replicas(job, world_size), backend=session.collectives)
         if self._restored_step is not None:
             session.load_step(self._restored_step)
+
+    def _replicas(self, job: Job, world_size: int) -> ReplicaGroups | None:
+        """Two levels in a job of several processes: shard j of the group's exchange with rank j of the others."""
+        if world_size == 1:
+            return None
+        return ReplicaGroups(size=world_size, count=1, index=job.rank, group=job.group, peers=None)
 
     # ------------------------------------------------------------------------------------------------------------
     # The join, a sync's members, the vote
@@ -210,27 +212,16 @@ class TorchFTMembership(Membership):
         sync = self.quorums.enter(code)
         if sync.changed:
             healed = "; this one healed" if sync.quorum.peer_state is not None else ""
+            moves, self._named = _moves(self._named, sync.names)
             line = (
                 f"DiLoCo: replica group '{self.config.name}' in a quorum of {sync.members} groups at sync"
                 f" {sync.top_step}, at {Place.of(sync.place)} ({sync.contributors} contributing{healed}"
-                f"{self._moves(sync)})."
+                f"{moves})."
             )
             if line != self._last_line:
                 self.info(line)
                 self._last_line = line
         return sync
-
-    def _moves(self, sync: Sync) -> str:
-        """Which groups joined or left since the last quorum whose members changed, by their integer names."""
-        now = {name for name in sync.names if name >= 0}
-        before, self._named = self._named, now
-        if before is None or len(now) < len(sync.names):
-            return ""
-        joined, left = sorted(now - before), sorted(before - now)
-        words = [f"joined: {', '.join(map(str, joined))}"] * bool(joined) + [
-            f"left: {', '.join(map(str, left))}"
-        ] * bool(left)
-        return "; " + "; ".join(words) if words else ""
 
     def vote(self, part: Participation, reason: str) -> str:
         """Torchft's commit vote: ``""`` when every group commits; this group's own reason, or the failure's."""
@@ -261,9 +252,15 @@ class TorchFTMembership(Membership):
         if round.exchange.in_group is not None:
             average_in_group(params, buffers, round.exchange.in_group)
         part = self.enter(Place(dense=True))
-        tensors = dense_tensors(params, buffers)
-        floats = floating_point(buffers)
-        was_finite = [True] * len(params) + finite_each(floats)
+        return self._quorum_mean(part, dense_tensors(params, buffers), len(params), finite_only)
+
+    def _quorum_mean(self, part: Participation, tensors: Sequence[Tensor], gradients: int, finite_only: bool) -> bool:
+        """The mean of ``tensors`` (gradients, then buffers) over the dense step's contributors; whether to step.
+
+        The first ``gradients`` tensors are gradients; a buffer that was not finite before does not fail the vote.
+        """
+        round = self._round()
+        was_finite = [True] * gradients + finite_each(tensors[gradients:])
         with torch.no_grad():
             flats = flatten_by_dtype(tensors)
             comm = round.exchange.world
@@ -297,16 +294,9 @@ class TorchFTMembership(Membership):
         The peer's theta_global (the model set to it), outer optimizer, the exchange's shared state (with empty
         residuals of this group's own), and the front door's loop state.
         """
-        start, round, state = time.perf_counter(), self._round(), quorum.peer_state
+        start, state = time.perf_counter(), quorum.peer_state
         assert state is not None
-        own = round.exchange.bytes_sent, round.exchange.bytes_received
-        round_state.load_shared_state(round, {**state["round"], "pending": None})
-        round.exchange.bytes_sent, round.exchange.bytes_received = own
-        round.exchange.load_state_dict(state["exchange"])
-        round.phase = phase
-        round.weights_of().copy_to()
-        round.weights_of().restore_buffers()
-        self.loop.load(state["lightning"])
+        round_state.load_peer_state(self._round(), state, phase, self.loop)
         self.heals += 1
         self.heal_seconds = quorum.seconds + time.perf_counter() - start
         self.info(
@@ -317,11 +307,7 @@ class TorchFTMembership(Membership):
 
     def _snapshot(self) -> dict[str, Any]:
         """What a peer that heals from this group receives (torchft calls this on its quorum thread)."""
-        round = self._round()
-        exchange = {**round.exchange.state_dict(), "residuals": {}}
-        state = {"round": round_state.shared_state(round), "exchange": exchange, "lightning": self.loop.take()}
-        state["round"]["pending"] = None
-        return tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, state)
+        return round_state.peer_state(self._round(), self.loop)
 
     def _round(self) -> Any:
         if self.round is None:
@@ -343,10 +329,14 @@ class TorchFTMembership(Membership):
         """Unknown before the first quorum."""
         return None
 
+    def workers(self, world_size: int) -> str:
+        """This job's processes, as plain DiLoCo's setup line says them."""
+        return super().describe(world_size)
+
     def describe(self, world_size: int) -> str:
         """The setup line's words: this job's processes, its group, the lighthouse."""
         return (
-            f"{super().describe(world_size)} in replica group '{self.config.name}' of a fault-tolerant run"
+            f"{self.workers(world_size)} in replica group '{self.config.name}' of a fault-tolerant run"
             f" (lighthouse {self.config.lighthouse}, at least {self.config.min_replicas} groups per sync)"
         )
 
@@ -383,6 +373,16 @@ class TorchFTMembership(Membership):
         if self.quorums.session is not None:
             self.quorums.session.close()
             self.quorums.session = None
+
+
+def _moves(before: set[int] | None, names: Sequence[int]) -> tuple[str, set[int]]:
+    """Which groups joined or left since the last quorum whose members changed (by their integer names); the names."""
+    now = {name for name in names if name >= 0}
+    if before is None or len(now) < len(names):
+        return "", now
+    joined, left = sorted(now - before), sorted(before - now)
+    words = [f"{verb}: {', '.join(map(str, which))}" for verb, which in (("joined", joined), ("left", left)) if which]
+    return ("; " + "; ".join(words) if words else ""), now
 
 
 def _finite_where_it_was(tensors: Sequence[Tensor], flats: Sequence[tuple[list[int], Tensor]], was: list[bool]) -> bool:

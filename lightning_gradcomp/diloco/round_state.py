@@ -12,11 +12,20 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._pytree import tree_map
 
 from lightning_gradcomp.diloco.exchange import InFlight
-from lightning_gradcomp.diloco.membership import Participation, Place
+from lightning_gradcomp.diloco.membership import LoopState, Participation, Place
 
-__all__ = ["Pending", "load_own_state", "load_shared_state", "own_state", "shared_state"]
+__all__ = [
+    "Pending",
+    "load_own_state",
+    "load_peer_state",
+    "load_shared_state",
+    "own_state",
+    "peer_state",
+    "shared_state",
+]
 
 
 @dataclass
@@ -111,3 +120,28 @@ def load_own_state(round: Any, own: dict[str, Any], device: torch.device) -> Non
     layouts = round.weights_of().pseudo_gradients(round.fragment_params[pending.fragment])[1]
     pending.part = round.membership.enter(Place(pending.fragment))
     pending.exchange = round.exchange.start(contribution, layouts)
+
+
+def peer_state(round: Any, loop: LoopState) -> dict[str, Any]:
+    """What a replica group that heals from this one receives, as copies (taken on torchft's quorum thread).
+
+    The shared state (nothing in flight), the exchange's shared state with no residuals, the front door's loop state.
+    """
+    exchange = {**round.exchange.state_dict(), "residuals": {}}
+    state = {"round": {**shared_state(round), "pending": None}, "exchange": exchange, "lightning": loop.take()}
+    return tree_map(lambda t: t.detach().clone() if isinstance(t, Tensor) else t, state)
+
+
+def load_peer_state(round: Any, state: dict[str, Any], phase: int, loop: LoopState) -> None:
+    """Load :func:`peer_state` of a live peer and go on at ``phase`` of the round: the model set to theta_global.
+
+    The exchange's byte counters stay this group's own (what it moved), and so do its residuals (empty).
+    """
+    own = round.exchange.bytes_sent, round.exchange.bytes_received
+    load_shared_state(round, {**state["round"], "pending": None})
+    round.exchange.bytes_sent, round.exchange.bytes_received = own
+    round.exchange.load_state_dict(state["exchange"])
+    round.phase = phase
+    round.weights_of().copy_to()
+    round.weights_of().restore_buffers()
+    loop.load(state["lightning"])

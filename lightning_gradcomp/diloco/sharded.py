@@ -39,12 +39,12 @@ from lightning_gradcomp.diloco.arguments import (
     outer_optimizer_of,
 )
 from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every, default_outer_optimizer
-from lightning_gradcomp.diloco.membership import Job
+from lightning_gradcomp.diloco.front_door import RoundFrontDoor
 from lightning_gradcomp.diloco.monitor import OuterMonitor
-from lightning_gradcomp.diloco.preflight import few_outer_steps, low_outer_lr, one_worker, stale_weights
+from lightning_gradcomp.diloco.preflight import few_outer_steps, low_outer_lr, one_worker
 from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
 from lightning_gradcomp.diloco.sharded_checkpoint import SECTION, ShardedCheckpoints
-from lightning_gradcomp.diloco.sharded_membership import ShardedMembership
+from lightning_gradcomp.diloco.sharded_membership import sharded_membership_for
 from lightning_gradcomp.diloco.sharded_mesh import (
     announce,
     broadcast_from_first_group,
@@ -59,7 +59,9 @@ from lightning_gradcomp.diloco.sharded_mesh import (
     sharded_group_size,
 )
 from lightning_gradcomp.engine.collectives import hand_off_gil, release_round_groups
+from lightning_gradcomp.ft.threads import share_cores
 from lightning_gradcomp.runtime.faults import ScriptLauncher, is_collective_failure, record_failure
+from lightning_gradcomp.runtime.replica_group import group_split
 from lightning_gradcomp.runtime.sigterm import SigtermGate
 from lightning_gradcomp.validation import check_bool, check_choice
 
@@ -69,7 +71,7 @@ _MiscError = MisconfigurationException
 _SIGTERM_CHECKS = ("sync", "step")
 
 
-class ShardedDiLoCo(ModelParallelStrategy):
+class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
     """DiLoCo across replica groups whose ranks shard the model with FSDP2 (``ModelParallelStrategy``) inside.
 
     Replica group ``g`` is the ``S`` consecutive ranks ``g*S .. g*S+S-1``. The module's ``configure_model`` applies
@@ -93,7 +95,10 @@ class ShardedDiLoCo(ModelParallelStrategy):
         replica_group: ranks per replica group ``S``: ``"node"`` or an integer dividing the world size.
         monitor: add an :class:`~lightning_gradcomp.callbacks.OuterMonitor` unless the trainer has one.
         sigterm_check: ``"sync"`` (Lightning's SIGTERM broadcast once a sync period) or ``"step"``.
-        fault_tolerance: must be ``None``: fault tolerance with sharded groups is not available yet.
+        fault_tolerance: a :class:`~lightning_gradcomp.TorchFT`: this Lightning job is one replica group of FSDP2
+            shards in a run whose outer exchange goes through torchft (rank ``j`` of every group exchanges shard
+            ``j``); a group that dies costs the others at most one round, and one that (re)starts heals shard by
+            shard from a live group (docs/fault_tolerance.md). ``replica_group`` is then the whole job.
         data_parallel_size: ``"auto"`` or ``S``: FSDP2's shards inside a group.
         tensor_parallel_size: ``"auto"`` or 1: tensor parallelism inside a group is not available yet.
         save_distributed_checkpoint: ``True`` (a distributed-checkpoint folder); ``False`` is refused.
@@ -136,7 +141,8 @@ class ShardedDiLoCo(ModelParallelStrategy):
     ) -> None:
         check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, None, compressor, _MiscError)
         check_whole_matrix(compressor)
-        check_refused(replica_group, fault_tolerance, tensor_parallel_size, save_distributed_checkpoint)
+        check_refused(replica_group, fault_tolerance, compressor, tensor_parallel_size, save_distributed_checkpoint)
+        self._members = sharded_membership_for(fault_tolerance, rank_zero_info, _MiscError)
         self.merge, self.mixing_factor = check_merge(overlap_steps, merge, mixing_factor, _MiscError)
         self.sigterm_check = check_choice(sigterm_check, "sigterm_check", _SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
@@ -148,7 +154,6 @@ class ShardedDiLoCo(ModelParallelStrategy):
         self.replica_group = replica_group
         self.fault_tolerance = fault_tolerance
         outer, self._outer_note = outer_optimizer_of(outer_optimizer, _MiscError)
-        self._members = ShardedMembership()  # the round's: every group contributes, shards vote together
         self._round = Round(
             sync_every if isinstance(sync_every, int) else fragments,  # "auto": set when fitting starts
             fragments,
@@ -166,6 +171,7 @@ class ShardedDiLoCo(ModelParallelStrategy):
         self._gradients_checked = False
         self._synchronous = False
         self._local: list[Tensor] | None = None  # this rank's shards and buffers while validation runs on global
+        self._stale_noted = False
         self._sigterm_gate = SigtermGate()
         self.groups = self.group_size = 1
 
@@ -176,20 +182,6 @@ class ShardedDiLoCo(ModelParallelStrategy):
             strategy_registry.register(cls.strategy_name, cls, description="DiLoCo over FSDP2-sharded replica groups")
 
     @property
-    def outer_state(self) -> Round:
-        """The round: this rank's shards of theta_global, the outer optimizer, the phase, the exchange's counters."""
-        return self._round
-
-    @property
-    def synchronous(self) -> bool:
-        """Whether each step is HSDP's (no rounds): ``DenseWarmup`` sets it for its dense phase."""
-        return self._synchronous
-
-    @synchronous.setter
-    def synchronous(self, value: bool) -> None:
-        self._synchronous = check_bool(value, "synchronous", error=_MiscError)
-
-    @property
     def group_mesh(self) -> DeviceMesh:
         """The replica group's own 1-D mesh (FSDP2's inside the group)."""
         return self.device_mesh["data_parallel"]
@@ -198,7 +190,7 @@ class ShardedDiLoCo(ModelParallelStrategy):
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Every rank reads its own part of the data (``ModelParallelStrategy``'s would repeat it in every group)."""
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+        return group_split(self)  # with fault tolerance, training data is split over every group's ranks too
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning's side: launcher, monitor, mesh
@@ -223,9 +215,11 @@ class ShardedDiLoCo(ModelParallelStrategy):
     @override
     def setup_environment(self) -> None:
         """Start the processes, then the ``(G, S, 1)`` mesh whose ``["data_parallel"]`` is the group's own."""
+        share_cores(self.fault_tolerance, self.num_processes, rank_zero_info)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
-        self.group_size = sharded_group_size(self.replica_group, self.world_size, self.num_nodes)
+        fault_tolerant = self.fault_tolerance is not None
+        self.group_size = sharded_group_size(self.replica_group, self.world_size, self.num_nodes, fault_tolerant)
         self.groups = self.world_size // self.group_size
         if self._data_parallel_size not in ("auto", self.group_size):
             raise MisconfigurationException(
@@ -265,25 +259,20 @@ class ShardedDiLoCo(ModelParallelStrategy):
         shards, buffers = local_shards([p for _, p in named]), list(self._module().buffers())
         broadcast_from_first_group(shards, buffers, peers)
         round.process_group = peers
-        members = self._members
-        members.group, members.group_count, members.group_size = (
-            self.group_mesh.get_group(),
-            self.groups,
-            self.group_size,
-        )
-        members.peer_sets = [list(range(j, self.world_size, self.group_size)) for j in range(self.group_size)]
-        members.params = lambda: [p for _, p in named_trained(self._module())]
+        params = lambda: [p for _, p in named_trained(self._module())]  # noqa: E731
+        self._members.shard_over(self.group_mesh.get_group(), self.groups, self.group_size, params)
         buffer_names = [n for n, b in self._module().named_buffers() if b.is_floating_point()]
-        job = Job(self.global_rank, self.world_size, self.num_nodes)
-        round.attach(shards, buffers, [n for n, _ in named], buffer_names, job)
+        round.attach(shards, buffers, [n for n, _ in named], buffer_names, self._job(trainer))
         round.fragment_params = global_fragments([p for _, p in named], self.fragments)
-        self._attached, self._gradients_checked = True, False
+        self._attached, self._gradients_checked, self._stale_noted = True, False, False
         if self.sigterm_check == "sync" and self.world_size > 1:
             self._sigterm_gate.install(trainer, self._checks_sigterm_now)
         self._checkpoints.setup(self, named)
         outer_steps = few_outer_steps(total, round.sync_every, None if self._sync_every_arg == AUTO else auto)
         assert round.optimizer is not None
-        notes = (self._outer_note, low_outer_lr(round.optimizer), one_worker(self.groups), outer_steps)
+        workers = self._members.workers_at_setup(self.world_size)  # None: counted at the first sync
+        alone = one_worker(workers) if workers is not None else None
+        notes = (self._outer_note, low_outer_lr(round.optimizer), alone, outer_steps)
         announce(self, sum(p.numel() for _, p in named), notes)
 
     def _module(self) -> pl.LightningModule:
@@ -294,7 +283,7 @@ class ShardedDiLoCo(ModelParallelStrategy):
     def _checks_sigterm_now(self) -> bool:
         return not self._attached or self.synchronous or self._round.checks_sigterm_now()
 
-    def _tensors(self) -> list[Tensor]:
+    def _evaluated(self) -> list[Tensor]:
         """This rank's local shards and the module's buffers (what validation swaps for theta_global)."""
         return [*local_shards([p for _, p in named_trained(self._module())]), *self._module().buffers()]
 
@@ -318,34 +307,6 @@ class ShardedDiLoCo(ModelParallelStrategy):
         if due is not None:  # the sync starts here, one frame above the exchange
             self._round.send(due, self.optimizers)
         return output
-
-    @override
-    def on_train_end(self) -> None:
-        """A partial last round ends with an outer step, so that every group holds the same theta_global."""
-        super().on_train_end()
-        if self._attached:
-            self._round.close(self.optimizers)
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Validation during fit runs on theta_global
-    # ------------------------------------------------------------------------------------------------------------
-    @override
-    def on_validation_start(self) -> None:
-        """Keep this rank's shards and buffers aside and evaluate theta_global (the model a checkpoint holds)."""
-        super().on_validation_start()
-        if self._attached and self._local is None:
-            note = stale_weights(self._round.phase, self._round.pending is not None, checkpoint=False)
-            if note is not None and not self.synchronous:
-                rank_zero_info(note)
-            self._local = self._round.weights_of().evaluate_global(self._tensors())
-
-    @override
-    def on_validation_end(self) -> None:
-        """Give this rank its own shards and buffers back."""
-        super().on_validation_end()
-        if self._local is not None:
-            self._round.weights_of().restore(self._tensors(), self._local)
-            self._local = None
 
     # ------------------------------------------------------------------------------------------------------------
     # Checkpoints (sharded_checkpoint): theta_global as the weights, the outer state as DTensors in the DCP folder
@@ -387,9 +348,11 @@ class ShardedDiLoCo(ModelParallelStrategy):
         """``ModelParallelStrategy``'s teardown, then the SIGTERM broadcast back and the compressor's round groups."""
         super().teardown()
         self._sigterm_gate.remove()
+        self._round.membership.close()
         self._attached = False
         self._local = None
         if dist.is_available() and dist.is_initialized():
-            if self._round.exchange.compressor is not None and self._round.process_group is not None:
+            compressed = self._round.exchange.compressor is not None and not self._members.owns_round_groups()
+            if compressed and self._round.process_group is not None:
                 release_round_groups(self._round.process_group)
             hand_off_gil()

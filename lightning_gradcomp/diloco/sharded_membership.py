@@ -6,6 +6,10 @@ in every group (the round's process group). Every group contributes to every syn
 :class:`~lightning_gradcomp.diloco.membership.Membership`; what changes is the vote, agreed over the replica group (one
 shard whose average is not finite skips the outer step on every shard, or theta_global would be stepped in part), and
 the dense step, HSDP's (FSDP2's reduce-scatter inside the group, then the gradient shards averaged across groups).
+
+With fault tolerance each Lightning job is one sharded group, and every rank's torchft session is the same-shard
+group (:class:`ShardedTorchFTMembership`): torchft's recovery is per rank, so rank ``j`` of a (re)starting group heals
+shard ``j`` from rank ``j`` of a live group, and its commit vote is agreed over the group's ranks by torchft itself.
 """
 
 from __future__ import annotations
@@ -18,11 +22,29 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_gradcomp.diloco.membership import DIVERGED, Job, Membership, Participation
-from lightning_gradcomp.diloco.replicas import flatten_by_dtype, unflatten_into
+from lightning_gradcomp.diloco.elastic import TorchFTMembership
+from lightning_gradcomp.diloco.membership import DIVERGED, Job, Membership, Participation, Place
+from lightning_gradcomp.diloco.replicas import ReplicaGroups, flatten_by_dtype, unflatten_into
 from lightning_gradcomp.engine.collectives import TorchCollectives
+from lightning_gradcomp.ft.config import TorchFT
 
-__all__ = ["PeerCollectives", "ShardedMembership"]
+__all__ = [
+    "PeerCollectives",
+    "ShardedMembership",
+    "ShardedTorchFTMembership",
+    "gradient_shards",
+    "sharded_membership_for",
+]
+
+
+def gradient_shards(params: Sequence[Tensor]) -> list[Tensor]:
+    """The local shards of ``params``' gradients (FSDP2's, reduce-scattered inside the group); zeros where none."""
+    grads = []
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+    return grads
 
 
 class PeerCollectives(TorchCollectives):
@@ -69,6 +91,11 @@ class ShardedMembership(Membership):
         self.params: Callable[[], Sequence[Tensor]] = list
         self._device = torch.device("cpu")
 
+    def shard_over(self, group: Any, groups: int, group_size: int, params: Callable[[], Sequence[Tensor]]) -> None:
+        """The replica groups as the front door set them up: this one's process group, their count and size."""
+        self.group, self.group_count, self.group_size, self.params = group, groups, group_size, params
+        self.peer_sets = [list(range(j, groups * group_size, group_size)) for j in range(group_size)]
+
     def bind(self, round: Any, job: Job, device: Any) -> None:
         """The exchange over the same-shard group; a compressor's later rounds on groups every rank makes."""
         self.round, self._device = round, device
@@ -94,11 +121,7 @@ class ShardedMembership(Membership):
         comm = self.round.exchange.world if self.round is not None else None
         if comm is None:
             return True
-        grads = []
-        for p in self.params():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad)
+        grads = gradient_shards(self.params())
         with torch.no_grad():
             flats = flatten_by_dtype(grads)
             for _, flat in flats:
@@ -113,3 +136,55 @@ class ShardedMembership(Membership):
     def describe(self, world_size: int) -> str:
         """The setup line's words: groups of shards."""
         return f"{world_size} processes: {self.group_count} replica groups of {self.group_size} FSDP2 shards"
+
+
+class ShardedTorchFTMembership(TorchFTMembership):
+    """Fault tolerance on torchft over a job that is one group of FSDP2 shards: rank ``j`` exchanges shard ``j``.
+
+    :class:`~lightning_gradcomp.diloco.elastic.TorchFTMembership` with one torchft session per rank, as torchft runs
+    DiLoCo with HSDP (one process group per group rank): the round's tensors are already this rank's shards, so the
+    exchange takes them whole (no shard of a flat copy as with dense groups), and a dense step is HSDP's, each
+    gradient shard averaged over the quorum.
+
+    Attributes:
+        params: the module's trained parameters (DTensors: a dense step averages their gradients' shards).
+    """
+
+    def __init__(self, config: Any, info: Callable[[str], Any] = print, error: type[Exception] = ValueError) -> None:
+        super().__init__(config, info, error)
+        self.params: Callable[[], Sequence[Tensor]] = list
+
+    def shard_over(self, group: Any, groups: int, group_size: int, params: Callable[[], Sequence[Tensor]]) -> None:
+        """This job is the one group here; a dense step averages the gradient shards of ``params``."""
+        self.params = params
+
+    def _replicas(self, job: Job, world_size: int) -> ReplicaGroups | None:
+        return None  # this rank's tensors are its shards; its session's process group holds the same-shard ranks
+
+    def dense_average(self, params: Sequence[Tensor], buffers: Sequence[Tensor], finite_only: bool) -> bool:
+        """HSDP's step across the groups in the quorum: each gradient shard averaged over the contributors, a vote."""
+        part = self.enter(Place(dense=True))
+        grads = gradient_shards(self.params())
+        return self._quorum_mean(part, grads, len(grads), finite_only)
+
+    def workers(self, world_size: int) -> str:
+        """This job's processes: the group's shards."""
+        return f"{world_size} processes: 1 replica group of {world_size} FSDP2 shards"
+
+
+def sharded_membership_for(
+    fault_tolerance: Any, info: Callable[[str], Any], error: type[Exception]
+) -> ShardedMembership | ShardedTorchFTMembership:
+    """The policy ``ShardedDiLoCo(fault_tolerance=...)`` asks for.
+
+    Raises:
+        error: If ``fault_tolerance`` is neither ``None`` nor a ``TorchFT``.
+    """
+    if fault_tolerance is None:
+        return ShardedMembership()
+    if not isinstance(fault_tolerance, TorchFT):
+        raise error(
+            "Expected `fault_tolerance` to be lightning_gradcomp.TorchFT(lighthouse=..., replica_group_id=...) or"
+            f" None, got {fault_tolerance!r}."
+        )
+    return ShardedTorchFTMembership(fault_tolerance, info=info, error=error)

@@ -52,11 +52,12 @@ _ACCEPTED = '"node" (the ranks of a node) or an integer >= 1 (ranks per group)'
 _WHOLE_MATRIX = ("PowerSGD", "LGC", "LGCAllReduce")
 
 
-def sharded_group_size(replica_group: Any, world_size: int, num_nodes: int) -> int:
+def sharded_group_size(replica_group: Any, world_size: int, num_nodes: int, fault_tolerance: bool = False) -> int:
     """Ranks per replica group ``S``: the processes of a node for ``"node"``, else ``replica_group``.
 
     Raises:
-        MisconfigurationException: If ``replica_group`` is neither, or ``S`` does not divide ``world_size``.
+        MisconfigurationException: If ``replica_group`` is neither, ``S`` does not divide ``world_size``, or, with
+            ``fault_tolerance``, the group is not the whole job.
     """
     ok = replica_group == "node" or (
         isinstance(replica_group, int) and not isinstance(replica_group, bool) and replica_group >= 1
@@ -64,6 +65,11 @@ def sharded_group_size(replica_group: Any, world_size: int, num_nodes: int) -> i
     if not ok:
         raise MisconfigurationException(f"Expected `replica_group` to be {_ACCEPTED}, got {replica_group!r}.")
     size = world_size // max(num_nodes, 1) if replica_group == "node" else int(replica_group)
+    if fault_tolerance and size != world_size:
+        raise MisconfigurationException(
+            f"Expected `replica_group` to be 'node' or {world_size} with `fault_tolerance`: each Lightning job is one"
+            f" replica group of FSDP2 shards (here {world_size} processes on {num_nodes} nodes), got {replica_group!r}."
+        )
     if size < 1 or world_size % size:
         raise MisconfigurationException(
             f"Expected `replica_group` to divide the {world_size} processes into equal groups, got {size} ranks per"
@@ -172,7 +178,9 @@ def named_trained(module: nn.Module) -> list[tuple[str, Tensor]]:
     return [(n, p) for n, p in module.named_parameters() if p.requires_grad]
 
 
-def check_refused(replica_group: Any, fault_tolerance: Any, tensor_parallel_size: Any, distributed: Any) -> None:
+def check_refused(
+    replica_group: Any, fault_tolerance: Any, compressor: Any, tensor_parallel_size: Any, distributed: Any
+) -> None:
     """Refuse, in one line each, what ``ShardedDiLoCo`` does not do yet."""
     if isinstance(replica_group, bool) or not (
         replica_group == "node" or (isinstance(replica_group, int) and replica_group >= 1)
@@ -181,10 +189,10 @@ def check_refused(replica_group: Any, fault_tolerance: Any, tensor_parallel_size
             f'Expected `replica_group` to be "node" (the ranks of a node) or an integer >= 1 (ranks per group), got'
             f" {replica_group!r}."
         )
-    if fault_tolerance is not None:
+    if fault_tolerance is not None and compressor is not None:
         raise MisconfigurationException(
-            "Expected `fault_tolerance=None`: fault tolerance with sharded replica groups is not available yet (use"
-            f" DiLoCo(fault_tolerance=...) with unsharded groups), got {fault_tolerance!r}."
+            "Expected `compressor=None` with `fault_tolerance`: a compressed outer exchange between fault-tolerant"
+            f" replica groups of several processes is not supported, got {type(compressor).__name__}."
         )
     if tensor_parallel_size not in ("auto", 1) or isinstance(tensor_parallel_size, bool):
         raise MisconfigurationException(
@@ -202,7 +210,7 @@ def announce(strategy: Any, numel: int, notes: Sequence[str | None]) -> None:
     """The line logged once set up (what is synced, how often, over which groups), then the preflight warnings."""
     rank_zero_info(
         f"ShardedDiLoCo: {numel:,} parameters synced every {strategy.sync_every} optimizer steps;"
-        f" {strategy.groups} replica groups of {strategy.group_size} FSDP2 shards ({strategy.world_size} processes)."
+        f" {strategy.outer_state.membership.describe(strategy.world_size)}."
     )
     for line in notes:
         if line is not None:

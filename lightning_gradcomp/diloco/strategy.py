@@ -44,7 +44,7 @@ from lightning_gradcomp.diloco.checkpoint import (
 )
 from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every, default_outer_optimizer
 from lightning_gradcomp.diloco.elastic import membership_for
-from lightning_gradcomp.diloco.membership import Job, LoopState
+from lightning_gradcomp.diloco.front_door import RoundFrontDoor
 from lightning_gradcomp.diloco.monitor import OuterMonitor
 from lightning_gradcomp.diloco.preflight import (
     describe_optimizer,
@@ -57,8 +57,7 @@ from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
 from lightning_gradcomp.engine.collectives import side_group
 from lightning_gradcomp.ft.config import TorchFT
 from lightning_gradcomp.runtime.arguments import unwrapped_strategy_kwargs
-from lightning_gradcomp.runtime.loop_state import load_training_state, training_state
-from lightning_gradcomp.runtime.replica_group import ReplicaGroupStrategy  # its threads and data split
+from lightning_gradcomp.runtime.base import GradcompStrategy
 from lightning_gradcomp.runtime.sigterm import SigtermGate
 from lightning_gradcomp.validation import check_bool, check_choice
 
@@ -69,7 +68,7 @@ _MiscError = MisconfigurationException
 SIGTERM_CHECKS = ("sync", "step")  # DiLoCo's ``sigterm_check``: once per sync period, or at every step as Lightning
 
 
-class _RoundCheckpoints(ReplicaGroupStrategy):
+class _RoundCheckpoints(RoundFrontDoor, GradcompStrategy):
     """The checkpoint side of DiLoCo's front door: theta_global in ``state_dict``, the rest in ``checkpoint["diloco"]``.
 
     A base of :class:`DiLoCo` only (its ``__init__`` sets the attributes declared here).
@@ -89,6 +88,9 @@ class _RoundCheckpoints(ReplicaGroupStrategy):
 
     def _buffers(self) -> list[Tensor]:
         return list(self._module().buffers())
+
+    def _evaluated(self) -> list[Tensor]:
+        return [*self._params(), *self._buffers()]
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -301,24 +303,6 @@ class DiLoCo(_RoundCheckpoints):
                 cls.strategy_name, cls, description="DiLoCo: periodic synchronization with an outer optimizer"
             )
 
-    @property
-    def synchronous(self) -> bool:
-        """Whether each step is plain data parallelism (gradients averaged over every rank), with no rounds.
-
-        :class:`~lightning_gradcomp.callbacks.DenseWarmup` sets it for its dense phase; rounds start from the
-        synchronized weights when it is turned off.
-        """
-        return self._synchronous
-
-    @synchronous.setter
-    def synchronous(self, value: bool) -> None:
-        self._synchronous = check_bool(value, "synchronous", error=_MiscError)
-
-    @property
-    def outer_state(self) -> Round:
-        """The round: theta_global, the outer optimizer, the phase in the round and the outer exchange's counters."""
-        return self._round
-
     # ------------------------------------------------------------------------------------------------------------
     # Setup: no DDP wrapper, rank 0's model everywhere, theta_global taken
     # ------------------------------------------------------------------------------------------------------------
@@ -366,13 +350,6 @@ class DiLoCo(_RoundCheckpoints):
             if line is not None:
                 rank_zero_warn(line)
 
-    def _job(self, trainer: pl.Trainer) -> Job:
-        """This rank's launch, as the round's membership sees it; Lightning's loop state for a heal."""
-        environment = self.cluster_environment
-        store = (str(environment.main_address), int(environment.main_port)) if environment is not None else ("", 0)
-        loop = LoopState(lambda: training_state(trainer), lambda state: load_training_state(trainer, state))
-        return Job(self.global_rank, self.world_size, self.num_nodes, store, self._round.process_group, loop)
-
     def _checks_sigterm_now(self) -> bool:
         """Whether the coming step takes Lightning's SIGTERM broadcast: in dense steps always, else once a period.
 
@@ -405,35 +382,6 @@ class DiLoCo(_RoundCheckpoints):
         if due is not None:  # the sync starts here, one frame above the exchange
             self._round.send(due, self.optimizers)
         return output
-
-    @override
-    def on_train_end(self) -> None:
-        """A partial last round ends with an outer step, so that every rank holds the same theta_global."""
-        super().on_train_end()
-        if self._attached:
-            self._round.close(self.optimizers)
-
-    # ------------------------------------------------------------------------------------------------------------
-    # Validation during fit runs on theta_global
-    # ------------------------------------------------------------------------------------------------------------
-    @override
-    def on_validation_start(self) -> None:
-        """Keep this rank's parameters and buffers aside and evaluate theta_global (the model a checkpoint holds)."""
-        super().on_validation_start()
-        if self._attached and self._local is None:
-            note = stale_weights(self._round.phase, self._round.pending is not None, checkpoint=False)
-            if note is not None and not self._stale_noted and not self.synchronous:
-                rank_zero_info(note)
-                self._stale_noted = True
-            self._local = self._round.weights_of().evaluate_global([*self._params(), *self._buffers()])
-
-    @override
-    def on_validation_end(self) -> None:
-        """Give this rank its own parameters and buffers back."""
-        super().on_validation_end()
-        if self._local is not None:
-            self._round.weights_of().restore([*self._params(), *self._buffers()], self._local)
-            self._local = None
 
     @override
     def round_group_bases(self) -> Sequence[Any]:

@@ -3,32 +3,35 @@
 :class:`ReplicaGroupStrategy` holds the strategy's ``fault_tolerance`` (a :class:`~lightning_gradcomp.TorchFT`, or
 ``None`` for a plain job) and, with it, gives each process its share of the cores of the groups on its machine
 (:mod:`~lightning_gradcomp.ft.threads`) and each group its own part of the training data
-(:mod:`~lightning_gradcomp.ft.data`). Without it, every hook is the plain strategy's.
+(:mod:`~lightning_gradcomp.ft.data`). Without it, every hook is the plain strategy's. It comes first among a
+strategy's bases, before the Lightning strategy it adds to (``DDPStrategy``'s or ``ModelParallelStrategy``'s).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_gradcomp.ft.config import TorchFT
 from lightning_gradcomp.ft.data import sampler_split, unsplit_warning
 from lightning_gradcomp.ft.threads import share_cores
-from lightning_gradcomp.runtime.base import GradcompStrategy
 
 __all__ = ["ReplicaGroupStrategy"]
 
 
-class ReplicaGroupStrategy(GradcompStrategy):
-    """A :class:`~lightning_gradcomp.runtime.base.GradcompStrategy` whose job may be one replica group of a run.
+class ReplicaGroupStrategy(ParallelStrategy):
+    """A Lightning strategy whose job may be one replica group of a fault-tolerant run.
 
-    A subclass sets :attr:`fault_tolerance` in its constructor.
+    A subclass sets :attr:`fault_tolerance` in its constructor, and lists this class before its Lightning base.
     """
 
     #: the run's fault tolerance (None: a plain job, every hook as the plain strategy's)
     fault_tolerance: TorchFT | None = None
+    num_nodes: int  # the Lightning strategy's (DDPStrategy's, ModelParallelStrategy's)
+    num_processes: int
 
     @override
     def setup_environment(self) -> None:

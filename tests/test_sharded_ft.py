@@ -1,0 +1,118 @@
+"""Fault-tolerant ``ShardedDiLoCo`` on torchft: 2 replica groups of 2 FSDP2 shards, a lighthouse, SIGKILL.
+
+Each group is a Lightning job of 2 processes (tests/sharded_ft_worker.py); rank ``j`` of each group exchanges shard
+``j``. The scenario starts its own lighthouse on a free port, kills only the processes it started, by pid, and a group
+dies where one of its ranks kills itself, at an exact step. The reference is plain ``ShardedDiLoCo`` 2 x 2 on 4
+processes, fed the same data.
+"""
+
+import os
+import signal
+import subprocess
+
+import pytest
+import torch
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from lightning_gradcomp import ShardedDiLoCo, TorchFT
+from lightning_gradcomp.compressors import MinMax
+from lightning_gradcomp.demo.ports import free_port
+from lightning_gradcomp.diloco.sharded_mesh import sharded_group_size
+from lightning_gradcomp.ft.lighthouse import Lighthouse
+from tests.ft_worker import log_of as _output
+from tests.ft_worker import wait_for as _wait
+from tests.sharded_ft_worker import launch, load
+
+STEPS, H = 16, 4
+KILL_AT, PAUSE_AT = 6, 10  # group 1 dies inside round 2; group 0 waits inside round 3 until it asks again
+
+
+@pytest.fixture(scope="module")
+def killed_mid_round(tmp_path_factory):
+    """Plain ShardedDiLoCo 2 x 2 for 8 steps; then 2 fault-tolerant groups of 2 shards for 16 steps, rounds of 4:
+    rank 1 of group 1 dies at step 6 and the group is restarted; group 0 waits before step 10 until it asks the
+    lighthouse for a quorum, so that it joins the sync of step 12."""
+    outdir = tmp_path_factory.mktemp("sharded-ft")
+    started: list[subprocess.Popen] = []
+    codes: dict[str, int] = {}
+    try:
+        plain = launch(outdir, "plain", "--devices", "4", "--steps", "8", "--sync-every", str(H))
+        started.append(plain)
+        codes["plain"] = _wait(plain, outdir, "plain")
+        with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+            common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), "--sync-every", str(H)]
+            survivor = launch(outdir, "0", *common, "--pause-at", str(PAUSE_AT), "--until-asking", "1")
+            victim = launch(outdir, "1", *common, "--kill-at", str(KILL_AT))
+            started += [survivor, victim]
+            codes["1-killed"] = _wait(victim, outdir, "1")
+            restarted = launch(outdir, "1", *common, "--attempt", "1")
+            started.append(restarted)
+            codes["0"] = _wait(survivor, outdir, "0")
+            codes["1"] = _wait(restarted, outdir, "1")
+    finally:
+        for proc in started:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+    return outdir, codes
+
+
+def test_no_failure_is_plain_sharded_diloco_bitwise_and_the_survivor_never_stops(killed_mid_round):
+    outdir, codes = killed_mid_round
+    assert codes["plain"] == 0, _output(outdir, "plain")[-3000:]
+    assert codes["0"] == 0, _output(outdir, "0")[-3000:]
+    assert codes["1-killed"] != 0, "the group whose rank was killed ended"
+    for rank in (0, 1):
+        survivor, plain = load(outdir, f"0-0-rank{rank}"), load(outdir, f"plain-rank{rank}")
+        assert [s["global_step"] for s in survivor] == list(range(1, STEPS + 1)), "the survivor never stopped"
+        for i in range(KILL_AT):  # until group 1 is gone (the sync of step 8): plain ShardedDiLoCo, bit for bit
+            assert survivor[i]["batch"] == plain[i]["batch"], f"rank {rank}, step {i + 1}: the same data"
+            assert torch.equal(survivor[i]["global"], plain[i]["global"]), f"rank {rank}, step {i + 1}: theta_global"
+            assert torch.equal(survivor[i]["params"], plain[i]["params"]), f"rank {rank}, step {i + 1}: the model"
+        # the sync of step 8 had group 0 alone; at step 12 the restarted group healed and sent zeros
+        assert [survivor[i]["participants"] for i in (3, 7, 11, 15)] == [2, 1, 1, 2]
+        assert not torch.equal(survivor[7]["global"], plain[7]["global"]), "one group's pseudo-gradient, not two"
+        assert survivor[-1]["discarded"] == 0, "a group that died between syncs costs the others no round"
+        assert survivor[-1]["syncs"] == STEPS // H
+
+
+def test_a_group_killed_mid_round_heals_shard_by_shard_and_ends_bitwise_equal_to_the_survivor(killed_mid_round):
+    outdir, codes = killed_mid_round
+    assert codes["1"] == 0, _output(outdir, "1")[-3000:]
+    assert _output(outdir, "1").count("healed from a live peer at sync") >= 1
+    for rank in (0, 1):
+        mine = load(outdir, f"1-1-rank{rank}")
+        theirs = {s["global_step"]: s for s in load(outdir, f"0-0-rank{rank}")}
+        first = mine[0]
+        assert first["global_step"] == 12, "it joined the sync of step 12 with the survivor's counters"
+        assert first["heals"] == 1
+        assert torch.equal(first["params"], first["global"]), "no inner step of its own before the heal"
+        assert first["inner"].numel() > 0
+        assert torch.equal(first["inner"], theirs[12]["inner"]), "the inner AdamW state of the peer's shard"
+        assert [s["global_step"] for s in mine] == list(range(12, STEPS + 1))
+        for step in mine:  # theta_global equal to the survivor's at every step after the heal
+            assert torch.equal(step["global"], theirs[step["global_step"]]["global"]), f"step {step['global_step']}"
+        assert torch.equal(mine[-1]["params"], theirs[STEPS]["params"]), "both end with the same model"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"fault_tolerance": object()}, "Expected `fault_tolerance` to be lightning_gradcomp.TorchFT("),
+        ({"compressor": MinMax(bits=8)}, "Expected `compressor=None` with `fault_tolerance`"),
+    ],
+)
+def test_what_sharded_fault_tolerance_cannot_serve_is_refused_in_one_line(kwargs, message):
+    config = TorchFT(lighthouse="http://127.0.0.1:1", replica_group_id="0")
+    arguments = {"fault_tolerance": config, **kwargs}
+    with pytest.raises(MisconfigurationException, match=message.replace("(", r"\(")) as raised:
+        ShardedDiLoCo(**arguments)
+    assert "\n" not in str(raised.value)
+
+
+def test_with_fault_tolerance_the_job_is_the_replica_group():
+    assert sharded_group_size("node", 2, 1, fault_tolerance=True) == 2
+    assert sharded_group_size(2, 2, 1, fault_tolerance=True) == 2
+    with pytest.raises(MisconfigurationException, match="Expected `replica_group` to be 'node' or 4 with") as raised:
+        sharded_group_size(2, 4, 1, fault_tolerance=True)
+    assert "\n" not in str(raised.value)
