@@ -10,6 +10,9 @@ rank ``R`` at the end of global step ``STEP`` (its other ranks then fail in thei
 ``--pause-at STEP --until-asking N``: before global step ``STEP``, wait until ``N`` groups ask the lighthouse for a
 quorum, so that a restarted group is in the next sync.
 
+``--warmup-steps N`` starts with ``DenseWarmup``; ``--save-every S`` saves ``OUTDIR/ckpt-NAME/step=S.ckpt`` every ``S``
+steps, and ``--resume-at S`` resumes from the one of step ``S``.
+
 Each rank saves ``OUTDIR/NAME-ATTEMPT-rankR.pt`` (``plain-rankR.pt`` for the reference): per optimizer step its global
 step, phase, theta_global and the model (whole, gathered inside the group), torchft's step, heals and contributors.
 """
@@ -24,6 +27,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 from lightning_gradcomp import ShardedDiLoCo, TorchFT
@@ -77,8 +81,9 @@ class Record(pl.Callback):
 def _inner_state(optimizer: torch.optim.Optimizer) -> torch.Tensor:
     """This rank's shards of the inner optimizer's state tensors (AdamW's moments and step), flat."""
     pieces = []
-    for state in optimizer.state.values():
-        for value in state.values():
+    for p in (p for group in optimizer.param_groups for p in group["params"]):
+        state = optimizer.state.get(p, {})
+        for value in (state[key] for key in sorted(state)):
             local = value.to_local() if isinstance(value, DTensor) else value
             pieces.append(local.detach().flatten().clone().float())
     return torch.cat(pieces) if pieces else torch.zeros(0)
@@ -99,7 +104,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--kill-rank", type=int, default=1)
     parser.add_argument("--pause-at", type=int)
     parser.add_argument("--until-asking", type=int)
-    parser.add_argument("--warmup-steps", type=int)
+    parser.add_argument("--warmup-steps", type=int, help="DenseWarmup(steps=N): HSDP steps before the rounds")
+    parser.add_argument("--save-every", type=int, help="save OUTDIR/ckpt-NAME/step=S.ckpt every S global steps")
+    parser.add_argument("--resume-at", type=int, help="resume from OUTDIR/ckpt-NAME/step=S.ckpt")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     fault_tolerance = None
@@ -123,6 +130,10 @@ def main(argv: list[str]) -> None:
     callbacks: list[pl.Callback] = [Record(args)]
     if args.warmup_steps:
         callbacks.append(DenseWarmup(steps=args.warmup_steps))
+    ckpt_dir = os.path.join(args.outdir, f"ckpt-{args.name}")
+    if args.save_every:
+        every = args.save_every
+        callbacks.append(ModelCheckpoint(dirpath=ckpt_dir, filename="{step}", every_n_train_steps=every, save_top_k=-1))
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=args.devices,
@@ -130,13 +141,14 @@ def main(argv: list[str]) -> None:
         max_steps=args.steps,
         callbacks=callbacks,
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=bool(args.save_every),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
     )
-    trainer.fit(ShardNet())
+    resume = os.path.join(ckpt_dir, f"step={args.resume_at}.ckpt") if args.resume_at else None
+    trainer.fit(ShardNet(), ckpt_path=resume)
 
 
 def launch(outdir: Any, name: str, *options: str) -> subprocess.Popen:

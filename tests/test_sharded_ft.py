@@ -95,6 +95,50 @@ def test_a_group_killed_mid_round_heals_shard_by_shard_and_ends_bitwise_equal_to
         assert torch.equal(mine[-1]["params"], theirs[STEPS]["params"]), "both end with the same model"
 
 
+@pytest.fixture(scope="module")
+def warmed_up_and_resumed(tmp_path_factory):
+    """3 HSDP steps of DenseWarmup, then rounds of 4, for 12 steps: plain ShardedDiLoCo 2 x 2, and 2 fault-tolerant
+    groups of 2 shards saving a checkpoint at step 4 (an epoch's end, one step into a round); then both groups resumed
+    from it (attempt 1)."""
+    outdir = tmp_path_factory.mktemp("sharded-ft-resume")
+    steps = ["--steps", "12", "--sync-every", str(H), "--warmup-steps", "3"]
+    codes = {"plain": _wait(launch(outdir, "plain", "--devices", "4", *steps), outdir, "plain")}
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, *steps]
+        for attempt, options in enumerate([["--save-every", "4"], ["--resume-at", "4"]]):
+            started = {g: launch(outdir, g, *common, "--attempt", str(attempt), *options) for g in ("0", "1")}
+            try:
+                codes.update({f"{g}-{attempt}": _wait(proc, outdir, g) for g, proc in started.items()})
+            finally:
+                for proc in started.values():
+                    if proc.poll() is None:
+                        os.kill(proc.pid, signal.SIGKILL)
+                        proc.wait()
+    return outdir, codes
+
+
+def test_a_dense_warmup_across_fault_tolerant_sharded_groups_is_plain_sharded_diloco_and_resumes_exactly(
+    warmed_up_and_resumed,
+):
+    outdir, codes = warmed_up_and_resumed
+    assert set(codes.values()) == {0}, (codes, _output(outdir, "0")[-3000:])
+    for group in (0, 1):
+        for rank in (0, 1):
+            fault_tolerant = load(outdir, f"{group}-0-rank{rank}")
+            plain = load(outdir, f"plain-rank{2 * group + rank}")
+            for i, (a, b) in enumerate(zip(fault_tolerant, plain, strict=True)):  # HSDP steps, then rounds
+                assert torch.equal(a["global"], b["global"]), f"group {group} rank {rank}, step {i + 1}"
+                assert torch.equal(a["params"], b["params"]), f"group {group} rank {rank}, step {i + 1}"
+            resumed = load(outdir, f"{group}-1-rank{rank}")
+            assert [s["global_step"] for s in resumed] == list(range(5, 13)), "resumed at step 4, mid-round"
+            for a, b in zip(resumed, fault_tolerant[4:], strict=True):
+                assert a["batch"] == b["batch"]
+                assert a["ft_step"] == b["ft_step"]
+                assert torch.equal(a["global"], b["global"]), f"resumed, step {a['global_step']}"
+                assert torch.equal(a["params"], b["params"]), f"resumed, step {a['global_step']}"
+                assert torch.equal(a["inner"], b["inner"]), f"resumed, step {a['global_step']}"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

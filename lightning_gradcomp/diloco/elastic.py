@@ -191,6 +191,8 @@ class TorchFTMembership(Membership):
                 " (`trainer.fit(model, ckpt_path=...)`), or restart the lighthouse to start a new run."
             )
         self._session().should_commit(not sync.failed, sync.failed)
+        if self._restored_step is not None and sync.quorum.peer_state is None:
+            self._session().load_step(self._restored_step)  # the start's commit is no sync: the checkpoint's step
         return None
 
     def enter(self, place: Place) -> Participation:
