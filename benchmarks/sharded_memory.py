@@ -6,12 +6,14 @@ buffer): about 24 bytes per fp32 parameter. ``ShardedDiLoCo`` shards all of it o
 (FSDP2 inside, the outer state on each rank's shards, as INTELLECT-1, arXiv 2412.01152), so it should hold about
 ``24 / S`` bytes per parameter.
 
-This fits a GPT of about 46M parameters (8 blocks, width 688, 256 byte tokens, 16 positions) for 2 AdamW steps with
+This fits a GPT of about 46M parameters (8 blocks, width 688, 256 byte tokens, 16 positions) for 4 AdamW steps with
 ``sync_every=1`` (so that the outer momentum exists) on 4 CPU processes, and at the end of ``fit`` reads, on every
 rank, the bytes of each part of the training state from the real objects: the parameters' local shards, their
 gradients, the inner optimizer's state, theta_global and the outer optimizer's state. Activations, buffers of the
 collectives and the allocator's caches are not counted; each rank's peak resident set size (``ru_maxrss``) is shown
-beside, for scale.
+beside, for scale. Two more columns: the sync's buffers (the flat pseudo-gradient each rank builds at a sync, the
+largest seen) and the sync's wall time per round (from the round's ``send`` to its return, the median over the syncs
+after the first, the slowest rank).
 
 Run::
 
@@ -25,9 +27,11 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Any
 
 import lightning.pytorch as pl
@@ -45,6 +49,7 @@ from lightning_gradcomp.models.gpt import GPT
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULT = os.path.join(ROOT, "benchmarks", "results", "sharded_memory.txt")
 WIDTH, LAYERS, HEADS, VOCAB, POSITIONS = 688, 8, 8, 256, 16
+PARTS = ("parameters", "gradients", "inner_state", "theta_global", "outer_state")  # the training state
 #: name -> (processes, strategy, shards per group)
 CONFIGS: dict[str, tuple[int, str, int]] = {
     "diloco-g2": (4, "DiLoCo(replica_group=2)", 1),
@@ -95,6 +100,26 @@ class _Measure(pl.Callback):
 
     def __init__(self) -> None:
         self.parts: dict[str, int] = {}
+        self.sync_bytes = 0
+        self.sync_seconds: list[float] = []
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Time each sync (``Round.send``) and weigh the pseudo-gradient it builds (``pseudo_gradients``)."""
+        round = getattr(trainer.strategy, "outer_state")
+        weights, send, pseudo = round.weights_of(), round.send, round.weights_of().pseudo_gradients
+
+        def timed_send(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            out = send(*args, **kwargs)
+            self.sync_seconds.append(time.perf_counter() - start)
+            return out
+
+        def weighed(*args: Any, **kwargs: Any) -> Any:
+            flats, layouts = pseudo(*args, **kwargs)
+            self.sync_bytes = max(self.sync_bytes, _bytes(flats))
+            return flats, layouts
+
+        round.send, weights.pseudo_gradients = timed_send, weighed
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         params = list(pl_module.parameters())
@@ -108,6 +133,8 @@ class _Measure(pl.Callback):
             "theta_global": _bytes(round.params) + _bytes(round.weights_of().buffers),
             "outer_state": _bytes(v for state in round.optimizer.state.values() for v in state.values()),
             "maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "sync_bytes": self.sync_bytes,
+            "sync_us": int(statistics.median(self.sync_seconds[1:] or self.sync_seconds) * 1e6),
         }
         self.parts["numel"] = sum(p.numel() for p in params)
 
@@ -127,7 +154,7 @@ def run_one(name: str, out: str) -> None:
         accelerator="cpu",
         devices=CONFIGS[name][0],
         strategy=_strategy(name),
-        max_steps=2,
+        max_steps=4,
         callbacks=[measure],
         logger=False,
         enable_checkpointing=False,
@@ -144,25 +171,28 @@ def run_one(name: str, out: str) -> None:
 
 def _table(results: dict[str, list[dict[str, int]]]) -> str:
     numel = results["diloco-g2"][0]["numel"]
-    dense = max(sum(v for k, v in r.items() if k not in ("numel", "maxrss")) for r in results["diloco-g2"])
+    dense = max(sum(v for k, v in r.items() if k in PARTS) for r in results["diloco-g2"])
     lines = [
         f"GPT of {numel / 1e6:.1f}M parameters ({LAYERS} blocks, width {WIDTH}), fp32, AdamW inside, outer Nesterov"
-        " SGD, 4 CPU processes (gloo), sync_every=1, 2 steps; bytes per rank at the end of fit (largest rank).",
+        " SGD, 4 CPU processes (gloo), sync_every=1, 4 steps; bytes per rank at the end of fit (largest rank);"
+        " the sync's buffers and wall time per round (slowest rank).",
         "",
         "| configuration | S | parameters | gradients | inner AdamW | theta_global | outer momentum | total"
-        " | bytes / parameter | x (24 / S) | x DiLoCo | peak RSS |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        " | bytes / parameter | x (24 / S) | x DiLoCo | peak RSS | sync buffers | sync per round |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, ranks in results.items():
         size = CONFIGS[name][2]
-        worst = max(ranks, key=lambda r: sum(v for k, v in r.items() if k not in ("numel", "maxrss")))
-        parts = [worst[k] for k in ("parameters", "gradients", "inner_state", "theta_global", "outer_state")]
+        worst = max(ranks, key=lambda r: sum(r[k] for k in PARTS))
+        parts = [worst[k] for k in PARTS]
         total = sum(parts)
         mb = " | ".join(f"{p / 2**20:,.1f} MiB" for p in parts)
         per = total / numel
         lines.append(
             f"| {CONFIGS[name][1]} | {size} | {mb} | {total / 2**20:,.1f} MiB | {per:.2f} | {per / (24 / size):.3f}"
-            f" | {total / dense:.3f} | {max(r['maxrss'] for r in ranks) / 2**20:,.0f} MiB |"
+            f" | {total / dense:.3f} | {max(r['maxrss'] for r in ranks) / 2**20:,.0f} MiB"
+            f" | {max(r['sync_bytes'] for r in ranks) / 2**20:,.1f} MiB"
+            f" | {max(r['sync_us'] for r in ranks) / 1e3:,.0f} ms |"
         )
     return "\n".join(lines) + "\n"
 
