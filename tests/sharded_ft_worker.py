@@ -5,8 +5,10 @@ part of the data (Lightning's sampler over every rank of every group). Without `
 plain ``ShardedDiLoCo`` on ``--devices`` processes in groups of ``--group-size``: the reference, whose group ``g`` reads
 what the fault-tolerant group ``g`` reads.
 
-Fault injection (the process kills itself at an exact step): ``--kill-at STEP --kill-rank R``, SIGKILL of the group's
+Fault injection (the process kills itself at an exact point): ``--kill-at STEP --kill-rank R``, SIGKILL of the group's
 rank ``R`` at the end of global step ``STEP`` (its other ranks then fail in their next collective, and the job ends);
+``--kill-in-exchange K``: SIGKILL of rank ``R`` as it issues its ``K``-th all-reduce across groups (a dense step's or
+a sync's, after the quorum formed);
 ``--pause-at STEP --until-asking N``: before global step ``STEP``, wait until ``N`` groups ask the lighthouse for a
 quorum, so that a restarted group is in the next sync.
 
@@ -33,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from lightning_gradcomp import ShardedDiLoCo, TorchFT
 from lightning_gradcomp.callbacks import DenseWarmup
 from tests.distributed import child_env, free_port
-from tests.ft_worker import PAUSE_S, _asking
+from tests.ft_worker import PAUSE_S, _asking, _kill_in_exchange
 from tests.sharded_worker import PAPER_OUTER, ShardNet, theta_global, whole
 
 
@@ -43,6 +45,10 @@ class Record(pl.Callback):
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.steps: list[dict[str, Any]] = []
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if self.args.kill_in_exchange and trainer.global_rank == self.args.kill_rank:
+            _kill_in_exchange(self.args.kill_in_exchange)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if self.args.pause_at is not None and trainer.global_step == self.args.pause_at:
@@ -102,6 +108,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--start-replicas", type=int, default=2)
     parser.add_argument("--kill-at", type=int)
     parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument("--kill-in-exchange", type=int, help="SIGKILL of --kill-rank in its K-th all-reduce")
     parser.add_argument("--pause-at", type=int)
     parser.add_argument("--until-asking", type=int)
     parser.add_argument("--warmup-steps", type=int, help="DenseWarmup(steps=N): HSDP steps before the rounds")

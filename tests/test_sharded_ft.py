@@ -23,24 +23,40 @@ from tests.ft_worker import log_of as _output
 from tests.ft_worker import wait_for as _wait
 from tests.sharded_ft_worker import launch, load
 
-STEPS, H = 16, 4
-KILL_AT, PAUSE_AT = 6, 10  # group 1 dies inside round 2; group 0 waits inside round 3 until it asks again
+H, WARMUP = 4, 3  # 3 HSDP steps of DenseWarmup, then rounds of 4: syncs at steps 7, 11, 15
+STEPS, KILL_AT, PAUSE_AT = 15, 5, 9  # group 1 dies inside the first round; group 0 waits inside the second
+SCHEDULE = ["--sync-every", str(H), "--warmup-steps", str(WARMUP)]
+
+
+def _stop(started) -> None:
+    for proc in started:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    """Plain ShardedDiLoCo 2 x 2 on 4 processes for 12 steps: the reference of both scenarios."""
+    outdir = tmp_path_factory.mktemp("sharded-plain")
+    proc = launch(outdir, "plain", "--devices", "4", "--steps", "12", *SCHEDULE)
+    try:
+        assert _wait(proc, outdir, "plain") == 0, _output(outdir, "plain")[-3000:]
+    finally:
+        _stop([proc])
+    return {r: load(outdir, f"plain-rank{r}") for r in range(4)}
 
 
 @pytest.fixture(scope="module")
 def killed_mid_round(tmp_path_factory):
-    """Plain ShardedDiLoCo 2 x 2 for 8 steps; then 2 fault-tolerant groups of 2 shards for 16 steps, rounds of 4:
-    rank 1 of group 1 dies at step 6 and the group is restarted; group 0 waits before step 10 until it asks the
-    lighthouse for a quorum, so that it joins the sync of step 12."""
+    """2 fault-tolerant groups of 2 shards for 15 steps: rank 1 of group 1 dies at step 5 and the group is restarted;
+    group 0 waits before step 9 until it asks the lighthouse for a quorum, so that it joins the sync of step 11."""
     outdir = tmp_path_factory.mktemp("sharded-ft")
     started: list[subprocess.Popen] = []
     codes: dict[str, int] = {}
     try:
-        plain = launch(outdir, "plain", "--devices", "4", "--steps", "8", "--sync-every", str(H))
-        started.append(plain)
-        codes["plain"] = _wait(plain, outdir, "plain")
         with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
-            common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), "--sync-every", str(H)]
+            common = ["--lighthouse", lighthouse.address, "--steps", str(STEPS), *SCHEDULE]
             survivor = launch(outdir, "0", *common, "--pause-at", str(PAUSE_AT), "--until-asking", "1")
             victim = launch(outdir, "1", *common, "--kill-at", str(KILL_AT))
             started += [survivor, victim]
@@ -50,30 +66,26 @@ def killed_mid_round(tmp_path_factory):
             codes["0"] = _wait(survivor, outdir, "0")
             codes["1"] = _wait(restarted, outdir, "1")
     finally:
-        for proc in started:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-                proc.wait()
+        _stop(started)
     return outdir, codes
 
 
-def test_no_failure_is_plain_sharded_diloco_bitwise_and_the_survivor_never_stops(killed_mid_round):
+def test_no_failure_is_plain_sharded_diloco_bitwise_and_the_survivor_never_stops(killed_mid_round, plain):
     outdir, codes = killed_mid_round
-    assert codes["plain"] == 0, _output(outdir, "plain")[-3000:]
     assert codes["0"] == 0, _output(outdir, "0")[-3000:]
     assert codes["1-killed"] != 0, "the group whose rank was killed ended"
     for rank in (0, 1):
-        survivor, plain = load(outdir, f"0-0-rank{rank}"), load(outdir, f"plain-rank{rank}")
+        survivor, reference = load(outdir, f"0-0-rank{rank}"), plain[rank]
         assert [s["global_step"] for s in survivor] == list(range(1, STEPS + 1)), "the survivor never stopped"
-        for i in range(KILL_AT):  # until group 1 is gone (the sync of step 8): plain ShardedDiLoCo, bit for bit
-            assert survivor[i]["batch"] == plain[i]["batch"], f"rank {rank}, step {i + 1}: the same data"
-            assert torch.equal(survivor[i]["global"], plain[i]["global"]), f"rank {rank}, step {i + 1}: theta_global"
-            assert torch.equal(survivor[i]["params"], plain[i]["params"]), f"rank {rank}, step {i + 1}: the model"
-        # the sync of step 8 had group 0 alone; at step 12 the restarted group healed and sent zeros
-        assert [survivor[i]["participants"] for i in (3, 7, 11, 15)] == [2, 1, 1, 2]
-        assert not torch.equal(survivor[7]["global"], plain[7]["global"]), "one group's pseudo-gradient, not two"
+        for i in range(KILL_AT):  # HSDP steps, then the round group 1 died in: plain ShardedDiLoCo, bit for bit
+            assert survivor[i]["batch"] == reference[i]["batch"], f"rank {rank}, step {i + 1}: the same data"
+            assert torch.equal(survivor[i]["global"], reference[i]["global"]), f"rank {rank}, step {i + 1}"
+            assert torch.equal(survivor[i]["params"], reference[i]["params"]), f"rank {rank}, step {i + 1}"
+        # the sync of step 7 had group 0 alone; at step 11 the restarted group healed and sent zeros
+        assert [survivor[i]["participants"] for i in (6, 10, 14)] == [1, 1, 2]
+        assert not torch.equal(survivor[6]["global"], reference[6]["global"]), "one group's pseudo-gradient, not two"
         assert survivor[-1]["discarded"] == 0, "a group that died between syncs costs the others no round"
-        assert survivor[-1]["syncs"] == STEPS // H
+        assert survivor[-1]["syncs"] == (STEPS - WARMUP) // H
 
 
 def test_a_group_killed_mid_round_heals_shard_by_shard_and_ends_bitwise_equal_to_the_survivor(killed_mid_round):
@@ -84,49 +96,43 @@ def test_a_group_killed_mid_round_heals_shard_by_shard_and_ends_bitwise_equal_to
         mine = load(outdir, f"1-1-rank{rank}")
         theirs = {s["global_step"]: s for s in load(outdir, f"0-0-rank{rank}")}
         first = mine[0]
-        assert first["global_step"] == 12, "it joined the sync of step 12 with the survivor's counters"
+        assert first["global_step"] == 11, "it joined the sync of step 11 with the survivor's counters"
         assert first["heals"] == 1
         assert torch.equal(first["params"], first["global"]), "no inner step of its own before the heal"
         assert first["inner"].numel() > 0
-        assert torch.equal(first["inner"], theirs[12]["inner"]), "the inner AdamW state of the peer's shard"
-        assert [s["global_step"] for s in mine] == list(range(12, STEPS + 1))
+        assert torch.equal(first["inner"], theirs[11]["inner"]), "the inner AdamW state of the peer's shard"
+        assert [s["global_step"] for s in mine] == list(range(11, STEPS + 1))
         for step in mine:  # theta_global equal to the survivor's at every step after the heal
             assert torch.equal(step["global"], theirs[step["global_step"]]["global"]), f"step {step['global_step']}"
         assert torch.equal(mine[-1]["params"], theirs[STEPS]["params"]), "both end with the same model"
 
 
 @pytest.fixture(scope="module")
-def warmed_up_and_resumed(tmp_path_factory):
-    """3 HSDP steps of DenseWarmup, then rounds of 4, for 12 steps: plain ShardedDiLoCo 2 x 2, and 2 fault-tolerant
-    groups of 2 shards saving a checkpoint at step 4 (an epoch's end, one step into a round); then both groups resumed
-    from it (attempt 1)."""
+def saved_and_resumed(tmp_path_factory):
+    """2 fault-tolerant groups of 2 shards for 12 steps, saving a checkpoint at step 4 (an epoch's end, one step into
+    the first round); then both resumed from it (attempt 1)."""
     outdir = tmp_path_factory.mktemp("sharded-ft-resume")
-    steps = ["--steps", "12", "--sync-every", str(H), "--warmup-steps", "3"]
-    codes = {"plain": _wait(launch(outdir, "plain", "--devices", "4", *steps), outdir, "plain")}
+    codes = {}
     with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
-        common = ["--lighthouse", lighthouse.address, *steps]
+        common = ["--lighthouse", lighthouse.address, "--steps", "12", *SCHEDULE]
         for attempt, options in enumerate([["--save-every", "4"], ["--resume-at", "4"]]):
             started = {g: launch(outdir, g, *common, "--attempt", str(attempt), *options) for g in ("0", "1")}
             try:
                 codes.update({f"{g}-{attempt}": _wait(proc, outdir, g) for g, proc in started.items()})
             finally:
-                for proc in started.values():
-                    if proc.poll() is None:
-                        os.kill(proc.pid, signal.SIGKILL)
-                        proc.wait()
+                _stop(started.values())
     return outdir, codes
 
 
 def test_a_dense_warmup_across_fault_tolerant_sharded_groups_is_plain_sharded_diloco_and_resumes_exactly(
-    warmed_up_and_resumed,
+    saved_and_resumed, plain
 ):
-    outdir, codes = warmed_up_and_resumed
+    outdir, codes = saved_and_resumed
     assert set(codes.values()) == {0}, (codes, _output(outdir, "0")[-3000:])
     for group in (0, 1):
         for rank in (0, 1):
             fault_tolerant = load(outdir, f"{group}-0-rank{rank}")
-            plain = load(outdir, f"plain-rank{2 * group + rank}")
-            for i, (a, b) in enumerate(zip(fault_tolerant, plain, strict=True)):  # HSDP steps, then rounds
+            for i, (a, b) in enumerate(zip(fault_tolerant, plain[2 * group + rank], strict=True)):
                 assert torch.equal(a["global"], b["global"]), f"group {group} rank {rank}, step {i + 1}"
                 assert torch.equal(a["params"], b["params"]), f"group {group} rank {rank}, step {i + 1}"
             resumed = load(outdir, f"{group}-1-rank{rank}")
@@ -137,6 +143,37 @@ def test_a_dense_warmup_across_fault_tolerant_sharded_groups_is_plain_sharded_di
                 assert torch.equal(a["global"], b["global"]), f"resumed, step {a['global_step']}"
                 assert torch.equal(a["params"], b["params"]), f"resumed, step {a['global_step']}"
                 assert torch.equal(a["inner"], b["inner"]), f"resumed, step {a['global_step']}"
+
+
+@pytest.fixture(scope="module")
+def killed_in_an_exchange(tmp_path_factory):
+    """2 fault-tolerant groups of 2 shards for 12 steps: rank 1 of group 1 dies as it sends its shard at the sync of
+    step 7 (its 4th all-reduce across groups, after 3 dense steps), while rank 0's shard goes through."""
+    outdir = tmp_path_factory.mktemp("sharded-ft-exchange")
+    with Lighthouse(min_replicas=1, port=free_port(), heartbeat_timeout_ms=2000) as lighthouse:
+        common = ["--lighthouse", lighthouse.address, "--steps", "12", *SCHEDULE]
+        started = {"0": launch(outdir, "0", *common), "1": launch(outdir, "1", *common, "--kill-in-exchange", "4")}
+        try:
+            codes = {g: _wait(proc, outdir, g) for g, proc in started.items()}
+        finally:
+            _stop(started.values())
+    return outdir, codes
+
+
+@pytest.mark.slow
+def test_a_death_in_an_exchange_discards_the_round_on_every_shard_of_the_survivor(killed_in_an_exchange):
+    outdir, codes = killed_in_an_exchange
+    assert codes["0"] == 0, _output(outdir, "0")[-3000:]
+    assert codes["1"] != 0
+    for rank in (0, 1):  # rank 0's shard was averaged, rank 1's was not: neither steps theta_global
+        survivor = load(outdir, f"0-0-rank{rank}")
+        assert [s["global_step"] for s in survivor] == list(range(1, 13))
+        assert [s["discarded"] for s in survivor][5:7] == [0, 1], "the sync of step 7 is discarded"
+        assert torch.equal(survivor[6]["global"], survivor[5]["global"]), "theta_global as before the sync"
+        assert torch.equal(survivor[6]["params"], survivor[6]["global"]), "the shards back to theta_global"
+        assert survivor[-1]["discarded"] == 1
+        assert survivor[-1]["syncs"] == 1, "the sync of step 11 commits, with group 0 alone"
+        assert survivor[10]["participants"] == 1
 
 
 @pytest.mark.parametrize(
