@@ -10,6 +10,7 @@ the batches it read, theta_global (whole, gathered inside the group) and the mod
 """
 
 import faulthandler
+import glob
 import math
 import os
 import subprocess
@@ -25,7 +26,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import DiLoCo, ShardedDiLoCo
@@ -43,7 +45,8 @@ class ShardNet(pl.LightningModule):
     """An MLP written for ``ModelParallelStrategy`` (each ``Linear`` and the whole sharded in ``configure_model``).
 
     The last layer has 5 rows: split unevenly over 2 shards (3 and 2). ``mesh="hsdp"`` shards over a 2-D HSDP mesh
-    of its own instead (the trap ``ShardedDiLoCo`` refuses).
+    of its own instead (the trap ``ShardedDiLoCo`` refuses); ``mesh="tp"`` applies tensor parallelism over
+    ``self.device_mesh["tensor_parallel"]`` first (column-wise, row-wise, then column-wise with whole outputs).
     """
 
     def __init__(
@@ -72,6 +75,9 @@ class ShardNet(pl.LightningModule):
         mesh = self.device_mesh["data_parallel"]
         if self.mesh_kind == "hsdp":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        if self.mesh_kind == "tp":
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(output_layouts=Replicate())}
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
         for layer in self.net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -197,6 +203,20 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
         {"width": 64},  # the middle layer's shards of 2,048 elements are compressed (1,024 and more)
         {"save": True},
     ),
+    # tensor parallelism inside the groups: 2 x (S=1, T=2) and 1 x (S=2, T=2) on 4 processes, as DiLoCo on 2
+    "sharded-tp-h2": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2), {"mesh": "tp"}, {}),
+    "diloco-h2-g1": (lambda: DiLoCo(sync_every=2, outer_optimizer=PAPER_OUTER, replica_group=1), {}, {}),
+    "sharded-tp-1x2x2": (
+        _sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
+        {"mesh": "tp"},
+        {"group_size": 4},
+    ),
+    "sharded-tp-h3": (
+        _sharded(sync_every=3, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
+        {"mesh": "tp"},
+        {"save": True},
+    ),
+    "sharded-tp-h3-2x1": (_sharded(sync_every=3, outer_optimizer=PAPER_OUTER), {}, {"save": True, "group_size": 1}),
 }
 
 
@@ -232,7 +252,7 @@ def train(run: str, root: str, devices: int) -> None:
     )
     ckpt = None
     if earlier:
-        ckpt = os.path.join(root, earlier, "epoch=0-step=4.ckpt")
+        (ckpt,) = glob.glob(os.path.join(root, earlier, "epoch=0-step=*.ckpt"))
     result: dict[str, Any] = {}
     try:
         trainer.fit(module, ckpt_path=ckpt)
