@@ -101,9 +101,15 @@ class ShardNet(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
     def on_after_backward(self) -> None:
-        """At step ``nan_step``, after FSDP2's reduce-scatter: rank 1's gradient shards (its shard only) not finite."""
+        """At step ``nan_step``, after FSDP2's reduce-scatter: rank 1's gradient shards (its shard only) not finite.
+
+        Not the gradients of parameters replicated over tensor parallelism: theirs are the same on every rank of the
+        block (computed from the same activations), and so would a non-finite one be.
+        """
         if self.nan_step is not None and self.global_rank == 1 and self.global_step + 1 == self.nan_step:
             for p in self.parameters():
+                if self.mesh_kind == "tp" and p.placements[-1].is_replicate():  # over tensor_parallel
+                    continue
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 grad.fill_(float("nan"))
 
@@ -211,6 +217,11 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
         {"mesh": "tp"},
         {"group_size": 4},
     ),
+    "sharded-tp-h2-nan4": (
+        _sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
+        {"mesh": "tp", "nan_step": 4},
+        {},
+    ),
     "sharded-tp-h3": (
         _sharded(sync_every=3, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
         {"mesh": "tp"},
@@ -262,6 +273,7 @@ def train(run: str, root: str, devices: int) -> None:
     round = getattr(strategy, "outer_state", None)
     result["outer_numel"] = None if round is None else sum(p.numel() for p in round.params)
     result["skipped"] = None if round is None else round.skipped
+    result["placements"] = [str(p.placements) for p in module.parameters() if isinstance(p, DTensor)]
     result.update(
         validated=module.validated,
         start=record.start,
