@@ -217,6 +217,8 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
         {"mesh": "tp"},
         {"group_size": 4},
     ),
+    # the module applies FSDP2 only: each parameter on a mesh of one rank of its group of 2 (refused)
+    "sharded-tp-fsdp-only": (_sharded(sync_every=2, tensor_parallel_size=2), {}, {}),
     "sharded-tp-h2-nan4": (
         _sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
         {"mesh": "tp", "nan_step": 4},

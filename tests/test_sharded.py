@@ -31,7 +31,7 @@ CHECKPOINTS = [
     "sharded-h4-streaming+sharded-h4-streaming",
 ]
 WARMUP = ["sharded-h2-w3", "diloco-h2-g2-w3"]
-TENSOR_PARALLEL = ["sharded-tp-h2", "sharded-tp-1x2x2", "sharded-tp-h2-nan4"]
+TENSOR_PARALLEL = ["sharded-tp-h2", "sharded-tp-1x2x2", "sharded-tp-h2-nan4", "sharded-tp-fsdp-only"]
 TP_CHECKPOINTS = ["sharded-tp-h3", "sharded-tp-h3+sharded-tp-h3", "sharded-h3+sharded-tp-h3"]
 EXTRAS = ["sharded-h2-offload", "sharded-h2-val3", "sharded-h2-nan4", "sharded-h2-mask", "sharded-h2-boolmask"]
 
@@ -85,10 +85,16 @@ def tp_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def tp_references(tmp_path_factory, tp_checkpoints):
-    """On 2 processes: DiLoCo as 2 groups of 1 and 1 group of 2; the 2 x (1, 2) checkpoint resumed on 2 x (1, 1)."""
-    runs = ["diloco-h2-g1", "diloco-h2-g2", "sharded-tp-h3-2x1+sharded-tp-h3"]
-    return _launch(tmp_path_factory, 2, runs, copied=((tp_checkpoints["root"], "sharded-tp-h3"),))
+def tp_references(tmp_path_factory):
+    """On 2 processes: DiLoCo as 2 groups of 1 and as 1 group of 2."""
+    return _launch(tmp_path_factory, 2, ["diloco-h2-g1", "diloco-h2-g2"])
+
+
+@pytest.fixture(scope="module")
+def tp_resharded(tmp_path_factory, tp_checkpoints):
+    """The 2 x (1, 2) checkpoint resumed on 2 processes as 2 x (1, 1)."""
+    run = "sharded-tp-h3-2x1+sharded-tp-h3"
+    return _launch(tmp_path_factory, 2, [run], copied=((tp_checkpoints["root"], "sharded-tp-h3"),))
 
 
 @pytest.fixture(scope="module")
@@ -307,7 +313,7 @@ def test_two_groups_of_two_tensor_parallel_ranks_equal_two_level_diloco_at_every
     """2 x (S=1, T=2): column-wise, row-wise, column-wise layers inside each group; as DiLoCo with 2 groups of 1
     (the two ranks of a tensor-parallel block read the same batches, the groups' batches as DiLoCo's ranks')."""
     sharded, dense = tensor_parallel["records"]["sharded-tp-h2"], tp_references["records"]["diloco-h2-g1"]
-    assert "2 replica groups of 2 FSDP2 shards" in tensor_parallel["output"]
+    assert "2 replica groups of 1 FSDP2 shards x 2 tensor-parallel ranks" in tensor_parallel["output"]
     assert sharded[0]["placements"][0].endswith("Shard(dim=0))"), "column-wise"
     assert sharded[0]["placements"][3].endswith("Replicate())"), "the row-wise layer's bias, whole on both ranks"
     for rank in range(4):
@@ -335,7 +341,17 @@ def test_a_tensor_parallel_shard_that_is_not_finite_skips_the_outer_step_on_ever
         torch.testing.assert_close(rank["final"], ranks[0]["final"], rtol=0, atol=0)
 
 
-def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_on_other_layouts(tp_checkpoints, tp_references):
+def test_a_module_without_tensor_parallelism_under_tensor_parallel_size_2_is_refused(tensor_parallel):
+    """FSDP2 alone shards over each rank's 1-rank data-parallel mesh: nothing would average over the group."""
+    errors = [rank.get("error") for rank in tensor_parallel["records"]["sharded-tp-fsdp-only"]]
+    assert all(e is not None and "not be averaged over the group's other ranks" in e for e in errors), errors
+    assert "own 2-D mesh `self.device_mesh['data_parallel', 'tensor_parallel']`" in errors[0]
+    assert "(ranks [0, 1]), got a 1-D mesh over ranks [0]" in errors[0]
+    assert "(ranks [2, 3]), got a 1-D mesh over ranks [3]" in errors[3]
+    assert "\n" not in errors[0]
+
+
+def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_on_other_layouts(tp_checkpoints, tp_resharded):
     """Saved two steps into a round of 3: resumed on 2 x (1, 2) bitwise; on 2 x (1, 1) (2 processes) and on
     2 x (2, 1) with the same weights, groups' own shards and step."""
     records = tp_checkpoints["records"]
@@ -351,7 +367,7 @@ def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_on_other_layouts(tp_ch
             assert mine["phase"] == theirs["phase"]
             torch.testing.assert_close(mine["params"], theirs["params"], rtol=0, atol=0, msg=f"step {i + 9}")
             torch.testing.assert_close(mine["global"], theirs["global"], rtol=0, atol=0, msg=f"step {i + 9}")
-    two_by_one = tp_references["records"]["sharded-tp-h3-2x1+sharded-tp-h3"]
+    two_by_one = tp_resharded["records"]["sharded-tp-h3-2x1+sharded-tp-h3"]
     other = [(rank, rank["rank"]) for rank in two_by_one]
     other += [(rank, rank["rank"] // 2) for rank in records["sharded-h3+sharded-tp-h3"]]
     assert len(other) == 6

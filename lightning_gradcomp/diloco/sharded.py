@@ -268,7 +268,8 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
         broadcast_from_first_group(shards, buffers, peers)
         round.process_group = peers
         params = lambda: [p for _, p in named_trained(self._module())]  # noqa: E731
-        self._members.shard_over(replica_process_group(self.device_mesh), self.groups, self.group_size, params)
+        group = replica_process_group(self.device_mesh)
+        self._members.shard_over(group, self.groups, self.group_size, params, self.tensor_parallel)
         buffer_names = [n for n, b in self._module().named_buffers() if b.is_floating_point()]
         round.attach(shards, buffers, [n for n, _ in named], buffer_names, self._job(trainer))
         round.fragment_params = global_fragments([p for _, p in named], self.fragments)

@@ -146,7 +146,9 @@ def check_sharded_parameters(named: Sequence[tuple[str, Tensor]], group_mesh: De
     keep no ``.grad`` at all.
     """
     ranks = sorted(group_mesh.mesh.flatten().tolist())
-    own = "`self.device_mesh['data_parallel']`" if group_mesh.ndim == 1 else "the group's data and tensor parallel mesh"
+    own = "`self.device_mesh['data_parallel']`"
+    if group_mesh.ndim > 1:  # the module's tensor parallelism first, FSDP2 over it
+        own = "`self.device_mesh['data_parallel', 'tensor_parallel']` (parallelize_module, then fully_shard)"
     for name, p in named:
         if not isinstance(p, DTensor):
             raise MisconfigurationException(
@@ -154,12 +156,17 @@ def check_sharded_parameters(named: Sequence[tuple[str, Tensor]], group_mesh: De
                 f" mesh=self.device_mesh['data_parallel'])` in `configure_model`, got `{name}` as a plain tensor."
             )
         mesh = p.device_mesh
-        if sorted(mesh.mesh.flatten().tolist()) != ranks:
+        theirs = sorted(mesh.mesh.flatten().tolist())
+        if theirs != ranks:
+            why = (
+                "its gradient would not be averaged over the group's other ranks"
+                if set(theirs) < set(ranks)
+                else "native HSDP reduces across groups at every step, and with set_requires_all_reduce(False) leaves"
+                " `.grad` None"
+            )
             raise MisconfigurationException(
                 f"ShardedDiLoCo: expected `{name}` sharded on the replica group's own {group_mesh.ndim}-D mesh"
-                f" {own} (ranks {ranks}), got a {mesh.ndim}-D mesh over ranks"
-                f" {sorted(mesh.mesh.flatten().tolist())}: native HSDP reduces across groups at every step, and with"
-                " set_requires_all_reduce(False) leaves `.grad` None."
+                f" {own} (ranks {ranks}), got a {mesh.ndim}-D mesh over ranks {theirs}: {why}."
             )
 
 
