@@ -78,9 +78,10 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
     """DiLoCo across replica groups whose ranks shard the model with FSDP2 (``ModelParallelStrategy``) inside.
 
     Replica group ``g`` is the ``S`` consecutive ranks ``g*S .. g*S+S-1``. The module's ``configure_model`` applies
-    ``fully_shard`` over ``self.device_mesh["data_parallel"]``, here the group's own 1-D mesh: an inner step crosses
-    no group boundary. Every ``sync_every`` steps each rank averages the pseudo-gradient of its own shards (no
-    all-gather) with the ranks holding the same shards in the other groups, and steps its shards of theta_global:
+    ``fully_shard`` over ``self.device_mesh["data_parallel"]``, here the group's own mesh (with tensor parallelism
+    over ``["tensor_parallel"]`` first, ``S * T`` ranks): an inner step crosses no group boundary. Every
+    ``sync_every`` steps each rank averages the pseudo-gradient of its own shards (no all-gather) with the ranks
+    holding the same shards in the other groups, and steps its shards of theta_global:
     the outer state is ``8 P / S`` bytes per rank for Nesterov SGD, not ``8 P``. Every rank reads its own part of the
     data; validation during ``fit`` and a checkpoint's weights are theta_global, as with ``DiLoCo``.
 
@@ -95,15 +96,17 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
         offload: keep this rank's shards of theta_global and of the outer optimizer's state in CPU memory.
         compressor: average the pseudo-gradient through an element- or block-wise compressor (``MinMax``,
             ``SparseLoCo``, ...), run on this rank's shard; ones that need whole matrices are refused.
-        replica_group: ranks per replica group ``S``: ``"node"`` or an integer dividing the world size.
+        replica_group: ranks per replica group ``S * T``: ``"node"`` or an integer dividing the world size.
         monitor: add an :class:`~lightning_gradcomp.callbacks.OuterMonitor` unless the trainer has one.
         sigterm_check: ``"sync"`` (Lightning's SIGTERM broadcast once a sync period) or ``"step"``.
         fault_tolerance: a :class:`~lightning_gradcomp.TorchFT`: this Lightning job is one replica group of FSDP2
             shards in a run whose outer exchange goes through torchft (rank ``j`` of every group exchanges shard
             ``j``); a group that dies costs the others at most one round, and one that (re)starts heals shard by
             shard from a live group (docs/fault_tolerance.md). ``replica_group`` is then the whole job.
-        data_parallel_size: ``"auto"`` or ``S``: FSDP2's shards inside a group.
-        tensor_parallel_size: ``"auto"`` or 1: tensor parallelism inside a group is not available yet.
+        data_parallel_size: ``"auto"`` or ``S``: FSDP2's shards inside a group (``replica_group / T``).
+        tensor_parallel_size: ``"auto"`` (1) or ``T``: the ranks of a group that the module's tensor parallelism
+            spans (``parallelize_module`` over ``self.device_mesh["tensor_parallel"]``, then ``fully_shard``); the
+            group is ``S * T`` ranks. 1 with ``fault_tolerance``.
         save_distributed_checkpoint: ``True`` (a distributed-checkpoint folder); ``False`` is refused.
         process_group_backend, timeout: as ``ModelParallelStrategy``'s.
 
