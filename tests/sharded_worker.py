@@ -46,7 +46,8 @@ class ShardNet(pl.LightningModule):
 
     The last layer has 5 rows: split unevenly over 2 shards (3 and 2). ``mesh="hsdp"`` shards over a 2-D HSDP mesh
     of its own instead (the trap ``ShardedDiLoCo`` refuses); ``mesh="tp"`` applies tensor parallelism over
-    ``self.device_mesh["tensor_parallel"]`` first (column-wise, row-wise, then column-wise with whole outputs).
+    ``self.device_mesh["tensor_parallel"]`` first (column-wise, row-wise, then column-wise with whole outputs), and
+    ``mesh="tp-only"`` that alone.
     """
 
     def __init__(
@@ -75,9 +76,11 @@ class ShardNet(pl.LightningModule):
         mesh = self.device_mesh["data_parallel"]
         if self.mesh_kind == "hsdp":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        if self.mesh_kind == "tp":
+        if self.mesh_kind in ("tp", "tp-only"):
             plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(output_layouts=Replicate())}
             parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
+        if self.mesh_kind == "tp-only":
+            return
         for layer in self.net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -108,7 +111,7 @@ class ShardNet(pl.LightningModule):
         """
         if self.nan_step is not None and self.global_rank == 1 and self.global_step + 1 == self.nan_step:
             for p in self.parameters():
-                if self.mesh_kind == "tp" and p.placements[-1].is_replicate():  # over tensor_parallel
+                if self.mesh_kind.startswith("tp") and p.placements[-1].is_replicate():  # over tensor_parallel
                     continue
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 grad.fill_(float("nan"))
@@ -212,6 +215,11 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
     # tensor parallelism inside the groups: 2 x (S=1, T=2) and 1 x (S=2, T=2) on 4 processes, as DiLoCo on 2
     "sharded-tp-h2": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2), {"mesh": "tp"}, {}),
     "diloco-h2-g1": (lambda: DiLoCo(sync_every=2, outer_optimizer=PAPER_OUTER, replica_group=1), {}, {}),
+    "sharded-tp-only-h2": (
+        _sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
+        {"mesh": "tp-only"},
+        {},
+    ),
     "sharded-tp-1x2x2": (
         _sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
         {"mesh": "tp"},

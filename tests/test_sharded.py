@@ -31,7 +31,13 @@ CHECKPOINTS = [
     "sharded-h4-streaming+sharded-h4-streaming",
 ]
 WARMUP = ["sharded-h2-w3", "diloco-h2-g2-w3"]
-TENSOR_PARALLEL = ["sharded-tp-h2", "sharded-tp-1x2x2", "sharded-tp-h2-nan4", "sharded-tp-fsdp-only"]
+TENSOR_PARALLEL = [
+    "sharded-tp-h2",
+    "sharded-tp-only-h2",
+    "sharded-tp-1x2x2",
+    "sharded-tp-h2-nan4",
+    "sharded-tp-fsdp-only",
+]
 TP_CHECKPOINTS = ["sharded-tp-h3", "sharded-tp-h3+sharded-tp-h3", "sharded-h3+sharded-tp-h3"]
 EXTRAS = ["sharded-h2-offload", "sharded-h2-val3", "sharded-h2-nan4", "sharded-h2-mask", "sharded-h2-boolmask"]
 
@@ -82,6 +88,13 @@ def tensor_parallel(tmp_path_factory):
 def tp_checkpoints(tmp_path_factory):
     """2 x (S=1, T=2) saved after an epoch of 8 steps, resumed on 2 x (1, 2) and on 2 x (2, 1)."""
     return _launch(tmp_path_factory, 4, TP_CHECKPOINTS)
+
+
+@pytest.fixture(scope="module")
+def tp_from_plain(tmp_path_factory, checkpoints):
+    """The 2 x (2, 1) checkpoint after one epoch, resumed on 2 x (1, 2)."""
+    runs = ["sharded-tp-h3+sharded-h3"]
+    return _launch(tmp_path_factory, 4, runs, copied=((checkpoints["root"], "sharded-h3"),))
 
 
 @pytest.fixture(scope="module")
@@ -323,6 +336,14 @@ def test_two_groups_of_two_tensor_parallel_ranks_equal_two_level_diloco_at_every
     assert (sharded[0]["steps"][-1]["global"] - sharded[0]["steps"][0]["global"]).abs().max() > 1e-2
 
 
+def test_tensor_parallelism_without_fsdp2_equals_two_level_diloco_at_every_step(tensor_parallel, tp_references):
+    """2 x (S=1, T=2) with no ``fully_shard``: each parameter a DTensor on the group's 1-D tensor-parallel mesh."""
+    sharded, dense = tensor_parallel["records"]["sharded-tp-only-h2"], tp_references["records"]["diloco-h2-g1"]
+    assert sharded[0]["placements"][0] == "(Shard(dim=0),)"
+    for rank in range(4):
+        _close_at_every_step(sharded[rank]["steps"], dense[rank // 2]["steps"], 1e-5)
+
+
 def test_fsdp2_over_tensor_parallelism_in_one_group_equals_diloco_over_its_ranks(tensor_parallel, tp_references):
     """1 x (S=2, T=2): each parameter a DTensor on the group's 2-D mesh (FSDP2's shard strided over the column-wise
     one), as DiLoCo with one group of 2 ranks."""
@@ -379,6 +400,17 @@ def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_on_other_layouts(tp_ch
     for rank, dense in enumerate(two_by_one):  # the same batches: the run goes on as the tensor-parallel one
         for i, (mine, theirs) in enumerate(zip(dense["steps"], full[2 * rank]["steps"][8:], strict=True)):
             torch.testing.assert_close(mine["params"], theirs["params"], rtol=0, atol=1e-5, msg=f"step {i + 9}")
+
+
+def test_a_checkpoint_without_tensor_parallelism_resumes_on_tensor_parallel_groups(checkpoints, tp_from_plain):
+    """2 x (2, 1) saved one step into a round of 3, resumed on 2 x (1, 2): the same weights, groups' shards, step."""
+    full = checkpoints["records"]["sharded-h3"]
+    for rank in tp_from_plain["records"]["sharded-tp-h3+sharded-h3"]:
+        start = rank["start"]
+        assert (start["step"], start["phase"]) == (4, 1)
+        torch.testing.assert_close(start["global"], full[0]["steps"][3]["global"], rtol=0, atol=0)
+        group = rank["rank"] // 2
+        torch.testing.assert_close(start["params"], full[2 * group]["steps"][3]["params"], rtol=0, atol=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------
