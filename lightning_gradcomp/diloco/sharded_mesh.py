@@ -143,7 +143,7 @@ def check_sharded_parameters(named: Sequence[tuple[str, Tensor]], group_mesh: De
     in-group gradient average (the group's replicas drift apart); one on a mesh over fewer ranks (FSDP2 alone beside
     tensor parallelism) is not synchronized over the others; one on another mesh (a 2-D HSDP mesh, or one spanning
     several groups) would be reduced across groups at every inner step, or with ``set_requires_all_reduce(False)``
-    keep no ``.grad`` at all.
+    keep no ``.grad`` at all; one on a mesh of other dimensions has no place in the checkpoint's layout.
     """
     ranks = sorted(group_mesh.mesh.flatten().tolist())
     own = "`self.device_mesh['data_parallel']`"
@@ -156,14 +156,17 @@ def check_sharded_parameters(named: Sequence[tuple[str, Tensor]], group_mesh: De
                 f" mesh=self.device_mesh['data_parallel'])` in `configure_model`, got `{name}` as a plain tensor."
             )
         mesh = p.device_mesh
-        theirs = sorted(mesh.mesh.flatten().tolist())
-        if theirs != ranks:
-            why = (
-                "its gradient would not be averaged over the group's other ranks"
-                if set(theirs) < set(ranks)
-                else "native HSDP reduces across groups at every step, and with set_requires_all_reduce(False) leaves"
-                " `.grad` None"
-            )
+        theirs, names = sorted(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names or ()
+        if theirs != ranks or not set(names) <= set(GROUP_DIMS[1:]):
+            if set(theirs) < set(ranks):
+                why = "its gradient would not be averaged over the group's other ranks"
+            elif theirs == ranks:  # the checkpoint lays the outer state out on the strategy's own dimensions
+                why = f"its dimensions {names} are not the strategy's {GROUP_DIMS[1:]}"
+            else:
+                why = (
+                    "native HSDP reduces across groups at every step, and with set_requires_all_reduce(False) leaves"
+                    " `.grad` None"
+                )
             raise MisconfigurationException(
                 f"ShardedDiLoCo: expected `{name}` sharded on the replica group's own {group_mesh.ndim}-D mesh"
                 f" {own} (ranks {ranks}), got a {mesh.ndim}-D mesh over ranks {theirs}: {why}."
