@@ -10,6 +10,7 @@ the batches it read, theta_global (whole, gathered inside the group) and the mod
 """
 
 import faulthandler
+import glob
 import math
 import os
 import subprocess
@@ -25,7 +26,8 @@ from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_gradcomp import DiLoCo, ShardedDiLoCo
@@ -43,7 +45,9 @@ class ShardNet(pl.LightningModule):
     """An MLP written for ``ModelParallelStrategy`` (each ``Linear`` and the whole sharded in ``configure_model``).
 
     The last layer has 5 rows: split unevenly over 2 shards (3 and 2). ``mesh="hsdp"`` shards over a 2-D HSDP mesh
-    of its own instead (the trap ``ShardedDiLoCo`` refuses).
+    of its own instead (the trap ``ShardedDiLoCo`` refuses); ``mesh="tp"`` applies tensor parallelism over
+    ``self.device_mesh["tensor_parallel"]`` first (column-wise, row-wise, then column-wise with whole outputs), and
+    ``mesh="tp-only"`` that alone.
     """
 
     def __init__(
@@ -72,6 +76,11 @@ class ShardNet(pl.LightningModule):
         mesh = self.device_mesh["data_parallel"]
         if self.mesh_kind == "hsdp":
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        if self.mesh_kind in ("tp", "tp-only"):
+            plan = {"0": ColwiseParallel(), "2": RowwiseParallel(), "4": ColwiseParallel(output_layouts=Replicate())}
+            parallelize_module(self.net, self.device_mesh["tensor_parallel"], plan)
+        if self.mesh_kind == "tp-only":
+            return
         for layer in self.net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
@@ -95,9 +104,15 @@ class ShardNet(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
 
     def on_after_backward(self) -> None:
-        """At step ``nan_step``, after FSDP2's reduce-scatter: rank 1's gradient shards (its shard only) not finite."""
+        """At step ``nan_step``, after FSDP2's reduce-scatter: rank 1's gradient shards (its shard only) not finite.
+
+        Not the gradients of parameters replicated over tensor parallelism: theirs are the same on every rank of the
+        block (computed from the same activations), and so would a non-finite one be.
+        """
         if self.nan_step is not None and self.global_rank == 1 and self.global_step + 1 == self.nan_step:
             for p in self.parameters():
+                if self.mesh_kind.startswith("tp") and p.placements[-1].is_replicate():  # over tensor_parallel
+                    continue
                 grad = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
                 grad.fill_(float("nan"))
 
@@ -197,6 +212,32 @@ RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] =
         {"width": 64},  # the middle layer's shards of 2,048 elements are compressed (1,024 and more)
         {"save": True},
     ),
+    # tensor parallelism inside the groups: 2 x (S=1, T=2) and 1 x (S=2, T=2) on 4 processes, as DiLoCo on 2
+    "sharded-tp-h2": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2), {"mesh": "tp"}, {}),
+    "diloco-h2-g1": (lambda: DiLoCo(sync_every=2, outer_optimizer=PAPER_OUTER, replica_group=1), {}, {}),
+    "sharded-tp-only-h2": (
+        _sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
+        {"mesh": "tp-only"},
+        {},
+    ),
+    "sharded-tp-1x2x2": (
+        _sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
+        {"mesh": "tp"},
+        {"group_size": 4},
+    ),
+    # the module applies FSDP2 only: each parameter on a mesh of one rank of its group of 2 (refused)
+    "sharded-tp-fsdp-only": (_sharded(sync_every=2, tensor_parallel_size=2), {}, {}),
+    "sharded-tp-h2-nan4": (
+        _sharded(sync_every=2, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
+        {"mesh": "tp", "nan_step": 4},
+        {},
+    ),
+    "sharded-tp-h3": (
+        _sharded(sync_every=3, outer_optimizer=PAPER_OUTER, tensor_parallel_size=2),
+        {"mesh": "tp"},
+        {"save": True},
+    ),
+    "sharded-tp-h3-2x1": (_sharded(sync_every=3, outer_optimizer=PAPER_OUTER), {}, {"save": True, "group_size": 1}),
 }
 
 
@@ -232,7 +273,7 @@ def train(run: str, root: str, devices: int) -> None:
     )
     ckpt = None
     if earlier:
-        ckpt = os.path.join(root, earlier, "epoch=0-step=4.ckpt")
+        (ckpt,) = glob.glob(os.path.join(root, earlier, "epoch=0-step=*.ckpt"))
     result: dict[str, Any] = {}
     try:
         trainer.fit(module, ckpt_path=ckpt)
@@ -242,6 +283,7 @@ def train(run: str, root: str, devices: int) -> None:
     round = getattr(strategy, "outer_state", None)
     result["outer_numel"] = None if round is None else sum(p.numel() for p in round.params)
     result["skipped"] = None if round is None else round.skipped
+    result["placements"] = [str(p.placements) for p in module.parameters() if isinstance(p, DTensor)]
     result.update(
         validated=module.validated,
         start=record.start,

@@ -15,7 +15,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from lightning_gradcomp import ShardedDiLoCo
+from lightning_gradcomp import ShardedDiLoCo, TorchFT
 from lightning_gradcomp.cli import GradcompCLI
 from lightning_gradcomp.compressors import MinMax, PowerSGD
 from lightning_gradcomp.diloco.sharded_mesh import checking_gradients
@@ -31,6 +31,14 @@ CHECKPOINTS = [
     "sharded-h4-streaming+sharded-h4-streaming",
 ]
 WARMUP = ["sharded-h2-w3", "diloco-h2-g2-w3"]
+TENSOR_PARALLEL = [
+    "sharded-tp-h2",
+    "sharded-tp-only-h2",
+    "sharded-tp-1x2x2",
+    "sharded-tp-h2-nan4",
+    "sharded-tp-fsdp-only",
+]
+TP_CHECKPOINTS = ["sharded-tp-h3", "sharded-tp-h3+sharded-tp-h3", "sharded-h3+sharded-tp-h3"]
 EXTRAS = ["sharded-h2-offload", "sharded-h2-val3", "sharded-h2-nan4", "sharded-h2-mask", "sharded-h2-boolmask"]
 
 
@@ -68,6 +76,38 @@ def resharded(tmp_path_factory, checkpoints):
 def one_process(tmp_path_factory, checkpoints):
     """The 2 x 2 checkpoint after one epoch, resumed on one process."""
     return _launch(tmp_path_factory, 1, ["sharded-h3-1x1+sharded-h3"], copied=((checkpoints["root"], "sharded-h3"),))
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(tmp_path_factory):
+    """2 x (S=1, T=2), 1 x (S=2, T=2) on 4 processes."""
+    return _launch(tmp_path_factory, 4, TENSOR_PARALLEL)
+
+
+@pytest.fixture(scope="module")
+def tp_checkpoints(tmp_path_factory):
+    """2 x (S=1, T=2) saved after an epoch of 8 steps, resumed on 2 x (1, 2) and on 2 x (2, 1)."""
+    return _launch(tmp_path_factory, 4, TP_CHECKPOINTS)
+
+
+@pytest.fixture(scope="module")
+def tp_from_plain(tmp_path_factory, checkpoints):
+    """The 2 x (2, 1) checkpoint after one epoch, resumed on 2 x (1, 2)."""
+    runs = ["sharded-tp-h3+sharded-h3"]
+    return _launch(tmp_path_factory, 4, runs, copied=((checkpoints["root"], "sharded-h3"),))
+
+
+@pytest.fixture(scope="module")
+def tp_references(tmp_path_factory):
+    """On 2 processes: DiLoCo as 2 groups of 1 and as 1 group of 2."""
+    return _launch(tmp_path_factory, 2, ["diloco-h2-g1", "diloco-h2-g2"])
+
+
+@pytest.fixture(scope="module")
+def tp_resharded(tmp_path_factory, tp_checkpoints):
+    """The 2 x (1, 2) checkpoint resumed on 2 processes as 2 x (1, 1)."""
+    run = "sharded-tp-h3-2x1+sharded-tp-h3"
+    return _launch(tmp_path_factory, 2, [run], copied=((tp_checkpoints["root"], "sharded-tp-h3"),))
 
 
 @pytest.fixture(scope="module")
@@ -274,6 +314,105 @@ def test_dense_warmup_steps_are_hsdp_steps_then_rounds_as_two_level_diloco(warmu
     assert not torch.equal(sharded[0]["steps"][3]["params"], sharded[2]["steps"][3]["params"]), "then rounds"
 
 
+def _close_at_every_step(mine: list, theirs: list, atol: float) -> None:
+    assert len(mine) == len(theirs) == 16
+    for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        assert a["phase"] == b["phase"]
+        torch.testing.assert_close(a["global"], b["global"], rtol=0, atol=atol, msg=f"step {i + 1}")
+        torch.testing.assert_close(a["params"], b["params"], rtol=0, atol=atol, msg=f"step {i + 1}")
+
+
+def test_two_groups_of_two_tensor_parallel_ranks_equal_two_level_diloco_at_every_step(tensor_parallel, tp_references):
+    """2 x (S=1, T=2): column-wise, row-wise, column-wise layers inside each group; as DiLoCo with 2 groups of 1
+    (the two ranks of a tensor-parallel block read the same batches, the groups' batches as DiLoCo's ranks')."""
+    sharded, dense = tensor_parallel["records"]["sharded-tp-h2"], tp_references["records"]["diloco-h2-g1"]
+    assert "2 replica groups of 1 FSDP2 shards x 2 tensor-parallel ranks" in tensor_parallel["output"]
+    assert sharded[0]["placements"][0].endswith("Shard(dim=0))"), "column-wise"
+    assert sharded[0]["placements"][3].endswith("Replicate())"), "the row-wise layer's bias, whole on both ranks"
+    for rank in range(4):
+        assert sharded[rank]["batches"] == dense[rank // 2]["batches"]
+        _close_at_every_step(sharded[rank]["steps"], dense[rank // 2]["steps"], 1e-5)
+    assert not torch.equal(sharded[0]["steps"][0]["params"], sharded[2]["steps"][0]["params"])
+    assert (sharded[0]["steps"][-1]["global"] - sharded[0]["steps"][0]["global"]).abs().max() > 1e-2
+
+
+def test_tensor_parallelism_without_fsdp2_equals_two_level_diloco_at_every_step(tensor_parallel, tp_references):
+    """2 x (S=1, T=2) with no ``fully_shard``: each parameter a DTensor on the group's 1-D tensor-parallel mesh."""
+    sharded, dense = tensor_parallel["records"]["sharded-tp-only-h2"], tp_references["records"]["diloco-h2-g1"]
+    assert sharded[0]["placements"][0] == "(Shard(dim=0),)"
+    for rank in range(4):
+        _close_at_every_step(sharded[rank]["steps"], dense[rank // 2]["steps"], 1e-5)
+
+
+def test_fsdp2_over_tensor_parallelism_in_one_group_equals_diloco_over_its_ranks(tensor_parallel, tp_references):
+    """1 x (S=2, T=2): each parameter a DTensor on the group's 2-D mesh (FSDP2's shard strided over the column-wise
+    one), as DiLoCo with one group of 2 ranks."""
+    sharded, dense = tensor_parallel["records"]["sharded-tp-1x2x2"], tp_references["records"]["diloco-h2-g2"]
+    assert "_StridedShard(dim=0, sf=2), Shard(dim=0)" in sharded[0]["placements"][0]
+    for rank in range(4):
+        _close_at_every_step(sharded[rank]["steps"], dense[rank // 2]["steps"], 1e-5)
+
+
+def test_a_tensor_parallel_shard_that_is_not_finite_skips_the_outer_step_on_every_rank(tensor_parallel):
+    """Rank 1 is the second tensor-parallel rank of group 0: the vote spans both of the group's mesh dimensions."""
+    ranks = tensor_parallel["records"]["sharded-tp-h2-nan4"]
+    assert [rank["skipped"] for rank in ranks] == [1, 1, 1, 1]
+    for rank in ranks:
+        torch.testing.assert_close(rank["steps"][3]["global"], rank["steps"][1]["global"], rtol=0, atol=0)
+        torch.testing.assert_close(rank["final"], ranks[0]["final"], rtol=0, atol=0)
+
+
+def test_a_module_without_tensor_parallelism_under_tensor_parallel_size_2_is_refused(tensor_parallel):
+    """FSDP2 alone shards over each rank's 1-rank data-parallel mesh: nothing would average over the group."""
+    errors = [rank.get("error") for rank in tensor_parallel["records"]["sharded-tp-fsdp-only"]]
+    assert all(e is not None and "not be averaged over the group's other ranks" in e for e in errors), errors
+    assert "own 2-D mesh `self.device_mesh['data_parallel', 'tensor_parallel']`" in errors[0]
+    assert "(ranks [0, 1]), got a 1-D mesh over ranks [0]" in errors[0]
+    assert "(ranks [2, 3]), got a 1-D mesh over ranks [3]" in errors[3]
+    assert "\n" not in errors[0]
+
+
+def test_a_tensor_parallel_checkpoint_resumes_bitwise_and_on_other_layouts(tp_checkpoints, tp_resharded):
+    """Saved two steps into a round of 3: resumed on 2 x (1, 2) bitwise; on 2 x (1, 1) (2 processes) and on
+    2 x (2, 1) with the same weights, groups' own shards and step."""
+    records = tp_checkpoints["records"]
+    full = records["sharded-tp-h3"]
+    saved = full[0]["steps"][7]
+    assert saved["phase"] == 2
+    assert not torch.equal(saved["params"], saved["global"]), "mid-round: the model is not theta_global"
+    for rank in range(4):
+        resumed = records["sharded-tp-h3+sharded-tp-h3"][rank]
+        assert resumed["start"]["step"] == 8
+        torch.testing.assert_close(resumed["start"]["params"], full[rank]["steps"][7]["params"], rtol=0, atol=0)
+        for i, (mine, theirs) in enumerate(zip(resumed["steps"], full[rank]["steps"][8:], strict=True)):
+            assert mine["phase"] == theirs["phase"]
+            torch.testing.assert_close(mine["params"], theirs["params"], rtol=0, atol=0, msg=f"step {i + 9}")
+            torch.testing.assert_close(mine["global"], theirs["global"], rtol=0, atol=0, msg=f"step {i + 9}")
+    two_by_one = tp_resharded["records"]["sharded-tp-h3-2x1+sharded-tp-h3"]
+    other = [(rank, rank["rank"]) for rank in two_by_one]
+    other += [(rank, rank["rank"] // 2) for rank in records["sharded-h3+sharded-tp-h3"]]
+    assert len(other) == 6
+    for rank, group in other:
+        start = rank["start"]
+        assert (start["step"], start["phase"]) == (8, 2)
+        torch.testing.assert_close(start["global"], saved["global"], rtol=0, atol=0)
+        torch.testing.assert_close(start["params"], full[2 * group]["steps"][7]["params"], rtol=0, atol=0)
+    for rank, dense in enumerate(two_by_one):  # the same batches: the run goes on as the tensor-parallel one
+        for i, (mine, theirs) in enumerate(zip(dense["steps"], full[2 * rank]["steps"][8:], strict=True)):
+            torch.testing.assert_close(mine["params"], theirs["params"], rtol=0, atol=1e-5, msg=f"step {i + 9}")
+
+
+def test_a_checkpoint_without_tensor_parallelism_resumes_on_tensor_parallel_groups(checkpoints, tp_from_plain):
+    """2 x (2, 1) saved one step into a round of 3, resumed on 2 x (1, 2): the same weights, groups' shards, step."""
+    full = checkpoints["records"]["sharded-h3"]
+    for rank in tp_from_plain["records"]["sharded-tp-h3+sharded-h3"]:
+        start = rank["start"]
+        assert (start["step"], start["phase"]) == (4, 1)
+        torch.testing.assert_close(start["global"], full[0]["steps"][3]["global"], rtol=0, atol=0)
+        group = rank["rank"] // 2
+        torch.testing.assert_close(start["params"], full[2 * group]["steps"][3]["params"], rtol=0, atol=0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # In this process: the registry and the refusals
 # ----------------------------------------------------------------------------------------------------------------
@@ -287,7 +426,15 @@ def test_registered_by_name():
     [
         ({"replica_group": None}, 'Expected `replica_group` to be "node" (the ranks of a node) or an integer >= 1'),
         ({"replica_group": 0}, "an integer >= 1 (ranks per group), got 0."),
-        ({"tensor_parallel_size": 2}, "Expected `tensor_parallel_size` to be 'auto' or 1: tensor parallelism"),
+        ({"tensor_parallel_size": 0}, "Expected `tensor_parallel_size` to be 'auto' (1) or an integer >= 1"),
+        ({"tensor_parallel_size": True}, "the module's tensor parallelism spans), got True."),
+        ({"replica_group": 4, "tensor_parallel_size": 3}, "Expected `tensor_parallel_size` to divide the 4 ranks"),
+        ({"replica_group": 4, "tensor_parallel_size": 2, "data_parallel_size": 4}, "'auto' or 2 (the 4 ranks"),
+        ({"data_parallel_size": "all"}, "Expected `data_parallel_size` to be 'auto' or an integer >= 1"),
+        (
+            {"tensor_parallel_size": 2, "fault_tolerance": TorchFT(lighthouse="http://h:1", replica_group_id=0)},
+            "with `fault_tolerance`",
+        ),
         ({"save_distributed_checkpoint": False}, "Expected `save_distributed_checkpoint=True`"),
         ({"compressor": PowerSGD(rank=2)}, "got PowerSGD, which needs whole matrices."),
         ({"sync_every": 0}, "`sync_every`"),

@@ -46,6 +46,7 @@ from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
 from lightning_gradcomp.diloco.sharded_checkpoint import SECTION, ShardedCheckpoints
 from lightning_gradcomp.diloco.sharded_membership import sharded_membership_for
 from lightning_gradcomp.diloco.sharded_mesh import (
+    GROUP_DIMS,
     announce,
     broadcast_from_first_group,
     build_mesh,
@@ -53,9 +54,11 @@ from lightning_gradcomp.diloco.sharded_mesh import (
     check_sharded_parameters,
     check_whole_matrix,
     checking_gradients,
+    data_parallel_of,
     global_fragments,
     local_shards,
     named_trained,
+    replica_process_group,
     sharded_group_size,
 )
 from lightning_gradcomp.engine.collectives import hand_off_gil, release_round_groups
@@ -75,9 +78,10 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
     """DiLoCo across replica groups whose ranks shard the model with FSDP2 (``ModelParallelStrategy``) inside.
 
     Replica group ``g`` is the ``S`` consecutive ranks ``g*S .. g*S+S-1``. The module's ``configure_model`` applies
-    ``fully_shard`` over ``self.device_mesh["data_parallel"]``, here the group's own 1-D mesh: an inner step crosses
-    no group boundary. Every ``sync_every`` steps each rank averages the pseudo-gradient of its own shards (no
-    all-gather) with the ranks holding the same shards in the other groups, and steps its shards of theta_global:
+    ``fully_shard`` over ``self.device_mesh["data_parallel"]``, here the group's own mesh (with tensor parallelism
+    over ``["tensor_parallel"]`` first, ``S * T`` ranks): an inner step crosses no group boundary. Every
+    ``sync_every`` steps each rank averages the pseudo-gradient of its own shards (no all-gather) with the ranks
+    holding the same shards in the other groups, and steps its shards of theta_global:
     the outer state is ``8 P / S`` bytes per rank for Nesterov SGD, not ``8 P``. Every rank reads its own part of the
     data; validation during ``fit`` and a checkpoint's weights are theta_global, as with ``DiLoCo``.
 
@@ -92,15 +96,17 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
         offload: keep this rank's shards of theta_global and of the outer optimizer's state in CPU memory.
         compressor: average the pseudo-gradient through an element- or block-wise compressor (``MinMax``,
             ``SparseLoCo``, ...), run on this rank's shard; ones that need whole matrices are refused.
-        replica_group: ranks per replica group ``S``: ``"node"`` or an integer dividing the world size.
+        replica_group: ranks per replica group ``S * T``: ``"node"`` or an integer dividing the world size.
         monitor: add an :class:`~lightning_gradcomp.callbacks.OuterMonitor` unless the trainer has one.
         sigterm_check: ``"sync"`` (Lightning's SIGTERM broadcast once a sync period) or ``"step"``.
         fault_tolerance: a :class:`~lightning_gradcomp.TorchFT`: this Lightning job is one replica group of FSDP2
             shards in a run whose outer exchange goes through torchft (rank ``j`` of every group exchanges shard
             ``j``); a group that dies costs the others at most one round, and one that (re)starts heals shard by
             shard from a live group (docs/fault_tolerance.md). ``replica_group`` is then the whole job.
-        data_parallel_size: ``"auto"`` or ``S``: FSDP2's shards inside a group.
-        tensor_parallel_size: ``"auto"`` or 1: tensor parallelism inside a group is not available yet.
+        data_parallel_size: ``"auto"`` or ``S``: FSDP2's shards inside a group (``replica_group / T``).
+        tensor_parallel_size: ``"auto"`` (1) or ``T``: the ranks of a group that the module's tensor parallelism
+            spans (``parallelize_module`` over ``self.device_mesh["tensor_parallel"]``, then ``fully_shard``); the
+            group is ``S * T`` ranks. 1 with ``fault_tolerance``.
         save_distributed_checkpoint: ``True`` (a distributed-checkpoint folder); ``False`` is refused.
         process_group_backend, timeout: as ``ModelParallelStrategy``'s.
 
@@ -141,13 +147,17 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
     ) -> None:
         check_arguments(sync_every, outer_optimizer, fragments, overlap_steps, None, compressor, _MiscError)
         check_whole_matrix(compressor)
-        check_refused(replica_group, fault_tolerance, compressor, tensor_parallel_size, save_distributed_checkpoint)
+        sizes = (data_parallel_size, tensor_parallel_size)
+        check_refused(replica_group, fault_tolerance, compressor, sizes, save_distributed_checkpoint)
         self._members = sharded_membership_for(fault_tolerance, rank_zero_info, _MiscError)
         self.merge, self.mixing_factor = check_merge(overlap_steps, merge, mixing_factor, _MiscError)
         self.sigterm_check = check_choice(sigterm_check, "sigterm_check", _SIGTERM_CHECKS, error=_MiscError)
         check_bool(offload, "offload", error=_MiscError)
         self._monitor = check_bool(monitor, "monitor", error=_MiscError)
-        super().__init__(data_parallel_size, 1, save_distributed_checkpoint, process_group_backend, timeout)
+        super().__init__(
+            data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout
+        )
+        self.tensor_parallel = 1 if tensor_parallel_size == "auto" else int(tensor_parallel_size)
         self.sync_every: int | str = sync_every
         self._sync_every_arg = sync_every
         self.fragments, self.overlap_steps = fragments, overlap_steps
@@ -183,14 +193,18 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
 
     @property
     def group_mesh(self) -> DeviceMesh:
-        """The replica group's own 1-D mesh (FSDP2's inside the group)."""
-        return self.device_mesh["data_parallel"]
+        """The replica group's own mesh: ``data_parallel`` (FSDP2's), with ``tensor_parallel`` when ``T > 1``."""
+        return self.device_mesh[GROUP_DIMS[1:] if self.tensor_parallel > 1 else GROUP_DIMS[1]]
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Every rank reads its own part of the data (``ModelParallelStrategy``'s would repeat it in every group)."""
-        return group_split(self)  # with fault tolerance, training data is split over every group's ranks too
+        """Every FSDP2 rank reads its own part of the data, the ranks of a tensor-parallel block the same part.
+
+        ``ModelParallelStrategy``'s split would repeat the data in every group.
+        """
+        split = group_split(self)  # with fault tolerance, training data is split over every group's ranks too
+        return {key: value // self.tensor_parallel for key, value in split.items()}
 
     # ------------------------------------------------------------------------------------------------------------
     # Lightning's side: launcher, monitor, mesh
@@ -214,20 +228,17 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        """Start the processes, then the ``(G, S, 1)`` mesh whose ``["data_parallel"]`` is the group's own."""
+        """Start the processes, then the ``(G, S, T)`` mesh of :data:`GROUP_DIMS` (a group's: its last two)."""
         share_cores(self.fault_tolerance, self.num_processes, rank_zero_info)
         ParallelStrategy.setup_environment(self)
         self._setup_distributed()
         fault_tolerant = self.fault_tolerance is not None
         self.group_size = sharded_group_size(self.replica_group, self.world_size, self.num_nodes, fault_tolerant)
         self.groups = self.world_size // self.group_size
-        if self._data_parallel_size not in ("auto", self.group_size):
-            raise MisconfigurationException(
-                f"Expected `data_parallel_size` to be 'auto' or the {self.group_size} ranks of a replica group, got"
-                f" {self._data_parallel_size!r}."
-            )
-        self._data_parallel_size, self._tensor_parallel_size = self.group_size, 1
-        self._device_mesh = build_mesh(self.root_device.type, self.groups, self.group_size)
+        tensor = self.tensor_parallel
+        self._data_parallel_size = data_parallel_of(self.group_size, self._data_parallel_size, tensor)
+        self._tensor_parallel_size = tensor
+        self._device_mesh = build_mesh(self.root_device.type, self.groups, self._data_parallel_size, tensor)
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
 
@@ -260,7 +271,8 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
         broadcast_from_first_group(shards, buffers, peers)
         round.process_group = peers
         params = lambda: [p for _, p in named_trained(self._module())]  # noqa: E731
-        self._members.shard_over(self.group_mesh.get_group(), self.groups, self.group_size, params)
+        group = replica_process_group(self.device_mesh)
+        self._members.shard_over(group, self.groups, self.group_size, params, self.tensor_parallel)
         buffer_names = [n for n, b in self._module().named_buffers() if b.is_floating_point()]
         round.attach(shards, buffers, [n for n, _ in named], buffer_names, self._job(trainer))
         round.fragment_params = global_fragments([p for _, p in named], self.fragments)

@@ -31,6 +31,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.optim import Optimizer
 
 from lightning_gradcomp.diloco.checkpoint import restart_from_global
@@ -43,6 +44,7 @@ class ShardedStrategy(Protocol):
 
     groups: int
     group_size: int
+    tensor_parallel: int
 
     @property
     def global_rank(self) -> int: ...  # noqa: D102
@@ -76,17 +78,27 @@ def _contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _stacked(local: Tensor, mesh: DeviceMesh, placements: Sequence[Placement], shape: Sequence[int]) -> DTensor:
-    """``local`` (this rank's shard of a group's own tensor of ``shape``) as one row of ``(G, *shape)``."""
-    full = (mesh.size(0), *shape)
+def _stacked(local: Tensor, mesh: DeviceMesh, p: DTensor) -> DTensor:
+    """``local`` (this rank's shard of a group's own tensor laid out as ``p``) as one row of ``(G, *p.shape)``."""
+    full = (mesh.size(0), *p.shape)
     row = local.unsqueeze(0)
-    placed = (Shard(0), *_shifted(placements))
+    placed = (Shard(0), *_shifted(p.placements))
     return DTensor.from_local(row, mesh, placed, shape=torch.Size(full), stride=_contiguous_stride(full))
 
 
 def _shifted(placements: Sequence[Placement]) -> list[Placement]:
-    """A parameter's placements inside the group, one dimension further in (behind the groups' dimension)."""
-    return [Shard(p.dim + 1) if isinstance(p, Shard) else p for p in placements]
+    """A parameter's placements inside the group, one dimension further in (behind the groups' dimension).
+
+    FSDP2 over tensor parallelism shards a dimension twice, its own shard strided (``_StridedShard``): kept so.
+    """
+    return [
+        _StridedShard(p.dim + 1, split_factor=p.split_factor)
+        if isinstance(p, _StridedShard)
+        else Shard(p.dim + 1)
+        if isinstance(p, Shard)
+        else p
+        for p in placements
+    ]
 
 
 class ShardedCheckpoints:
@@ -106,16 +118,23 @@ class ShardedCheckpoints:
         """Bind to the strategy and its trained parameters (FSDP2's DTensors), once the round is attached."""
         self._strategy, self._named = strategy, list(named)
 
-    @property
-    def _mesh(self) -> DeviceMesh:
+    def _mesh(self, p: DTensor) -> DeviceMesh:
+        """The groups' dimension and ``p``'s own inside the group (FSDP2's, tensor parallelism's or both)."""
         assert self._strategy is not None
-        return self._strategy.device_mesh["diloco", "data_parallel"]
+        names = ("diloco", *(p.device_mesh.mesh_dim_names or ("data_parallel",)))
+        return self._strategy.device_mesh[names]
+
+    def _row(self, row: Tensor) -> DTensor:
+        """A group's one-element value (its inner step count) as its row over the groups."""
+        assert self._strategy is not None
+        mesh = self._strategy.device_mesh
+        return DTensor.from_local(row, mesh, (Shard(0), *[Replicate()] * (mesh.ndim - 1)))
 
     def _dtensor(self, local: Tensor, p: Tensor, over_groups: Placement) -> DTensor:
         assert isinstance(p, DTensor)
         local = local.to(p.to_local().device)
         placements = (over_groups, *p.placements)
-        return DTensor.from_local(local, self._mesh, placements, shape=p.shape, stride=p.stride())
+        return DTensor.from_local(local, self._mesh(p), placements, shape=p.shape, stride=p.stride())
 
     # ------------------------------------------------------------------------------------------------------------
     # Saving
@@ -179,7 +198,7 @@ class ShardedCheckpoints:
                 else:
                     outer_scalars.setdefault(i, {})[key] = value
             shard = local[i] if local is not None else p.to_local()
-            tensors["local"][name] = _stacked(shard.detach(), self._mesh, p.placements, p.shape)
+            tensors["local"][name] = _stacked(shard.detach(), self._mesh(p), p)
         del shared["params"]  # theta_global: the weights
         shared["optimizer"] = {"state": outer_scalars, "param_groups": shared["optimizer"]["param_groups"]}
         own = round.own_state()
@@ -188,6 +207,7 @@ class ShardedCheckpoints:
             "fragments": round.fragments,
             "groups": strategy.groups,
             "group_size": strategy.group_size,
+            "tensor_parallel": strategy.tensor_parallel,
             "outer": shared,
             "outer_keys": sorted(tensors["outer"]),
             "inner_keys": sorted(tensors["inner"]),
@@ -207,11 +227,11 @@ class ShardedCheckpoints:
             assert isinstance(p, DTensor)
             for key, value in inner.state.get(p, {}).items():
                 if isinstance(value, DTensor):
-                    tensors[f"{name}.{key}"] = _stacked(value.to_local(), self._mesh, p.placements, p.shape)
+                    tensors[f"{name}.{key}"] = _stacked(value.to_local(), self._mesh(p), p)
                 elif isinstance(value, Tensor) and value.numel() == 1:
                     self._scalars[key] = str(value.dtype).removeprefix("torch.")
                     row = value.detach().reshape(1).to(p.to_local().device, torch.float64)
-                    tensors[f"{name}.{key}"] = DTensor.from_local(row, self._mesh, (Shard(0), Replicate()))
+                    tensors[f"{name}.{key}"] = self._row(row)
         return tensors
 
     # ------------------------------------------------------------------------------------------------------------
@@ -232,6 +252,7 @@ class ShardedCheckpoints:
         folder = Path(strategy.broadcast(str(path)))
         same_groups = section["groups"] == strategy.groups
         same_layout = same_groups and section["group_size"] == strategy.group_size
+        same_layout = same_layout and section.get("tensor_parallel", 1) == strategy.tensor_parallel
         same_schedule = section["sync_every"] == round.sync_every and section["fragments"] == round.fragments
         outer = dict(section["outer"])
         # theta_global: the weights, loaded already into the model's shards
@@ -274,16 +295,16 @@ class ShardedCheckpoints:
         by_name = dict(self._named)
         for name, p in self._named:
             assert isinstance(p, DTensor)
-            local[name] = _stacked(torch.empty_like(p.to_local()), self._mesh, p.placements, p.shape)
+            local[name] = _stacked(torch.empty_like(p.to_local()), self._mesh(p), p)
         for key in section["inner_keys"]:
             name, state_key = key.rsplit(".", 1)
             p = by_name[name]
             assert isinstance(p, DTensor)
             if state_key in section["inner_scalars"]:
                 row = torch.empty(1, device=p.to_local().device, dtype=torch.float64)
-                inner[key] = DTensor.from_local(row, self._mesh, (Shard(0), Replicate()))
+                inner[key] = self._row(row)
             else:
-                inner[key] = _stacked(torch.empty_like(p.to_local()), self._mesh, p.placements, p.shape)
+                inner[key] = _stacked(torch.empty_like(p.to_local()), self._mesh(p), p)
         dcp.load({SECTION: {"local": local, "inner": inner}}, checkpoint_id=folder)
         with torch.no_grad():
             for name, p in self._named:

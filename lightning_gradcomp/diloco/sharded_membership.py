@@ -87,13 +87,16 @@ class ShardedMembership(Membership):
         super().__init__()
         self.group: Any = None
         self.peer_sets: list[list[int]] = []
-        self.group_count = self.group_size = 1
+        self.group_count = self.group_size = self.tensor_parallel = 1
         self.params: Callable[[], Sequence[Tensor]] = list
         self._device = torch.device("cpu")
 
-    def shard_over(self, group: Any, groups: int, group_size: int, params: Callable[[], Sequence[Tensor]]) -> None:
-        """The replica groups as the front door set them up: this one's process group, their count and size."""
+    def shard_over(
+        self, group: Any, groups: int, group_size: int, params: Callable[[], Sequence[Tensor]], tensor_parallel: int = 1
+    ) -> None:
+        """The replica groups as the front door set them up: this one's process group, their count and size (ranks)."""
         self.group, self.group_count, self.group_size, self.params = group, groups, group_size, params
+        self.tensor_parallel = tensor_parallel
         self.peer_sets = [list(range(j, groups * group_size, group_size)) for j in range(group_size)]
 
     def bind(self, round: Any, job: Job, device: Any) -> None:
@@ -135,7 +138,9 @@ class ShardedMembership(Membership):
 
     def describe(self, world_size: int) -> str:
         """The setup line's words: groups of shards."""
-        return f"{world_size} processes: {self.group_count} replica groups of {self.group_size} FSDP2 shards"
+        shards = f"{self.group_size // self.tensor_parallel} FSDP2 shards"
+        tensor = f" x {self.tensor_parallel} tensor-parallel ranks" if self.tensor_parallel > 1 else ""
+        return f"{world_size} processes: {self.group_count} replica groups of {shards}{tensor}"
 
 
 class ShardedTorchFTMembership(TorchFTMembership):
@@ -154,7 +159,9 @@ class ShardedTorchFTMembership(TorchFTMembership):
         super().__init__(config, info, error)
         self.params: Callable[[], Sequence[Tensor]] = list
 
-    def shard_over(self, group: Any, groups: int, group_size: int, params: Callable[[], Sequence[Tensor]]) -> None:
+    def shard_over(
+        self, group: Any, groups: int, group_size: int, params: Callable[[], Sequence[Tensor]], tensor_parallel: int = 1
+    ) -> None:
         """This job is the one group here; a dense step averages the gradient shards of ``params``."""
         self.params = params
 

@@ -4,13 +4,13 @@ DiLoCo (Douillard et al. 2023, arXiv 2311.08105) with each worker a replica grou
 model with FSDP2, as INTELLECT-1 (Jaghouar et al. 2024, arXiv 2412.01152) and torchft run it: the inner steps run
 FSDP2 on the group's own 1-D mesh, the outer state is each rank's local shards, and the pseudo-gradient is averaged
 over the ranks that hold the same shard in every group. The device mesh is ``("diloco", "data_parallel",
-"tensor_parallel")`` = ``(G, S, 1)``: ``mesh["data_parallel"]`` is the group's own, ``mesh["diloco"]`` the same-shard
-ranks of every group.
+"tensor_parallel")`` = ``(G, S, T)``: ``mesh["data_parallel", "tensor_parallel"]`` is the group's own (FSDP2 over
+``S``, the module's tensor parallelism over ``T``), ``mesh["diloco"]`` the same-shard ranks of every group.
 
 Two traps are avoided here. torch's native HSDP cannot skip its cross-group reduction on inner steps:
 ``set_requires_all_reduce(False)`` on a 2-D mesh leaves ``.grad`` as ``None`` (FSDP2 keeps the reduce-scattered
 gradient in a private buffer), so inner steps would silently do nothing; :func:`check_sharded_parameters` refuses any
-parameter not sharded on the group's 1-D mesh, and :func:`checking_gradients` any trained parameter left without a
+parameter not on a mesh of the group's ranks, and :func:`checking_gradients` any trained parameter left without a
 gradient. And every rank reads its own part of the data (the strategy's sampler), not its part of its group's.
 """
 
@@ -39,17 +39,23 @@ __all__ = [
     "check_sharded_parameters",
     "check_whole_matrix",
     "checking_gradients",
+    "data_parallel_of",
     "global_fragments",
     "local_shards",
+    "replica_process_group",
     "sharded_group_size",
 ]
 
-#: the mesh's dimensions: replica groups (DiLoCo's workers), FSDP2 inside a group, tensor parallelism (size 1)
+#: the mesh's dimensions: replica groups (DiLoCo's workers), FSDP2 inside a group, tensor parallelism inside a group
 GROUP_DIMS = ("diloco", "data_parallel", "tensor_parallel")
 _ACCEPTED = '"node" (the ranks of a node) or an integer >= 1 (ranks per group)'
 #: compressors that need whole matrices (a low-rank factorization, a learned autoencoder): on a shard they would
 #: compress a different operator than DiLoCo's, so they are refused rather than silently changed
 _WHOLE_MATRIX = ("PowerSGD", "LGC", "LGCAllReduce")
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def sharded_group_size(replica_group: Any, world_size: int, num_nodes: int, fault_tolerance: bool = False) -> int:
@@ -59,10 +65,7 @@ def sharded_group_size(replica_group: Any, world_size: int, num_nodes: int, faul
         MisconfigurationException: If ``replica_group`` is neither, ``S`` does not divide ``world_size``, or, with
             ``fault_tolerance``, the group is not the whole job.
     """
-    ok = replica_group == "node" or (
-        isinstance(replica_group, int) and not isinstance(replica_group, bool) and replica_group >= 1
-    )
-    if not ok:
+    if not (replica_group == "node" or _positive(replica_group)):
         raise MisconfigurationException(f"Expected `replica_group` to be {_ACCEPTED}, got {replica_group!r}.")
     size = world_size // max(num_nodes, 1) if replica_group == "node" else int(replica_group)
     if fault_tolerance and size != world_size:
@@ -88,22 +91,64 @@ def check_whole_matrix(compressor: Compressor | None) -> None:
         )
 
 
-def build_mesh(device_type: str, groups: int, size: int) -> DeviceMesh:
-    """The ``(G, S, 1)`` mesh of :data:`GROUP_DIMS` (a collective: every rank makes every group, in order).
+def data_parallel_of(group_size: int, data_parallel_size: Any, tensor_parallel_size: int) -> int:
+    """FSDP2's shards ``S`` of a group of ``group_size = S * T`` ranks.
 
-    Ranks ``g*S .. g*S+S-1`` are group ``g``: Lightning numbers a node's ranks consecutively.
+    Raises:
+        MisconfigurationException: If ``tensor_parallel_size`` does not divide the group, or ``data_parallel_size``
+            is neither ``"auto"`` nor the quotient.
     """
-    return init_device_mesh(device_type, (groups, size, 1), mesh_dim_names=GROUP_DIMS)
+    if group_size % tensor_parallel_size:
+        raise MisconfigurationException(
+            f"Expected `tensor_parallel_size` to divide the {group_size} ranks of a replica group (`replica_group` ="
+            f" data_parallel_size x tensor_parallel_size), got {tensor_parallel_size}."
+        )
+    size = group_size // tensor_parallel_size
+    if data_parallel_size not in ("auto", size) or isinstance(data_parallel_size, bool):
+        raise MisconfigurationException(
+            f"Expected `data_parallel_size` to be 'auto' or {size} (the {group_size} ranks of a replica group over"
+            f" tensor_parallel_size {tensor_parallel_size}), got {data_parallel_size!r}."
+        )
+    return size
+
+
+def build_mesh(device_type: str, groups: int, size: int, tensor_parallel: int = 1) -> DeviceMesh:
+    """The ``(G, S, T)`` mesh of :data:`GROUP_DIMS` (a collective: every rank makes every group, in order).
+
+    Ranks ``g*S*T .. (g+1)*S*T-1`` are group ``g``: Lightning numbers a node's ranks consecutively.
+    """
+    return init_device_mesh(device_type, (groups, size, tensor_parallel), mesh_dim_names=GROUP_DIMS)
+
+
+def replica_process_group(mesh: DeviceMesh) -> Any:
+    """The process group of this rank's whole replica group (every rank makes every group's, in the same order).
+
+    With ``T = 1`` it is the group's 1-D ``data_parallel`` mesh's own; otherwise the group spans two mesh dimensions,
+    whose mesh has no single process group.
+    """
+    if mesh.size(2) == 1:
+        return mesh["data_parallel"].get_group()
+    mine = None
+    for ranks in mesh.mesh.reshape(mesh.size(0), -1).tolist():
+        created = dist.new_group(ranks=ranks)
+        if dist.get_rank() in ranks:
+            mine = created
+    return mine
 
 
 def check_sharded_parameters(named: Sequence[tuple[str, Tensor]], group_mesh: DeviceMesh) -> None:
-    """Refuse a trained parameter that is not an FSDP2 shard on the group's own 1-D mesh, in one line.
+    """Refuse a trained parameter that is not a DTensor on a mesh of exactly the group's ranks, in one line.
 
-    A plain tensor would get no in-group gradient average (the group's replicas drift apart); one on another mesh
-    (a 2-D HSDP mesh, or one spanning several groups) would be reduced across groups at every inner step, or with
-    ``set_requires_all_reduce(False)`` keep no ``.grad`` at all.
+    The group's own mesh is ``data_parallel`` (FSDP2), ``tensor_parallel`` or both. A plain tensor would get no
+    in-group gradient average (the group's replicas drift apart); one on a mesh over fewer ranks (FSDP2 alone beside
+    tensor parallelism) is not synchronized over the others; one on another mesh (a 2-D HSDP mesh, or one spanning
+    several groups) would be reduced across groups at every inner step, or with ``set_requires_all_reduce(False)``
+    keep no ``.grad`` at all; one on a mesh of other dimensions has no place in the checkpoint's layout.
     """
     ranks = sorted(group_mesh.mesh.flatten().tolist())
+    own = "`self.device_mesh['data_parallel']`"
+    if group_mesh.ndim > 1:  # the module's tensor parallelism first, FSDP2 over it
+        own = "`self.device_mesh['data_parallel', 'tensor_parallel']` (parallelize_module, then fully_shard)"
     for name, p in named:
         if not isinstance(p, DTensor):
             raise MisconfigurationException(
@@ -111,12 +156,20 @@ def check_sharded_parameters(named: Sequence[tuple[str, Tensor]], group_mesh: De
                 f" mesh=self.device_mesh['data_parallel'])` in `configure_model`, got `{name}` as a plain tensor."
             )
         mesh = p.device_mesh
-        if mesh.ndim != 1 or sorted(mesh.mesh.flatten().tolist()) != ranks:
+        theirs, names = sorted(mesh.mesh.flatten().tolist()), mesh.mesh_dim_names or ()
+        if theirs != ranks or not set(names) <= set(GROUP_DIMS[1:]):
+            if set(theirs) < set(ranks):
+                why = "its gradient would not be averaged over the group's other ranks"
+            elif theirs == ranks:  # the checkpoint lays the outer state out on the strategy's own dimensions
+                why = f"its dimensions {names} are not the strategy's {GROUP_DIMS[1:]}"
+            else:
+                why = (
+                    "native HSDP reduces across groups at every step, and with set_requires_all_reduce(False) leaves"
+                    " `.grad` None"
+                )
             raise MisconfigurationException(
-                f"ShardedDiLoCo: expected `{name}` sharded on the replica group's own 1-D mesh"
-                f" `self.device_mesh['data_parallel']` (ranks {ranks}), got a {mesh.ndim}-D mesh over ranks"
-                f" {sorted(mesh.mesh.flatten().tolist())}: native HSDP reduces across groups at every step, and with"
-                " set_requires_all_reduce(False) leaves `.grad` None."
+                f"ShardedDiLoCo: expected `{name}` sharded on the replica group's own {group_mesh.ndim}-D mesh"
+                f" {own} (ranks {ranks}), got a {mesh.ndim}-D mesh over ranks {theirs}: {why}."
             )
 
 
@@ -179,12 +232,15 @@ def named_trained(module: nn.Module) -> list[tuple[str, Tensor]]:
 
 
 def check_refused(
-    replica_group: Any, fault_tolerance: Any, compressor: Any, tensor_parallel_size: Any, distributed: Any
+    replica_group: Any,
+    fault_tolerance: Any,
+    compressor: Any,
+    sizes: tuple[Any, Any],
+    distributed: Any,
 ) -> None:
-    """Refuse, in one line each, what ``ShardedDiLoCo`` does not do yet."""
-    if isinstance(replica_group, bool) or not (
-        replica_group == "node" or (isinstance(replica_group, int) and replica_group >= 1)
-    ):
+    """Refuse, in one line each, what ``ShardedDiLoCo`` does not do; ``sizes``: ``(data_parallel, tensor_parallel)``."""
+    data_parallel_size, tensor_parallel_size = sizes
+    if not (replica_group == "node" or _positive(replica_group)):
         raise MisconfigurationException(
             f'Expected `replica_group` to be "node" (the ranks of a node) or an integer >= 1 (ranks per group), got'
             f" {replica_group!r}."
@@ -194,11 +250,24 @@ def check_refused(
             "Expected `compressor=None` with `fault_tolerance`: a compressed outer exchange between fault-tolerant"
             f" replica groups of several processes is not supported, got {type(compressor).__name__}."
         )
-    if tensor_parallel_size not in ("auto", 1) or isinstance(tensor_parallel_size, bool):
+    if tensor_parallel_size != "auto" and not _positive(tensor_parallel_size):
         raise MisconfigurationException(
-            "Expected `tensor_parallel_size` to be 'auto' or 1: tensor parallelism inside a replica group is not"
-            f" available yet, got {tensor_parallel_size!r}."
+            "Expected `tensor_parallel_size` to be 'auto' (1) or an integer >= 1 (the ranks of a replica group that"
+            f" the module's tensor parallelism spans), got {tensor_parallel_size!r}."
         )
+    if fault_tolerance is not None and tensor_parallel_size not in ("auto", 1):
+        raise MisconfigurationException(
+            "Expected `tensor_parallel_size` to be 'auto' or 1 with `fault_tolerance`: torchft's healing of groups"
+            f" with tensor parallelism is not supported, got {tensor_parallel_size!r}."
+        )
+    if data_parallel_size != "auto" and not _positive(data_parallel_size):
+        raise MisconfigurationException(
+            f"Expected `data_parallel_size` to be 'auto' or an integer >= 1 (FSDP2's shards in a replica group), got"
+            f" {data_parallel_size!r}."
+        )
+    if _positive(replica_group):  # an integer: the three sizes known before the processes start
+        tensor = 1 if tensor_parallel_size == "auto" else tensor_parallel_size
+        data_parallel_of(replica_group, data_parallel_size, tensor)
     if distributed is not True:
         raise MisconfigurationException(
             "Expected `save_distributed_checkpoint=True`: the outer state is saved sharded in the distributed"
