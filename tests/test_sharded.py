@@ -53,7 +53,8 @@ def _launch(tmp_path_factory, devices: int, runs: list[str], copied: tuple = ())
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory):
-    return _launch(tmp_path_factory, 4, PARITY)
+    """The parity runs, the extras and the warm-up in one launch (each launch starts 4 interpreters)."""
+    return _launch(tmp_path_factory, 4, PARITY + EXTRAS + WARMUP)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +64,8 @@ def h1(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    return _launch(tmp_path_factory, 4, CHECKPOINTS)
+    """The checkpoints, and the 2 x (2, 1) one after an epoch resumed on 2 x (1, 2) in the same launch."""
+    return _launch(tmp_path_factory, 4, [*CHECKPOINTS, "sharded-tp-h3+sharded-h3"])
 
 
 @pytest.fixture(scope="module")
@@ -80,21 +82,19 @@ def one_process(tmp_path_factory, checkpoints):
 
 @pytest.fixture(scope="module")
 def tensor_parallel(tmp_path_factory):
-    """2 x (S=1, T=2), 1 x (S=2, T=2) on 4 processes."""
-    return _launch(tmp_path_factory, 4, TENSOR_PARALLEL)
+    """2 x (S=1, T=2), 1 x (S=2, T=2) on 4 processes; 2 x (1, 2) saved after an epoch of 8 steps, resumed on
+    2 x (1, 2) and on 2 x (2, 1), in the same launch."""
+    return _launch(tmp_path_factory, 4, TENSOR_PARALLEL + TP_CHECKPOINTS)
 
 
 @pytest.fixture(scope="module")
-def tp_checkpoints(tmp_path_factory):
-    """2 x (S=1, T=2) saved after an epoch of 8 steps, resumed on 2 x (1, 2) and on 2 x (2, 1)."""
-    return _launch(tmp_path_factory, 4, TP_CHECKPOINTS)
+def tp_checkpoints(tensor_parallel):
+    return tensor_parallel
 
 
 @pytest.fixture(scope="module")
-def tp_from_plain(tmp_path_factory, checkpoints):
-    """The 2 x (2, 1) checkpoint after one epoch, resumed on 2 x (1, 2)."""
-    runs = ["sharded-tp-h3+sharded-h3"]
-    return _launch(tmp_path_factory, 4, runs, copied=((checkpoints["root"], "sharded-h3"),))
+def tp_from_plain(checkpoints):
+    return checkpoints
 
 
 @pytest.fixture(scope="module")
@@ -111,13 +111,13 @@ def tp_resharded(tmp_path_factory, tp_checkpoints):
 
 
 @pytest.fixture(scope="module")
-def extras(tmp_path_factory):
-    return _launch(tmp_path_factory, 4, EXTRAS)
+def extras(parity):
+    return parity
 
 
 @pytest.fixture(scope="module")
-def warmup(tmp_path_factory):
-    return _launch(tmp_path_factory, 4, WARMUP)
+def warmup(parity):
+    return parity
 
 
 def test_two_by_two_equals_two_level_diloco_at_every_step(parity):
