@@ -178,6 +178,19 @@ def _sharded(**kwargs: Any) -> Callable[[], Strategy]:
 RUNS: dict[str, tuple[Callable[[], Strategy], dict[str, Any], dict[str, Any]]] = {
     "sharded-h2": (_sharded(sync_every=2, outer_optimizer=PAPER_OUTER), {}, {}),
     "diloco-h2-g2": (lambda: DiLoCo(sync_every=2, outer_optimizer=PAPER_OUTER, replica_group=2), {}, {}),
+    # Streaming DiLoCo with eager updates: 2 fragments, each exchange overlapped with one inner step
+    "sharded-h4-eager": (
+        _sharded(sync_every=4, fragments=2, overlap_steps=1, merge="eager", outer_optimizer=PAPER_OUTER),
+        {},
+        {},
+    ),
+    "diloco-h4-eager-g2": (
+        lambda: DiLoCo(
+            sync_every=4, fragments=2, overlap_steps=1, merge="eager", outer_optimizer=PAPER_OUTER, replica_group=2
+        ),
+        {},
+        {},
+    ),
     "sharded-h1-sgd": (_sharded(sync_every=1, outer_optimizer=OUTER_SGD_1), {"inner": "sgd"}, {}),
     "model-parallel-sgd": (
         lambda: ModelParallelStrategy(data_parallel_size=4, tensor_parallel_size=1),

@@ -22,7 +22,7 @@ from lightning_gradcomp.diloco.sharded_mesh import checking_gradients
 from lightning_gradcomp.tasks.sharded_language import ShardedGPTLanguageModel
 from tests.sharded_worker import SAMPLES, run_launch
 
-PARITY = ["sharded-h2", "diloco-h2-g2"]
+PARITY = ["sharded-h2", "diloco-h2-g2", "sharded-h4-eager", "diloco-h4-eager-g2"]
 H1 = ["sharded-h1-sgd", "model-parallel-sgd", "sharded-hsdp"]
 CHECKPOINTS = [
     "sharded-h3",
@@ -136,6 +136,15 @@ def test_two_by_two_equals_two_level_diloco_at_every_step(parity):
     assert not torch.equal(sharded[0]["steps"][0]["params"], sharded[2]["steps"][0]["params"])
     for rank in range(4):
         torch.testing.assert_close(sharded[rank]["final"], sharded[0]["steps"][-1]["global"], rtol=0, atol=0)
+
+
+def test_streaming_with_eager_updates_equals_two_level_diloco_at_every_step(parity):
+    """2 fragments, each exchange overlapped with one inner step and merged by eager updates, on the shards."""
+    sharded, dense = parity["records"]["sharded-h4-eager"], parity["records"]["diloco-h4-eager-g2"]
+    for rank in range(4):
+        _close_at_every_step(sharded[rank]["steps"], dense[rank]["steps"], atol=1e-5, steps=8)
+    first, last = sharded[0]["steps"][0]["global"], sharded[0]["steps"][-1]["global"]
+    assert (last - first).abs().max() > 1e-2, "theta_global moved"
 
 
 def test_each_rank_holds_its_shards_of_the_outer_state_only(parity):
@@ -314,8 +323,8 @@ def test_dense_warmup_steps_are_hsdp_steps_then_rounds_as_two_level_diloco(warmu
     assert not torch.equal(sharded[0]["steps"][3]["params"], sharded[2]["steps"][3]["params"]), "then rounds"
 
 
-def _close_at_every_step(mine: list, theirs: list, atol: float) -> None:
-    assert len(mine) == len(theirs) == 16
+def _close_at_every_step(mine: list, theirs: list, atol: float, steps: int = 16) -> None:
+    assert len(mine) == len(theirs) == steps
     for i, (a, b) in enumerate(zip(mine, theirs, strict=True)):
         assert a["phase"] == b["phase"]
         torch.testing.assert_close(a["global"], b["global"], rtol=0, atol=atol, msg=f"step {i + 1}")
