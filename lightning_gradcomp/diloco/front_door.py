@@ -10,13 +10,18 @@ validation swaps (:meth:`RoundFrontDoor._evaluated`).
 
 from __future__ import annotations
 
+from abc import abstractmethod
+from typing import Any
+
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_gradcomp.diloco.membership import Job, LoopState
+from lightning_gradcomp.diloco.arguments import outer_optimizer_of
+from lightning_gradcomp.diloco.defaults import default_outer_optimizer
+from lightning_gradcomp.diloco.membership import Job, LoopState, Membership
 from lightning_gradcomp.diloco.preflight import stale_weights
 from lightning_gradcomp.diloco.round import Round
 from lightning_gradcomp.runtime.loop_state import load_training_state, training_state
@@ -29,14 +34,52 @@ __all__ = ["RoundFrontDoor"]
 class RoundFrontDoor(ReplicaGroupStrategy):
     """The hooks both DiLoCo front doors share; listed before the Lightning strategy among a front door's bases.
 
-    A front door's ``__init__`` sets the attributes declared here, and it implements :meth:`_evaluated`.
+    A front door's ``__init__`` checks its arguments and calls :meth:`_start_round`, and it implements
+    :meth:`_evaluated`.
     """
 
+    #: the rounds' length: ``"auto"`` until fitting starts, then the H it resolved to
+    sync_every: int | str
+    fragments: int
+    overlap_steps: int
+    merge: str
+    mixing_factor: float
+    _sync_every_arg: int | str
+    _outer_note: str | None  # what the outer optimizer's argument resolved to, logged at setup
     _round: Round
     _attached: bool
     _synchronous: bool
     _stale_noted: bool  # the note that validation runs on the last sync's weights, once per fit
     _local: list[Tensor] | None  # this rank's tensors while validation runs on theta_global
+
+    def _start_round(
+        self,
+        sync_every: int | str,
+        outer_optimizer: Any,
+        fragments: int,
+        overlap_steps: int,
+        offload: bool,
+        compressor: Any,
+        membership: Membership,
+    ) -> None:
+        """The round of the front door's checked arguments (its ``merge`` and ``mixing_factor`` set first)."""
+        self.sync_every = self._sync_every_arg = sync_every
+        self.fragments, self.overlap_steps = fragments, overlap_steps
+        outer, self._outer_note = outer_optimizer_of(outer_optimizer, MisconfigurationException)
+        self._round = Round(
+            sync_every if isinstance(sync_every, int) else fragments,  # "auto": set when fitting starts
+            fragments,
+            overlap_steps,
+            outer or default_outer_optimizer,
+            offload=offload,
+            compressor=compressor,
+            warn=rank_zero_warn,
+            merge=self.merge,
+            mixing_factor=self.mixing_factor,
+            membership=membership,
+        )
+        self._attached = self._synchronous = self._stale_noted = False
+        self._local = None
 
     @property
     def outer_state(self) -> Round:
@@ -56,9 +99,9 @@ class RoundFrontDoor(ReplicaGroupStrategy):
     def synchronous(self, value: bool) -> None:
         self._synchronous = check_bool(value, "synchronous", error=MisconfigurationException)
 
+    @abstractmethod
     def _evaluated(self) -> list[Tensor]:
         """This rank's tensors that validation swaps for theta_global: the trained parameters', then the buffers."""
-        raise NotImplementedError
 
     def _job(self, trainer: pl.Trainer) -> Job:
         """This rank's launch, as the round's membership sees it; Lightning's loop state for a heal."""

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 from torch.optim import Optimizer
@@ -36,13 +36,12 @@ from lightning_gradcomp.diloco.arguments import (
     check_fit,
     check_merge,
     check_schedule,
-    outer_optimizer_of,
 )
-from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every, default_outer_optimizer
+from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every
 from lightning_gradcomp.diloco.front_door import RoundFrontDoor
 from lightning_gradcomp.diloco.monitor import OuterMonitor
 from lightning_gradcomp.diloco.preflight import few_outer_steps, low_outer_lr, one_worker
-from lightning_gradcomp.diloco.round import OuterOptimizerCallable, Round
+from lightning_gradcomp.diloco.round import OuterOptimizerCallable
 from lightning_gradcomp.diloco.sharded_checkpoint import SECTION, ShardedCheckpoints
 from lightning_gradcomp.diloco.sharded_membership import sharded_membership_for
 from lightning_gradcomp.diloco.sharded_mesh import (
@@ -158,30 +157,11 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
             data_parallel_size, tensor_parallel_size, save_distributed_checkpoint, process_group_backend, timeout
         )
         self.tensor_parallel = 1 if tensor_parallel_size == "auto" else int(tensor_parallel_size)
-        self.sync_every: int | str = sync_every
-        self._sync_every_arg = sync_every
-        self.fragments, self.overlap_steps = fragments, overlap_steps
         self.replica_group = replica_group
         self.fault_tolerance = fault_tolerance
-        outer, self._outer_note = outer_optimizer_of(outer_optimizer, _MiscError)
-        self._round = Round(
-            sync_every if isinstance(sync_every, int) else fragments,  # "auto": set when fitting starts
-            fragments,
-            overlap_steps,
-            outer or default_outer_optimizer,
-            offload=offload,
-            compressor=compressor,
-            warn=rank_zero_warn,
-            merge=self.merge,
-            mixing_factor=self.mixing_factor,
-            membership=self._members,
-        )
+        self._start_round(sync_every, outer_optimizer, fragments, overlap_steps, offload, compressor, self._members)
         self._checkpoints = ShardedCheckpoints(self._round)
-        self._attached = False
         self._gradients_checked = False
-        self._synchronous = False
-        self._local: list[Tensor] | None = None  # this rank's shards and buffers while validation runs on global
-        self._stale_noted = False
         self._sigterm_gate = SigtermGate()
         self.groups = self.group_size = 1
 

@@ -31,7 +31,6 @@ from lightning_gradcomp.diloco.arguments import (
     check_fit,
     check_merge,
     check_schedule,
-    outer_optimizer_of,
 )
 from lightning_gradcomp.diloco.checkpoint import (
     CHECKPOINT_KEY,
@@ -42,7 +41,7 @@ from lightning_gradcomp.diloco.checkpoint import (
     save_diloco_state,
     with_theta_global,
 )
-from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every, default_outer_optimizer
+from lightning_gradcomp.diloco.defaults import AUTO, auto_sync_every
 from lightning_gradcomp.diloco.elastic import membership_for
 from lightning_gradcomp.diloco.front_door import RoundFrontDoor
 from lightning_gradcomp.diloco.monitor import OuterMonitor
@@ -269,30 +268,11 @@ class DiLoCo(_RoundCheckpoints):
         check_bool(offload, "offload", error=_MiscError)
         check_bool(monitor, "monitor", error=_MiscError)
         super().__init__(monitor=monitor, **unwrapped_strategy_kwargs(self.label, ARGUMENTS, kwargs))
-        #: the rounds' length: ``"auto"`` until fitting starts, then the H it resolved to
-        self.sync_every: int | str = sync_every
-        self.fragments, self.overlap_steps = fragments, overlap_steps
         self.replica_group = replica_group
         self.fault_tolerance = fault_tolerance
-        self._sync_every_arg = sync_every
-        outer, self._outer_note = outer_optimizer_of(outer_optimizer, _MiscError)
-        self._round = Round(
-            sync_every if isinstance(sync_every, int) else fragments,  # "auto": set when fitting starts
-            fragments,
-            overlap_steps,
-            outer or default_outer_optimizer,
-            offload=offload,
-            compressor=compressor,
-            warn=rank_zero_warn,
-            merge=self.merge,
-            mixing_factor=self.mixing_factor,
-            membership=membership,
-        )
-        self._attached = False
-        self._restored = self._own = self._shared_exchange = self._local = None
-        self._synchronous = False
+        self._start_round(sync_every, outer_optimizer, fragments, overlap_steps, offload, compressor, membership)
+        self._restored = self._own = self._shared_exchange = None
         self._sigterm_gate = SigtermGate()  # Lightning's per-step SIGTERM broadcast, run once a sync period
-        self._stale_noted = False  # the note that validation runs on the last sync's weights, once per fit
 
     @classmethod
     @override
