@@ -250,9 +250,8 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
         shards, buffers = local_shards([p for _, p in named]), list(self._module().buffers())
         broadcast_from_first_group(shards, buffers, peers)
         round.process_group = peers
-        params = lambda: [p for _, p in named_trained(self._module())]  # noqa: E731
         group = replica_process_group(self.device_mesh)
-        self._members.shard_over(group, self.groups, self.group_size, params, self.tensor_parallel)
+        self._members.shard_over(group, self.groups, self.group_size, self._trained, self.tensor_parallel)
         buffer_names = [n for n, b in self._module().named_buffers() if b.is_floating_point()]
         round.attach(shards, buffers, [n for n, _ in named], buffer_names, self._job(trainer))
         round.fragment_params = global_fragments([p for _, p in named], self.fragments)
@@ -266,6 +265,10 @@ class ShardedDiLoCo(RoundFrontDoor, ModelParallelStrategy):
         alone = one_worker(workers) if workers is not None else None
         notes = (self._outer_note, low_outer_lr(round.optimizer), alone, outer_steps)
         announce(self, sum(p.numel() for _, p in named), notes)
+
+    def _trained(self) -> list[Tensor]:
+        """The module's trained parameters (DTensors), as the membership's dense step reads them."""
+        return [p for _, p in named_trained(self._module())]
 
     def _module(self) -> pl.LightningModule:
         if self.lightning_module is None:

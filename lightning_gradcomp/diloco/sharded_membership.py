@@ -7,7 +7,7 @@ in every group (the round's process group). Every group contributes to every syn
 shard whose average is not finite skips the outer step on every shard, or theta_global would be stepped in part), and
 the dense step, HSDP's (FSDP2's reduce-scatter inside the group, then the gradient shards averaged across groups).
 
-With fault tolerance each Lightning job is one sharded group, and every rank's torchft session is the same-shard
+With fault tolerance each Lightning job is one sharded group, and every rank's torchft manager works over the same-shard
 group (:class:`ShardedTorchFTMembership`): torchft's recovery is per rank, so rank ``j`` of a (re)starting group heals
 shard ``j`` from rank ``j`` of a live group, and its commit vote is agreed over the group's ranks by torchft itself.
 """
@@ -146,7 +146,7 @@ class ShardedMembership(Membership):
 class ShardedTorchFTMembership(TorchFTMembership):
     """Fault tolerance on torchft over a job that is one group of FSDP2 shards: rank ``j`` exchanges shard ``j``.
 
-    :class:`~lightning_gradcomp.diloco.elastic.TorchFTMembership` with one torchft session per rank, as torchft runs
+    :class:`~lightning_gradcomp.diloco.elastic.TorchFTMembership` with one torchft manager per rank, as torchft runs
     DiLoCo with HSDP (one process group per group rank): the round's tensors are already this rank's shards, so the
     exchange takes them whole (no shard of a flat copy as with dense groups), and a dense step is HSDP's, each
     gradient shard averaged over the quorum.
@@ -166,7 +166,7 @@ class ShardedTorchFTMembership(TorchFTMembership):
         self.params = params
 
     def _replicas(self, job: Job, world_size: int) -> ReplicaGroups | None:
-        return None  # this rank's tensors are its shards; its session's process group holds the same-shard ranks
+        return None  # this rank's tensors are its shards; its torchft process group holds the same-shard ranks
 
     def dense_average(self, params: Sequence[Tensor], buffers: Sequence[Tensor], finite_only: bool) -> bool:
         """HSDP's step across the groups in the quorum: each gradient shard averaged over the contributors, a vote."""
